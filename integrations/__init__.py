@@ -1,0 +1,1 @@
+"""Adapters for Megatron-core, DeepSpeed and Hugging Face (install the matching extra)."""

@@ -1,0 +1,50 @@
+"""packloader: a data loader for long-context LLM training that balances attention cost, not token counts.
+
+The public API is re-exported here; submodules are imported lazily so `import packloader` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "Segment": "packloader.contracts",
+    "MicroBatch": "packloader.contracts",
+    "RankPlan": "packloader.contracts",
+    "StepPlan": "packloader.contracts",
+    "PlannerState": "packloader.contracts",
+    "QueuedDoc": "packloader.contracts",
+    "ParallelConfig": "packloader.contracts",
+    "PlanConfig": "packloader.contracts",
+    "CostProfile": "packloader.contracts",
+    "Poly": "packloader.contracts",
+    "Window": "packloader.balancers.registry",
+    "Planner": "packloader.balancers.registry",
+    "make_planner": "packloader.balancers.registry",
+    "register_planner": "packloader.balancers.registry",
+    "available_strategies": "packloader.balancers.registry",
+    "DocKey": "packloader.sources.base",
+    "Document": "packloader.sources.base",
+    "IterableSource": "packloader.sources.base",
+    "Source": "packloader.sources.base",
+    "Tokenizer": "packloader.sources.base",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'packloader' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

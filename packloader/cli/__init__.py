@@ -1,0 +1,1 @@
+"""The `packloader` command: a thin layer over the library."""

@@ -1,0 +1,31 @@
+"""`packloader <command>`: each command lives in its own module with add_arguments(parser) and run(args)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "report": ("packloader.cli.report", "show what a data set's lengths do to a parallel layout, and what packloader recovers"),
+    "plan": ("packloader.cli.plan", "plan steps for a lengths file and write them as JSON lines"),
+    "tokenize": ("packloader.cli.tokenize", "turn text shards into Parquet token shards"),
+    "calibrate": ("packloader.cli.calibrate", "time attention and linear parts on this device and fit a cost profile"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="packloader", description="Balanced packing for long-context LLM training.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == chosen:  # import only the command being run
+            importlib.import_module(module).add_arguments(p)
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

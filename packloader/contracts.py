@@ -1,0 +1,163 @@
+"""The structs that cross module boundaries: configs, plans, planner state and cost profiles.
+
+Everything here is a msgspec Struct so that it validates on the way in (clear errors naming the field) and
+serialises to JSON Lines or msgpack on the way out (plans can be inspected, diffed and replayed).
+Tensors never live here: the collated batch is in `packloader.collate.batch`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+class Segment(msgspec.Struct, frozen=True, array_like=True):
+    """Tokens `start..end-1` of document `doc`, each attending causally from `attend_from` up to itself.
+
+    `attend_from == start` for a whole document or an independent context-window piece; `attend_from < start`
+    for a SlimPack slice, which needs the keys and values of its document's earlier slices (same step, same
+    DP rank, earlier micro-batch).
+    """
+
+    doc: int
+    start: int
+    end: int
+    attend_from: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+CPMode = Literal["sequence", "document", "hierarchical"]
+
+
+class MicroBatch(msgspec.Struct, kw_only=True):
+    """One forward/backward unit on one DP rank (or on a DP-Merge group of ranks)."""
+
+    segments: list[Segment]
+    fwd_cost: float = 0.0
+    bwd_cost: float = 0.0
+    cp_mode: CPMode | None = None
+    # DP-Merge (SlimPack): the DP ranks that run this micro-batch together as context parallelism. None means
+    # the micro-batch belongs to the rank whose list holds it.
+    dp_group: list[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.end - s.start for s in self.segments)
+
+
+class RankPlan(msgspec.Struct, kw_only=True):
+    micro_batches: list[MicroBatch]
+    # SlimPack asymmetric partitioning: the order in which the backward pass should visit micro-batches (a
+    # permutation of range(len(micro_batches))) when it differs from reverse forward order; None = default.
+    backward_order: list[int] | None = None
+
+
+class StepPlan(msgspec.Struct, kw_only=True):
+    """What every rank agrees to do in one optimizer step."""
+
+    step: int
+    ranks: list[RankPlan]
+    # Documents drawn for this step but held back for a later one (outlier delay), by doc id.
+    delayed: list[int] = []
+    # Tokens that carry a loss target in this global step (all ranks, all micro-batches): the per-token loss
+    # normaliser. Filled by the loader (it knows document boundaries); planners may leave 0.
+    loss_tokens: int = 0
+    extra: dict[str, float] = {}
+
+
+class QueuedDoc(msgspec.Struct, frozen=True, array_like=True):
+    """A document (or the context-window piece of one starting at `offset`) held back for a later step."""
+
+    doc: int
+    offset: int
+    length: int
+    drawn_step: int
+
+
+class PlannerState(msgspec.Struct, kw_only=True):
+    """Everything a planner carries from one step to the next; saved in the loader's state_dict."""
+
+    queued: list[QueuedDoc] = []
+    extra: dict[str, list[int]] = {}
+
+
+class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    dp: PosInt = 1
+    pp: PosInt = 1
+    cp: PosInt = 1
+    tp: PosInt = 1
+    vpp: PosInt = 1  # virtual pipeline stages per rank (interleaved 1F1B)
+
+
+Strategy = Literal["fixed", "wlb", "hydraulis", "slimpack", "auto", "concat", "multipack", "karmarkar_karp"]
+Schedule = Literal["1f1b", "gpipe", "interleaved"]
+
+
+class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How to turn a window of document lengths into a StepPlan."""
+
+    strategy: Strategy = "auto"
+    parallel: ParallelConfig = ParallelConfig()
+    max_tokens: PosInt = 8192  # tokens one micro-batch may hold (per DP rank, before CP sharding)
+    context: PosInt = 8192  # documents longer than this are cut into independent pieces
+    tokens_per_step: PosInt = 65536  # global tokens drawn per optimizer step, all DP ranks together
+    num_micro_batches: PosInt | None = None  # per DP rank; None lets the planner choose
+    allow_slicing: bool = True  # only where the runtime that runs the plan supports slices
+    schedule: Schedule = "1f1b"
+    model: str = "llama3-8b"  # a preset name or a calibration profile path
+    seed: NonNegInt = 0
+
+
+class Poly(msgspec.Struct, frozen=True, array_like=True):
+    """time = a*x^2 + b*x + c, in seconds."""
+
+    a: float = 0.0
+    b: float = 0.0
+    c: float = 0.0
+
+
+class CostProfile(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Per-pipeline-stage time of a micro-batch, forward and backward separately.
+
+    Attention of a segment with q query tokens and p earlier keys (p = start - attend_from), q rounded up to
+    the kernel's tile: attn(q, p) = a*(q^2 + 2*q*p) + b*q + c (for p = 0 this is a*l^2 + b*l + c, the Hydraulis
+    fit). Linear part of a micro-batch of n tokens: lin(n) = a*n^2 + b*n + c, whose c is the per-micro-batch
+    floor. A micro-batch's time is the sum of its segments' attention plus lin(n). As flat float64 for numba:
+    COEFF_LAYOUT below.
+    """
+
+    name: str
+    tile: PosInt = 128
+    attn_fwd: Poly
+    attn_bwd: Poly
+    lin_fwd: Poly
+    lin_bwd: Poly
+    device: str = "analytic"
+    # Max tokens a micro-batch may hold on one rank given memory (Hydraulis MaxLen); None = no memory cap known.
+    max_tokens: int | None = None
+    fit_error: dict[str, float] = {}
+
+
+COEFF_LAYOUT = (
+    "tile",
+    "attn_fwd.a", "attn_fwd.b", "attn_fwd.c",
+    "attn_bwd.a", "attn_bwd.b", "attn_bwd.c",
+    "lin_fwd.a", "lin_fwd.b", "lin_fwd.c",
+    "lin_bwd.a", "lin_bwd.b", "lin_bwd.c",
+)
+
+
+def plan_encoder() -> msgspec.json.Encoder:
+    return msgspec.json.Encoder()
+
+
+def decode_step_plan(line: bytes | str) -> StepPlan:
+    return msgspec.json.decode(line, type=StepPlan)

@@ -1,0 +1,1 @@
+"""Attention over packed batches: varlen kernels, context parallelism, layout remapping, calibration."""

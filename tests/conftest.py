@@ -1,0 +1,5 @@
+import os
+import sys
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(__file__))  # tests/distributed.py and helpers importable from spawned ranks

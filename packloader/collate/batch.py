@@ -1,0 +1,59 @@
+"""The tensors a trainer receives for one micro-batch on one rank (the batch contract of DESIGN.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from packloader.contracts import Segment
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class PackedBatch:
+    """One micro-batch, flat `[T]` convention (use `to_hf()` for `[1, T]`).
+
+    Labels: `labels[t]` is the document's next token after token t, or -100 at each document's last token, so no
+    loss crosses a document boundary; a slice's last token still predicts the first token of the next slice.
+    `cu_seqlens` counts query tokens per segment; for a slice (attend_from < start) `cu_seqlens_k` counts its
+    keys including the earlier slices' prefix, which the runtime's KV cache supplies. Without slices both equal.
+    """
+
+    input_ids: torch.Tensor  # int64 [T]
+    labels: torch.Tensor  # int64 [T]
+    position_ids: torch.Tensor  # int64 [T]; restarts at 0 per document, continues across slices and pieces
+    cu_seqlens: torch.Tensor  # int32 [S+1], starts at 0
+    cu_seqlens_k: torch.Tensor  # int32 [S+1]
+    max_seqlen: int  # Python int: never a tensor (no device sync)
+    max_seqlen_k: int
+    doc_ids: torch.Tensor  # int64 [S]: the loader's document id of each segment
+    segments: list[Segment]
+    num_loss_tokens: int  # labels != -100 in this micro-batch
+    loss_tokens_in_step: int  # labels != -100 over the whole global step, all ranks: the per-token normaliser
+    step: int
+    index_in_step: int  # this micro-batch's index among this rank's micro-batches of the step
+    micro_batches_in_step: int  # how many micro-batches this rank runs in this step
+    # Padded variant for CUDA graphs / TransformerEngine: each segment padded to a multiple, total to a fixed count.
+    cu_seqlens_padded: torch.Tensor | None = None
+    # Context parallelism: this CP rank's shard and its attention metadata (packloader.collate.cp_shard).
+    cp: Any | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to_hf(self) -> dict[str, Any]:
+        """Keyword arguments for a transformers model's packed path (`[1, T]` tensors plus flash varlen kwargs)."""
+        return {
+            "input_ids": self.input_ids.unsqueeze(0),
+            "labels": self.labels.unsqueeze(0),
+            "position_ids": self.position_ids.unsqueeze(0),
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens_k,
+            "max_length_q": self.max_seqlen,
+            "max_length_k": self.max_seqlen_k,
+        }

@@ -1,0 +1,1 @@
+"""balance-report: figures, plots and the HTML page of `packloader report`."""

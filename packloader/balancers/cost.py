@@ -1,0 +1,318 @@
+"""Time of a micro-batch: attention per segment (quadratic, tile floor) plus linear work per token (with a
+per-micro-batch floor), forward and backward separately.
+
+The formula is the one `contracts.CostProfile` documents. With ``qt = ceil(q / tile) * tile``::
+
+    attn(q, p) = a * (qt^2 + 2*qt*p) + b * qt + c        # a segment of q query tokens after p earlier keys
+    lin(n)     = a * n^2 + b * n + c                      # a micro-batch of n tokens; c is its floor
+    time(mb)   = sum over segments of attn(q_i, p_i) + lin(sum q_i)
+
+``p = start - attend_from`` (0 for a whole document or an independent piece). The coefficients travel as a flat
+float64[13] array in `contracts.COEFF_LAYOUT` order so the numba kernels (here and in the planners) take them
+without Python objects.
+
+Two sources of profiles: an analytic one from a model shape (`presets.analytic_profile`, presets by name) and a
+profiled one from a calibration JSON (a msgspec `CostProfile`, written by `packloader calibrate`).
+`load_cost_model` takes either.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Sequence
+
+import msgspec
+import numpy as np
+from numba import njit
+
+from packloader.contracts import COEFF_LAYOUT, CostProfile, MicroBatch, ParallelConfig, Poly, StepPlan
+
+# Offsets into the coefficient array (COEFF_LAYOUT).
+TILE = 0
+ATTN_FWD = 1
+ATTN_BWD = 4
+LIN_FWD = 7
+LIN_BWD = 10
+NUM_COEFFS = 13
+
+
+def profile_coeffs(profile: CostProfile) -> np.ndarray:
+    """The profile as float64[13] in `COEFF_LAYOUT` order."""
+    out = np.empty(NUM_COEFFS, dtype=np.float64)
+    out[TILE] = float(profile.tile)
+    for off, poly in ((ATTN_FWD, profile.attn_fwd), (ATTN_BWD, profile.attn_bwd), (LIN_FWD, profile.lin_fwd), (LIN_BWD, profile.lin_bwd)):
+        out[off], out[off + 1], out[off + 2] = poly.a, poly.b, poly.c
+    assert len(COEFF_LAYOUT) == NUM_COEFFS
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+@njit(cache=True, inline="always")
+def _round_tile(q, tile):
+    if tile <= 1.0:
+        return float(q)
+    return math.ceil(q / tile) * tile
+
+
+@njit(cache=True)
+def attn_time(c, q, p, bwd):
+    """Attention time of one segment: q query tokens attending causally to themselves and p earlier keys."""
+    if q <= 0:
+        return 0.0
+    o = ATTN_BWD if bwd else ATTN_FWD
+    qt = _round_tile(q, c[TILE])
+    return c[o] * (qt * qt + 2.0 * qt * p) + c[o + 1] * qt + c[o + 2]
+
+
+@njit(cache=True)
+def lin_time(c, n, bwd):
+    """Linear (GEMM + element-wise) time of a micro-batch of n tokens, including its floor c."""
+    o = LIN_BWD if bwd else LIN_FWD
+    x = float(n)
+    return c[o] * x * x + c[o + 1] * x + c[o + 2]
+
+
+@njit(cache=True)
+def microbatch_time(c, q, p):
+    """(forward, backward) time of one micro-batch whose segments have q[i] query tokens after p[i] keys."""
+    f = 0.0
+    b = 0.0
+    n = 0
+    for i in range(q.shape[0]):
+        f += attn_time(c, q[i], p[i], False)
+        b += attn_time(c, q[i], p[i], True)
+        n += q[i]
+    return f + lin_time(c, n, False), b + lin_time(c, n, True)
+
+
+@njit(cache=True)
+def segment_times_kernel(c, q, p):
+    """Attention-only forward and backward time of each segment."""
+    m = q.shape[0]
+    f = np.empty(m, dtype=np.float64)
+    b = np.empty(m, dtype=np.float64)
+    for i in range(m):
+        f[i] = attn_time(c, q[i], p[i], False)
+        b[i] = attn_time(c, q[i], p[i], True)
+    return f, b
+
+
+@njit(cache=True)
+def doc_time_split(c, lengths):
+    """Forward and backward workload of each length as a whole document: its attention plus its share of the
+    linear part (lin(l) without the floor). What a balancer sums over the documents of a micro-batch."""
+    m = lengths.shape[0]
+    f = np.empty(m, dtype=np.float64)
+    b = np.empty(m, dtype=np.float64)
+    for i in range(m):
+        l = lengths[i]
+        f[i] = attn_time(c, l, 0, False) + lin_time(c, l, False) - c[LIN_FWD + 2]
+        b[i] = attn_time(c, l, 0, True) + lin_time(c, l, True) - c[LIN_BWD + 2]
+    return f, b
+
+
+@njit(cache=True)
+def doc_time_kernel(c, lengths):
+    """Forward + backward workload of each length (see doc_time_split)."""
+    f, b = doc_time_split(c, lengths)
+    return f + b
+
+
+@njit(cache=True)
+def microbatch_times_csr(c, q, p, offsets):
+    """(forward, backward) time of many micro-batches at once: micro-batch k holds segments
+    offsets[k]..offsets[k+1]-1 of the flat q, p arrays."""
+    m = offsets.shape[0] - 1
+    f = np.empty(m, dtype=np.float64)
+    b = np.empty(m, dtype=np.float64)
+    for k in range(m):
+        fs = 0.0
+        bs = 0.0
+        n = 0
+        for i in range(offsets[k], offsets[k + 1]):
+            fs += attn_time(c, q[i], p[i], False)
+            bs += attn_time(c, q[i], p[i], True)
+            n += q[i]
+        f[k] = fs + lin_time(c, n, False)
+        b[k] = bs + lin_time(c, n, True)
+    return f, b
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+def segments_arrays(mb: MicroBatch) -> tuple[np.ndarray, np.ndarray]:
+    """(q, p) int64 arrays of a micro-batch's segments."""
+    segs = mb.segments
+    q = np.fromiter((s.end - s.start for s in segs), dtype=np.int64, count=len(segs))
+    p = np.fromiter((s.start - s.attend_from for s in segs), dtype=np.int64, count=len(segs))
+    return q, p
+
+
+class CostModel:
+    """A CostProfile with its flat coefficients and the Python-side conveniences around the kernels."""
+
+    def __init__(self, profile: CostProfile) -> None:
+        self.profile = profile
+        self.coeffs = profile_coeffs(profile)
+
+    def __repr__(self) -> str:
+        return f"CostModel({self.profile.name!r}, tile={self.profile.tile}, max_tokens={self.profile.max_tokens})"
+
+    @property
+    def name(self) -> str:
+        return self.profile.name
+
+    def segment_times(self, q: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Attention-only forward and backward time of each segment (q query tokens after p earlier keys)."""
+        q = np.ascontiguousarray(q, dtype=np.int64)
+        p = np.ascontiguousarray(p, dtype=np.int64)
+        if q.shape != p.shape:
+            raise ValueError(f"q and p differ in shape: {q.shape} vs {p.shape}")
+        return segment_times_kernel(self.coeffs, q, p)
+
+    def microbatch_times(self, mb: MicroBatch) -> tuple[float, float]:
+        """(forward, backward) seconds of a micro-batch on one pipeline stage of one rank.
+
+        A DP-Merge micro-batch (dp_group of g ranks running it as context parallelism) costs each member
+        1/g of the attention and the linear part of n/g tokens (ideal sharding), plus the full floor.
+        """
+        q, p = segments_arrays(mb)
+        g = len(mb.dp_group) if mb.dp_group else 1
+        if g <= 1:
+            f, b = microbatch_time(self.coeffs, q, p)
+            return float(f), float(b)
+        fa, ba = segment_times_kernel(self.coeffs, q, p)
+        n = float(q.sum()) / g
+        return (
+            float(fa.sum()) / g + float(lin_time(self.coeffs, n, False)),
+            float(ba.sum()) / g + float(lin_time(self.coeffs, n, True)),
+        )
+
+    def microbatch_time_of(self, q: Sequence[int] | np.ndarray, p: Sequence[int] | np.ndarray | None = None) -> tuple[float, float]:
+        """(forward, backward) of a micro-batch given as arrays; p defaults to zeros (whole documents)."""
+        q = np.ascontiguousarray(q, dtype=np.int64)
+        p = np.zeros_like(q) if p is None else np.ascontiguousarray(p, dtype=np.int64)
+        f, b = microbatch_time(self.coeffs, q, p)
+        return float(f), float(b)
+
+    def doc_time(self, lengths: np.ndarray) -> np.ndarray:
+        """Forward + backward of each length as its own micro-batch's attention + linear share (no floor)."""
+        return doc_time_kernel(self.coeffs, np.ascontiguousarray(lengths, dtype=np.int64))
+
+    def doc_time_split(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Forward and backward separately (see doc_time)."""
+        return doc_time_split(self.coeffs, np.ascontiguousarray(lengths, dtype=np.int64))
+
+    def floor(self) -> tuple[float, float]:
+        """The per-micro-batch floor (forward, backward)."""
+        return float(self.coeffs[LIN_FWD + 2]), float(self.coeffs[LIN_BWD + 2])
+
+    def max_tokens(self) -> int | None:
+        """Most tokens a micro-batch may hold on one rank given memory (None: no memory cap known)."""
+        return self.profile.max_tokens
+
+    def with_max_tokens(self, max_tokens: int | None) -> "CostModel":
+        return CostModel(msgspec.structs.replace(self.profile, max_tokens=max_tokens))
+
+    def scaled(self, factor: float) -> "CostModel":
+        """The same model on a device `factor` times slower (heterogeneous ranks); floors scale too."""
+        def s(poly: Poly) -> Poly:
+            return Poly(poly.a * factor, poly.b * factor, poly.c * factor)
+
+        pr = self.profile
+        return CostModel(
+            msgspec.structs.replace(
+                pr, name=f"{pr.name}x{factor:g}", attn_fwd=s(pr.attn_fwd), attn_bwd=s(pr.attn_bwd),
+                lin_fwd=s(pr.lin_fwd), lin_bwd=s(pr.lin_bwd),
+            )
+        )
+
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+def load_profile(path: str | os.PathLike) -> CostProfile:
+    """A CostProfile from a JSON file (as `packloader calibrate` writes it); clear errors on a bad file."""
+    data = Path(path).read_bytes()
+    try:
+        return msgspec.json.decode(data, type=CostProfile)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"{path}: not a cost profile: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+
+
+def save_profile(profile: CostProfile, path: str | os.PathLike) -> None:
+    Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(profile), indent=2) + b"\n")
+
+
+def load_cost_model(
+    spec: str | os.PathLike | CostProfile | CostModel,
+    parallel: ParallelConfig | None = None,
+    *,
+    device: str = "h100",
+    memory_cap: bool = False,
+    recompute: str = "selective",
+) -> CostModel:
+    """A CostModel from a preset name (analytic, for `parallel`), a profile JSON path, or a profile name under
+    packloader/profiles/.
+
+    A JSON profile is taken as measured (it is already per stage for the configuration it was measured on;
+    `parallel` does not rescale it). With `memory_cap`, a preset's profile carries the memory model's token cap
+    (Hydraulis MaxLen) for `parallel` on `device` (see memory.py); by default presets carry no cap and the
+    planner's `max_tokens` is the only cap.
+    """
+    if isinstance(spec, CostModel):
+        return spec
+    if isinstance(spec, CostProfile):
+        return CostModel(spec)
+    from packloader.balancers import presets
+
+    text = os.fspath(spec)
+    path = Path(text)
+    if path.suffix == ".json" or path.exists():
+        if not path.exists():
+            raise FileNotFoundError(f"cost profile {text!r} does not exist")
+        return CostModel(load_profile(path))
+    bundled = PROFILES_DIR / f"{text}.json"
+    if bundled.exists():
+        return CostModel(load_profile(bundled))
+    shape = presets.get_shape(text)
+    dev = {"h100": presets.H100, "h200": presets.H200}.get(device.lower())
+    if dev is None:
+        raise ValueError(f"unknown device {device!r}; expected h100 or h200")
+    cap = None
+    if memory_cap:
+        from packloader.balancers.memory import max_tokens_for_memory
+
+        cap = max_tokens_for_memory(shape, parallel or ParallelConfig(), memory_gib=dev.memory_gib, recompute=recompute, tile=dev.tile)
+    return CostModel(presets.analytic_profile(shape, parallel, dev, max_tokens=cap))
+
+
+def annotate_costs(plan: StepPlan, model: CostModel | Sequence[CostModel]) -> StepPlan:
+    """Fill fwd_cost/bwd_cost of every micro-batch of `plan` (in place; the plan is returned).
+
+    `model` is one CostModel for all ranks, or one per DP rank (heterogeneous ranks, e.g. `RankCosts.models`).
+    """
+    models = _per_rank(model, len(plan.ranks))
+    for r, rank in enumerate(plan.ranks):
+        m = models[r]
+        for mb in rank.micro_batches:
+            f, b = m.microbatch_times(mb)
+            mb.fwd_cost = f
+            mb.bwd_cost = b
+    return plan
+
+
+def _per_rank(model: object, dp: int) -> list[CostModel]:
+    if isinstance(model, CostModel):
+        return [model] * dp
+    models = list(getattr(model, "models", model))  # RankCosts or a plain sequence
+    if len(models) != dp:
+        raise ValueError(f"{len(models)} cost models for {dp} DP ranks")
+    return models

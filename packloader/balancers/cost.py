@@ -291,6 +291,11 @@ def load_cost_model(
         from packloader.balancers.memory import max_tokens_for_memory
 
         cap = max_tokens_for_memory(shape, parallel or ParallelConfig(), memory_gib=dev.memory_gib, recompute=recompute, tile=dev.tile)
+        if cap < dev.tile:
+            raise ValueError(
+                f"{shape.name} does not fit on {dev.name} ({dev.memory_gib:g} GiB) under {parallel or ParallelConfig()}: "
+                f"no room for a micro-batch of {dev.tile} tokens; use more tp/pp/dp or recompute='full'"
+            )
     return CostModel(presets.analytic_profile(shape, parallel, dev, max_tokens=cap))
 
 

@@ -1,0 +1,249 @@
+"""Memory model: how many tokens a micro-batch may hold on one rank (Hydraulis's MaxLen), and per-rank cost
+models and caps for heterogeneous data-parallel groups.
+
+Activation bytes per token per layer (bf16, flash attention so no q x k score matrix is kept; Korthikanti et
+al.'s accounting adapted to grouped-query attention and a SwiGLU MLP, with tensor + sequence parallelism
+dividing everything by tp):
+
+* ``none``: the layer input and first norm (2h), the normed input to QKV (2h), Q, K, V (2(h + 2 kv)), the
+  attention output (2h), the second norm's input and output (4h), gate and up (4 ffn), the SwiGLU product
+  (2 ffn). About 34h for Llama-2-7B, as Megatron's selective-recompute figure.
+* ``selective``: the SwiGLU product is recomputed from gate and up (2 ffn fewer); the default.
+* ``full``: only the layer input (2h) is kept; one layer's full set is live again while it is recomputed.
+
+Context parallelism divides a micro-batch's tokens by cp. Pipeline stage s of a 1F1B schedule holds the
+activations of min(pp - s, m) micro-batches at its peak, GPipe all m, interleaved 1F1B (vpp chunks per rank)
+``((pp - 1) * 2 + (vpp - 1) * pp + 1) / vpp`` stage-equivalents on the first rank. The last stage also holds
+one micro-batch's logits (bf16 and an fp32 copy for the loss). Static memory: bf16 weights, fp32 gradients,
+fp32 master weights and two Adam moments (18 bytes a parameter; with the distributed optimizer the 12 bytes of
+optimizer state are sharded over dp).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+from packloader.balancers.cost import CostModel, load_cost_model
+from packloader.balancers.presets import ModelShape, get_shape
+from packloader.contracts import ParallelConfig
+
+Recompute = Literal["none", "selective", "full"]
+GiB = 1024**3
+
+
+def activation_bytes_per_token_per_layer(shape: ModelShape, parallel: ParallelConfig | None = None, recompute: Recompute = "selective") -> float:
+    """Bytes one token's activations take in one layer on one GPU between its forward and its backward."""
+    parallel = parallel or ParallelConfig()
+    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn
+    mlp_saved = (2 * f * 2 + 2 * f) if shape.gated_mlp else (2 * f + 2 * f)
+    full = 2 * h + 2 * h + 2 * (h + 2 * kv) + 2 * h + 4 * h + mlp_saved
+    if recompute == "none":
+        per = full
+    elif recompute == "selective":
+        per = full - (2 * f if shape.gated_mlp else 0)
+    elif recompute == "full":
+        per = 2 * h
+    else:
+        raise ValueError(f"unknown recompute {recompute!r}; expected none, selective or full")
+    return per / parallel.tp
+
+
+def full_layer_bytes_per_token(shape: ModelShape, parallel: ParallelConfig | None = None) -> float:
+    return activation_bytes_per_token_per_layer(shape, parallel, "none")
+
+
+def in_flight_micro_batches(parallel: ParallelConfig, stage: int = 0, schedule: str = "1f1b", num_micro_batches: int | None = None) -> float:
+    """Micro-batches (in units of one full stage's activations) a stage holds at its peak."""
+    pp, vpp = parallel.pp, parallel.vpp
+    m = num_micro_batches if num_micro_batches is not None else math.inf
+    if schedule == "gpipe":
+        k = m if m != math.inf else pp
+    elif schedule == "interleaved" and vpp > 1:
+        chunks = (pp - 1) * 2 + (vpp - 1) * pp + 1 - 2 * stage
+        k = min(chunks, m * vpp) / vpp
+    else:
+        k = min(pp - stage, m)
+    return float(k)
+
+
+def static_bytes(shape: ModelShape, parallel: ParallelConfig | None = None, stage: int = 0, distributed_optimizer: bool = True) -> float:
+    """Weights, gradients and optimizer state of one pipeline stage on one GPU."""
+    parallel = parallel or ParallelConfig()
+    params = shape.params_per_layer() * shape.layers / parallel.pp
+    if stage == 0:
+        params += shape.vocab * shape.hidden  # embedding
+    if stage == parallel.pp - 1:
+        params += shape.vocab * shape.hidden + shape.hidden  # LM head and final norm
+    params /= parallel.tp
+    per_param = 6.0 + (12.0 / parallel.dp if distributed_optimizer else 12.0)
+    return params * per_param
+
+
+def logits_bytes_per_token(shape: ModelShape, parallel: ParallelConfig | None = None) -> float:
+    parallel = parallel or ParallelConfig()
+    return shape.vocab * (2 + 4) / parallel.tp
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Per-stage memory of a model under a parallel layout on one device."""
+
+    shape: ModelShape
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory_gib: float = 80.0
+    recompute: Recompute = "selective"
+    schedule: str = "1f1b"
+    distributed_optimizer: bool = True
+    usable_fraction: float = 0.92  # allocator fragmentation and CUDA context
+    reserve_gib: float = 2.0  # NCCL buffers, workspaces, temporaries
+
+    @classmethod
+    def for_preset(cls, name: str, parallel: ParallelConfig | None = None, **kw) -> "MemoryModel":
+        return cls(get_shape(name), parallel or ParallelConfig(), **kw)
+
+    def layers(self, stage: int = 0) -> float:
+        return self.shape.layers / self.parallel.pp
+
+    def activation_bytes_per_token(self, stage: int = 0) -> float:
+        """Bytes one token of a micro-batch (before CP sharding) keeps alive on one GPU of `stage` from its
+        forward to its backward."""
+        per_layer = activation_bytes_per_token_per_layer(self.shape, self.parallel, self.recompute)
+        return per_layer * self.layers(stage) / self.parallel.cp
+
+    def transient_bytes_per_token(self, stage: int = 0) -> float:
+        """Bytes per token live only while one micro-batch runs: logits on the last stage, one layer's
+        recomputed activations under full recompute."""
+        t = 0.0
+        if stage == self.parallel.pp - 1:
+            t += logits_bytes_per_token(self.shape, self.parallel)
+        if self.recompute == "full":
+            t += full_layer_bytes_per_token(self.shape, self.parallel)
+        return t / self.parallel.cp
+
+    def kv_grad_bytes_per_token(self, stage: int = 0) -> float:
+        """Bytes of the key/value gradients (bf16 dK and dV) one prefix token of a slice needs on one GPU of
+        `stage` between the later slice's backward and the earlier slice's."""
+        return 2 * self.shape.kv_dim * 2 / self.parallel.tp * self.layers(stage) / self.parallel.cp
+
+    def static_bytes(self, stage: int = 0) -> float:
+        return static_bytes(self.shape, self.parallel, stage, self.distributed_optimizer)
+
+    def budget_bytes(self, stage: int = 0) -> float:
+        """Bytes left for activations on `stage`."""
+        return self.memory_gib * GiB * self.usable_fraction - self.reserve_gib * GiB - self.static_bytes(stage)
+
+    def max_tokens(self, num_micro_batches: int | None = None, tile: int = 128, user_cap: int | None = None) -> int:
+        """Most tokens one micro-batch may hold so that no stage runs out of memory at its peak (0 when even
+        the weights do not fit), rounded down to the tile, and at most `user_cap`."""
+        best = math.inf
+        for s in range(self.parallel.pp):
+            k = in_flight_micro_batches(self.parallel, s, self.schedule, num_micro_batches)
+            per_token = self.activation_bytes_per_token(s) * k + self.transient_bytes_per_token(s)
+            best = min(best, self.budget_bytes(s) / per_token)
+        n = max(0, int(best))
+        if tile > 1:
+            n = n // tile * tile
+        if user_cap is not None:
+            n = min(n, int(user_cap))
+        return n
+
+    def peak_bytes(self, tokens_per_micro_batch: int, stage: int = 0, num_micro_batches: int | None = None) -> float:
+        """Peak bytes on one GPU of `stage` when every micro-batch holds `tokens_per_micro_batch` tokens."""
+        k = in_flight_micro_batches(self.parallel, stage, self.schedule, num_micro_batches)
+        per_token = self.activation_bytes_per_token(stage) * k + self.transient_bytes_per_token(stage)
+        return self.static_bytes(stage) + per_token * tokens_per_micro_batch
+
+
+def max_tokens_for_memory(
+    shape: ModelShape | str,
+    parallel: ParallelConfig | None = None,
+    *,
+    memory_gib: float = 80.0,
+    recompute: Recompute = "selective",
+    schedule: str = "1f1b",
+    num_micro_batches: int | None = None,
+    tile: int = 128,
+    user_cap: int | None = None,
+    distributed_optimizer: bool = True,
+) -> int:
+    """Hydraulis's MaxLen: the most tokens a micro-batch may hold for a parallel configuration, or the user's
+    cap when that is lower."""
+    if isinstance(shape, str):
+        shape = get_shape(shape)
+    mm = MemoryModel(
+        shape, parallel or ParallelConfig(), memory_gib=memory_gib, recompute=recompute, schedule=schedule,
+        distributed_optimizer=distributed_optimizer,
+    )
+    return mm.max_tokens(num_micro_batches, tile, user_cap)
+
+
+@dataclass
+class RankCosts:
+    """A cost model and a token cap per DP rank (Hydraulis's heterogeneous pipelines): rank r runs its
+    micro-batches at models[r]'s speed and may hold at most caps[r] tokens in one micro-batch."""
+
+    models: list[CostModel]
+    caps: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.models) != len(self.caps):
+            raise ValueError(f"{len(self.models)} cost models but {len(self.caps)} caps")
+        if not self.models:
+            raise ValueError("RankCosts needs at least one rank")
+        if any(c < 1 for c in self.caps):
+            raise ValueError(f"token caps must be >= 1, got {self.caps}")
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    def __getitem__(self, r: int) -> CostModel:
+        return self.models[r]
+
+    @property
+    def dp(self) -> int:
+        return len(self.models)
+
+    @property
+    def homogeneous(self) -> bool:
+        first = self.models[0]
+        return all(m is first or m.profile == first.profile for m in self.models) and len(set(self.caps)) == 1
+
+    @classmethod
+    def uniform(cls, model: CostModel, dp: int, cap: int) -> "RankCosts":
+        return cls([model] * dp, [int(cap)] * dp)
+
+    @classmethod
+    def from_specs(
+        cls,
+        specs: Sequence[str | CostModel],
+        parallel: ParallelConfig | None = None,
+        caps: Sequence[int] | int | None = None,
+        *,
+        slowdowns: Sequence[float] | None = None,
+    ) -> "RankCosts":
+        """One model per rank from preset names / profile paths (or CostModels), optionally slowed down by a
+        factor per rank (e.g. a rank on an older GPU). Caps: one per rank, one for all, or each model's own
+        memory cap (which must then be known)."""
+        models = [load_cost_model(s, parallel) if not isinstance(s, CostModel) else s for s in specs]
+        if slowdowns is not None:
+            if len(slowdowns) != len(models):
+                raise ValueError(f"{len(slowdowns)} slowdowns for {len(models)} ranks")
+            models = [m.scaled(f) if f != 1.0 else m for m, f in zip(models, slowdowns)]
+        if caps is None:
+            got = [m.max_tokens() for m in models]
+            if any(c is None for c in got):
+                raise ValueError("caps not given and some cost models carry no memory cap")
+            cap_list = [int(c) for c in got]  # type: ignore[arg-type]
+        elif isinstance(caps, int):
+            cap_list = [caps] * len(models)
+        else:
+            cap_list = [int(c) for c in caps]
+        return cls(models, cap_list)
+
+    def speeds(self, tokens: int = 8192) -> list[float]:
+        """Relative speed of each rank (1.0 = the fastest) on a micro-batch of one `tokens`-token document."""
+        t = [sum(m.microbatch_time_of([tokens])) for m in self.models]
+        fastest = min(t)
+        return [fastest / x for x in t]

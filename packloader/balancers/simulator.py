@@ -1,0 +1,560 @@
+"""DAG pipeline simulator (SlimPack section 4.3): step time, bubbles and per-stage memory of a pipeline
+schedule over micro-batches of unequal cost, slices included.
+
+Tasks are (virtual stage, forward/backward, micro-batch). Edges:
+
+* data, stage to stage: F(v, u) after F(v-1, u); B(V-1, u) after F(V-1, u); B(v, u) after B(v+1, u)
+  (plus an optional point-to-point latency on each stage-to-stage edge);
+* data, slice to slice: when micro-batch u holds a slice whose earlier keys live in micro-batch u' < u (an
+  "edge" (u', u)), F(v, u) waits for F(v, u') (keys and values) and B(v, u') waits for B(v, u) (their
+  gradients);
+* schedule: each pipeline rank runs its tasks one at a time in the order the schedule gives (1F1B, GPipe,
+  interleaved 1F1B with vpp model chunks per rank, Megatron's order). Backward passes visit micro-batches in
+  `backward_order` (default: forward order, except that the micro-batches of a sliced document go last slice
+  first, SlimPack's FILO rule). When the backward due next on a rank is for a micro-batch whose forward the
+  rank has not run yet, the rank runs further forwards first (SlimPack's injected forward micro-pack).
+
+The DAG is resolved by list scheduling in the ranks' orders, which gives every task's earliest start (the
+critical-path times of SlimPack's Algorithm 1); the step time is the last finish. Memory is tracked per rank
+along its task order: a micro-batch's activations are allocated when its forward starts and freed when its
+backward ends, a transient (logits, recompute buffers) lives while a task runs, and the key/value gradients a
+later slice produces for an earlier one live from the later slice's backward start to the earlier one's
+backward end.
+
+Everything per task is in numba; `simulate` takes arrays (what `auto` calls per candidate), `simulate_rank` and
+`simulate_step` take plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+from numba import njit
+
+from packloader.contracts import MicroBatch, ParallelConfig, RankPlan, StepPlan
+
+SCHEDULES = {"1f1b": 0, "gpipe": 1, "interleaved": 2}
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+@njit(cache=True)
+def _enc(vs, u, isb, m):
+    return (vs * m + u) * 2 + isb
+
+
+@njit(cache=True)
+def build_ops(pp, vpp, m, kind, bwd_order):
+    """Per pipeline rank, the order in which it runs its 2*m*vpp tasks (encoded as (vs*m + u)*2 + is_bwd).
+
+    kind: 0 = 1F1B, 1 = GPipe, 2 = interleaved 1F1B (same as 1F1B when vpp == 1).
+    """
+    n = 2 * m * vpp
+    ops = np.empty((pp, n), dtype=np.int64)
+    nv = m * vpp
+    # virtual forward / backward sequences: groups of pp micro-batches, chunk by chunk (Megatron's order)
+    fu = np.empty(nv, dtype=np.int64)
+    fc = np.empty(nv, dtype=np.int64)
+    bu = np.empty(nv, dtype=np.int64)
+    bc = np.empty(nv, dtype=np.int64)
+    k = 0
+    g0 = 0
+    while g0 < m:
+        gsz = min(pp, m - g0) if vpp > 1 else m
+        for c in range(vpp):
+            for j in range(gsz):
+                fu[k] = g0 + j
+                fc[k] = c
+                bu[k] = bwd_order[g0 + j]
+                bc[k] = vpp - 1 - c
+                k += 1
+        g0 += gsz
+    issued = np.zeros((m, vpp), dtype=np.bool_)
+    for s in range(pp):
+        issued[:, :] = False
+        if kind == 1:
+            warm = nv
+        elif vpp > 1:
+            warm = min((pp - s - 1) * 2 + (vpp - 1) * pp, nv)
+        else:
+            warm = min(pp - s - 1, nv)
+        k = 0
+        nf = 0
+        nb = 0
+        while nf < warm:
+            ops[s, k] = _enc(fc[nf] * pp + s, fu[nf], 0, m)
+            issued[fu[nf], fc[nf]] = True
+            k += 1
+            nf += 1
+        while nb < nv:
+            if nf < nv:
+                ops[s, k] = _enc(fc[nf] * pp + s, fu[nf], 0, m)
+                issued[fu[nf], fc[nf]] = True
+                k += 1
+                nf += 1
+            while not issued[bu[nb], bc[nb]]:  # inject forwards until the due backward's forward has run
+                ops[s, k] = _enc(fc[nf] * pp + s, fu[nf], 0, m)
+                issued[fu[nf], fc[nf]] = True
+                k += 1
+                nf += 1
+            ops[s, k] = _enc(bc[nb] * pp + s, bu[nb], 1, m)
+            k += 1
+            nb += 1
+    return ops
+
+
+@njit(cache=True)
+def simulate_kernel(pp, vpp, m, ops, fwd, bwd, p2p, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
+                    act, trans, edge_kv, start, finish, mem_t, mem_b, peak, busy):
+    """Resolve the DAG. fwd, bwd, act, trans: (V, m) per virtual stage; edge_kv: (V, E). Fills start/finish
+    (V*m*2), the per-rank memory timeline mem_t/mem_b (pp, 2*n: after each task start and end), peak and busy
+    (pp). Returns the step time, or -1.0 when the order deadlocks."""
+    V = pp * vpp
+    n = 2 * m * vpp
+    total = V * m * 2
+    for i in range(total):
+        start[i] = -1.0
+        finish[i] = -1.0
+    ptr = np.zeros(pp, dtype=np.int64)
+    free_at = np.zeros(pp, dtype=np.float64)
+    cur = np.zeros(pp, dtype=np.float64)
+    for s in range(pp):
+        peak[s] = 0.0
+        busy[s] = 0.0
+    done = 0
+    makespan = 0.0
+    while done < total:
+        progress = False
+        for s in range(pp):
+            while ptr[s] < n:
+                t = ops[s, ptr[s]]
+                isb = t % 2
+                vu = t // 2
+                vs = vu // m
+                u = vu % m
+                ready = 0.0
+                ok = True
+                if isb == 0:
+                    if vs > 0:
+                        d = finish[_enc(vs - 1, u, 0, m)]
+                        if d < 0.0:
+                            ok = False
+                        elif d + p2p > ready:
+                            ready = d + p2p
+                    for e in range(in_ptr[u], in_ptr[u + 1]):
+                        d = finish[_enc(vs, in_src[e], 0, m)]
+                        if d < 0.0:
+                            ok = False
+                        elif d > ready:
+                            ready = d
+                    dur = fwd[vs, u]
+                else:
+                    d = finish[_enc(vs, u, 0, m)]
+                    if d < 0.0:
+                        ok = False
+                    elif d > ready:
+                        ready = d
+                    if vs < V - 1:
+                        d = finish[_enc(vs + 1, u, 1, m)]
+                        if d < 0.0:
+                            ok = False
+                        elif d + p2p > ready:
+                            ready = d + p2p
+                    for e in range(out_ptr[u], out_ptr[u + 1]):
+                        d = finish[_enc(vs, out_dst[e], 1, m)]
+                        if d < 0.0:
+                            ok = False
+                        elif d > ready:
+                            ready = d
+                    dur = bwd[vs, u]
+                if not ok:
+                    break
+                st = ready if ready > free_at[s] else free_at[s]
+                fi = st + dur
+                start[t] = st
+                finish[t] = fi
+                free_at[s] = fi
+                busy[s] += dur
+                if fi > makespan:
+                    makespan = fi
+                # memory: allocate at start, free at end
+                k = ptr[s]
+                if isb == 0:
+                    cur[s] += act[vs, u] + trans[vs, u]
+                else:
+                    cur[s] += trans[vs, u]
+                    for e in range(in_ptr[u], in_ptr[u + 1]):
+                        cur[s] += edge_kv[vs, in_eid[e]]
+                if cur[s] > peak[s]:
+                    peak[s] = cur[s]
+                mem_t[s, 2 * k] = st
+                mem_b[s, 2 * k] = cur[s]
+                if isb == 0:
+                    cur[s] -= trans[vs, u]
+                else:
+                    cur[s] -= act[vs, u] + trans[vs, u]
+                    for e in range(out_ptr[u], out_ptr[u + 1]):
+                        cur[s] -= edge_kv[vs, out_eid[e]]
+                mem_t[s, 2 * k + 1] = fi
+                mem_b[s, 2 * k + 1] = cur[s]
+                ptr[s] += 1
+                done += 1
+                progress = True
+        if not progress:
+            return -1.0
+    return makespan
+
+
+@njit(cache=True)
+def step_time_kernel(pp, vpp, m, kind, fwd, bwd, bwd_order, p2p):
+    """Step time only, no slices and no memory: the cheapest call, for candidate search."""
+    V = pp * vpp
+    ops = build_ops(pp, vpp, m, kind, bwd_order)
+    z = np.zeros(1, dtype=np.int64)
+    ptr = np.zeros(m + 1, dtype=np.int64)
+    zero_vm = np.zeros((V, m), dtype=np.float64)
+    kv = np.zeros((V, 0), dtype=np.float64)
+    st = np.empty(V * m * 2, dtype=np.float64)
+    fi = np.empty(V * m * 2, dtype=np.float64)
+    n = 2 * m * vpp
+    mt = np.empty((pp, 2 * n), dtype=np.float64)
+    mb = np.empty((pp, 2 * n), dtype=np.float64)
+    pk = np.empty(pp, dtype=np.float64)
+    bz = np.empty(pp, dtype=np.float64)
+    return simulate_kernel(pp, vpp, m, ops, fwd, bwd, p2p, ptr, z, z, ptr, z, z, zero_vm, zero_vm, kv, st, fi, mt, mb, pk, bz)
+
+
+@njit(cache=True)
+def step_times_ranks(pp, vpp, kind, fwd, bwd, offsets, p2p):
+    """Step time of each DP rank r whose micro-batches are offsets[r]..offsets[r+1]-1 of the flat per-stage
+    fwd/bwd arrays (the same time on every stage; chunk times are these / vpp). No slices, FIFO backward."""
+    R = offsets.shape[0] - 1
+    out = np.empty(R, dtype=np.float64)
+    V = pp * vpp
+    for r in range(R):
+        a = offsets[r]
+        m = offsets[r + 1] - a
+        if m == 0:
+            out[r] = 0.0
+            continue
+        f = np.empty((V, m), dtype=np.float64)
+        b = np.empty((V, m), dtype=np.float64)
+        for v in range(V):
+            for u in range(m):
+                f[v, u] = fwd[a + u] / vpp
+                b[v, u] = bwd[a + u] / vpp
+        order = np.arange(m)
+        out[r] = step_time_kernel(pp, vpp, m, kind, f, b, order, p2p)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- arrays API
+
+
+@dataclass
+class SimResult:
+    """One pipeline (one DP rank) simulated. Times in the cost model's unit (seconds); bytes as given."""
+
+    step_time: float
+    pp: int
+    vpp: int
+    m: int
+    busy: np.ndarray  # (pp,) time each pipeline rank computes
+    start: np.ndarray  # (V, m, 2): start of F (…, 0) and B (…, 1) of micro-batch u on virtual stage v
+    finish: np.ndarray
+    ops: np.ndarray  # (pp, 2*m*vpp) task order per rank (encoded)
+    peak_bytes: np.ndarray  # (pp,) peak memory (static + activations + transients + KV gradients)
+    mem_times: np.ndarray  # (pp, 4*m*vpp) timeline: time after each task start / end
+    mem_bytes: np.ndarray  # (pp, 4*m*vpp) bytes live at those times
+    static_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    @property
+    def bubble(self) -> np.ndarray:
+        """Idle time of each pipeline rank within the step."""
+        return self.step_time - self.busy
+
+    @property
+    def bubble_time(self) -> float:
+        """Mean idle time over the pipeline ranks."""
+        return float(self.bubble.mean()) if self.pp else 0.0
+
+    @property
+    def bubble_share(self) -> float:
+        """Idle share of the pipeline's GPU time: sum of idle / (pp x step time)."""
+        return float(self.bubble.sum() / (self.pp * self.step_time)) if self.step_time > 0 else 0.0
+
+    @property
+    def peak(self) -> float:
+        return float(self.peak_bytes.max()) if len(self.peak_bytes) else 0.0
+
+    def order(self, rank: int) -> list[tuple[str, int, int]]:
+        """The task order of a pipeline rank as ("F" or "B", micro-batch, model chunk)."""
+        out = []
+        for t in self.ops[rank]:
+            vu, isb = divmod(int(t), 2)
+            vs, u = divmod(vu, self.m)
+            out.append(("B" if isb else "F", u, vs // self.pp))
+        return out
+
+
+def _per_virtual(x: np.ndarray | Sequence[float] | None, pp: int, vpp: int, m: int, what: str, split: bool) -> np.ndarray:
+    """(m,) -> same on every stage; (pp, m) -> per rank; (pp*vpp, m) -> per virtual stage. With `split`, a
+    rank's value is divided evenly over its vpp chunks."""
+    V = pp * vpp
+    if x is None:
+        return np.zeros((V, m))
+    a = np.asarray(x, dtype=np.float64)
+    if a.ndim == 1:
+        if a.shape[0] != m:
+            raise ValueError(f"{what}: {a.shape[0]} values for {m} micro-batches")
+        out = np.broadcast_to(a, (V, m)).copy()
+        return out / vpp if split else out
+    if a.ndim == 2 and a.shape == (pp, m):
+        out = np.concatenate([a] * vpp, axis=0)  # virtual stage c*pp + s -> rank s
+        return out / vpp if split else out
+    if a.ndim == 2 and a.shape == (V, m):
+        return np.ascontiguousarray(a)
+    raise ValueError(f"{what}: expected shape ({m},), ({pp}, {m}) or ({V}, {m}), got {a.shape}")
+
+
+def default_backward_order(m: int, edges: np.ndarray) -> np.ndarray:
+    """Forward order, except that micro-batches chained by slice edges (earlier, later) go later slice first:
+    sort by (last micro-batch that transitively depends on u, -u)."""
+    key = np.arange(m, dtype=np.int64)
+    if len(edges):
+        # edges go from lower to higher index: one pass from the end settles the transitive maximum
+        by_src: dict[int, list[int]] = {}
+        for a, b in edges:
+            by_src.setdefault(int(a), []).append(int(b))
+        for u in range(m - 1, -1, -1):
+            for v in by_src.get(u, ()):
+                key[u] = max(key[u], key[v])
+    return np.lexsort((-np.arange(m), key)).astype(np.int64)
+
+
+def check_backward_order(order: np.ndarray, m: int, edges: np.ndarray) -> None:
+    if sorted(order.tolist()) != list(range(m)):
+        raise ValueError(f"backward_order must be a permutation of range({m}), got {order.tolist()}")
+    pos = np.empty(m, dtype=np.int64)
+    pos[order] = np.arange(m)
+    for a, b in edges:
+        if pos[a] < pos[b]:
+            raise ValueError(
+                f"backward_order runs micro-batch {a} before {b}, but {b} holds a later slice of a document "
+                f"whose earlier slice is in {a}: its key/value gradients are not ready"
+            )
+
+
+def _csr(m: int, keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    order = np.argsort(keys, kind="stable")
+    ptr = np.zeros(m + 1, dtype=np.int64)
+    np.add.at(ptr, keys + 1, 1)
+    ptr = np.cumsum(ptr)
+    return ptr, np.ascontiguousarray(vals[order], dtype=np.int64), order.astype(np.int64)
+
+
+def simulate(
+    fwd: np.ndarray | Sequence[float],
+    bwd: np.ndarray | Sequence[float],
+    pp: int = 1,
+    *,
+    schedule: str = "1f1b",
+    vpp: int = 1,
+    backward_order: np.ndarray | Sequence[int] | None = None,
+    slice_edges: np.ndarray | Sequence[tuple[int, int]] | None = None,
+    p2p: float = 0.0,
+    act_bytes: np.ndarray | None = None,
+    transient_bytes: np.ndarray | None = None,
+    kv_bytes: np.ndarray | None = None,
+    static_bytes: np.ndarray | Sequence[float] | float | None = None,
+) -> SimResult:
+    """Simulate one pipeline over m micro-batches.
+
+    fwd, bwd: per micro-batch times, (m,) for the same time on every stage, (pp, m) per pipeline rank (a
+    rank's time is split evenly over its vpp chunks), or (pp*vpp, m) per virtual stage. slice_edges: pairs
+    (earlier, later) of micro-batches where `later` holds a slice whose earlier keys live in `earlier`.
+    act_bytes / transient_bytes: per micro-batch bytes, shaped like fwd (split over chunks too); kv_bytes:
+    per edge (E,) or per virtual stage (V, E): the key/value gradient buffer of the edge. static_bytes: per
+    rank, added to the memory timeline and peaks.
+    """
+    kind = SCHEDULES.get(schedule)
+    if kind is None:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
+    if schedule == "interleaved" and vpp == 1:
+        kind = 0
+    if schedule != "interleaved" and vpp != 1 and schedule != "gpipe":
+        raise ValueError(f"vpp={vpp} needs schedule='interleaved'")
+    f_in = np.asarray(fwd, dtype=np.float64)
+    m = int(f_in.shape[-1]) if f_in.ndim else 0
+    V = pp * vpp
+    f = _per_virtual(f_in, pp, vpp, m, "fwd", True)
+    b = _per_virtual(bwd, pp, vpp, m, "bwd", True)
+    act = _per_virtual(act_bytes, pp, vpp, m, "act_bytes", True)
+    trans = _per_virtual(transient_bytes, pp, vpp, m, "transient_bytes", False)
+    edges = np.zeros((0, 2), dtype=np.int64) if slice_edges is None else np.asarray(slice_edges, dtype=np.int64).reshape(-1, 2)
+    if len(edges):
+        if (edges < 0).any() or (edges >= m).any():
+            raise ValueError(f"slice edge out of range for {m} micro-batches: {edges.tolist()}")
+        if (edges[:, 0] >= edges[:, 1]).any():
+            raise ValueError("slice edges must go from an earlier micro-batch to a later one (slices in forward order)")
+    E = len(edges)
+    if kv_bytes is None:
+        kv = np.zeros((V, E))
+    else:
+        kv_in = np.asarray(kv_bytes, dtype=np.float64)
+        if kv_in.ndim == 1:
+            kv = np.broadcast_to(kv_in / vpp, (V, E)).copy()
+        else:
+            kv = np.ascontiguousarray(kv_in)
+        if kv.shape != (V, E):
+            raise ValueError(f"kv_bytes: expected ({E},) or ({V}, {E}), got {kv_in.shape}")
+    order = default_backward_order(m, edges) if backward_order is None else np.asarray(backward_order, dtype=np.int64)
+    check_backward_order(order, m, edges)
+    ops = build_ops(pp, vpp, m, kind, order)
+    in_ptr, in_src, in_eid = _csr(m, edges[:, 1], edges[:, 0])
+    out_ptr, out_dst, out_eid = _csr(m, edges[:, 0], edges[:, 1])
+    n = 2 * m * vpp
+    st = np.empty(V * m * 2)
+    fi = np.empty(V * m * 2)
+    mt = np.zeros((pp, 2 * n))
+    mbytes = np.zeros((pp, 2 * n))
+    peak = np.zeros(pp)
+    busy = np.zeros(pp)
+    t = simulate_kernel(pp, vpp, m, ops, f, b, float(p2p), in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
+                        act, trans, kv, st, fi, mt, mbytes, peak, busy)
+    if t < 0:
+        raise RuntimeError(f"schedule {schedule!r} (pp={pp}, vpp={vpp}, m={m}) deadlocks with backward order {order.tolist()}")
+    stat = np.zeros(pp) if static_bytes is None else np.broadcast_to(np.asarray(static_bytes, dtype=np.float64), (pp,)).copy()
+    return SimResult(
+        step_time=float(t), pp=pp, vpp=vpp, m=m, busy=busy,
+        start=st.reshape(V, m, 2), finish=fi.reshape(V, m, 2), ops=ops,
+        peak_bytes=peak + stat, mem_times=mt, mem_bytes=mbytes + stat[:, None], static_bytes=stat,
+    )
+
+
+def step_time(fwd: np.ndarray, bwd: np.ndarray, pp: int = 1, *, schedule: str = "1f1b", vpp: int = 1, p2p: float = 0.0) -> float:
+    """Just the step time of one pipeline (no slices, FIFO backward, no memory): the fast path."""
+    f = np.ascontiguousarray(fwd, dtype=np.float64)
+    b = np.ascontiguousarray(bwd, dtype=np.float64)
+    kind = SCHEDULES[schedule]
+    offsets = np.array([0, len(f)], dtype=np.int64)
+    return float(step_times_ranks(pp, vpp, kind, f, b, offsets, p2p)[0])
+
+
+def gpipe_formula(m: int, pp: int, f: float, b: float) -> float:
+    """(m + pp - 1) * (f + b): GPipe's and 1F1B's step time for m equal micro-batches."""
+    return (m + pp - 1) * (f + b)
+
+
+# ----------------------------------------------------------------------------------------------- plans API
+
+
+def slice_edges_of(micro_batches: Sequence[MicroBatch]) -> tuple[np.ndarray, np.ndarray]:
+    """(edges (E, 2), prefix tokens (E,)) of a rank's micro-batches: for each slice (attend_from < start),
+    an edge from the micro-batch holding the tokens just before it (doc, ..start) to the slice's micro-batch,
+    with the slice's prefix length. Slices whose prefix lives in the same micro-batch give no edge."""
+    where: dict[tuple[int, int], int] = {}  # (doc, end) -> micro-batch
+    for u, mb in enumerate(micro_batches):
+        for s in mb.segments:
+            where[(s.doc, s.end)] = u
+    edges = []
+    prefix = []
+    for u, mb in enumerate(micro_batches):
+        for s in mb.segments:
+            if s.attend_from < s.start:
+                src = where.get((s.doc, s.start))
+                if src is None:
+                    raise ValueError(f"slice {s} of document {s.doc}: no micro-batch on this rank holds tokens ..{s.start}")
+                if src != u:
+                    edges.append((src, u))
+                    prefix.append(s.start - s.attend_from)
+    if not edges:
+        return np.zeros((0, 2), np.int64), np.zeros(0, np.int64)
+    return np.asarray(edges, dtype=np.int64), np.asarray(prefix, dtype=np.int64)
+
+
+def simulate_rank(
+    rank: RankPlan | Sequence[MicroBatch],
+    model,
+    parallel: ParallelConfig | None = None,
+    *,
+    schedule: str = "1f1b",
+    memory=None,
+    use_plan_costs: bool = False,
+    p2p: float = 0.0,
+) -> SimResult:
+    """Simulate one DP rank's pipeline. `model` is a CostModel (per-stage times; the same on every stage);
+    `memory` an optional memory.MemoryModel for activation/KV/static bytes; `use_plan_costs` takes the
+    micro-batches' fwd_cost/bwd_cost as they are instead of recomputing them."""
+    parallel = parallel or ParallelConfig()
+    mbs = rank.micro_batches if isinstance(rank, RankPlan) else list(rank)
+    bo = rank.backward_order if isinstance(rank, RankPlan) else None
+    m = len(mbs)
+    if use_plan_costs:
+        f = np.array([mb.fwd_cost for mb in mbs], dtype=np.float64)
+        b = np.array([mb.bwd_cost for mb in mbs], dtype=np.float64)
+    else:
+        fb = [model.microbatch_times(mb) for mb in mbs]
+        f = np.array([x[0] for x in fb], dtype=np.float64).reshape(m)
+        b = np.array([x[1] for x in fb], dtype=np.float64).reshape(m)
+    edges, prefix = slice_edges_of(mbs)
+    pp, vpp = parallel.pp, parallel.vpp
+    act = trans = kv = stat = None
+    if memory is not None:
+        tokens = np.array([mb.num_tokens / (len(mb.dp_group) if mb.dp_group else 1) for mb in mbs], dtype=np.float64)
+        act = np.stack([tokens * memory.activation_bytes_per_token(s) for s in range(pp)])
+        trans = np.stack([tokens * memory.transient_bytes_per_token(s) for s in range(pp)])
+        trans = np.concatenate([trans] * vpp, axis=0) if vpp > 1 else trans
+        kvpt = [memory.kv_grad_bytes_per_token(s) / vpp for s in range(pp)]
+        kv = np.stack([prefix * kvpt[v % pp] for v in range(pp * vpp)]) if len(prefix) else None
+        stat = [memory.static_bytes(s) for s in range(pp)]
+    return simulate(f, b, pp, schedule=schedule, vpp=vpp, backward_order=bo, slice_edges=edges, p2p=p2p,
+                    act_bytes=act, transient_bytes=trans, kv_bytes=kv, static_bytes=stat)
+
+
+@dataclass
+class StepSim:
+    """A whole step: every DP rank's pipeline simulated; the step ends when the slowest rank does."""
+
+    ranks: list[SimResult]
+
+    @property
+    def rank_times(self) -> np.ndarray:
+        return np.array([r.step_time for r in self.ranks])
+
+    @property
+    def step_time(self) -> float:
+        return float(self.rank_times.max()) if self.ranks else 0.0
+
+    @property
+    def dp_spread(self) -> float:
+        t = self.rank_times
+        return float(t.max() / t.mean()) if len(t) and t.mean() > 0 else 1.0
+
+    @property
+    def peak_bytes(self) -> float:
+        return max((r.peak for r in self.ranks), default=0.0)
+
+
+def simulate_step(
+    plan: StepPlan,
+    model,
+    parallel: ParallelConfig | None = None,
+    *,
+    schedule: str = "1f1b",
+    memory=None,
+    use_plan_costs: bool = False,
+    p2p: float = 0.0,
+) -> StepSim:
+    """Simulate every DP rank of a step. `model`: one CostModel, or one per rank (a sequence or a
+    memory.RankCosts). A DP-Merge micro-batch is simulated on each rank of its group at its per-rank cost."""
+    from packloader.balancers.cost import _per_rank
+
+    models = _per_rank(model, len(plan.ranks))
+    return StepSim([
+        simulate_rank(r, models[i], parallel, schedule=schedule, memory=memory, use_plan_costs=use_plan_costs, p2p=p2p)
+        for i, r in enumerate(plan.ranks)
+    ])

@@ -1,0 +1,332 @@
+"""Scores of a plan: how balanced it is, how fast the simulated step runs against perfect balance, how full
+the micro-batches are, and how far it bent the data order.
+
+Definitions (per step; `RunScores` aggregates a run):
+
+* imbalance degree (WLB-LLM): ``max micro-batch cost x number of micro-batches / total cost`` over one DP
+  rank's micro-batches (1.0 = perfectly even). `imbalance` is the worst rank's, `imbalance_mean` the mean over
+  ranks, `imbalance_global` the same formula over every micro-batch of the step (it also sees DP imbalance),
+  `imbalance_fwd` the worst rank's on forward cost alone (what WLB-LLM's table measures). Cost = forward +
+  backward per pipeline stage from the cost model.
+* DP spread: the slowest rank's simulated pipeline time / the mean rank's.
+* step time: the slowest rank's simulated pipeline time (`simulator.simulate_step`, bubbles included).
+* perfect-balance bound: the step's total cost spread evenly over the dp ranks and over m equal micro-batches
+  per rank, with the schedule's ideal fill: ``total / dp x (m + pp - 1) / m`` (interleaved:
+  ``(m + (pp - 1) / vpp) / m``), m = micro-batches per rank. `work_bound` is ``total / dp`` with no fill.
+  efficiency = bound / step time (1.0 = as good as perfect balance with this m; it can exceed 1 only when a
+  plan puts unusually cheap micro-batches where the fill happens).
+* bubble share: idle share of all dp x pp GPUs over the step (pipeline bubbles and DP waiting).
+* packing efficiency: tokens / (micro-batch slots x max_tokens), a DP-Merge micro-batch counting n/g tokens
+  on each of its g ranks' slots.
+* delay: a token is delayed when trained at a later step than its document was drawn; `delay_share` = delayed
+  tokens / tokens, `delay_mean` = mean delay in steps over all tokens, `delay_mean_delayed` over the delayed
+  ones, `delay_max` the largest. Needs the draw step of each document (`drawn`: a mapping or array doc ->
+  step, or the PlannerState the step was planned from, whose queue records draw steps); unknown documents
+  count as drawn at the step that trains them.
+* tokens split: tokens in slices (segments with attend_from < start) and the documents they belong to.
+* tokens dropped / duplicated: from `verify.coverage` when the run's pieces are given (must be 0).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+import msgspec
+import numpy as np
+
+from packloader.balancers.cost import CostModel, _per_rank
+from packloader.balancers.simulator import simulate_step
+from packloader.contracts import ParallelConfig, PlannerState, StepPlan
+
+
+class PlanScores(msgspec.Struct, kw_only=True):
+    step: int
+    dp: int
+    pp: int
+    micro_batches: int  # per rank
+    tokens: int
+    imbalance: float
+    imbalance_mean: float
+    imbalance_global: float
+    imbalance_fwd: float
+    dp_spread: float
+    step_time: float
+    bound_time: float
+    work_bound: float
+    efficiency: float
+    bubble_share: float
+    packing_efficiency: float
+    tokens_split: int
+    docs_split: int
+    tokens_delayed: int
+    delay_share: float
+    delay_mean: float
+    delay_mean_delayed: float
+    delay_max: int
+    delay_known: bool
+    peak_bytes: float = 0.0
+    imbalance_ranks: list[float] = []
+    rank_times: list[float] = []
+
+
+class RunScores(msgspec.Struct, kw_only=True):
+    steps: int
+    tokens: int
+    imbalance_mean: float
+    imbalance_max: float
+    imbalance_global_mean: float
+    imbalance_fwd_mean: float
+    dp_spread_mean: float
+    dp_spread_max: float
+    step_time_total: float
+    bound_time_total: float
+    efficiency: float  # sum of bounds / sum of simulated step times
+    efficiency_mean: float
+    efficiency_min: float
+    bubble_share_mean: float
+    packing_efficiency: float  # token-weighted over the run
+    tokens_split: int
+    split_share: float
+    tokens_delayed: int
+    delay_share: float
+    delay_mean: float
+    delay_mean_delayed: float
+    delay_max: int
+    peak_bytes: float = 0.0
+    tokens_dropped: int = 0
+    tokens_duplicated: int = 0
+    tokens_extra: int = 0
+
+
+def _drawn_lookup(drawn, step: int):
+    """doc -> draw step function from a mapping, an array indexed by doc, or a PlannerState."""
+    if drawn is None:
+        return None
+    if isinstance(drawn, PlannerState):
+        table = {q.doc: q.drawn_step for q in drawn.queued}
+        return lambda d: table.get(d, step)
+    if isinstance(drawn, np.ndarray):
+        arr = drawn
+
+        def look(d: int) -> int:
+            if 0 <= d < len(arr) and arr[d] >= 0:
+                return int(arr[d])
+            return step
+
+        return look
+    if isinstance(drawn, Mapping):
+        return lambda d: int(drawn.get(d, step))
+    raise TypeError(f"drawn: expected a mapping, an array or a PlannerState, got {type(drawn).__name__}")
+
+
+def drawn_steps(windows: Sequence, first_step: int = 0) -> dict[int, int]:
+    """doc -> the step whose window first drew it, from the Windows of consecutive steps."""
+    out: dict[int, int] = {}
+    for k, w in enumerate(windows):
+        for d in np.asarray(w.doc).tolist():
+            out.setdefault(int(d), first_step + k)
+    return out
+
+
+def _unique_segments(plan: StepPlan):
+    seen: set = set()
+    for rank in plan.ranks:
+        for mb in rank.micro_batches:
+            if mb.dp_group and len(mb.dp_group) > 1:
+                key = (tuple(mb.dp_group), tuple(mb.segments))
+                if key in seen:
+                    continue
+                seen.add(key)
+            yield from mb.segments
+
+
+def _bound_fill(m: int, pp: int, vpp: int, schedule: str) -> float:
+    if m <= 0:
+        return 1.0
+    if schedule == "interleaved" and vpp > 1:
+        return (m + (pp - 1) / vpp) / m
+    return (m + pp - 1) / m
+
+
+def score_plan(
+    plan: StepPlan,
+    model: CostModel | Sequence[CostModel],
+    parallel: ParallelConfig | None = None,
+    *,
+    max_tokens: int | None = None,
+    schedule: str = "1f1b",
+    drawn=None,
+    memory=None,
+    use_plan_costs: bool = False,
+) -> PlanScores:
+    """Scores of one step (see the module docstring). `model`: one CostModel or one per rank (RankCosts);
+    `max_tokens` for packing efficiency (default: the model's memory cap, else the largest micro-batch)."""
+    parallel = parallel or ParallelConfig(dp=len(plan.ranks))
+    dp = len(plan.ranks)
+    models = _per_rank(model, dp)
+    pp, vpp = parallel.pp, parallel.vpp
+    rank_f: list[np.ndarray] = []
+    rank_b: list[np.ndarray] = []
+    tokens_slots = 0.0
+    slots = 0
+    largest = 0
+    tokens = 0
+    tokens_split = 0
+    split_docs: set[int] = set()
+    look = _drawn_lookup(drawn, plan.step)
+    delays: list[tuple[int, int]] = []  # (delay, tokens)
+    seen_groups: set = set()
+    for r, rank in enumerate(plan.ranks):
+        if use_plan_costs:
+            f = np.array([mb.fwd_cost for mb in rank.micro_batches], dtype=np.float64)
+            b = np.array([mb.bwd_cost for mb in rank.micro_batches], dtype=np.float64)
+        else:
+            fb = [models[r].microbatch_times(mb) for mb in rank.micro_batches]
+            f = np.array([x[0] for x in fb], dtype=np.float64)
+            b = np.array([x[1] for x in fb], dtype=np.float64)
+        rank_f.append(f)
+        rank_b.append(b)
+        for mb in rank.micro_batches:
+            g = len(mb.dp_group) if mb.dp_group else 1
+            n = mb.num_tokens
+            slots += 1
+            tokens_slots += n / g
+            largest = max(largest, -(-n // g))
+            if g > 1:
+                key = (tuple(mb.dp_group), tuple(mb.segments))
+                if key in seen_groups:
+                    continue
+                seen_groups.add(key)
+            tokens += n
+            for s in mb.segments:
+                k = s.end - s.start
+                if s.attend_from < s.start:
+                    tokens_split += k
+                    split_docs.add(s.doc)
+                if look is not None:
+                    delays.append((plan.step - look(s.doc), k))
+    # a sliced piece's first slice has attend_from == start: count every segment of a slice chain
+    if split_docs:
+        chains = set()
+        unique = list(_unique_segments(plan))
+        for sg in unique:
+            if sg.attend_from < sg.start:
+                chains.add((sg.doc, sg.attend_from))
+        tokens_split = sum(sg.end - sg.start for sg in unique if (sg.doc, sg.attend_from) in chains)
+    per_rank_imb = []
+    per_rank_imb_f = []
+    for f, b in zip(rank_f, rank_b):
+        c = f + b
+        per_rank_imb.append(float(c.max() * len(c) / c.sum()) if len(c) and c.sum() > 0 else 1.0)
+        per_rank_imb_f.append(float(f.max() * len(f) / f.sum()) if len(f) and f.sum() > 0 else 1.0)
+    allc = np.concatenate([f + b for f, b in zip(rank_f, rank_b)]) if rank_f else np.zeros(0)
+    total = float(allc.sum())
+    imb_global = float(allc.max() * len(allc) / total) if total > 0 else 1.0
+    m = max((len(r.micro_batches) for r in plan.ranks), default=0)
+    sim = simulate_step(plan, models, parallel, schedule=schedule, memory=memory, use_plan_costs=use_plan_costs)
+    rank_times = sim.rank_times
+    step_t = float(rank_times.max()) if len(rank_times) else 0.0
+    busy = sum(float(r.busy.sum()) for r in sim.ranks)
+    work_bound = total / dp if dp else 0.0
+    bound = work_bound * _bound_fill(m, pp, vpp, schedule)
+    cap = max_tokens or (models[0].max_tokens() if models else None) or largest or 1
+    d_tokens = sum(k for d, k in delays if d > 0)
+    d_sum = sum(d * k for d, k in delays)
+    d_tot = sum(k for _, k in delays)
+    return PlanScores(
+        step=plan.step,
+        dp=dp,
+        pp=pp,
+        micro_batches=m,
+        tokens=tokens,
+        imbalance=max(per_rank_imb, default=1.0),
+        imbalance_mean=float(np.mean(per_rank_imb)) if per_rank_imb else 1.0,
+        imbalance_global=imb_global,
+        imbalance_fwd=max(per_rank_imb_f, default=1.0),
+        dp_spread=sim.dp_spread,
+        step_time=step_t,
+        bound_time=bound,
+        work_bound=work_bound,
+        efficiency=bound / step_t if step_t > 0 else 1.0,
+        bubble_share=1.0 - busy / (dp * pp * step_t) if step_t > 0 else 0.0,
+        packing_efficiency=tokens_slots / (slots * cap) if slots else 0.0,
+        tokens_split=tokens_split,
+        docs_split=len(split_docs),
+        tokens_delayed=d_tokens,
+        delay_share=d_tokens / d_tot if d_tot else 0.0,
+        delay_mean=d_sum / d_tot if d_tot else 0.0,
+        delay_mean_delayed=sum(d * k for d, k in delays if d > 0) / d_tokens if d_tokens else 0.0,
+        delay_max=max((d for d, k in delays if k > 0), default=0),
+        delay_known=look is not None,
+        peak_bytes=sim.peak_bytes,
+        imbalance_ranks=per_rank_imb,
+        rank_times=[float(t) for t in rank_times],
+    )
+
+
+def aggregate(scores: Sequence[PlanScores], cov=None) -> RunScores:
+    """A run's scores from its steps' (and, optionally, a verify.Coverage for dropped/duplicated tokens)."""
+    if not scores:
+        raise ValueError("aggregate needs at least one step's scores")
+    tok = sum(s.tokens for s in scores)
+    st = sum(s.step_time for s in scores)
+    bd = sum(s.bound_time for s in scores)
+    slots_tokens = sum(s.packing_efficiency * s.micro_batches * s.dp for s in scores)
+    slots = sum(s.micro_batches * s.dp for s in scores)
+    delayed = sum(s.tokens_delayed for s in scores)
+    return RunScores(
+        steps=len(scores),
+        tokens=tok,
+        imbalance_mean=float(np.mean([s.imbalance for s in scores])),
+        imbalance_max=max(s.imbalance for s in scores),
+        imbalance_global_mean=float(np.mean([s.imbalance_global for s in scores])),
+        imbalance_fwd_mean=float(np.mean([s.imbalance_fwd for s in scores])),
+        dp_spread_mean=float(np.mean([s.dp_spread for s in scores])),
+        dp_spread_max=max(s.dp_spread for s in scores),
+        step_time_total=st,
+        bound_time_total=bd,
+        efficiency=bd / st if st > 0 else 1.0,
+        efficiency_mean=float(np.mean([s.efficiency for s in scores])),
+        efficiency_min=min(s.efficiency for s in scores),
+        bubble_share_mean=float(np.mean([s.bubble_share for s in scores])),
+        packing_efficiency=slots_tokens / slots if slots else 0.0,
+        tokens_split=sum(s.tokens_split for s in scores),
+        split_share=sum(s.tokens_split for s in scores) / tok if tok else 0.0,
+        tokens_delayed=delayed,
+        delay_share=delayed / tok if tok else 0.0,
+        delay_mean=sum(s.delay_mean * s.tokens for s in scores) / tok if tok else 0.0,
+        delay_mean_delayed=sum(s.delay_mean_delayed * s.tokens_delayed for s in scores) / delayed if delayed else 0.0,
+        delay_max=max(s.delay_max for s in scores),
+        peak_bytes=max(s.peak_bytes for s in scores),
+        tokens_dropped=cov.missing_tokens if cov is not None else 0,
+        tokens_duplicated=cov.duplicated_tokens if cov is not None else 0,
+        tokens_extra=cov.extra_tokens if cov is not None else 0,
+    )
+
+
+def score_plans(
+    plans: Iterable[StepPlan],
+    model: CostModel | Sequence[CostModel],
+    parallel: ParallelConfig | None = None,
+    *,
+    max_tokens: int | None = None,
+    schedule: str = "1f1b",
+    drawn=None,
+    pieces=None,
+    final_state: PlannerState | None = None,
+    memory=None,
+    use_plan_costs: bool = False,
+) -> tuple[list[PlanScores], RunScores]:
+    """Score every step and the run. `drawn`: doc -> draw step for the whole run (mapping or array);
+    `pieces` (+ `final_state`): the run's drawn pieces, to count dropped/duplicated tokens."""
+    plans = list(plans)
+    per = [
+        score_plan(p, model, parallel, max_tokens=max_tokens, schedule=schedule, drawn=drawn, memory=memory, use_plan_costs=use_plan_costs)
+        for p in plans
+    ]
+    cov = None
+    if pieces is not None:
+        from packloader.balancers.verify import coverage
+
+        cov = coverage(plans, pieces, final_state)
+    return per, aggregate(per, cov)

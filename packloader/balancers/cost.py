@@ -233,6 +233,58 @@ class CostModel:
         )
 
 
+def fit_poly(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tuple[Poly, float]:
+    """Least-squares a*x^2 + b*x + c through measured (x, y) (Hydraulis's latency fit), coefficients kept
+    non-negative (a negative term is dropped and the rest refitted). With `relative`, residuals are weighted
+    by 1/y so short and long measurements count alike. Returns the Poly and its largest relative error."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1 or len(x) == 0:
+        raise ValueError(f"fit_poly needs two equal non-empty 1-D arrays, got {x.shape} and {y.shape}")
+    w = 1.0 / np.maximum(np.abs(y), 1e-30) if relative else np.ones_like(y)
+    cols = [x * x, x, np.ones_like(x)]
+    active = [0, 1, 2]
+    coef = np.zeros(3)
+    while active:
+        A = np.stack([cols[i] for i in active], axis=1) * w[:, None]
+        sol = np.linalg.lstsq(A, y * w, rcond=None)[0]
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        active = [i for i, v in zip(active, sol) if v >= 0] if (sol >= 0).any() else active[:-1]
+    pred = coef[0] * x * x + coef[1] * x + coef[2]
+    err = float(np.max(np.abs(pred - y) / np.maximum(np.abs(y), 1e-30)))
+    return Poly(float(coef[0]), float(coef[1]), float(coef[2])), err
+
+
+def profile_from_table(
+    name: str,
+    *,
+    attn_lengths: np.ndarray,
+    attn_fwd: np.ndarray,
+    attn_bwd: np.ndarray,
+    lin_tokens: np.ndarray,
+    lin_fwd: np.ndarray,
+    lin_bwd: np.ndarray,
+    tile: int = 128,
+    device: str = "measured",
+    max_tokens: int | None = None,
+) -> CostProfile:
+    """A CostProfile fitted to a measured table: attention time of one causal document per length (lengths
+    rounded up to the tile before fitting, as the model evaluates them) and linear time of a micro-batch per
+    token count, forward and backward. `fit_error` records each part's largest relative error."""
+    qt = np.ceil(np.asarray(attn_lengths, dtype=np.float64) / tile) * tile
+    af, ef_a = fit_poly(qt, attn_fwd)
+    ab, eb_a = fit_poly(qt, attn_bwd)
+    lf, ef_l = fit_poly(np.asarray(lin_tokens, dtype=np.float64), lin_fwd)
+    lb, eb_l = fit_poly(np.asarray(lin_tokens, dtype=np.float64), lin_bwd)
+    return CostProfile(
+        name=name, tile=tile, attn_fwd=af, attn_bwd=ab, lin_fwd=lf, lin_bwd=lb, device=device, max_tokens=max_tokens,
+        fit_error={"attn_fwd": ef_a, "attn_bwd": eb_a, "lin_fwd": ef_l, "lin_bwd": eb_l},
+    )
+
+
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
 

@@ -7,7 +7,7 @@ dividing everything by tp):
 
 * ``none``: the layer input and first norm (2h), the normed input to QKV (2h), Q, K, V (2(h + 2 kv)), the
   attention output (2h), the second norm's input and output (4h), gate and up (4 ffn), the SwiGLU product
-  (2 ffn). About 34h for Llama-2-7B, as Megatron's selective-recompute figure.
+  (2 ffn): about 32h for Llama-2-7B (Megatron's 34h also counts dropout masks, which Llama has none of).
 * ``selective``: the SwiGLU product is recomputed from gate and up (2 ffn fewer); the default.
 * ``full``: only the layer input (2h) is kept; one layer's full set is live again while it is recomputed.
 

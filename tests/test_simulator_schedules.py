@@ -178,3 +178,47 @@ def test_deadlock_free_on_random_slice_layouts():
         r = simulate(f, 2 * f, pp=pp, slice_edges=edges)
         lower = (f.sum() * 3)
         assert r.step_time >= lower - 1e-9
+
+
+def test_batched_sliced_fast_path_matches_simulate():
+    from packloader.balancers.simulator import step_times_ranks_sliced
+
+    rng = np.random.default_rng(2)
+    for pp, vpp, kind, sched in [(1, 1, 0, "1f1b"), (4, 1, 0, "1f1b"), (3, 1, 1, "gpipe"), (2, 2, 2, "interleaved")]:
+        R, m = 6, 8
+        f = rng.random(R * m) + 0.05
+        b = 2.5 * f
+        off = np.arange(0, R * m + 1, m)
+        e_src, e_dst, e_off = [], [], [0]
+        per_rank = []
+        for r in range(R):
+            edges = [(u, u + 1) for u in range(m - 1) if rng.random() < 0.35]
+            per_rank.append(edges)
+            e_src += [a for a, _ in edges]
+            e_dst += [c for _, c in edges]
+            e_off.append(len(e_src))
+        got = step_times_ranks_sliced(pp, vpp, kind, f, b, off, np.array(e_off), np.array(e_src, dtype=np.int64),
+                                      np.array(e_dst, dtype=np.int64), 0.0)
+        for r in range(R):
+            ref = simulate(f[off[r]:off[r + 1]], b[off[r]:off[r + 1]], pp=pp, vpp=vpp, schedule=sched,
+                           slice_edges=per_rank[r] or None)
+            assert got[r] == pytest.approx(ref.step_time)
+            o = default_backward_order(m, np.array(per_rank[r]).reshape(-1, 2))
+            from packloader.balancers.simulator import backward_order_kernel
+
+            e = np.array(per_rank[r], dtype=np.int64).reshape(-1, 2)
+            assert backward_order_kernel(m, e[:, 0].copy(), e[:, 1].copy()).tolist() == o.tolist()
+
+
+def test_per_stage_models_put_the_head_on_the_last_stage():
+    from packloader.balancers.presets import analytic_stage_profiles, get_shape, stage_layers
+
+    assert stage_layers(get_shape("llama3-8b"), 5) == [7, 7, 6, 6, 6]
+    par = ParallelConfig(pp=4)
+    stages = [CostModel(p) for p in analytic_stage_profiles(get_shape("llama3-8b"), par)]
+    assert stages[3].coeffs[8] > stages[0].coeffs[8] == stages[1].coeffs[8]
+    mbs = [MicroBatch(segments=[Segment(i, 0, 2048, 0)]) for i in range(6)]
+    r = simulate_rank(RankPlan(micro_batches=mbs), None, par, stage_models=stages)
+    # the last stage is the bottleneck: its busy time is the largest
+    assert r.busy.argmax() == 3
+    assert r.step_time > simulate_rank(RankPlan(micro_batches=mbs), stages[0], par).step_time

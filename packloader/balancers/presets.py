@@ -148,13 +148,14 @@ def analytic_profile(
     include_head: bool = True,
     layers: float | None = None,
     max_tokens: int | None = None,
+    head_fraction: float | None = None,
 ) -> CostProfile:
     """Per-pipeline-stage cost polynomials (seconds) of `shape` on `device` under `parallel`.
 
     Attention and GEMM work are divided by tp * cp (ideal sharding; the per-layer floor is not). `layers`
     overrides the layers per stage (e.g. 1 for a one-layer profile); `include_head` spreads the LM head's
     GEMM evenly over the stages (it runs on the last one; the mean keeps every stage's time equal, which is
-    what the per-micro-batch balance needs).
+    what the per-micro-batch balance needs); `head_fraction` puts that share of it on this stage instead.
     """
     parallel = parallel or ParallelConfig()
     L = layers_per_stage(shape, parallel) if layers is None else float(layers)
@@ -165,7 +166,9 @@ def analytic_profile(
     a_bwd = attn_flops_per_unit * device.attn_bwd_flops_ratio / (device.attn_bwd_tflops * 1e12)
     # linear: 2 FLOPs per weight per token forward, 4 backward
     lin_params = shape.linear_params_per_layer() * L
-    if include_head:
+    if head_fraction is not None:
+        lin_params += shape.vocab * shape.hidden * head_fraction
+    elif include_head:
         lin_params += shape.vocab * shape.hidden / parallel.pp
     gemm_flops = 2.0 * lin_params / shard
     ew_bytes = shape.elementwise_bytes_per_token_per_layer() * L / shard
@@ -184,3 +187,21 @@ def analytic_profile(
         device="analytic:" + device.name,
         max_tokens=max_tokens,
     )
+
+
+def stage_layers(shape: ModelShape, pp: int) -> list[int]:
+    """Layers of each pipeline stage when pp does not divide the layer count: the first stages take one more."""
+    base, extra = divmod(shape.layers, pp)
+    return [base + (1 if s < extra else 0) for s in range(pp)]
+
+
+def analytic_stage_profiles(shape: ModelShape, parallel: ParallelConfig | None = None, device: DeviceSpec = H100) -> list[CostProfile]:
+    """One profile per pipeline stage: its own layer count, the LM head on the last stage (for
+    `simulator.simulate_rank(stage_models=...)`, where stage times differ)."""
+    parallel = parallel or ParallelConfig()
+    out = []
+    for s, n in enumerate(stage_layers(shape, parallel.pp)):
+        head = 1.0 if s == parallel.pp - 1 else 0.0
+        pr = analytic_profile(shape, parallel, device, layers=n, head_fraction=head)
+        out.append(msgspec.structs.replace(pr, name=f"{pr.name}/stage{s}"))
+    return out

@@ -251,6 +251,80 @@ def step_times_ranks(pp, vpp, kind, fwd, bwd, offsets, p2p):
     return out
 
 
+@njit(cache=True)
+def backward_order_kernel(m, src, dst):
+    """Numba twin of `default_backward_order` for edges (src[i] < dst[i])."""
+    key = np.arange(m)
+    if src.shape[0] > 0:
+        order = np.argsort(-src, kind="mergesort")  # edges by source, highest first
+        for i in order:
+            if key[dst[i]] > key[src[i]]:
+                key[src[i]] = key[dst[i]]
+    comp = key * (m + 1) + (m - 1 - np.arange(m))
+    return np.argsort(comp, kind="mergesort").astype(np.int64)
+
+
+@njit(cache=True)
+def step_times_ranks_sliced(pp, vpp, kind, fwd, bwd, offsets, e_offsets, e_src, e_dst, p2p):
+    """Like step_times_ranks, with slice edges: rank r's edges are e_offsets[r]..e_offsets[r+1]-1 of e_src /
+    e_dst (micro-batch indices local to the rank, src < dst); the backward order is the default FILO one.
+    Returns -1.0 for a rank whose schedule deadlocks."""
+    R = offsets.shape[0] - 1
+    out = np.empty(R, dtype=np.float64)
+    V = pp * vpp
+    for r in range(R):
+        a = offsets[r]
+        m = offsets[r + 1] - a
+        if m == 0:
+            out[r] = 0.0
+            continue
+        f = np.empty((V, m), dtype=np.float64)
+        b = np.empty((V, m), dtype=np.float64)
+        for v in range(V):
+            for u in range(m):
+                f[v, u] = fwd[a + u] / vpp
+                b[v, u] = bwd[a + u] / vpp
+        ea = e_offsets[r]
+        eb = e_offsets[r + 1]
+        src = e_src[ea:eb].copy()
+        dst = e_dst[ea:eb].copy()
+        E = eb - ea
+        order = backward_order_kernel(m, src, dst)
+        ops = build_ops(pp, vpp, m, kind, order)
+        # CSR by destination (forward waits) and by source (backward waits)
+        in_ptr = np.zeros(m + 1, dtype=np.int64)
+        out_ptr = np.zeros(m + 1, dtype=np.int64)
+        for i in range(E):
+            in_ptr[dst[i] + 1] += 1
+            out_ptr[src[i] + 1] += 1
+        for u in range(m):
+            in_ptr[u + 1] += in_ptr[u]
+            out_ptr[u + 1] += out_ptr[u]
+        in_src = np.empty(max(E, 1), dtype=np.int64)
+        in_eid = np.zeros(max(E, 1), dtype=np.int64)
+        out_dst = np.empty(max(E, 1), dtype=np.int64)
+        out_eid = np.zeros(max(E, 1), dtype=np.int64)
+        fi_in = in_ptr[:-1].copy()
+        fi_out = out_ptr[:-1].copy()
+        for i in range(E):
+            in_src[fi_in[dst[i]]] = src[i]
+            fi_in[dst[i]] += 1
+            out_dst[fi_out[src[i]]] = dst[i]
+            fi_out[src[i]] += 1
+        zero_vm = np.zeros((V, m), dtype=np.float64)
+        kv = np.zeros((V, max(E, 1)), dtype=np.float64)
+        st = np.empty(V * m * 2, dtype=np.float64)
+        fin = np.empty(V * m * 2, dtype=np.float64)
+        n = 2 * m * vpp
+        mt = np.empty((pp, 2 * n), dtype=np.float64)
+        mb = np.empty((pp, 2 * n), dtype=np.float64)
+        pk = np.empty(pp, dtype=np.float64)
+        bz = np.empty(pp, dtype=np.float64)
+        out[r] = simulate_kernel(pp, vpp, m, ops, f, b, p2p, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
+                                 zero_vm, zero_vm, kv, st, fin, mt, mb, pk, bz)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- arrays API
 
 
@@ -485,10 +559,12 @@ def simulate_rank(
     memory=None,
     use_plan_costs: bool = False,
     p2p: float = 0.0,
+    stage_models: Sequence | None = None,
 ) -> SimResult:
     """Simulate one DP rank's pipeline. `model` is a CostModel (per-stage times; the same on every stage);
-    `memory` an optional memory.MemoryModel for activation/KV/static bytes; `use_plan_costs` takes the
-    micro-batches' fwd_cost/bwd_cost as they are instead of recomputing them."""
+    `stage_models` one CostModel per pipeline stage instead (e.g. `presets.analytic_stage_profiles`: the
+    embedding and LM head on the first and last stage); `memory` an optional memory.MemoryModel for
+    activation/KV/static bytes; `use_plan_costs` takes the micro-batches' fwd_cost/bwd_cost as they are."""
     parallel = parallel or ParallelConfig()
     mbs = rank.micro_batches if isinstance(rank, RankPlan) else list(rank)
     bo = rank.backward_order if isinstance(rank, RankPlan) else None
@@ -496,6 +572,12 @@ def simulate_rank(
     if use_plan_costs:
         f = np.array([mb.fwd_cost for mb in mbs], dtype=np.float64)
         b = np.array([mb.bwd_cost for mb in mbs], dtype=np.float64)
+    elif stage_models is not None:
+        if len(stage_models) != parallel.pp:
+            raise ValueError(f"{len(stage_models)} stage models for pp={parallel.pp}")
+        fb = [[sm.microbatch_times(mb) for mb in mbs] for sm in stage_models]
+        f = np.array([[x[0] for x in row] for row in fb], dtype=np.float64).reshape(parallel.pp, m)
+        b = np.array([[x[1] for x in row] for row in fb], dtype=np.float64).reshape(parallel.pp, m)
     else:
         fb = [model.microbatch_times(mb) for mb in mbs]
         f = np.array([x[0] for x in fb], dtype=np.float64).reshape(m)

@@ -222,3 +222,13 @@ def test_per_stage_models_put_the_head_on_the_last_stage():
     # the last stage is the bottleneck: its busy time is the largest
     assert r.busy.argmax() == 3
     assert r.step_time > simulate_rank(RankPlan(micro_batches=mbs), stages[0], par).step_time
+
+
+def test_interleaved_runs_every_multiple_of_pp_and_explains_the_rest():
+    for pp in range(1, 6):
+        for vpp in (2, 3):
+            for m in range(pp, 4 * pp + 1, pp):
+                r = simulate(np.ones(m), 2 * np.ones(m), pp=pp, vpp=vpp, schedule="interleaved")
+                assert r.step_time == pytest.approx((m + (pp - 1) / vpp) * 3)
+    with pytest.raises(RuntimeError, match="multiple of pp"):
+        simulate(np.ones(7), 2 * np.ones(7), pp=5, vpp=2, schedule="interleaved")

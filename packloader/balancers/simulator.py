@@ -13,6 +13,9 @@ Tasks are (virtual stage, forward/backward, micro-batch). Edges:
   `backward_order` (default: forward order, except that the micro-batches of a sliced document go last slice
   first, SlimPack's FILO rule). When the backward due next on a rank is for a micro-batch whose forward the
   rank has not run yet, the rank runs further forwards first (SlimPack's injected forward micro-pack).
+  Interleaved 1F1B follows Megatron's table (groups of pp micro-batches, chunk by chunk); some micro-batch
+  counts that are not a multiple of pp deadlock there, as Megatron forbids them: `simulate` raises, the
+  batched kernels return -1.0 for that rank.
 
 The DAG is resolved by list scheduling in the ranks' orders, which gives every task's earliest start (the
 critical-path times of SlimPack's Algorithm 1); the step time is the last finish. Memory is tracked per rank
@@ -500,7 +503,10 @@ def simulate(
     t = simulate_kernel(pp, vpp, m, ops, f, b, float(p2p), in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
                         act, trans, kv, st, fi, mt, mbytes, peak, busy)
     if t < 0:
-        raise RuntimeError(f"schedule {schedule!r} (pp={pp}, vpp={vpp}, m={m}) deadlocks with backward order {order.tolist()}")
+        hint = ""
+        if kind == 2 and vpp > 1 and m % pp:
+            hint = f"; interleaved 1F1B needs the micro-batch count to be a multiple of pp ({m} % {pp} != 0), as Megatron does"
+        raise RuntimeError(f"schedule {schedule!r} (pp={pp}, vpp={vpp}, m={m}) deadlocks with backward order {order.tolist()}{hint}")
     stat = np.zeros(pp) if static_bytes is None else np.broadcast_to(np.asarray(static_bytes, dtype=np.float64), (pp,)).copy()
     return SimResult(
         step_time=float(t), pp=pp, vpp=vpp, m=m, busy=busy,

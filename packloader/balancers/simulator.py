@@ -11,8 +11,11 @@ Tasks are (virtual stage, forward/backward, micro-batch). Edges:
 * schedule: each pipeline rank runs its tasks one at a time in the order the schedule gives (1F1B, GPipe,
   interleaved 1F1B with vpp model chunks per rank, Megatron's order). Backward passes visit micro-batches in
   `backward_order` (default: forward order, except that the micro-batches of a sliced document go last slice
-  first, SlimPack's FILO rule). When the backward due next on a rank is for a micro-batch whose forward the
-  rank has not run yet, the rank runs further forwards first (SlimPack's injected forward micro-pack).
+  first, SlimPack's FILO rule). Before its k-th backward, stage s has run warm_s + k + 1 forwards (1F1B:
+  warm_s = pp - s - 1; Megatron's interleaved warm-up; GPipe: all), or more when that backward's own forward
+  comes later in forward order: the rank runs those forwards first (SlimPack's injected forward micro-pack).
+  An injection does not widen the lead for later backwards, so the backwards of a slice chain run back to
+  back instead of waiting a pipeline round trip each.
   Interleaved 1F1B follows Megatron's table (groups of pp micro-batches, chunk by chunk); some micro-batch
   counts that are not a multiple of pp deadlock there, as Megatron forbids them: `simulate` raises, the
   batched kernels return -1.0 for that rank.
@@ -84,21 +87,15 @@ def build_ops(pp, vpp, m, kind, bwd_order):
             warm = min((pp - s - 1) * 2 + (vpp - 1) * pp, nv)
         else:
             warm = min(pp - s - 1, nv)
+        # Before its nb-th backward a rank has run warm + nb + 1 forwards (the 1F1B / Megatron rule), or more
+        # when that backward's forward comes later in the forward order (injected forwards); an injection
+        # does not raise the lead for the backwards after it.
         k = 0
         nf = 0
         nb = 0
-        while nf < warm:
-            ops[s, k] = _enc(fc[nf] * pp + s, fu[nf], 0, m)
-            issued[fu[nf], fc[nf]] = True
-            k += 1
-            nf += 1
         while nb < nv:
-            if nf < nv:
-                ops[s, k] = _enc(fc[nf] * pp + s, fu[nf], 0, m)
-                issued[fu[nf], fc[nf]] = True
-                k += 1
-                nf += 1
-            while not issued[bu[nb], bc[nb]]:  # inject forwards until the due backward's forward has run
+            target = min(nv, warm + nb + 1)
+            while nf < target or not issued[bu[nb], bc[nb]]:
                 ops[s, k] = _enc(fc[nf] * pp + s, fu[nf], 0, m)
                 issued[fu[nf], fc[nf]] = True
                 k += 1

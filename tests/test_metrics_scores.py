@@ -242,3 +242,31 @@ def test_verify_dp_merge_group_counts_once_and_caps_per_rank():
     bad = MicroBatch(segments=[Segment(9, 0, 8, 0)], dp_group=[1, 2])
     with pytest.raises(PlanError, match="dp_group"):
         verify_plan(StepPlan(step=0, ranks=[RankPlan(micro_batches=[bad]), RankPlan(micro_batches=[bad])]), [(9, 0, 8)], 4)
+
+
+def test_fast_and_full_simulation_paths_agree():
+    from packloader.balancers.memory import MemoryModel
+
+    rng = np.random.default_rng(3)
+    ranks = []
+    doc = 0
+    for r in range(3):
+        mbs = []
+        for u in range(6):
+            n = int(rng.integers(100, 3000))
+            mbs.append(mb((doc, 0, n, 0)))
+            doc += 1
+        # a slice chain over micro-batches 1..3
+        mbs[1] = mb((999 + r, 0, 500, 0))
+        mbs[2] = mb((999 + r, 500, 900, 0), (doc, 0, 50, 0))
+        mbs[3] = mb((999 + r, 900, 1500, 0))
+        doc += 1
+        ranks.append(RankPlan(micro_batches=mbs))
+    plan = StepPlan(step=0, ranks=ranks)
+    par = ParallelConfig(dp=3, pp=3)
+    model = _tiny()
+    fast = score_plan(plan, model, par)
+    full = score_plan(plan, model, par, memory=MemoryModel.for_preset("tiny", par))
+    assert fast.rank_times == pytest.approx(full.rank_times)
+    assert fast.bubble_share == pytest.approx(full.bubble_share)
+    assert full.peak_bytes > 0 and fast.tokens_split == full.tokens_split == 3 * 1500

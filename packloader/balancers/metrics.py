@@ -35,7 +35,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost import CostModel, _per_rank
-from packloader.balancers.simulator import simulate_step
+from packloader.balancers.simulator import SCHEDULES, simulate_step, slice_edges_of, step_times_ranks_sliced
 from packloader.contracts import ParallelConfig, PlannerState, StepPlan
 
 
@@ -140,6 +140,31 @@ def _unique_segments(plan: StepPlan):
             yield from mb.segments
 
 
+def _fast_rank_times(plan: StepPlan, rank_f, rank_b, pp: int, vpp: int, schedule: str) -> np.ndarray:
+    """Every rank's simulated time in one numba call (no memory tracking, default backward order)."""
+    kind = SCHEDULES[schedule]
+    if kind == 2 and vpp == 1:
+        kind = 0
+    offsets = np.zeros(len(rank_f) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(f) for f in rank_f])
+    e_off = [0]
+    e_src: list[int] = []
+    e_dst: list[int] = []
+    for rank in plan.ranks:
+        if any(sg.attend_from < sg.start for mb in rank.micro_batches for sg in mb.segments):
+            edges, _ = slice_edges_of(rank.micro_batches)
+            e_src.extend(edges[:, 0].tolist())
+            e_dst.extend(edges[:, 1].tolist())
+        e_off.append(len(e_src))
+    f = np.concatenate(rank_f) if rank_f else np.zeros(0)
+    b = np.concatenate(rank_b) if rank_b else np.zeros(0)
+    t = step_times_ranks_sliced(pp, vpp, kind, f, b, offsets, np.asarray(e_off, dtype=np.int64),
+                                np.asarray(e_src, dtype=np.int64), np.asarray(e_dst, dtype=np.int64), 0.0)
+    if (t < 0).any():
+        raise RuntimeError(f"schedule {schedule!r} deadlocks for step {plan.step} (pp={pp}, vpp={vpp}); see simulator.simulate")
+    return t
+
+
 def _bound_fill(m: int, pp: int, vpp: int, schedule: str) -> float:
     if m <= 0:
         return 1.0
@@ -223,10 +248,17 @@ def score_plan(
     total = float(allc.sum())
     imb_global = float(allc.max() * len(allc) / total) if total > 0 else 1.0
     m = max((len(r.micro_batches) for r in plan.ranks), default=0)
-    sim = simulate_step(plan, models, parallel, schedule=schedule, memory=memory, use_plan_costs=use_plan_costs)
-    rank_times = sim.rank_times
+    if memory is None and all(r.backward_order is None for r in plan.ranks):
+        rank_times = _fast_rank_times(plan, rank_f, rank_b, pp, vpp, schedule)
+        busy = pp * total
+        peak = 0.0
+    else:
+        sim = simulate_step(plan, models, parallel, schedule=schedule, memory=memory, use_plan_costs=use_plan_costs)
+        rank_times = sim.rank_times
+        busy = sum(float(r.busy.sum()) for r in sim.ranks)
+        peak = sim.peak_bytes
     step_t = float(rank_times.max()) if len(rank_times) else 0.0
-    busy = sum(float(r.busy.sum()) for r in sim.ranks)
+    dp_spread = float(rank_times.max() / rank_times.mean()) if len(rank_times) and rank_times.mean() > 0 else 1.0
     work_bound = total / dp if dp else 0.0
     bound = work_bound * _bound_fill(m, pp, vpp, schedule)
     cap = max_tokens or (models[0].max_tokens() if models else None) or largest or 1
@@ -243,7 +275,7 @@ def score_plan(
         imbalance_mean=float(np.mean(per_rank_imb)) if per_rank_imb else 1.0,
         imbalance_global=imb_global,
         imbalance_fwd=max(per_rank_imb_f, default=1.0),
-        dp_spread=sim.dp_spread,
+        dp_spread=dp_spread,
         step_time=step_t,
         bound_time=bound,
         work_bound=work_bound,
@@ -258,7 +290,7 @@ def score_plan(
         delay_mean_delayed=sum(d * k for d, k in delays if d > 0) / d_tokens if d_tokens else 0.0,
         delay_max=max((d for d, k in delays if k > 0), default=0),
         delay_known=look is not None,
-        peak_bytes=sim.peak_bytes,
+        peak_bytes=peak,
         imbalance_ranks=per_rank_imb,
         rank_times=[float(t) for t in rank_times],
     )

@@ -1,0 +1,247 @@
+"""Parquet shards: one file per shard, a text column or a pre-tokenized integer-list column, optional length column.
+
+Access is by row group: `read(shard, rows)` maps each requested row to its row group, decodes every row group the
+request touches exactly once (in the order the request first needs it), takes all the requested rows of that group
+in one Arrow `take`, and yields the documents in the requested order. Decoded row groups stay in a small
+per-thread LRU cache (`cache_bytes`, always at least the current one), so consecutive requests into the same row
+group decode nothing.
+Files are opened with `memory_map=True`.
+
+Token columns may be `list`/`large_list` of any integer type; values are cast to int32 (an out-of-range value is an
+error naming the file and column). A length column (`length_column`, by default a column named "length" next to a
+token column) gives `lengths(shard)` without reading tokens, and is checked against the token lists it describes
+whenever a row group is decoded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from packloader.sources.base import RawDocument
+from packloader.sources.errors import NonUtf8Error, SourceError
+from packloader.sources.reader import LruCache, ShardedSource, group_positions
+
+DEFAULT_COLUMNS = ("text", "content", "tokens", "input_ids")
+DEFAULT_LENGTH_COLUMN = "length"
+
+
+def _is_text(t: pa.DataType) -> bool:
+    is_view = getattr(pa.types, "is_string_view", lambda _: False)
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or is_view(t)
+
+
+def _is_token_list(t: pa.DataType) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+
+
+class ParquetSource(ShardedSource):
+    """Parquet files as shards (sorted paths). `column=None` picks the first of text, content, tokens, input_ids."""
+
+    def __init__(
+        self,
+        paths: str | Path | Sequence[str | Path],
+        *,
+        column: str | None = None,
+        length_column: str | None = "auto",
+        empty: str = "error",
+        cache_bytes: int = 256 << 20,
+    ) -> None:
+        super().__init__(empty=empty)
+        paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+        if not paths:
+            raise ValueError("ParquetSource needs at least one file")
+        self._paths = sorted(str(p) for p in paths)
+        self.cache_bytes = int(cache_bytes)
+        self.column: str | None = column
+        self.length_column: str | None = None
+        self._pretokenized: bool | None = None
+        self._rg_starts: list[np.ndarray] = []
+        self.metadata: dict[str, str] = {}  # key-value metadata of the first file's schema (tokenizer, eos)
+        for path in self._paths:
+            pf = self._open(path)
+            self._check_schema(path, pf.schema_arrow, length_column)
+            sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+            self._rg_starts.append(np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]))
+            if not self.metadata:
+                meta = pf.schema_arrow.metadata or {}
+                self.metadata = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in meta.items()
+                                 if k != b"ARROW:schema"}
+        self._open_shards(self._paths, [int(s[-1]) for s in self._rg_starts])
+
+    @property
+    def pretokenized(self) -> bool:
+        return bool(self._pretokenized)
+
+    # --- opening and schema checks --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _open(path: str) -> pq.ParquetFile:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"Parquet shard not found: {path}")
+        try:
+            return pq.ParquetFile(path, memory_map=True)
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(f"{path}: not a readable Parquet file ({e})") from e
+
+    def _check_schema(self, path: str, schema: pa.Schema, length_column: str | None) -> None:
+        names = schema.names
+        if self.column is None:
+            found = [c for c in DEFAULT_COLUMNS if c in names]
+            if not found:
+                raise SourceError(
+                    f"{path}: no text or token column found among {names}; expected one of {list(DEFAULT_COLUMNS)} "
+                    "or pass column=..."
+                )
+            self.column = found[0]
+        if self.column not in names:
+            raise SourceError(f"{path}: no column {self.column!r}; the file has columns {names}")
+        t = schema.field(self.column).type
+        if _is_text(t):
+            kind = False
+        elif _is_token_list(t):
+            kind = True
+        else:
+            raise SourceError(
+                f"{path}, column {self.column!r}: type {t}, expected string/large_string (text) or "
+                "list<int32>/large_list<int32> (tokens)"
+            )
+        if self._pretokenized is None:
+            self._pretokenized = kind
+            if length_column == "auto":
+                length_column = DEFAULT_LENGTH_COLUMN if kind and DEFAULT_LENGTH_COLUMN in names else None
+            elif length_column is not None and not kind:
+                raise SourceError(f"{path}: a length column only describes token columns; {self.column!r} is text")
+            self.length_column = length_column
+        elif kind != self._pretokenized:
+            raise SourceError(
+                f"{path}, column {self.column!r}: type {t}, but {self._paths[0]} holds "
+                f"{'tokens' if self._pretokenized else 'text'} in that column; all shards must agree"
+            )
+        if self.length_column is not None:
+            if self.length_column not in names:
+                raise SourceError(f"{path}: no length column {self.length_column!r}; the file has columns {names}")
+            lt = schema.field(self.length_column).type
+            if not pa.types.is_integer(lt):
+                raise SourceError(f"{path}, column {self.length_column!r}: type {lt}, expected an integer length")
+
+    # --- decoding ------------------------------------------------------------------------------------------------
+
+    def _file(self, shard: int) -> pq.ParquetFile:
+        files = self._cache().setdefault("files", LruCache(max_items=16))
+        pf = files.get(shard)
+        return pf if pf is not None else files.put(shard, self._open(self._paths[shard]))
+
+    def _block(self, shard: int, group: int):
+        """A decoded, checked row group: a text array, or (offsets, int32 values)."""
+        blocks = self._cache().setdefault("blocks", LruCache(max_bytes=self.cache_bytes))
+        hit = blocks.get((shard, group))
+        if hit is not None:
+            return hit
+        path = self._paths[shard]
+        columns = [self.column] + ([self.length_column] if self.length_column else [])
+        try:
+            table = self._file(shard).read_row_group(group, columns=columns)
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(f"{path}: row group {group} cannot be read ({e})") from e
+        start = int(self._rg_starts[shard][group])
+        arr = table.column(self.column).combine_chunks()
+        if arr.null_count:
+            row = start + int(pc.index(arr.is_null(), True).as_py())
+            raise SourceError(f"{path}, row {row}, column {self.column!r}: null, expected a value")
+        if self.pretokenized:
+            block = self._token_block(path, start, arr, table)
+        else:
+            block = arr
+        return blocks.put((shard, group), block, table.nbytes)
+
+    def _token_block(self, path: str, start: int, arr: pa.Array, table: pa.Table):
+        values = arr.flatten()  # respects slicing, unlike .values
+        if values.null_count:
+            pos = int(pc.index(values.is_null(), True).as_py())
+            row = start + int(np.searchsorted(arr.offsets.to_numpy(), pos + arr.offsets[0].as_py(), side="right")) - 1
+            raise SourceError(f"{path}, row {row}, column {self.column!r}: null token id")
+        if values.type != pa.int32():
+            try:
+                values = values.cast(pa.int32())  # safe cast: overflow raises
+            except pa.ArrowInvalid as e:
+                raise SourceError(f"{path}, column {self.column!r}: token ids do not fit int32 ({e})") from e
+        offsets = arr.offsets.to_numpy().astype(np.int64)
+        offsets -= offsets[0]
+        tokens = values.to_numpy(zero_copy_only=False)
+        if self.length_column:
+            declared = table.column(self.length_column).combine_chunks()
+            if declared.null_count:
+                row = start + int(pc.index(declared.is_null(), True).as_py())
+                raise SourceError(f"{path}, row {row}, column {self.length_column!r}: null, expected a length")
+            actual = np.diff(offsets)
+            bad = np.flatnonzero(declared.to_numpy(zero_copy_only=False) != actual)
+            if bad.size:
+                j = int(bad[0])
+                raise SourceError(
+                    f"{path}, row {start + j}, column {self.length_column!r}: says {declared[j].as_py()} tokens, "
+                    f"but column {self.column!r} holds {int(actual[j])}"
+                )
+        return offsets, tokens
+
+    def _read_raw(self, shard: int, raw_rows: np.ndarray) -> Iterator[RawDocument]:
+        starts = self._rg_starts[shard]
+        groups = np.searchsorted(starts, raw_rows, side="right") - 1
+        by_group = group_positions(groups)
+        pending: dict[int, RawDocument] = {}
+        for i, g in enumerate(groups.tolist()):
+            doc = pending.pop(i, None)
+            if doc is None:  # the first position of group g in this request: take all of them now
+                positions = by_group[g]
+                local = raw_rows[positions] - starts[g]
+                docs = self._take(shard, g, local)
+                doc = docs[0]
+                pending.update(zip(positions[1:].tolist(), docs[1:]))
+            yield doc
+
+    def _take(self, shard: int, group: int, local: np.ndarray) -> list[RawDocument]:
+        block = self._block(shard, group)
+        if self.pretokenized:
+            offsets, tokens = block
+            return [tokens[offsets[j] : offsets[j + 1]].copy() for j in local.tolist()]
+        try:
+            return block.take(pa.array(local)).to_pylist()
+        except UnicodeDecodeError:
+            for j in local.tolist():
+                try:
+                    block[j].as_py()
+                except UnicodeDecodeError as e:
+                    row = int(self._rg_starts[shard][group]) + j
+                    raise NonUtf8Error(
+                        f"{self._paths[shard]}, row {row}, column {self.column!r}: text is not valid UTF-8 ({e})"
+                    ) from e
+            raise
+
+    # --- lengths and empty rows, from the cheapest column that tells -------------------------------------------------
+
+    def _raw_lengths(self, shard: int) -> np.ndarray | None:
+        if self.length_column is None:
+            return None
+        path = self._paths[shard]
+        try:
+            col = self._file(shard).read(columns=[self.length_column]).column(0).combine_chunks()
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(f"{path}: column {self.length_column!r} cannot be read ({e})") from e
+        if col.null_count:
+            row = int(pc.index(col.is_null(), True).as_py())
+            raise SourceError(f"{path}, row {row}, column {self.length_column!r}: null, expected a length")
+        return col.to_numpy(zero_copy_only=False).astype(np.int64)
+
+    def _empty_rows(self, shard: int) -> np.ndarray:
+        lengths = self._raw_lengths(shard)
+        if lengths is not None:
+            return lengths == 0
+        col = self._file(shard).read(columns=[self.column]).column(0)
+        measure = pc.list_value_length if self.pretokenized else pc.binary_length
+        n = measure(col).fill_null(1)  # nulls are not "empty": reading them is an error of its own
+        return n.to_numpy() == 0

@@ -1,0 +1,79 @@
+"""`packloader tokenize INPUT... --out DIR`: text shards to Parquet token shards (tokens, length), in order."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="Parquet/JSONL files, a glob, an MDS directory or a directory of text files; 'stdlib' for "
+                        "the Python standard library's .py files")
+    p.add_argument("--out", required=True, help="directory for part-NNNNN.parquet token shards")
+    p.add_argument("--tokenizer", default="tekken", help="tekken (default), cl100k, bytes or hf:PATH/tokenizer.json")
+    p.add_argument("--column", default=None, help="text column / JSONL field (default: text, content)")
+    p.add_argument("--format", default=None, choices=["parquet", "jsonl", "mds", "directory"],
+                   help="input format (default: from the extension or the directory's contents)")
+    p.add_argument("--pattern", default="**/*", help="glob of the files to read in a plain directory (default **/*)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 27, help="start a new file after this many tokens")
+    p.add_argument("--row-group-tokens", type=int, default=1 << 20, help="tokens per Parquet row group")
+    p.add_argument("--no-eos", action="store_true", help="do not append the tokenizer's EOS to each document")
+    p.add_argument("--skip-empty", action="store_true", help="skip and count empty documents instead of failing")
+    p.add_argument("--skip-bad-files", action="store_true",
+                   help="in a plain directory, skip and count files that are not UTF-8 instead of failing")
+    p.add_argument("--threads", type=int, default=None, help="tokenizer threads (default: usable CPUs, at most 8)")
+    p.add_argument("--eos", default=None, help="EOS token of an hf: tokenizer whose files do not name one")
+    p.add_argument("--overwrite", action="store_true", help="replace token shards already in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from packloader.sources.errors import SourceError
+
+    try:
+        return _run(args)
+    except (SourceError, FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
+        print(f"packloader tokenize: error: {e}", file=sys.stderr)  # the message names the file, row or field
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from packloader.sources.directory import stdlib_corpus
+    from packloader.sources.open import open_source
+    from packloader.sources.pretokenize import tokenize_to_parquet
+    from packloader.sources.tokenizers import get_tokenizer
+
+    if args.inputs == ["stdlib"] and not os.path.exists("stdlib"):
+        source = stdlib_corpus()
+    else:
+        source = open_source(
+            args.inputs,
+            column=args.column,
+            format=args.format,
+            empty="skip" if args.skip_empty else "error",
+            pattern=args.pattern,
+            errors="skip" if args.skip_bad_files else "error",
+        )
+    eos = int(args.eos) if args.eos is not None and args.eos.isdigit() else args.eos
+    tokenizer = get_tokenizer(args.tokenizer, num_threads=args.threads, eos=eos)
+    summary = tokenize_to_parquet(
+        source,
+        tokenizer,
+        args.out,
+        append_eos=not args.no_eos,
+        shard_tokens=args.shard_tokens,
+        row_group_tokens=args.row_group_tokens,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    rate = summary.tokens / summary.seconds if summary.seconds > 0 else float("nan")
+    print(
+        f"{summary.documents:,} documents, {summary.tokens:,} tokens ({summary.tokenizer}, "
+        f"EOS {'appended' if summary.eos_appended else 'not appended'}) in {len(summary.files)} files under "
+        f"{args.out}, {summary.seconds:.1f} s ({rate:,.0f} tokens/s)"
+    )
+    if summary.skipped:
+        print("skipped: " + ", ".join(f"{n:,} {why}" for why, n in sorted(summary.skipped.items())), file=sys.stderr)
+    return 0

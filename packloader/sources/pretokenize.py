@@ -1,0 +1,226 @@
+"""Text shards in, Parquet token shards out, so that later epochs skip tokenizing (`packloader tokenize`).
+
+Output: `part-00000.parquet`, `part-00001.parquet`, ... in `out_dir`, each with columns `tokens: list<int32>` and
+`length: int32` (zstd, no dictionary encoding, row groups of about `row_group_tokens` tokens), documents in source
+order (shard by shard, row by row). A new file starts once the current one holds `shard_tokens` tokens. The schema
+metadata records the tokenizer, its EOS id and whether EOS was appended (`packloader.eos_appended`), so a reader
+knows not to append it again; `ParquetSource(...).metadata` exposes it.
+
+A reader thread reads the next batch of documents while the tokenizer encodes the current one in its own threads;
+files are written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SCHEMA = pa.schema([("tokens", pa.list_(pa.int32())), ("length", pa.int32())])
+_INT32_MAX = 2**31 - 1
+
+
+class TokenizeSummary(msgspec.Struct, frozen=True):
+    files: list[str]
+    documents: int
+    tokens: int  # EOS included when appended
+    seconds: float
+    tokenizer: str
+    eos_appended: bool
+    skipped: dict[str, int]
+
+
+def _batches(source, batch_docs: int, batch_chars: int) -> Iterator[list[str]]:
+    batch, chars = [], 0
+    for shard, info in enumerate(source.shards):
+        for doc in source.read(shard, np.arange(info.num_rows, dtype=np.int64)):
+            batch.append(doc)
+            chars += len(doc)
+            if len(batch) >= batch_docs or chars >= batch_chars:
+                yield batch
+                batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _prefetched(it: Iterator, depth: int = 2) -> Iterator:
+    """Run `it` in a thread, `depth` items ahead; its exceptions surface here, in order."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def work() -> None:
+        try:
+            for item in it:
+                if stop.is_set():
+                    return
+                q.put((item, None))
+            q.put((done, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put((done, e))
+
+    t = threading.Thread(target=work, name="packloader-tokenize-reader", daemon=True)
+    t.start()
+    try:
+        while True:
+            item, err = q.get()
+            if item is done:
+                if err is not None:
+                    raise err
+                return
+            yield item
+    finally:
+        stop.set()
+        while t.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                t.join(0.05)
+
+
+class _ShardWriter:
+    """Writes token arrays into numbered Parquet files, row group by row group, rolling over at `shard_tokens`."""
+
+    def __init__(self, out_dir: Path, shard_tokens: int, row_group_tokens: int, metadata: dict[str, str]) -> None:
+        self.out_dir = out_dir
+        self.shard_tokens = shard_tokens
+        self.row_group_tokens = row_group_tokens
+        self.schema = SCHEMA.with_metadata(metadata)
+        self.files: list[str] = []
+        self._writer: pq.ParquetWriter | None = None
+        self._tmp: Path | None = None
+        self._file_tokens = 0
+        self._pending: list[np.ndarray] = []
+        self._pending_tokens = 0
+
+    def add(self, docs: list[np.ndarray]) -> None:
+        for d in docs:
+            if len(d) > _INT32_MAX:
+                raise ValueError(f"a document of {len(d)} tokens does not fit a list<int32> row")
+            self._pending.append(d)
+            self._pending_tokens += len(d)
+            self._file_tokens += len(d)
+            if self._pending_tokens >= self.row_group_tokens or self._file_tokens >= self.shard_tokens:
+                self._flush_row_group()
+            if self._file_tokens >= self.shard_tokens:
+                self._close_file()
+
+    def _flush_row_group(self) -> None:
+        if not self._pending:
+            return
+        lengths = np.fromiter((len(d) for d in self._pending), dtype=np.int64, count=len(self._pending))
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        if offsets[-1] > _INT32_MAX:  # keep list<int32> offsets valid: split the row group
+            half = len(self._pending) // 2
+            rest = self._pending[half:]
+            self._pending = self._pending[:half]
+            self._flush_row_group()
+            self._pending = rest
+            self._flush_row_group()
+            return
+        values = np.concatenate(self._pending).astype(np.int32, copy=False)
+        tokens = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
+        table = pa.Table.from_arrays([tokens, pa.array(lengths.astype(np.int32))], schema=self.schema)
+        if self._writer is None:
+            name = f"part-{len(self.files):05d}.parquet"
+            self._tmp = self.out_dir / f".{name}.tmp"
+            self._writer = pq.ParquetWriter(self._tmp, self.schema, compression="zstd", use_dictionary=False)
+            self.files.append(str(self.out_dir / name))
+        self._writer.write_table(table, row_group_size=len(self._pending))
+        self._pending, self._pending_tokens = [], 0
+
+    def _close_file(self) -> None:
+        self._flush_row_group()
+        if self._writer is not None:
+            self._writer.close()
+            os.replace(self._tmp, self.files[-1])
+            self._writer, self._tmp = None, None
+        self._file_tokens = 0
+
+    def close(self) -> None:
+        self._close_file()
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._tmp.unlink(missing_ok=True)
+            self._writer = None
+
+
+def tokenize_to_parquet(
+    source,
+    tokenizer,
+    out_dir: str | os.PathLike,
+    *,
+    append_eos: bool = True,
+    shard_tokens: int = 1 << 27,
+    row_group_tokens: int = 1 << 20,
+    batch_docs: int = 1024,
+    batch_chars: int = 8 << 20,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> TokenizeSummary:
+    """Tokenize every document of a text `source` with `tokenizer` and write Parquet token shards to `out_dir`."""
+    if source.pretokenized:
+        raise ValueError("the source is already tokenized; tokenize reads text sources")
+    if append_eos and tokenizer.eos_id is None:
+        raise ValueError(f"tokenizer {tokenizer.name!r} has no EOS token; pass append_eos=False (--no-eos)")
+    if shard_tokens < 1 or row_group_tokens < 1:
+        raise ValueError("shard_tokens and row_group_tokens must be >= 1")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    existing = sorted(out.glob("part-*.parquet"))
+    if existing:
+        if not overwrite:
+            raise FileExistsError(f"{out} already holds token shards ({existing[0].name}, ...); pass overwrite=True")
+        for p in existing:
+            p.unlink()
+    metadata = {
+        "packloader.tokenizer": tokenizer.name,
+        "packloader.vocab_size": str(tokenizer.vocab_size),
+        "packloader.eos_id": "" if tokenizer.eos_id is None else str(tokenizer.eos_id),
+        "packloader.eos_appended": "true" if append_eos else "false",
+    }
+    writer = _ShardWriter(out, shard_tokens, row_group_tokens, metadata)
+    eos = None if not append_eos else np.array([tokenizer.eos_id], dtype=np.int32)
+    from tqdm import tqdm
+
+    total_docs = sum(s.num_rows for s in source.shards)
+    bar = tqdm(total=total_docs, unit="doc", disable=not progress, file=sys.stderr, desc="tokenize", smoothing=0.1)
+    documents = tokens = 0
+    start = time.perf_counter()
+    try:
+        for texts in _prefetched(_batches(source, batch_docs, batch_chars)):
+            encoded = tokenizer.encode_batch(texts)
+            if eos is not None:
+                encoded = [np.concatenate((ids, eos)) for ids in encoded]
+            writer.add(encoded)
+            documents += len(encoded)
+            tokens += sum(len(ids) for ids in encoded)
+            bar.update(len(encoded))
+            bar.set_postfix(tokens=f"{tokens:,}", refresh=False)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    skipped = getattr(source, "skipped", None)
+    return TokenizeSummary(
+        files=writer.files,
+        documents=documents,
+        tokens=tokens,
+        seconds=time.perf_counter() - start,
+        tokenizer=tokenizer.name,
+        eos_appended=append_eos,
+        skipped=dict(skipped.counts) if skipped is not None else {},
+    )

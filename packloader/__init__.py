@@ -32,6 +32,10 @@ _EXPORTS: dict[str, str] = {
     "IterableSource": "packloader.sources.base",
     "Source": "packloader.sources.base",
     "Tokenizer": "packloader.sources.base",
+    "open_source": "packloader.sources.open",
+    "stdlib_corpus": "packloader.sources.directory",
+    "get_tokenizer": "packloader.sources.tokenizers",
+    "tokenize_to_parquet": "packloader.sources.pretokenize",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

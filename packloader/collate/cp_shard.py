@@ -234,45 +234,15 @@ def _estimator(cost_model: Any) -> Any:
     return _CostAdapter(load_cost_model(cost_model))
 
 
-# ----------------------------------------------------------------------------------------------- owners
-
-
-def _document_chunk_owner(L: int, cp: int, ptr: int) -> tuple[np.ndarray, int]:
-    """Owner of each token of one document sharded per document; returns (owner [L], new round-robin pointer)."""
-    n = 2 * cp
-    d, r = divmod(L, n)
-    sizes = np.full(n, d, dtype=np.int64)
-    slots = (ptr + np.arange(r)) % n
-    sizes[slots] += 1
-    chunk_owner = np.where(np.arange(n) < cp, np.arange(n), n - 1 - np.arange(n))
-    return np.repeat(chunk_owner, sizes), (ptr + r) % n
-
-
-def _sequence_owner(T: int, cp: int) -> tuple[np.ndarray, np.ndarray]:
-    n = 2 * cp
-    chunk = max(1, -(-T // n))
-    c = np.arange(T, dtype=np.int64) // chunk
-    owner = np.where(c < cp, c, n - 1 - c)
-    counts = np.bincount(owner, minlength=cp)
-    pad = 2 * chunk - counts if T else np.zeros(cp, dtype=np.int64)
-    return owner, pad.astype(np.int64)
-
-
-def _document_owner(lengths: np.ndarray, cp: int, sharded: np.ndarray | None = None) -> np.ndarray:
-    parts = []
-    ptr = 0
-    for i, L in enumerate(lengths.tolist()):
-        if sharded is not None and not sharded[i]:
-            parts.append(np.full(L, -1, dtype=np.int64))
-            continue
-        o, ptr = _document_chunk_owner(L, cp, ptr)
-        parts.append(o)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+# ----------------------------------------------------------------------------------------------- layouts
+#
+# A layout is a list of runs tiling the packed row in order: (packed start, length, owner rank). Costs are computed
+# from runs (no per-token work), and only the chosen layout is expanded to token indices.
 
 
 @dataclass
 class _Layout:
-    """Per-token facts of a packed micro-batch."""
+    """Per-segment and per-token facts of a packed micro-batch."""
 
     lengths: np.ndarray
     starts: np.ndarray  # packed start of each segment
@@ -288,68 +258,120 @@ class _Layout:
         rel = np.arange(seg_of.size, dtype=np.int64) - starts[seg_of] if seg_of.size else np.zeros(0, dtype=np.int64)
         return cls(lengths, starts, seg_of, rel)
 
-
-def _runs(idx: np.ndarray, lay: _Layout) -> tuple[np.ndarray, np.ndarray]:
-    """(start positions into idx, run lengths) of the maximal runs of consecutive packed tokens of one segment."""
-    n = idx.size
-    if n == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    brk = np.ones(n, dtype=bool)
-    brk[1:] = (np.diff(idx) != 1) | (lay.seg_of[idx[1:]] != lay.seg_of[idx[:-1]])
-    starts = np.flatnonzero(brk).astype(np.int64)
-    lens = np.diff(np.append(starts, n)).astype(np.int64)
-    return starts, lens
+    @property
+    def total(self) -> int:
+        return int(self.seg_of.size)
 
 
-def _rank_costs(owner: np.ndarray, pad: np.ndarray, lay: _Layout, cp: int, est: Any, remapped: bool):
-    """Per rank (attention fwd, attention bwd, linear fwd+bwd) under an owner assignment."""
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _merge(start: np.ndarray, length: np.ndarray, owner: np.ndarray, lay: _Layout):
+    """Runs in packed order with empty ones dropped and neighbours of the same owner and segment joined."""
+    keep = length > 0
+    start, length, owner = start[keep], length[keep], owner[keep]
+    if start.size == 0:
+        return _EMPTY, _EMPTY, _EMPTY
+    seg = lay.seg_of[start]
+    brk = np.ones(start.size, dtype=bool)
+    brk[1:] = (owner[1:] != owner[:-1]) | (seg[1:] != seg[:-1])
+    first = np.flatnonzero(brk)
+    return start[first], np.add.reduceat(length, first), owner[first]
+
+
+def _sequence_runs(lay: _Layout, cp: int):
+    """Runs of per-sequence sharding and each rank's padding."""
+    T, n = lay.total, 2 * cp
+    chunk = max(1, -(-T // n))
+    if T == 0:
+        return _EMPTY, _EMPTY, _EMPTY, np.zeros(cp, dtype=np.int64)
+    bounds = np.union1d(lay.starts[lay.lengths > 0], np.arange(0, T, chunk))
+    length = np.diff(np.append(bounds, T))
+    c = bounds // chunk
+    owner = np.where(c < cp, c, n - 1 - c)
+    start, length, owner = _merge(bounds, length, owner, lay)
+    counts = np.bincount(owner, weights=length, minlength=cp)[:cp].astype(np.int64)
+    return start, length, owner, (2 * chunk - counts).astype(np.int64)
+
+
+def _document_runs(lay: _Layout, cp: int, segs: np.ndarray):
+    """Runs of per-document sharding of segments `segs` (packed order), remainder tokens dealt round-robin over
+    the chunk slots with one pointer carried across those segments."""
+    n = 2 * cp
+    L = lay.lengths[segs]
+    if L.size == 0:
+        return _EMPTY, _EMPTY, _EMPTY
+    d, r = L // n, L % n
+    ptr = (np.cumsum(r) - r) % n
+    slot = np.arange(n)
+    sizes = d[:, None] + (((slot[None, :] - ptr[:, None]) % n) < r[:, None])  # [k, 2CP] chunk sizes
+    owners = np.where(slot < cp, slot, n - 1 - slot)
+    rel = np.cumsum(sizes, axis=1) - sizes
+    start = (lay.starts[segs][:, None] + rel).reshape(-1)
+    return start, sizes.reshape(-1), np.broadcast_to(owners, sizes.shape).reshape(-1)
+
+
+def _costs(start, length, owner, pad, lay: _Layout, cp: int, est: Any, remapped: bool):
+    """Per rank (attention fwd, attention bwd, linear fwd+bwd) of a layout given as merged runs."""
     fwd = np.zeros(cp)
     bwd = np.zeros(cp)
+    if start.size:
+        f, b = est.segment_times(length, lay.rel[start])
+        fwd = np.bincount(owner, weights=np.asarray(f, dtype=np.float64), minlength=cp)[:cp]
+        bwd = np.bincount(owner, weights=np.asarray(b, dtype=np.float64), minlength=cp)[:cp]
     lin = np.zeros(cp)
-    for r in range(cp):
-        idx = np.flatnonzero(owner == r)
-        s, q = _runs(idx, lay)
-        if q.size:
-            f, b = est.segment_times(q, lay.rel[idx[s]])
-            fwd[r], bwd[r] = float(np.sum(f)), float(np.sum(b))
-        if not remapped and hasattr(est, "linear"):
-            lin[r] = est.linear(idx.size + int(pad[r]))
+    if not remapped and hasattr(est, "linear"):
+        counts = np.bincount(owner, weights=length, minlength=cp)[:cp] if start.size else np.zeros(cp)
+        lin = np.array([est.linear(float(counts[r] + pad[r])) for r in range(cp)])
     return fwd, bwd, lin
 
 
-def _hierarchical_owner(lay: _Layout, cp: int, est: Any, remapped: bool, max_sharded: int, threshold: int | None):
-    """(owner, sharded mask, estimated max rank latency) of the best hierarchical partition found."""
+def _hierarchical_runs(lay: _Layout, cp: int, est: Any, remapped: bool, max_sharded: int, threshold: int | None):
+    """(start, length, owner, sharded segments) of the best hierarchical partition found: the k longest segments
+    sharded per document (k from 0 to max_sharded, or those >= threshold), the others whole, longest processing
+    time first onto the least loaded rank."""
+    import heapq
+
     L = lay.lengths
-    S = L.size
-    order = np.argsort(-L, kind="stable")
-    f_whole, b_whole = est.segment_times(L, np.zeros_like(L)) if S else (np.zeros(0), np.zeros(0))
-    whole = np.asarray(f_whole) + np.asarray(b_whole)
-    per_token = (est.linear(1.0) - est.linear(0.0)) if (not remapped and hasattr(est, "linear")) else 0.0
+    nz = np.flatnonzero(L > 0)
+    order = nz[np.argsort(-L[nz], kind="stable")]
+    f_whole, b_whole = est.segment_times(L, np.zeros_like(L)) if L.size else (np.zeros(0), np.zeros(0))
+    whole = np.asarray(f_whole, dtype=np.float64) + np.asarray(b_whole, dtype=np.float64)
+    lin_on = not remapped and hasattr(est, "linear")
+    per_token = (est.linear(1.0) - est.linear(0.0)) if lin_on else 0.0
     if threshold is not None:
-        candidates = [int(np.sum(L >= threshold))]
+        candidates = [int(np.sum(L[order] >= threshold))]
     else:
-        candidates = list(range(0, min(S, max_sharded) + 1))
+        candidates = list(range(0, min(order.size, max_sharded) + 1))
+    zero = np.zeros(cp, dtype=np.int64)
     best = None
-    zero_pad = np.zeros(cp, dtype=np.int64)
     for k in candidates:
-        sharded = np.zeros(S, dtype=bool)
-        sharded[order[:k]] = True
-        sharded &= L > 0
-        owner = _document_owner(L, cp, sharded)
-        fwd, bwd, _ = _rank_costs(owner, zero_pad, lay, cp, est, True)
-        load = fwd + bwd + per_token * np.bincount(owner[owner >= 0], minlength=cp)[:cp]
-        # short documents, longest-processing-time first, to the least loaded rank
-        for s in order[k:]:
-            if L[s] == 0:
-                continue
-            r = int(np.argmin(load))
-            owner[lay.starts[s]: lay.starts[s] + L[s]] = r
-            load[r] += whole[s] + per_token * L[s]
-        fwd, bwd, lin = _rank_costs(owner, zero_pad, lay, cp, est, remapped)
+        segs = np.sort(order[:k])
+        s0, l0, o0 = _merge(*_document_runs(lay, cp, segs), lay)
+        fwd, bwd, _ = _costs(s0, l0, o0, zero, lay, cp, est, True)
+        tokens = np.bincount(o0, weights=l0, minlength=cp)[:cp] if o0.size else np.zeros(cp)
+        load = fwd + bwd + per_token * tokens
+        heap = [(float(load[r]), r) for r in range(cp)]
+        heapq.heapify(heap)
+        rest = order[k:]
+        owner_rest = np.empty(rest.size, dtype=np.int64)
+        for j, s in enumerate(rest.tolist()):
+            cost, r = heapq.heappop(heap)
+            owner_rest[j] = r
+            heapq.heappush(heap, (cost + float(whole[s]) + per_token * float(L[s]), r))
+        fwd = fwd + np.bincount(owner_rest, weights=np.asarray(f_whole, dtype=np.float64)[rest], minlength=cp)[:cp]
+        bwd = bwd + np.bincount(owner_rest, weights=np.asarray(b_whole, dtype=np.float64)[rest], minlength=cp)[:cp]
+        tokens = tokens + np.bincount(owner_rest, weights=L[rest], minlength=cp)[:cp]
+        lin = np.array([est.linear(float(t)) for t in tokens]) if lin_on else np.zeros(cp)
         score = float(np.max(fwd + bwd + lin)) if cp else 0.0
-        if best is None or score < best[2] * (1 - 1e-12):
-            best = (owner, sharded, score)
-    return best
+        if best is None or score < best[0] * (1 - 1e-12):
+            best = (score, segs, (s0, l0, o0), (rest, owner_rest))
+    _, segs, (s0, l0, o0), (rest, owner_rest) = best
+    start = np.concatenate([s0, lay.starts[rest]])
+    length = np.concatenate([l0, L[rest]])
+    owner = np.concatenate([o0, owner_rest])
+    o = np.argsort(start, kind="stable")
+    return start[o], length[o], owner[o], segs
 
 
 # ----------------------------------------------------------------------------------------------- public API
@@ -392,20 +414,22 @@ def plan_cp_shards(
             raise ValueError(f"unknown CP sharding mode {m!r} in modes; expected {', '.join(MODES)}")
     est = _estimator(cost_model)
     lay = _Layout.of(L)
-    T = int(L.sum())
+    zero = np.zeros(cp, dtype=np.int64)
 
     def build(m: str):
         if m == "sequence":
-            owner, pad = _sequence_owner(T, cp)
+            start, length, owner, pad = _sequence_runs(lay, cp)
             sharded = np.flatnonzero(L > 0)
         elif m == "document":
-            owner, pad = _document_owner(L, cp), np.zeros(cp, dtype=np.int64)
             sharded = np.flatnonzero(L > 0)
+            start, length, owner = _merge(*_document_runs(lay, cp, sharded), lay)
+            pad = zero
         else:
-            owner, mask, _ = _hierarchical_owner(lay, cp, est, remapped, max_sharded, hierarchical_threshold)
-            pad, sharded = np.zeros(cp, dtype=np.int64), np.flatnonzero(mask)
-        fwd, bwd, lin = _rank_costs(owner, pad, lay, cp, est, remapped)
-        return owner, pad, sharded, (fwd, bwd, lin), float(np.max(fwd + bwd + lin)) if cp else 0.0
+            start, length, owner, sharded = _hierarchical_runs(lay, cp, est, remapped, max_sharded, hierarchical_threshold)
+            pad = zero
+        fwd, bwd, lin = _costs(start, length, owner, pad, lay, cp, est, remapped)
+        score = float(np.max(fwd + bwd + lin)) if cp else 0.0
+        return (start, length, owner), pad, sharded, (fwd, bwd, lin), score
 
     if mode == "adaptive":
         built = {m: build(m) for m in modes}
@@ -415,8 +439,21 @@ def plan_cp_shards(
         built = {mode: build(mode)}
         estimates = {mode: built[mode][4]}
         chosen = mode
-    owner, pad, sharded, (fwd, bwd, lin), _ = built[chosen]
-    return _assemble(chosen, cp, L, pos0, lay, owner, pad, sharded, fwd, bwd, lin, estimates)
+    (start, length, owner), pad, sharded, (fwd, bwd, lin), _ = built[chosen]
+    token_owner = np.repeat(owner, length) if start.size else _EMPTY
+    return _assemble(chosen, cp, L, pos0, lay, token_owner, pad, sharded, fwd, bwd, lin, estimates)
+
+
+def _runs(idx: np.ndarray, lay: _Layout) -> tuple[np.ndarray, np.ndarray]:
+    """(start positions into idx, run lengths) of the maximal runs of consecutive packed tokens of one segment."""
+    n = idx.size
+    if n == 0:
+        return _EMPTY, _EMPTY
+    brk = np.ones(n, dtype=bool)
+    brk[1:] = (np.diff(idx) != 1) | (lay.seg_of[idx[1:]] != lay.seg_of[idx[:-1]])
+    starts = np.flatnonzero(brk).astype(np.int64)
+    lens = np.diff(np.append(starts, n)).astype(np.int64)
+    return starts, lens
 
 
 def _assemble(mode, cp, L, pos0, lay, owner, pad, sharded, fwd, bwd, lin, estimates) -> CPShardPlan:

@@ -6,10 +6,6 @@ expected, so that a bad document in a terabyte of shards can be found with one `
 
 from __future__ import annotations
 
-from typing import Literal
-
-EmptyPolicy = Literal["error", "skip"]
-
 
 class SourceError(ValueError):
     """A shard or document that cannot be read as the source was configured to read it."""
@@ -21,18 +17,6 @@ class EmptyDocumentError(SourceError):
 
 class NonUtf8Error(SourceError):
     """Text that is not valid UTF-8."""
-
-
-def where(name: str, row: int | None = None, *, line: int | None = None, field: str | None = None) -> str:
-    """The location prefix of every message: `file, row 3, column 'text'` / `file, line 4, field 'text'`."""
-    parts = [name]
-    if row is not None:
-        parts.append(f"row {row}")
-    if line is not None:
-        parts.append(f"line {line}")
-    if field is not None:
-        parts.append(f"field {field!r}")
-    return ", ".join(parts)
 
 
 def empty_error(location: str, what: str = "text") -> EmptyDocumentError:
@@ -65,9 +49,6 @@ class SkipCounter:
 
     def __getitem__(self, reason: str) -> int:
         return self.counts.get(reason, 0)
-
-    def total(self) -> int:
-        return sum(self.counts.values())
 
     def __repr__(self) -> str:
         return f"SkipCounter({self.counts})"

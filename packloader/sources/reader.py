@@ -142,8 +142,7 @@ class ShardedSource:
 
     def __repr__(self) -> str:
         kind = "tokens" if self.pretokenized else "text"
-        rows = sum(s.num_rows for s in self._shards)
-        return f"{type(self).__name__}({len(self._shards)} shards, {rows} rows of {kind})"
+        return f"{type(self).__name__}({len(self._shards)} shards, {len(self)} rows of {kind})"
 
 
 def group_positions(group_of_row: np.ndarray) -> dict[int, np.ndarray]:
@@ -151,6 +150,7 @@ def group_positions(group_of_row: np.ndarray) -> dict[int, np.ndarray]:
     order = np.argsort(group_of_row, kind="stable")
     sorted_groups = group_of_row[order]
     cuts = np.flatnonzero(np.diff(sorted_groups)) + 1
+    # the filter runs before the key, so an empty request gives {} instead of indexing an empty group
     return {int(g[0]): pos for g, pos in zip(np.split(sorted_groups, cuts), np.split(order, cuts)) if len(pos)}
 
 

@@ -178,3 +178,20 @@ os.waitpid(pid, 0)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split("\n")[:2] == ["parent true", "child false 64"]
     assert "disabling parallelism" not in res.stderr  # the library had nothing to warn about
+
+
+_FORKED = None
+
+
+def _encode_in_child(texts):
+    return [ids.tolist() for ids in _FORKED.encode_batch(texts)]
+
+
+def test_thread_pool_is_rebuilt_in_forked_children():
+    import multiprocessing
+
+    global _FORKED
+    _FORKED = tok = get_tokenizer("tekken", num_threads=2)
+    expected = [ids.tolist() for ids in tok.encode_batch(TEXTS)]  # the parent's pool exists when it forks
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        assert pool.map(_encode_in_child, [TEXTS, TEXTS]) == [expected, expected]

@@ -1,0 +1,79 @@
+"""`packloader calibrate`: time attention and the linear part on this device and write a cost profile JSON.
+
+    packloader calibrate --model llama3-8b --max-len 32768 --out h100-llama3-8b.json          # on a GPU
+    packloader calibrate --device cpu --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 --ffn 128 \\
+        --max-len 512 --dtype fp32 --out cpu.json                                               # the CPU reference
+
+The profile is per pipeline stage (`--layers` layers, default the preset's layers / `--pp`, or 1 for an explicit
+shape); the balancers load it with `--model profile.json` / `load_cost_model(path)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--model", default=None, help="a model preset (packloader.balancers.presets), e.g. llama3-8b")
+    p.add_argument("--hidden", type=int, help="hidden size (instead of --model)")
+    p.add_argument("--heads", type=int, help="query heads")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=int, help="head dimension (default: hidden / heads)")
+    p.add_argument("--ffn", type=int, help="MLP intermediate size")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size, to time the LM head (presets know it)")
+    p.add_argument("--max-len", type=int, default=None, help="context length: the longest document timed "
+                   "(default 8192 on cuda, 1024 on cpu)")
+    p.add_argument("--max-tokens", type=int, default=None, help="largest micro-batch timed for the linear part "
+                   "(default --max-len)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on cuda, fp32 on cpu")
+    p.add_argument("--backend", default=None, help="force an attention backend (flash, torch, reference); "
+                   "default: the fastest available")
+    p.add_argument("--layers", type=float, default=None, help="layers per pipeline stage the profile covers")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default layers = preset layers / pp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism: time the per-GPU shard of the layer")
+    p.add_argument("--no-head", action="store_true", help="leave the LM head out of the linear part")
+    p.add_argument("--lengths", type=int, default=13, help="attention lengths measured (geometric, 64..max-len)")
+    p.add_argument("--sizes", type=int, default=9, help="micro-batch sizes measured for the linear part")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per point (the median is kept)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs before each point")
+    p.add_argument("--tile", type=int, default=None, help="the kernel's tile (default: chosen by the fit)")
+    p.add_argument("--name", default=None, help="profile name (default: model@device/backend/dtype/layers)")
+    p.add_argument("--out", required=True, help="where to write the profile JSON")
+    p.add_argument("--quiet", action="store_true", help="print only the fit")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from packloader.balancers.cost import save_profile
+    from packloader.runtime.calibrate import LayerShape, calibrate, format_fit, shape_from_preset
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if device == "cuda" else "fp32")])
+    if args.model:
+        shape = shape_from_preset(args.model)
+        if args.vocab:
+            shape = LayerShape(**{**shape.__dict__, "vocab": args.vocab})
+    else:
+        missing = [f"--{n}" for n in ("hidden", "heads", "ffn") if getattr(args, n) is None]
+        if missing:
+            raise SystemExit(f"packloader calibrate: give --model PRESET or the shape ({', '.join(missing)} missing)")
+        head_dim = args.head_dim or args.hidden // args.heads
+        shape = LayerShape(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads or args.heads,
+                           head_dim=head_dim, ffn=args.ffn, vocab=args.vocab)
+    shape = shape.sharded(args.tp)
+    layers = args.layers if args.layers is not None else (shape.layers / args.pp if shape.layers else 1.0)
+    max_len = args.max_len or (8192 if device == "cuda" else 1024)
+    say = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
+    profile, _ = calibrate(
+        shape, device=device, dtype=dtype, max_len=max_len, max_tokens=args.max_tokens, layers=layers, pp=args.pp,
+        include_head=not args.no_head, num_lengths=args.lengths, num_sizes=args.sizes, repeats=args.repeats,
+        warmup=args.warmup, tile=args.tile, backend=args.backend, name=args.name, progress=say,
+    )
+    save_profile(profile, args.out)
+    print(format_fit(profile))
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,400 @@
+"""Calibration: time attention and the linear part of a Llama layer on this device and fit a `CostProfile`.
+
+What is measured (one layer of the given shape, then scaled to a pipeline stage):
+
+* attention, forward and backward, through `varlen_attention` (the fastest backend for the device and dtype:
+  flash-attn or PyTorch's varlen kernel on CUDA, the reference on CPU), for document lengths spread
+  geometrically from 64 tokens to the context length. Each measurement packs `max_len // l` documents of
+  length l into one call (what a packed micro-batch does) and divides by their number, so a short document's
+  time is its share of a packed call, not a kernel launch;
+* the linear part per micro-batch at several token counts: RMSNorm, Q/K/V/O projections, RMSNorm, SwiGLU MLP
+  and residual adds (attention itself left out), forward and backward (weight and input gradients), plus the LM
+  head's GEMM spread over the pipeline stages when the vocabulary is known.
+
+Timing: warmup runs, then the median of several repeats; on CUDA with events after `torch.cuda.synchronize`.
+
+The fit (`fit_profile`): `a*l^2 + b*l + c` per part and pass, by least squares with non-negative coefficients and
+residuals relative to the time (`packloader.balancers.cost.fit_poly`), attention lengths rounded up to the tile
+first, as the cost model evaluates them. The tile is the candidate (1, 16, 32, 64, 128, 256 unless given) whose
+fit is best. Every other measured length is held out of the fit (the shortest and longest stay in) and the fit's
+mean absolute percentage error on those is reported in the profile's `fit_error` (`<part>_heldout_mape_pct`)
+next to the in-sample largest relative error (`<part>`, a fraction).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import msgspec
+import numpy as np
+import torch
+
+from packloader.contracts import CostProfile
+
+TILE_CANDIDATES = (1, 16, 32, 64, 128, 256)
+PARTS = ("attn_fwd", "attn_bwd", "lin_fwd", "lin_bwd")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One transformer layer as measured (already divided by tensor parallelism)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int | None = None  # LM head, timed when known
+    name: str = "custom"
+    layers: int | None = None  # the model's layer count, when known (a preset)
+
+    def __post_init__(self) -> None:
+        for f in ("hidden", "heads", "kv_heads", "head_dim", "ffn"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+
+    def sharded(self, tp: int) -> "LayerShape":
+        if tp == 1:
+            return self
+        for f in ("heads", "kv_heads", "ffn"):
+            if getattr(self, f) % tp:
+                raise ValueError(f"{f}={getattr(self, f)} is not divisible by tp={tp}")
+        vocab = -(-self.vocab // tp) if self.vocab else None
+        return replace(self, heads=self.heads // tp, kv_heads=self.kv_heads // tp, ffn=self.ffn // tp, vocab=vocab)
+
+
+def shape_from_preset(name: str) -> LayerShape:
+    """A LayerShape from `packloader.balancers.presets` (imported lazily: calibration works without it)."""
+    try:
+        from packloader.balancers import presets
+    except ImportError as e:  # pragma: no cover - the presets module ships with packloader
+        raise ValueError(f"model presets are unavailable ({e}); give the shape with --hidden/--heads/...") from None
+    s = presets.get_shape(name)
+    return LayerShape(hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, ffn=s.ffn,
+                      vocab=s.vocab, name=s.name, layers=s.layers)
+
+
+# ------------------------------------------------------------------------------------------------ fitting
+
+
+def geometric_points(lo: int, hi: int, n: int) -> np.ndarray:
+    """About n distinct integers spread geometrically from lo to hi (both included)."""
+    if hi < lo:
+        raise ValueError(f"upper end {hi} is below the lower end {lo}")
+    pts = np.unique(np.round(np.geomspace(lo, hi, max(n, 2))).astype(np.int64))
+    return pts
+
+
+def held_out_mask(n: int) -> np.ndarray:
+    """Every other point held out; the first and last stay in the fit (no extrapolation in the held-out error)."""
+    mask = np.zeros(n, dtype=bool)
+    mask[1 : n - 1 : 2] = True
+    return mask
+
+
+def mape_pct(pred: np.ndarray, y: np.ndarray) -> float:
+    y = np.asarray(y, dtype=np.float64)
+    return float(np.mean(np.abs(np.asarray(pred) - y) / np.maximum(np.abs(y), 1e-30)) * 100.0) if len(y) else float("nan")
+
+
+def _poly_eval(poly, x: np.ndarray) -> np.ndarray:
+    return poly.a * x * x + poly.b * x + poly.c
+
+
+def _tiled(lengths: np.ndarray, tile: int) -> np.ndarray:
+    return np.ceil(np.asarray(lengths, dtype=np.float64) / tile) * tile
+
+
+def choose_tile(lengths: np.ndarray, fwd: np.ndarray, bwd: np.ndarray, candidates=TILE_CANDIDATES) -> int:
+    """The tile whose rounded-length fit of forward and backward attention times has the smallest mean relative
+    error (ties: the smaller tile)."""
+    from packloader.balancers.cost import fit_poly
+
+    best, best_err = 1, math.inf
+    for tile in sorted(candidates):
+        x = _tiled(lengths, tile)
+        err = 0.0
+        for y in (fwd, bwd):
+            poly, _ = fit_poly(x, y)
+            err += mape_pct(_poly_eval(poly, x), y)
+        if err < best_err * (1 - 1e-9):
+            best, best_err = tile, err
+    return best
+
+
+def fit_profile(
+    name: str,
+    *,
+    attn_lengths: np.ndarray,
+    attn_fwd: np.ndarray,
+    attn_bwd: np.ndarray,
+    lin_tokens: np.ndarray,
+    lin_fwd: np.ndarray,
+    lin_bwd: np.ndarray,
+    tile: int | None = None,
+    device: str = "measured",
+) -> CostProfile:
+    """Fit a CostProfile to measured times (seconds): attention per document length, linear per micro-batch
+    token count, forward and backward. Every other point (not the ends) is held out of the fit and scored."""
+    from packloader.balancers.cost import profile_from_table
+
+    al, ll = np.asarray(attn_lengths, dtype=np.int64), np.asarray(lin_tokens, dtype=np.int64)
+    table = {"attn_fwd": np.asarray(attn_fwd, np.float64), "attn_bwd": np.asarray(attn_bwd, np.float64),
+             "lin_fwd": np.asarray(lin_fwd, np.float64), "lin_bwd": np.asarray(lin_bwd, np.float64)}
+    for part, y in table.items():
+        x = al if part.startswith("attn") else ll
+        if y.shape != x.shape:
+            raise ValueError(f"{part}: {len(y)} times for {len(x)} points")
+        if len(x) < 3:
+            raise ValueError(f"{part}: at least 3 measured points are needed, got {len(x)}")
+    ha, hl = held_out_mask(len(al)), held_out_mask(len(ll))
+    if tile is None:
+        tile = choose_tile(al[~ha], table["attn_fwd"][~ha], table["attn_bwd"][~ha])
+    prof = profile_from_table(
+        name, attn_lengths=al[~ha], attn_fwd=table["attn_fwd"][~ha], attn_bwd=table["attn_bwd"][~ha],
+        lin_tokens=ll[~hl], lin_fwd=table["lin_fwd"][~hl], lin_bwd=table["lin_bwd"][~hl], tile=int(tile),
+        device=device,
+    )
+    errors = dict(prof.fit_error)
+    for part, y in table.items():
+        if part.startswith("attn"):
+            x, mask = _tiled(al, tile), ha
+        else:
+            x, mask = ll.astype(np.float64), hl
+        errors[f"{part}_heldout_mape_pct"] = mape_pct(_poly_eval(getattr(prof, part), x[mask]), y[mask])
+    return msgspec.structs.replace(prof, fit_error=errors)
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+class _Clock:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, a, b) -> float:
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def _time_fwd_bwd(run: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]], device: torch.device,
+                  repeats: int, warmup: int) -> tuple[float, float]:
+    """Median forward and backward seconds of `run`, which does a forward and returns (outputs, their grads)."""
+    clock = _Clock(device)
+    fw, bw = [], []
+    gc_was_on = gc.isenabled()
+    gc.disable()  # a collection inside a timed region is noise, not cost
+    try:
+        for i in range(warmup + repeats):
+            clock.sync()
+            t0 = clock.mark()
+            outs, grads = run()
+            t1 = clock.mark()
+            torch.autograd.backward(outs, grads)
+            t2 = clock.mark()
+            clock.sync()
+            if i >= warmup:
+                fw.append(clock.seconds(t0, t1))
+                bw.append(clock.seconds(t1, t2))
+    finally:
+        if gc_was_on:
+            gc.enable()
+    return statistics.median(fw), statistics.median(bw)
+
+
+def time_attention(shape: LayerShape, lengths: np.ndarray, *, device: torch.device, dtype: torch.dtype,
+                   backend: str | None, token_budget: int, repeats: int, warmup: int,
+                   progress: Callable[[str], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds per document of each length (forward, backward): `token_budget // l` documents packed in one
+    varlen_attention call, its time divided by their count."""
+    from packloader.runtime.attention import varlen_attention
+
+    fwd, bwd = [], []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for l in lengths:
+        l = int(l)
+        count = max(1, token_budget // l)
+        T = count * l
+        q = torch.randn(T, shape.heads, shape.head_dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+        k = torch.randn(T, shape.kv_heads, shape.head_dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+        v = torch.randn(T, shape.kv_heads, shape.head_dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+        g = torch.randn(T, shape.heads, shape.head_dim, generator=gen).to(device=device, dtype=dtype)
+        cu = torch.arange(0, T + 1, l, dtype=torch.int32, device=device)
+
+        def run():
+            for t in (q, k, v):
+                t.grad = None
+            return [varlen_attention(q, k, v, cu, cu, l, l, causal=True, backend=backend)], [g]
+
+        f, b = _time_fwd_bwd(run, device, repeats, warmup)
+        fwd.append(f / count)
+        bwd.append(b / count)
+        if progress:
+            progress(f"  attention l={l:>7d} x{count:<5d} fwd {fwd[-1] * 1e6:12.2f} us  bwd {bwd[-1] * 1e6:12.2f} us")
+        del q, k, v, g
+    return np.array(fwd), np.array(bwd)
+
+
+class LinearPart(torch.nn.Module):
+    """The GEMM and element-wise work of a Llama layer around its attention (attention itself left out: the
+    query projection stands in for its output)."""
+
+    def __init__(self, shape: LayerShape) -> None:
+        super().__init__()
+        h, qd, kvd, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn
+        init = lambda *s: torch.nn.Parameter(torch.randn(*s) / math.sqrt(s[0]))  # noqa: E731
+        self.norm1, self.norm2 = torch.nn.Parameter(torch.ones(h)), torch.nn.Parameter(torch.ones(h))
+        self.wq, self.wk, self.wv, self.wo = init(h, qd), init(h, kvd), init(h, kvd), init(qd, h)
+        self.wg, self.wu, self.wd = init(h, f), init(h, f), init(f, h)
+
+    @staticmethod
+    def _rms(x, w):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * w
+
+    def forward(self, x):
+        h = self._rms(x, self.norm1)
+        q, k, v = h @ self.wq, h @ self.wk, h @ self.wv
+        y = x + q @ self.wo
+        h2 = self._rms(y, self.norm2)
+        return y + (torch.nn.functional.silu(h2 @ self.wg) * (h2 @ self.wu)) @ self.wd, k, v
+
+
+def time_linear(shape: LayerShape, sizes: np.ndarray, *, device: torch.device, dtype: torch.dtype, repeats: int,
+                warmup: int, progress: Callable[[str], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Seconds per micro-batch of each token count: (layer fwd, layer bwd, head fwd, head bwd); the head's are
+    zeros when the shape has no vocabulary."""
+    torch.manual_seed(0)
+    layer = LinearPart(shape).to(device=device, dtype=dtype)
+    head = torch.nn.Parameter(torch.randn(shape.hidden, shape.vocab, device=device, dtype=dtype)) if shape.vocab else None
+    lf, lb, hf, hb = [], [], [], []
+    for n in sizes:
+        n = int(n)
+        x = torch.randn(n, shape.hidden, device=device, dtype=dtype, requires_grad=True)
+        gy = torch.randn(n, shape.hidden, device=device, dtype=dtype)
+        gk = torch.randn(n, shape.kv_heads * shape.head_dim, device=device, dtype=dtype)
+
+        def run_layer():
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+            y, k, v = layer(x)
+            return [y, k, v], [gy, gk, gk]
+
+        f, b = _time_fwd_bwd(run_layer, device, repeats, warmup)
+        lf.append(f)
+        lb.append(b)
+        if head is not None:
+            gl = torch.randn(n, shape.vocab, device=device, dtype=dtype)
+
+            def run_head():
+                x.grad = None
+                head.grad = None
+                return [x @ head], [gl]
+
+            f, b = _time_fwd_bwd(run_head, device, repeats, warmup)
+            del gl
+        else:
+            f = b = 0.0
+        hf.append(f)
+        hb.append(b)
+        if progress:
+            progress(f"  linear    n={n:>7d}       fwd {lf[-1] * 1e6:12.2f} us  bwd {lb[-1] * 1e6:12.2f} us"
+                     + (f"  (head fwd {f * 1e6:.2f} us, bwd {b * 1e6:.2f} us)" if head is not None else ""))
+    return np.array(lf), np.array(lb), np.array(hf), np.array(hb)
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+@dataclass
+class Measurements:
+    attn_lengths: np.ndarray
+    attn_fwd: np.ndarray
+    attn_bwd: np.ndarray
+    lin_tokens: np.ndarray
+    lin_fwd: np.ndarray
+    lin_bwd: np.ndarray
+
+
+def device_label(device: torch.device, dtype: torch.dtype, backend: str) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"{device.type}:{name}/{backend}/{str(dtype).removeprefix('torch.')}"
+
+
+def calibrate(
+    shape: LayerShape,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_len: int = 8192,
+    max_tokens: int | None = None,
+    layers: float = 1.0,
+    pp: int = 1,
+    include_head: bool = True,
+    num_lengths: int = 13,
+    num_sizes: int = 9,
+    min_len: int = 64,
+    repeats: int = 5,
+    warmup: int = 2,
+    tile: int | None = None,
+    backend: str | None = None,
+    name: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[CostProfile, Measurements]:
+    """Measure `shape` on `device` and fit the profile of a pipeline stage of `layers` layers (the LM head's time
+    divided by `pp` added to every stage's linear part when `include_head` and the vocabulary is known)."""
+    from packloader.runtime.attention import select_backend
+
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda asked for, but torch sees no CUDA device here")
+    chosen = select_backend(device, backend, dtype)
+    max_tokens = int(max_tokens or max_len)
+    lengths = geometric_points(min(min_len, max_len), max_len, num_lengths)
+    sizes = geometric_points(min(min_len, max_tokens), max_tokens, num_sizes)
+    if len(lengths) < 3 or len(sizes) < 3:
+        raise ValueError(f"too few distinct points between {min_len} and {max_len}/{max_tokens}: use a longer range")
+    say = progress or (lambda s: None)
+    gc.collect()  # once: the timed regions run with the collector off
+    say(f"calibrating {shape.name} (hidden {shape.hidden}, heads {shape.heads}/{shape.kv_heads} x {shape.head_dim}, "
+        f"ffn {shape.ffn}) on {device_label(device, dtype, chosen)}")
+    af, ab = time_attention(shape, lengths, device=device, dtype=dtype, backend=chosen, token_budget=max_len,
+                            repeats=repeats, warmup=warmup, progress=progress)
+    head_shape = shape if include_head else replace(shape, vocab=None)
+    lf, lb, hf, hb = time_linear(head_shape, sizes, device=device, dtype=dtype, repeats=repeats, warmup=warmup,
+                                 progress=progress)
+    m = Measurements(lengths, af * layers, ab * layers, sizes, lf * layers + hf / pp, lb * layers + hb / pp)
+    label = name or f"{shape.name}@{device_label(device, dtype, chosen)}/layers{layers:g}"
+    prof = fit_profile(label, attn_lengths=m.attn_lengths, attn_fwd=m.attn_fwd, attn_bwd=m.attn_bwd,
+                       lin_tokens=m.lin_tokens, lin_fwd=m.lin_fwd, lin_bwd=m.lin_bwd, tile=tile,
+                       device=device_label(device, dtype, chosen))
+    return prof, m
+
+
+def format_fit(profile: CostProfile) -> str:
+    lines = [f"profile {profile.name}: tile {profile.tile}"]
+    for part in PARTS:
+        p = getattr(profile, part)
+        lines.append(f"  {part:8s} a={p.a:.4e} b={p.b:.4e} c={p.c:.4e}   held-out MAPE "
+                     f"{profile.fit_error.get(part + '_heldout_mape_pct', float('nan')):6.2f}%   "
+                     f"in-sample max rel err {profile.fit_error.get(part, float('nan')) * 100:6.2f}%")
+    return "\n".join(lines)

@@ -36,6 +36,10 @@ _EXPORTS: dict[str, str] = {
     "stdlib_corpus": "packloader.sources.directory",
     "get_tokenizer": "packloader.sources.tokenizers",
     "tokenize_to_parquet": "packloader.sources.pretokenize",
+    "PackedLoader": "packloader.loader.loader",
+    "PackedDataset": "packloader.loader.loader",
+    "LoaderStats": "packloader.loader.state",
+    "PackedBatch": "packloader.collate.batch",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,0 +1,431 @@
+"""The loader's stages as torchdata nodes.
+
+```
+ChunkNode         epoch order in chunks of `chunk_docs` positions              state: (epoch, position)
+  -> ParallelMapper(load_chunk, threads, in_order)   lengths (+ tokens) of each chunk
+  -> StepNode      draw a window of tokens_per_step, cut over-long documents,   state: cursor, step, planner
+                   plan, check ranks agree                                      state (queue), stats
+  -> ParallelMapper(collate_step, threads, in_order) read this rank's documents, collate its micro-batches
+  -> Prefetcher    the next steps are planned and collated while this one trains
+  -> Unbatcher     one micro-batch at a time                                    state: (step's state, index)
+```
+
+How each rank learns the lengths (`lengths=`):
+- "column": a pre-tokenized source with a length column. Every rank reads the global lengths (a few bytes per
+  document, no tokens) and reads tokens only for the documents of its own micro-batches.
+- "local": every rank reads and tokenizes every document of the stream (simple; the tokenizing cost is paid
+  on every rank) and keeps the tokens until they are collated, so nothing is read twice.
+- "gather": ranks share the tokenizing: each of the W ranks tokenizes its contiguous 1/W of each chunk, the
+  lengths are all-gathered through the rank store, and a rank reads and tokenizes again only those documents of
+  its own micro-batches that another rank tokenized (about 2/W of the stream per rank instead of all of it).
+
+Resume: StepNode's state is small (the position of the first document not yet drawn, the step, the planner's
+state with its queue of delayed pieces, the lengths of those documents, the stats). On reset it restarts the
+chunk stage at that position, so nothing drawn is kept in the state: delayed pieces are re-read by id.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from packloader.balancers.registry import Window
+from packloader.collate.collate import collate, loss_tokens_in_plan
+from packloader.contracts import MicroBatch, PlanConfig, PlannerState, StepPlan
+from packloader.loader.distributed import RankExchange, digest
+from packloader.loader.state import LoaderStats
+from packloader.sources.order import split_range
+from packloader.sources.stream import DocumentStream
+
+FLUSH = "flush"  # PlannerState.extra key asking a planner to plan everything it holds (balancers/assemble.py)
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    epoch: int
+    start: int  # positions [start, stop) of the epoch's stream
+    stop: int
+    last: bool  # the last chunk of this epoch's span
+
+
+@dataclass
+class Chunk:
+    spec: ChunkSpec
+    ids: np.ndarray  # int64 document ids
+    lengths: np.ndarray  # int64; -1 where not known yet (gather: other ranks' share)
+    tokens: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class StepWork:
+    """A planned step, on its way to the collate stage."""
+
+    step: int
+    epoch: int
+    plan: StepPlan
+    micro_batches: list[MicroBatch]  # this rank's
+    doc_lengths: dict[int, int]  # every document of this rank's segments
+    tokens: dict[int, np.ndarray]  # tokens already at hand (local/gather modes)
+    loss_tokens: int
+    last_in_epoch: bool
+    stats: LoaderStats
+
+
+class ChunkNode(BaseNode[ChunkSpec]):
+    """Positions of each epoch's span in chunks, epoch after epoch, from a start that the StepNode sets."""
+
+    def __init__(self, span: Callable[[int], tuple[int, int]], chunk_docs: int, max_epochs: int | None = None) -> None:
+        super().__init__()
+        self.span = span
+        self.chunk_docs = int(chunk_docs)
+        self.max_epochs = max_epochs
+        self._start = (0, None)
+        self.epoch, self.pos = 0, 0
+
+    def set_start(self, epoch: int, position: int | None) -> None:
+        self._start = (int(epoch), position)
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is not None:
+            self.epoch, pos = initial_state["epoch"], initial_state["pos"]
+        else:
+            self.epoch, pos = self._start
+        lo, _ = self.span(self.epoch)
+        self.pos = lo if pos is None else max(lo, int(pos))
+
+    def next(self) -> ChunkSpec:
+        while True:
+            if self.max_epochs is not None and self.epoch >= self.max_epochs:
+                raise StopIteration
+            lo, hi = self.span(self.epoch)
+            if self.pos < hi:
+                break
+            self.epoch += 1
+            self.pos = self.span(self.epoch)[0]
+        stop = min(hi, self.pos + self.chunk_docs)
+        spec = ChunkSpec(self.epoch, self.pos, stop, stop == hi)
+        self.pos = stop
+        return spec
+
+    def get_state(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+
+class ChunkLoader:
+    """The map function of the chunk stage: lengths of a chunk's documents, and their tokens where read."""
+
+    def __init__(self, stream: DocumentStream, mode: str, rank: int = 0, world: int = 1) -> None:
+        self.stream, self.mode, self.rank, self.world = stream, mode, rank, world
+
+    def __call__(self, spec: ChunkSpec) -> Chunk:
+        ids = self.stream.doc_ids(spec.epoch, np.arange(spec.start, spec.stop, dtype=np.int64))
+        if self.mode == "column":
+            return Chunk(spec, ids, self.stream.column_lengths(ids))
+        if self.mode == "local":
+            toks = self.stream.read(ids)
+            lengths = np.fromiter((len(t) for t in toks), dtype=np.int64, count=len(toks))
+            return Chunk(spec, ids, lengths, dict(zip(ids.tolist(), toks)))
+        a, b = split_range(spec.start, spec.stop, self.world, self.rank)
+        mine = ids[a - spec.start : b - spec.start]
+        toks = self.stream.read(mine)
+        lengths = np.full(len(ids), -1, dtype=np.int64)
+        lengths[a - spec.start : b - spec.start] = [len(t) for t in toks]
+        return Chunk(spec, ids, lengths, dict(zip(mine.tolist(), toks)))
+
+
+def cut_pieces(ids: np.ndarray, lengths: np.ndarray, context: int) -> tuple[Window, int, int]:
+    """The window of pieces for documents drawn in order: whole documents, and documents longer than `context`
+    cut into independent pieces of `context` tokens (the last one shorter). Returns (window, split documents,
+    pieces those became)."""
+    n_pieces = np.maximum(1, -(-lengths // context))
+    long = n_pieces > 1
+    if not long.any():
+        return Window(ids.copy(), np.zeros(len(ids), np.int64), lengths.copy()), 0, 0
+    doc = np.repeat(ids, n_pieces)
+    first = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
+    offset = (np.arange(len(doc), dtype=np.int64) - first) * context
+    length = np.minimum(context, np.repeat(lengths, n_pieces) - offset)
+    return Window(doc, offset, length), int(long.sum()), int(n_pieces[long].sum())
+
+
+class StepNode(BaseNode[StepWork]):
+    """Draws each step's window from the chunk stage, plans it, and hands this rank's part on."""
+
+    def __init__(
+        self,
+        chunk_node: ChunkNode,
+        chunks: BaseNode[Chunk],
+        stream: DocumentStream,
+        planner,
+        config: PlanConfig,
+        dp_rank: int,
+        *,
+        span: Callable[[int], tuple[int, int]],
+        mode: str,
+        exchange: RankExchange | None = None,
+        check_ranks: bool = True,
+        start_epoch: int = 0,
+        step_stride: int = 1,
+        step_offset: int = 0,
+    ) -> None:
+        super().__init__()
+        self.chunk_node, self.chunks, self.stream = chunk_node, chunks, stream
+        self.planner, self.config, self.dp_rank = planner, config, dp_rank
+        self.span, self.mode, self.exchange, self.check_ranks = span, mode, exchange, check_ranks
+        self.start_epoch = start_epoch
+        self.step_stride, self.step_offset = step_stride, step_offset
+        self._lock = threading.Lock()  # a stale reader thread may still be inside next() when reset comes
+
+    # --- state ---------------------------------------------------------------------------------------------------
+
+    def fresh_state(self, epoch: int | None = None) -> dict:
+        e = self.start_epoch if epoch is None else epoch
+        return {"epoch": e, "pos": self.span(e)[0], "k": 0, "flushing": False,
+                "planner": msgspec.to_builtins(PlannerState()), "queued_lengths": [],
+                "stats": msgspec.to_builtins(LoaderStats())}
+
+    def get_state(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "pos": self.pos,
+            "k": self.k,
+            "flushing": self.flushing,
+            "planner": msgspec.to_builtins(self.pstate),
+            "queued_lengths": [[d, n] for d, n in self.queued_lengths.items()],
+            "stats": msgspec.to_builtins(self.stats),
+        }
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        with self._lock:
+            super().reset(initial_state)
+            st = initial_state if initial_state is not None else self.fresh_state()
+            self.epoch, self.pos, self.k = int(st["epoch"]), int(st["pos"]), int(st["k"])
+            self.flushing = bool(st["flushing"])
+            self.pstate = msgspec.convert(st["planner"], PlannerState)
+            self.queued_lengths = {int(d): int(n) for d, n in st["queued_lengths"]}
+            self.stats = msgspec.convert(st["stats"], LoaderStats)
+            # what was drawn from the chunk stage but not yet into a window (not part of the state: re-read)
+            self._buf_ids = np.zeros(0, np.int64)
+            self._buf_len = np.zeros(0, np.int64)
+            self._buf_at = 0
+            self._tokens: dict[int, np.ndarray] = {}
+            self._last_seen = False  # the current epoch's last chunk has been pulled
+            self._pending: Chunk | None = None  # a chunk of a later epoch, pulled while looking for more
+            self._exhausted = False
+            lo, hi = self.span(self.epoch)
+            start = (self.epoch + 1, None) if self.pos >= hi else (self.epoch, self.pos)
+            self._last_seen = self.pos >= hi
+            self.chunk_node.set_start(*start)
+            self.chunks.reset(None)
+
+    # --- drawing ---------------------------------------------------------------------------------------------------
+
+    def _pull(self) -> bool:
+        """Refill the buffer with the next chunk of the current epoch. False when the epoch has no more."""
+        if self._last_seen:
+            return False
+        chunk = self._pending
+        self._pending = None
+        while chunk is None:
+            if self._exhausted:
+                return False
+            try:
+                chunk = next(self.chunks)
+            except StopIteration:
+                self._exhausted = True
+                return False
+            if chunk.spec.epoch < self.epoch:
+                chunk = None  # left over from before a reset; cannot happen with a fresh chunk stage
+        if chunk.spec.epoch > self.epoch:
+            self._pending = chunk
+            return False
+        if self.mode == "gather" and self.exchange is not None:
+            self._gather_lengths(chunk)
+        self._buf_ids, self._buf_len, self._buf_at = chunk.ids, chunk.lengths, 0
+        self._tokens.update(chunk.tokens)
+        self._last_seen = chunk.spec.last
+        return True
+
+    def _gather_lengths(self, chunk: Chunk) -> None:
+        spec = chunk.spec
+        a, b = split_range(spec.start, spec.stop, self.exchange.world, self.exchange.rank)
+        mine = np.ascontiguousarray(chunk.lengths[a - spec.start : b - spec.start], dtype=np.int64)
+        parts = self.exchange.all_gather(
+            f"len/{spec.epoch}/{spec.start}", mine.tobytes(),
+            lambda: f"epoch {spec.epoch}: exchanging the lengths of documents {spec.start}..{spec.stop - 1}",
+        )
+        lengths = np.concatenate([np.frombuffer(p, dtype=np.int64) for p in parts])
+        if len(lengths) != len(chunk.ids):
+            raise RuntimeError(
+                f"packloader: epoch {spec.epoch}: ranks sent {len(lengths)} lengths for a chunk of {len(chunk.ids)} "
+                "documents; the ranks read different sources"
+            )
+        chunk.lengths = lengths
+
+    def _draw(self) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Documents (ids, lengths) until tokens_per_step is reached or the epoch ends; and whether it ended."""
+        target = self.config.tokens_per_step
+        ids, lens = [], []
+        total = 0
+        while total < target:
+            if self._buf_at >= len(self._buf_ids):
+                if not self._pull():
+                    break
+                continue
+            rest = self._buf_len[self._buf_at :]
+            csum = np.cumsum(rest)
+            take = int(np.searchsorted(csum, target - total, side="left")) + 1
+            take = min(take, len(rest))
+            ids.append(self._buf_ids[self._buf_at : self._buf_at + take])
+            lens.append(rest[:take])
+            total += int(csum[take - 1])
+            self._buf_at += take
+        if self._buf_at >= len(self._buf_ids) and not self._last_seen:
+            self._pull()  # learn whether the epoch ends here (the next chunk may be the next epoch's)
+        done = self._buf_at >= len(self._buf_ids) and (self._last_seen or self._pending is not None or self._exhausted)
+        if ids:
+            return np.concatenate(ids), np.concatenate(lens), done
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), done
+
+    # --- planning --------------------------------------------------------------------------------------------------
+
+    def next(self) -> StepWork:
+        with self._lock:
+            while True:
+                work = self._next_step()
+                if work is not None:
+                    return work
+
+    def _next_step(self) -> StepWork | None:
+        cfg = self.config
+        if self.flushing:
+            ids, lens, done = np.zeros(0, np.int64), np.zeros(0, np.int64), True
+        else:
+            if self._exhausted and self._buf_at >= len(self._buf_ids) and self._pending is None:
+                raise StopIteration
+            ids, lens, done = self._draw()
+            if len(ids) == 0 and not self.pstate.queued:
+                if self._exhausted and self._pending is None:
+                    raise StopIteration
+                self._advance_epoch()  # an epoch with nothing (left) to plan
+                return None
+            self.stats.documents += len(ids)
+            self.stats.tokens += int(lens.sum())
+            empty = lens == 0
+            if empty.any():
+                self.stats.empty_documents += int(empty.sum())
+                ids, lens = ids[~empty], lens[~empty]
+        window, split_docs, split_pieces = cut_pieces(ids, lens, cfg.context)
+        self.stats.split_documents += split_docs
+        self.stats.split_pieces += split_pieces
+        doc_len = dict(zip(ids.tolist(), lens.tolist()))
+        doc_len.update(self.queued_lengths)
+
+        step = self.step_offset + self.k * self.step_stride
+        state_in = self.pstate
+        if done:
+            state_in = msgspec.structs.replace(state_in, extra={**state_in.extra, FLUSH: [1]})
+        plan, new_state = self.planner.plan(window, state_in, step)
+        if FLUSH in new_state.extra:
+            new_state = msgspec.structs.replace(new_state, extra={k: v for k, v in new_state.extra.items() if k != FLUSH})
+        planned = sum(mb.num_tokens for r in plan.ranks for mb in r.micro_batches)
+        if len(plan.ranks) != cfg.parallel.dp:
+            raise RuntimeError(f"planner {cfg.strategy!r} returned {len(plan.ranks)} ranks for parallel.dp={cfg.parallel.dp}")
+        if done and new_state.queued and planned == 0:
+            raise RuntimeError(
+                f"planner {cfg.strategy!r} keeps {len(new_state.queued)} pieces queued at the end of epoch "
+                f"{self.epoch} although asked to flush (PlannerState.extra['flush']); every token must be planned "
+                "once per epoch"
+            )
+        loss_tokens = loss_tokens_in_plan(plan, doc_len)
+        plan = msgspec.structs.replace(plan, loss_tokens=loss_tokens)
+
+        if self.exchange is not None and self.check_ranks:
+            value = digest(msgspec.json.encode(plan), window.doc, window.length)
+            self.exchange.check_agreement(step, value)
+
+        # this rank's part
+        mbs = plan.ranks[self.dp_rank].micro_batches
+        own_docs = {s.doc for mb in mbs for s in mb.segments}
+        tokens = {d: self._tokens[d] for d in own_docs if d in self._tokens}
+        lengths = {d: doc_len[d] for d in own_docs}
+        # carry the queue; forget what is planned
+        self.queued_lengths = {q.doc: doc_len[q.doc] for q in new_state.queued}
+        keep = set(self.queued_lengths)
+        for d in doc_len:
+            if d not in keep:
+                self._tokens.pop(d, None)
+        self.pstate = new_state
+        self.k += 1
+        self.stats.steps += 1
+        self.stats.delayed_pieces += len(new_state.queued)
+        self.stats.rank_micro_batches += len(mbs)
+        self.stats.rank_tokens += sum(mb.num_tokens for mb in mbs)
+        epoch = self.epoch
+        last = False
+        if done:
+            if new_state.queued:
+                self.flushing = True
+            else:
+                last = True
+                self.stats.epochs_completed += 1
+                self._advance_epoch()
+        else:
+            self.pos = int(self._buf_ids[self._buf_at]) % self.stream.num_docs if self._buf_at < len(self._buf_ids) \
+                else self._next_pos_after_buffer()
+        return StepWork(step, epoch, plan, mbs, lengths, tokens, loss_tokens, last, self.stats.copy())
+
+    def _next_pos_after_buffer(self) -> int:
+        if len(self._buf_ids):
+            return int(self._buf_ids[-1]) % self.stream.num_docs + 1
+        return self.pos
+
+    def _advance_epoch(self) -> None:
+        self.flushing = False
+        self.epoch += 1
+        self.pos = self.span(self.epoch)[0]
+        self._last_seen = False
+        self._buf_ids = np.zeros(0, np.int64)
+        self._buf_len = np.zeros(0, np.int64)
+        self._buf_at = 0
+
+
+class StepCollator:
+    """The map function of the collate stage: this rank's micro-batches of one step as PackedBatches."""
+
+    def __init__(self, stream: DocumentStream, *, layout: str = "flat", pad_to_multiple: int | None = None,
+                 pad_to_tokens: int | None = None, pad_id: int = 0) -> None:
+        self.stream = stream
+        self.kw = dict(layout=layout, pad_to_multiple=pad_to_multiple, pad_to_tokens=pad_to_tokens, pad_id=pad_id)
+
+    def __call__(self, work: StepWork) -> list:
+        tokens = dict(work.tokens)
+        missing = sorted(d for d in work.doc_lengths if d not in tokens)
+        if missing:
+            for d, t in zip(missing, self.stream.read(missing)):
+                if len(t) != work.doc_lengths[d]:
+                    raise RuntimeError(
+                        f"packloader: document {d} ({self.stream.keys([d])[0]}) has {len(t)} tokens on reading, but "
+                        f"its length was {work.doc_lengths[d]} when planned (a length column that disagrees with the "
+                        "tokens, or a source that changed)"
+                    )
+                tokens[d] = t
+        n = len(work.micro_batches)
+        extra: dict[str, Any] = {"epoch": work.epoch, "plan": work.plan, "stats": work.stats}
+        out = []
+        for i, mb in enumerate(work.micro_batches):
+            ex = dict(extra, last_in_epoch=work.last_in_epoch and i == n - 1)
+            if mb.dp_group is not None:
+                ex["dp_group"] = mb.dp_group
+            out.append(collate(mb.segments, tokens, step=work.step, index_in_step=i, micro_batches_in_step=n,
+                               loss_tokens_in_step=work.loss_tokens, extra=ex, **self.kw))
+        if not out and work.last_in_epoch:
+            # a rank with no micro-batch in the epoch's last step still needs to see the epoch end
+            out.append(None)
+        return out

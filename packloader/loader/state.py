@@ -1,0 +1,107 @@
+"""What the loader counts and checks about itself: its options (validated), its stats, and the fingerprint that
+makes `load_state_dict` refuse a state saved by a differently configured loader."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Annotated, Literal
+
+import msgspec
+
+from packloader.contracts import PlanConfig
+
+STATE_FORMAT = "packloader.loader/1"
+LengthsMode = Literal["auto", "column", "local", "gather"]
+Layout = Literal["flat", "hf"]
+
+
+class LoaderOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The loader's own knobs (PlanConfig holds the planning ones). Validated with msgspec: a bad value is an
+    error naming the field, e.g. ``Expected `int` >= 1 - at `$.pad_to_multiple```."""
+
+    seed: Annotated[int, msgspec.Meta(ge=0)] = 0
+    shuffle: bool = True
+    append_eos: bool = True
+    layout: Layout = "flat"
+    pad_to_multiple: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    pad_to_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    pad_id: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    epochs: Annotated[int, msgspec.Meta(ge=1)] | None = 1  # per `for` pass; None: never stop
+    lengths: LengthsMode = "auto"
+    num_threads: Annotated[int, msgspec.Meta(ge=0)] = 2  # threads reading/tokenizing and collating
+    prefetch: Annotated[int, msgspec.Meta(ge=1)] = 2  # steps planned and collated ahead of the trainer
+    chunk_docs: Annotated[int, msgspec.Meta(ge=1)] = 256  # documents read/tokenized per task
+    check_ranks: bool = True
+    timeout: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # seconds to wait for other ranks
+    name: str = "loader"
+
+
+def validate_config(config) -> PlanConfig:
+    """A PlanConfig, validated (msgspec checks constraints when converting, not in the constructor)."""
+    raw = msgspec.to_builtins(config) if isinstance(config, PlanConfig) else config
+    if not isinstance(raw, dict):
+        raise TypeError(f"config must be a PlanConfig or a dict, got {type(config).__name__}")
+    return msgspec.convert(raw, PlanConfig)
+
+
+def validate_options(**kwargs) -> LoaderOptions:
+    return msgspec.convert(kwargs, LoaderOptions)
+
+
+class LoaderStats(msgspec.Struct, kw_only=True):
+    """Counts up to and including one step (cumulative since the start of training, carried in the state).
+
+    Documents longer than PlanConfig.context are cut into independent pieces, never dropped: `split_documents`
+    counts them and `split_pieces` the pieces they became. `empty_documents` counts documents with no tokens
+    (nothing to train on; skipped).
+    """
+
+    steps: int = 0
+    epochs_completed: int = 0
+    documents: int = 0  # documents drawn (all ranks' plans together)
+    tokens: int = 0  # tokens drawn
+    split_documents: int = 0
+    split_pieces: int = 0
+    empty_documents: int = 0
+    delayed_pieces: int = 0  # pieces a planner held back for a later step (counted once per step held)
+    rank_micro_batches: int = 0  # this rank's micro-batches
+    rank_tokens: int = 0  # tokens in this rank's micro-batches
+
+    def copy(self) -> "LoaderStats":
+        return msgspec.structs.replace(self)
+
+
+def source_fingerprint(source) -> str:
+    """Shard base names and row counts: the same data in another directory still matches."""
+    h = hashlib.blake2b(digest_size=8)
+    for s in source.shards:
+        h.update(os.path.basename(str(s.name)).encode())
+        h.update(str(s.num_rows).encode())
+    return h.hexdigest()
+
+
+def fingerprint(*, config: PlanConfig, options: LoaderOptions, source, tokenizer_name: str | None, dp_rank: int,
+                eos_appended: bool, span: tuple[int, int] | None = None) -> dict:
+    """What must match between the loader that saved a state and the one that loads it."""
+    return {
+        "config": msgspec.to_builtins(config),
+        "seed": options.seed,
+        "shuffle": options.shuffle,
+        "eos_appended": eos_appended,
+        "tokenizer": tokenizer_name,
+        "source": source_fingerprint(source),
+        "num_docs": sum(s.num_rows for s in source.shards),
+        "dp_rank": dp_rank,
+        "span": list(span) if span is not None else None,
+    }
+
+
+def check_fingerprint(saved: dict, current: dict) -> None:
+    diff = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    if diff:
+        parts = "; ".join(f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in diff)
+        raise ValueError(
+            f"this state was saved by a differently configured loader ({parts}); resuming would not continue the "
+            "same stream. Pass strict=False to load it anyway."
+        )

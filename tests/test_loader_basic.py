@@ -309,3 +309,17 @@ def test_state_from_another_configuration_is_refused():
     with pytest.raises(ValueError, match="seed"):
         b.load_state_dict(state)
     b.load_state_dict(state, strict=False)  # allowed when asked
+
+
+def test_bad_rows_surface_with_file_and_row(tmp_path):
+    """An error in a background reader thread reaches the trainer with the reader's own message."""
+    from packloader.sources.errors import SourceError
+
+    texts = text_docs(60)
+    table = pa.table({"text": pa.array(texts[:30] + [None] + texts[31:], pa.string())})
+    path = tmp_path / "broken.parquet"
+    pq.write_table(table, path, row_group_size=10)
+    loader = PackedLoader([str(path)], tokenizer="bytes", config=config(), num_threads=2, chunk_docs=8)
+    with pytest.raises(SourceError, match=r"broken\.parquet, row 30, column 'text': null"):
+        list(loader)
+    loader.close()

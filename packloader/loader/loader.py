@@ -30,6 +30,7 @@ epoch and yields whole steps.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Iterator, Sequence
 
 import msgspec
@@ -56,6 +57,25 @@ def _open(source, column: str | None):
     if not hasattr(source, "shards") or not hasattr(source, "read"):
         raise TypeError(f"source must be a path, a list of paths or a Source, got {type(source).__name__}")
     return source
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """torchdata re-raises a background thread's exception as `type(e)("Caught ... Original Traceback ...")`,
+    twice when it crossed two thread stages; give the trainer the original message (the traceback stays chained)."""
+    msg = str(e)
+    if "Original Traceback" not in msg:
+        return e
+    name = type(e).__name__
+    lines = msg.splitlines()
+    starts = [i for i, line in enumerate(lines) if re.match(rf"^[\w.]*\b{re.escape(name)}: ", line)]
+    if not starts:
+        return e
+    text = "\n".join(lines[starts[-1]:]).split(": ", 1)[1].rstrip()
+    try:
+        clean = type(e)(text)
+    except Exception:  # noqa: BLE001 - an exception type that needs other arguments
+        clean = RuntimeError(text)
+    return clean
 
 
 def _shutdown(node, seen=None) -> None:
@@ -191,6 +211,7 @@ class PackedLoader:
         self._it: Iterator | None = None
         self._last: PackedBatch | None = None
         self._next_epoch = 0
+        self._pass_left: int | None = 0  # epochs left in the current pass; 0: none in progress
 
     # --- facts ---------------------------------------------------------------------------------------------------
 
@@ -233,28 +254,33 @@ class PackedLoader:
     # --- iteration -----------------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[PackedBatch]:
+        """One pass: `epochs` epochs from where the loader stands (the rest of the pass a saved state was in)."""
         if self._it is None:
             self._it = iter(self._loader)
-        left = self._p.options.epochs
+        left = self._pass_left if self._pass_left != 0 else self._p.options.epochs
         while True:
             try:
                 batch = next(self._it)
             except StopIteration:
                 return
-            if batch is None:  # this rank had no micro-batch in an epoch's last step
-                end = True
-            else:
-                self._last = batch
-                yield batch
-                end = batch.extra["last_in_epoch"]
+            except Exception as e:
+                clean = _unwrap(e)
+                if clean is e:
+                    raise
+                raise clean from e
+            end = batch is None or batch.extra["last_in_epoch"]  # None: no micro-batch here in an epoch's last step
             if end:
                 self._next_epoch += 1
                 if left is not None:
                     left -= 1
-                    if left == 0:
-                        return
             elif batch is not None:
                 self._next_epoch = batch.extra["epoch"]
+            self._pass_left = left  # set before yielding: a state saved now knows where the pass stands
+            if batch is not None:
+                self._last = batch
+                yield batch
+            if left == 0:
+                return
 
     # --- state ---------------------------------------------------------------------------------------------------
 
@@ -269,6 +295,7 @@ class PackedLoader:
             "format": STATE_FORMAT,
             "fingerprint": self._fingerprint(),
             "next_epoch": self._next_epoch,
+            "pass_left": self._pass_left,
             "stats": msgspec.to_builtins(self.stats),
             "loader": self._loader.state_dict(),
         }
@@ -282,6 +309,7 @@ class PackedLoader:
         self._loader.load_state_dict(state["loader"])
         self._it = None
         self._next_epoch = int(state["next_epoch"])
+        self._pass_left = state["pass_left"]
         self._last = None
         self._saved_stats = state.get("stats")
 
@@ -320,7 +348,15 @@ class _StepIterator:
 
     def __next__(self) -> list[PackedBatch]:
         while True:
-            batches = next(self.it)
+            try:
+                batches = next(self.it)
+            except StopIteration:
+                raise
+            except Exception as e:
+                clean = _unwrap(e)
+                if clean is e:
+                    raise
+                raise clean from e
             batches = [b for b in batches if b is not None]
             if batches:
                 return batches

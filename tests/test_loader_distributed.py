@@ -1,0 +1,147 @@
+"""Several gloo ranks: the same plan on every rank, every token once across ranks, lengths all-gathered when
+ranks share the tokenizing, and a clear error (not a hang) when a rank dies or disagrees."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from distributed import run_ranks
+from packloader.contracts import ParallelConfig, PlanConfig
+from packloader.loader.check import TokenLedger
+from packloader.loader.loader import PackedLoader
+
+
+def _config(world: int) -> PlanConfig:
+    return PlanConfig(strategy="fixed", max_tokens=256, context=256, tokens_per_step=400 * world,
+                      parallel=ParallelConfig(dp=world))
+
+
+def _summarise(batches) -> list[tuple]:
+    return [(b.step, msgspec.json.encode(b.extra["plan"]), [(s.doc, s.start, s.end) for s in b.segments],
+             b.loss_tokens_in_step, b.num_loss_tokens, b.index_in_step, b.micro_batches_in_step) for b in batches]
+
+
+def _run(rank, world, paths, lengths, epochs):
+    import torch.distributed as dist
+
+    loader = PackedLoader(paths, tokenizer="bytes", config=_config(world), lengths=lengths, num_threads=2,
+                          chunk_docs=13, timeout=60)
+    assert loader.dp_rank == rank  # from torch.distributed
+    mode = loader.lengths_mode
+    batches = []
+    for _ in range(epochs):
+        batches.extend(loader)
+    loader.close()
+    dist.barrier()
+    return mode, _summarise(batches)
+
+
+def _reference(paths, world, lengths_per_rank=None):
+    """The same loaders without torch.distributed (explicit dp_rank, each reading everything)."""
+    out = []
+    for r in range(world):
+        loader = PackedLoader(paths, tokenizer="bytes", config=_config(world), dp_rank=r, num_threads=1)
+        out.append(_summarise(list(loader)))
+        stream = loader.stream
+        loader.close()
+    return out, stream
+
+
+@pytest.mark.parametrize("world,kind,lengths", [(2, "tokens", "auto"), (3, "text", "gather"), (4, "text", "local"),
+                                                (2, "text", "gather")])
+def test_ranks_plan_alike_and_cover_every_token_once(tmp_path, world, kind, lengths):
+    from test_loader_basic import text_docs, token_docs, write_text_shards, write_token_shards
+
+    if kind == "tokens":
+        paths = write_token_shards(tmp_path, token_docs(220, seed=world), shards=3)
+    else:
+        paths = write_text_shards(tmp_path, text_docs(180, seed=world), shards=4, row_group_size=10)
+    results = run_ranks(_run, world, paths, lengths, 2)
+    modes = {m for m, _ in results}
+    assert modes == {"column" if kind == "tokens" else lengths}
+    per_rank = [r for _, r in results]
+    steps = [[x[0] for x in r] for r in per_rank]
+    for r in range(world):
+        # identical plans on every rank, and equal micro-batch counts per step
+        assert sorted(set(steps[r])) == sorted(set(steps[0]))
+        for mine, theirs in zip(_first_per_step(per_rank[r]), _first_per_step(per_rank[0])):
+            assert mine[1] == theirs[1]
+    # the per-step loss normaliser is the sum over all ranks' micro-batches
+    for s in set(steps[0]):
+        total = sum(x[4] for r in per_rank for x in r if x[0] == s)
+        assert {x[3] for r in per_rank for x in r if x[0] == s} == {total}
+    # the first epoch, as the same loaders compute it without torch.distributed (plans from local lengths)
+    ref, stream = _reference(paths, world)
+    for r in range(world):
+        n = len(ref[r])
+        assert [(x[0], x[1], x[2]) for x in per_rank[r][:n]] == [(x[0], x[1], x[2]) for x in ref[r]]
+    ledger = TokenLedger(stream)
+    for r in per_rank:
+        ledger.add([{"segments": x[2]} for x in r])
+    ledger.check_epoch(0)
+    ledger.check_epoch(1)
+
+
+def _first_per_step(summary):
+    seen, out = set(), []
+    for x in summary:
+        if x[0] not in seen:
+            seen.add(x[0])
+            out.append(x)
+    return out
+
+
+def _dies(rank, world, paths, stop_after):
+    """Rank 1 takes `stop_after` batches and leaves; the others keep going and must fail with a clear error."""
+    loader = PackedLoader(paths, config=_config(world), num_threads=1, prefetch=1, timeout=4)
+    if rank == 1:
+        it = iter(loader)
+        for _ in range(stop_after):
+            next(it)
+        loader.close()
+        return "left"
+    try:
+        for _ in loader:
+            pass
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        loader.close()
+    return "no error"
+
+
+@pytest.mark.parametrize("stop_after", [0, 3])
+def test_a_dead_rank_is_an_error_naming_it_not_a_hang(tmp_path, stop_after):
+    from test_loader_basic import token_docs, write_token_shards
+
+    paths = write_token_shards(tmp_path, token_docs(400, seed=1), shards=2)
+    results = run_ranks(_dies, 3, paths, stop_after, timeout=120)
+    assert results[1] == "left"
+    for msg in (results[0], results[2]):
+        assert "ranks [1] did not report within 4s" in msg, msg
+        assert "step " in msg
+
+
+def _disagrees(rank, world, paths):
+    import torch.distributed as dist
+
+    loader = PackedLoader(paths, config=_config(world), seed=int(rank == 1), num_threads=1, timeout=30)
+    try:
+        for _ in loader:
+            pass
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        loader.close()
+        dist.barrier()
+    return "no error"
+
+
+def test_a_disagreeing_rank_is_an_error_on_every_rank(tmp_path):
+    from test_loader_basic import token_docs, write_token_shards
+
+    paths = write_token_shards(tmp_path, token_docs(200, seed=2), shards=2)
+    results = run_ranks(_disagrees, 2, paths, timeout=120)
+    for msg in results:
+        assert "step 0: ranks disagree on the plan" in msg and "ranks [0]" in msg and "ranks [1]" in msg, msg

@@ -43,6 +43,17 @@ def _check_segment(seg: Segment, length: int) -> None:
         )
 
 
+_AR = np.arange(1 << 16, dtype=np.int64)
+
+
+def _arange(a: int, b: int) -> np.ndarray:
+    """np.arange(a, b) as a view of a cached range when it fits (positions are rebuilt for every micro-batch)."""
+    global _AR
+    if b > len(_AR):
+        _AR = np.arange(max(b, 2 * len(_AR)), dtype=np.int64)
+    return _AR[a:b]
+
+
 def segment_loss_tokens(seg: Segment, doc_length: int) -> int:
     """Tokens of a segment that carry a loss target: all but the document's last token."""
     return (seg.end - seg.start) - (1 if seg.end >= doc_length else 0)
@@ -90,22 +101,29 @@ def collate(
         raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
     segments = list(segments)
     n = len(segments)
-    qlen = np.empty(n, dtype=np.int64)
-    prefix = np.empty(n, dtype=np.int64)
-    starts = np.empty(n, dtype=np.int64)
-    docs = np.empty(n, dtype=np.int64)
-    for i, s in enumerate(segments):
+    # bookkeeping in Python ints: a micro-batch has few segments, and numpy calls on tiny arrays cost more
+    docs_of: list[np.ndarray] = []
+    qlen: list[int] = []
+    klen: list[int] = []
+    num_loss = 0
+    for s in segments:
         doc = tokens.get(s.doc) if hasattr(tokens, "get") else tokens[s.doc]
         if doc is None:
             raise KeyError(f"no tokens for document {s.doc} (segment {s})")
-        _check_segment(s, len(doc))
-        qlen[i], prefix[i], starts[i], docs[i] = s.end - s.start, s.start - s.attend_from, s.start, s.doc
+        length = len(doc)
+        if not (0 <= s.attend_from <= s.start < s.end <= length):
+            _check_segment(s, length)
+        docs_of.append(doc)
+        q = s.end - s.start
+        qlen.append(q)
+        klen.append(s.end - s.attend_from)
+        num_loss += q - (1 if s.end == length else 0)
 
     padded = pad_to_multiple is not None or pad_to_tokens is not None
     if padded:
         m = pad_to_multiple or 1
-        plen = -(-qlen // m) * m
-        total = int(plen.sum())
+        plen = [-(-q // m) * m for q in qlen]
+        total = sum(plen)
         if pad_to_tokens is not None:
             if total > pad_to_tokens:
                 raise ValueError(
@@ -115,43 +133,51 @@ def collate(
             if n:
                 plen[-1] += pad_to_tokens - total
             elif pad_to_tokens > 0:
-                plen = np.array([pad_to_tokens], dtype=np.int64)
+                plen = [pad_to_tokens]
     else:
         plen = qlen
-    T = int(plen.sum())
+    offsets = [0]
+    for p_ in plen:
+        offsets.append(offsets[-1] + p_)
+    T = offsets[-1]
 
-    input_ids = np.full(T, pad_id, dtype=np.int64) if padded else np.empty(T, dtype=np.int64)
-    labels = np.full(T, IGNORE_INDEX, dtype=np.int64) if padded else np.empty(T, dtype=np.int64)
-    offsets = np.zeros(len(plen) + 1, dtype=np.int64)
-    np.cumsum(plen, out=offsets[1:])
+    if padded:
+        input_ids = np.full(T, pad_id, dtype=np.int64)
+        labels = np.full(T, IGNORE_INDEX, dtype=np.int64)
+    else:
+        input_ids = np.empty(T, dtype=np.int64)
+        labels = np.empty(T, dtype=np.int64)
+    position_ids = np.empty(T, dtype=np.int64)
     for i, s in enumerate(segments):
-        doc = tokens[s.doc]
-        o, q = int(offsets[i]), int(qlen[i])
+        doc = docs_of[i]
+        o, q = offsets[i], qlen[i]
         input_ids[o : o + q] = doc[s.start : s.end]
         if s.end < len(doc):
             labels[o : o + q] = doc[s.start + 1 : s.end + 1]
         else:
             labels[o : o + q - 1] = doc[s.start + 1 : s.end]
             labels[o + q - 1] = IGNORE_INDEX
-    # positions: offset in the document, continuing through a segment's padding
-    seg_start = np.concatenate([starts, np.zeros(len(plen) - n, np.int64)])
-    position_ids = np.arange(T, dtype=np.int64) - np.repeat(offsets[:-1], plen) + np.repeat(seg_start, plen)
-
-    cu = np.zeros(len(plen) + 1, dtype=np.int32)
-    np.cumsum(qlen, out=cu[1 : n + 1])
-    cu_k = np.zeros(len(plen) + 1, dtype=np.int32)
-    np.cumsum(qlen + prefix, out=cu_k[1 : n + 1])
-    doc_ids = docs if len(plen) == n else np.concatenate([docs, [-1]])
+        # positions: offset in the document, continuing through the segment's padding
+        position_ids[o : offsets[i + 1]] = _arange(s.start, s.start + offsets[i + 1] - o)
     if len(plen) > n:  # the all-padding entry of an empty micro-batch
-        cu[-1], cu_k[-1] = cu[n], cu_k[n]
+        position_ids[:] = _arange(0, T)
+
+    cu = [0]
+    cu_k = [0]
+    for q, k in zip(qlen, klen):
+        cu.append(cu[-1] + q)
+        cu_k.append(cu_k[-1] + k)
+    doc_ids = [s.doc for s in segments]
+    if len(plen) > n:
+        cu.append(cu[-1])
+        cu_k.append(cu_k[-1])
+        doc_ids.append(-1)
     if padded:
-        max_q = int(plen.max()) if len(plen) else 0
-        max_k = int((plen[:n] + prefix).max()) if n else max_q
-        max_k = max(max_k, max_q)
+        max_q = max(plen) if plen else 0
+        max_k = max([p_ + k - q for p_, k, q in zip(plen, klen, qlen)] + [max_q])
     else:
-        max_q = int(qlen.max()) if n else 0
-        max_k = int((qlen + prefix).max()) if n else 0
-    num_loss = int(np.count_nonzero(labels != IGNORE_INDEX))
+        max_q = max(qlen) if n else 0
+        max_k = max(klen) if n else 0
 
     def shaped(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
@@ -161,18 +187,18 @@ def collate(
         input_ids=shaped(input_ids),
         labels=shaped(labels),
         position_ids=shaped(position_ids),
-        cu_seqlens=torch.from_numpy(cu),
-        cu_seqlens_k=torch.from_numpy(cu_k),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
         max_seqlen=max_q,
         max_seqlen_k=max_k,
-        doc_ids=torch.from_numpy(doc_ids),
+        doc_ids=torch.tensor(doc_ids, dtype=torch.int64),
         segments=segments,
         num_loss_tokens=num_loss,
         loss_tokens_in_step=num_loss if loss_tokens_in_step is None else int(loss_tokens_in_step),
         step=int(step),
         index_in_step=int(index_in_step),
         micro_batches_in_step=int(micro_batches_in_step),
-        cu_seqlens_padded=torch.from_numpy(offsets.astype(np.int32)) if padded else None,
+        cu_seqlens_padded=torch.tensor(offsets, dtype=torch.int32) if padded else None,
         extra={"layout": layout, **(extra or {})},
     )
 

@@ -147,10 +147,11 @@ class _Pipeline:
         steps = StepNode(chunk_node, chunks, self.stream, self.planner, self.config, self.dp_rank, span=span,
                          mode=mode, exchange=exchange, check_ranks=o.check_ranks, start_epoch=start_epoch,
                          step_stride=step_stride, step_offset=step_offset)
-        if threads == 0:
-            node = ParallelMapper(steps, self.collator, num_workers=0)
-        else:
-            node = ParallelMapper(steps, self.collator, num_workers=threads, in_order=True, method="thread")
+        # Planning, collating (and, for pre-tokenized sources, reading) run in one background thread: collating
+        # is cheap next to tokenizing, and more Python threads only fight over the GIL (measured: collate
+        # threads made the pre-tokenized path slower on 2 cores, benchmarks/loader.py).
+        node = ParallelMapper(steps, self.collator, num_workers=0)
+        if threads > 0:
             node = Prefetcher(node, prefetch_factor=o.prefetch)
         return Unbatcher(node) if unbatch else node
 

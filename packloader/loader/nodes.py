@@ -12,7 +12,9 @@ ChunkNode         epoch order in chunks of `chunk_docs` positions              s
 
 How each rank learns the lengths (`lengths=`):
 - "column": a pre-tokenized source with a length column. Every rank reads the global lengths (a few bytes per
-  document, no tokens) and reads tokens only for the documents of its own micro-batches.
+  document, no tokens) and reads tokens only for the documents of its own micro-batches (in the step stage's
+  thread, ahead of the trainer: sources cache decoded row groups per thread, so one reading thread decodes each
+  row group once).
 - "local": every rank reads and tokenizes every document of the stream (simple; the tokenizing cost is paid
   on every rank) and keeps the tokens until they are collated, so nothing is read twice.
 - "gather": ranks share the tokenizing: each of the W ranks tokenizes its contiguous 1/W of each chunk, the
@@ -354,6 +356,11 @@ class StepNode(BaseNode[StepWork]):
         mbs = plan.ranks[self.dp_rank].micro_batches
         own_docs = {s.doc for mb in mbs for s in mb.segments}
         tokens = {d: self._tokens[d] for d in own_docs if d in self._tokens}
+        if self.mode == "column" and own_docs:
+            # read here, in this one thread: sources keep decoded blocks per thread, so reading in the collate
+            # threads would decode the same row groups once per thread
+            need = sorted(own_docs)
+            tokens.update(zip(need, self.stream.read(need)))
         lengths = {d: doc_len[d] for d in own_docs}
         # carry the queue; forget what is planned
         self.queued_lengths = {q.doc: doc_len[q.doc] for q in new_state.queued}

@@ -1,0 +1,166 @@
+"""Python side of the planners: the step's pieces as arrays in, a StepPlan out.
+
+The numba kernels (kernels.py) work on flat arrays; this module turns a Window plus the planner's queue into
+those arrays (`Pieces`), and the kernels' answer (`Packing`: segments, micro-batch ids, ranks, DP-Merge
+groups, backward orders, what stays queued) into the msgspec StepPlan with costs filled in.
+
+Flushing: a caller that wants every queued piece planned now (the loader at the end of an epoch, `packloader
+plan` after its last step) passes a state with ``extra["flush"] = [1]`` (`flush_state`). Planners that delay
+(wlb) then hold nothing back by choice; the returned state never carries the flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from packloader.balancers.cost import CostModel, load_cost_model, microbatch_times_csr
+from packloader.balancers.registry import Window
+from packloader.contracts import MicroBatch, PlanConfig, PlannerState, QueuedDoc, RankPlan, Segment, StepPlan
+
+FLUSH = "flush"
+
+
+def wants_flush(state: PlannerState) -> bool:
+    return bool(state.extra.get(FLUSH))
+
+
+def flush_state(state: PlannerState) -> PlannerState:
+    """A copy of `state` asking the planner to plan everything it holds."""
+    return msgspec.structs.replace(state, extra={**state.extra, FLUSH: [1]})
+
+
+def carried_extra(state: PlannerState) -> dict[str, list[int]]:
+    """The planner-specific extras to carry to the next step (the flush flag is per call)."""
+    return {k: v for k, v in state.extra.items() if k != FLUSH}
+
+
+_MODELS: dict[tuple, CostModel] = {}
+
+
+def cost_model_for(config: PlanConfig) -> CostModel:
+    """The config's cost model (preset name or profile path), loaded once per process."""
+    key = (config.model, config.parallel)
+    model = _MODELS.get(key)
+    if model is None:
+        model = _MODELS[key] = load_cost_model(config.model, config.parallel)
+    return model
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """What a step plans: the queued pieces first (oldest first), then the newly drawn ones."""
+
+    doc: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    drawn: np.ndarray  # step at which each piece was drawn
+
+    @classmethod
+    def of(cls, window: Window, state: PlannerState, step: int) -> "Pieces":
+        q = state.queued
+        n = len(window.doc)
+        return cls(
+            np.concatenate([np.array([d.doc for d in q], np.int64), np.asarray(window.doc, np.int64)]),
+            np.concatenate([np.array([d.offset for d in q], np.int64), np.asarray(window.offset, np.int64)]),
+            np.concatenate([np.array([d.length for d in q], np.int64), np.asarray(window.length, np.int64)]),
+            np.concatenate([np.array([d.drawn_step for d in q], np.int64), np.full(n, step, np.int64)]),
+        )
+
+    def __len__(self) -> int:
+        return len(self.doc)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.length.sum())
+
+    def queue(self, idx: np.ndarray) -> list[QueuedDoc]:
+        """QueuedDoc entries for the given pieces, in the given order."""
+        return [QueuedDoc(int(self.doc[i]), int(self.offset[i]), int(self.length[i]), int(self.drawn[i])) for i in idx]
+
+
+def check_cap(pieces: Pieces, cap: int, strategy: str) -> None:
+    if len(pieces) and int(pieces.length.max()) > cap:
+        raise ValueError(
+            f"{strategy}: a piece of {int(pieces.length.max())} tokens exceeds max_tokens={cap}; cut documents at a "
+            f"context length <= max_tokens, or allow slicing and use the slimpack (or auto) strategy"
+        )
+
+
+@dataclass
+class Packing:
+    """A step plan as arrays.
+
+    Segment k is tokens seg_start[k]..seg_end[k]-1 of document seg_doc[k], attending from seg_af[k], in
+    micro-batch seg_mb[k]; segments of one micro-batch keep their relative order. rank_mbs[r] lists the
+    micro-batch ids of rank r in forward order (all rows the same length). A DP-Merge micro-batch appears in
+    the row of every rank of its group, at the same position; `groups` maps its id to the sorted ranks.
+    """
+
+    seg_doc: np.ndarray
+    seg_start: np.ndarray
+    seg_end: np.ndarray
+    seg_af: np.ndarray
+    seg_mb: np.ndarray
+    rank_mbs: np.ndarray
+    groups: dict[int, list[int]] = field(default_factory=dict)
+    backward_order: list[list[int] | None] | None = None
+    queued: list[QueuedDoc] = field(default_factory=list)
+    delayed: list[int] = field(default_factory=list)
+    extra: dict[str, list[int]] = field(default_factory=dict)
+    strategy: str = ""
+    mb_fwd: np.ndarray | None = None  # per-rank seconds of each micro-batch (after `costs`)
+    mb_bwd: np.ndarray | None = None
+
+    @property
+    def num_micro_batches(self) -> int:
+        return int(self.rank_mbs.max()) + 1 if self.rank_mbs.size else 0
+
+    def costs(self, model: CostModel) -> "Packing":
+        """Fill mb_fwd / mb_bwd: the cost model's time of each micro-batch on one rank (a DP-Merge micro-batch
+        costs each member its share, as CostModel.microbatch_times defines it)."""
+        nmb = self.num_micro_batches
+        order = np.argsort(self.seg_mb, kind="stable")
+        q = (self.seg_end - self.seg_start)[order]
+        p = (self.seg_start - self.seg_af)[order]
+        offs = np.zeros(nmb + 1, np.int64)
+        np.cumsum(np.bincount(self.seg_mb, minlength=nmb), out=offs[1:])
+        f, b = microbatch_times_csr(model.coeffs, q, p, offs)
+        for m, ranks in self.groups.items():
+            segs = [Segment(0, int(s), int(e), int(a)) for s, e, a in zip(self.seg_start[self.seg_mb == m], self.seg_end[self.seg_mb == m], self.seg_af[self.seg_mb == m])]
+            f[m], b[m] = model.microbatch_times(MicroBatch(segments=segs, dp_group=ranks))
+        self.mb_fwd, self.mb_bwd = f, b
+        return self
+
+    def to_step_plan(self, step: int) -> StepPlan:
+        nmb = self.num_micro_batches
+        segs: list[list[Segment]] = [[] for _ in range(nmb)]
+        for d, s, e, a, m in zip(self.seg_doc.tolist(), self.seg_start.tolist(), self.seg_end.tolist(), self.seg_af.tolist(), self.seg_mb.tolist()):
+            segs[m].append(Segment(d, s, e, a))
+        fwd = self.mb_fwd.tolist() if self.mb_fwd is not None else [0.0] * nmb
+        bwd = self.mb_bwd.tolist() if self.mb_bwd is not None else [0.0] * nmb
+        mbs = [
+            MicroBatch(segments=segs[m], fwd_cost=fwd[m], bwd_cost=bwd[m], dp_group=self.groups.get(m))
+            for m in range(nmb)
+        ]
+        ranks = []
+        for r, row in enumerate(self.rank_mbs.tolist()):
+            order = self.backward_order[r] if self.backward_order is not None else None
+            ranks.append(RankPlan(micro_batches=[mbs[m] for m in row], backward_order=order))
+        return StepPlan(step=step, ranks=ranks, delayed=sorted(set(self.delayed)), extra={"num_queued": float(len(self.queued))})
+
+    def state(self) -> PlannerState:
+        return PlannerState(queued=self.queued, extra=self.extra)
+
+
+def whole_pieces_packing(pieces: Pieces, piece_mb: np.ndarray, rank_mbs: np.ndarray, **kw) -> Packing:
+    """A Packing where every planned piece is one whole segment (no slices): piece i in micro-batch piece_mb[i]
+    (pieces with -1 are not in this step's plan). Segments keep the pieces' order."""
+    sel = np.nonzero(piece_mb >= 0)[0]
+    start = pieces.offset[sel]
+    return Packing(
+        seg_doc=pieces.doc[sel], seg_start=start, seg_end=start + pieces.length[sel], seg_af=start,
+        seg_mb=piece_mb[sel], rank_mbs=rank_mbs, **kw,
+    )

@@ -1,0 +1,451 @@
+"""Numba kernels shared by the planners (wlb, hydraulis, slimpack, auto).
+
+Everything here takes flat typed arrays (lengths as int64, the cost coefficients as float64[13] in
+`contracts.COEFF_LAYOUT` order) and returns arrays; no Python objects inside the loops. Costs come from the
+kernels of `cost.py` (`attn_time`, `lin_time`, `doc_time_split`), so a planner balances exactly what the cost
+model and the simulator later measure.
+
+Conventions:
+
+* a *piece* is an independent run of tokens of one document (a whole document or a context-window piece);
+  its workload is `doc_time_split` (attention + linear share, no per-micro-batch floor);
+* a *bin* is one micro-batch; its time is the sum of its segments' attention plus `lin_time` of its token
+  count, which includes the floor;
+* orders are made with stable sorts and ties go to the lowest index, so equal inputs give equal outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from packloader.balancers.cost import ATTN_FWD, LIN_BWD, LIN_FWD, attn_time, doc_time_split, lin_time
+
+__all__ = [
+    "bin_times",
+    "deal_bins",
+    "equal_cost_cuts",
+    "hydraulis_dispatch",
+    "hydraulis_pack",
+    "lpt_dispatch",
+    "slice_end",
+    "slim_pack_rank",
+    "wlb_pack",
+]
+
+
+@njit(cache=True)
+def _bin_time(c, attn, tokens):
+    """Forward + backward time of a bin holding `attn` seconds of attention and `tokens` tokens."""
+    return attn + lin_time(c, tokens, False) + lin_time(c, tokens, True)
+
+
+@njit(cache=True)
+def bin_times(c, attn, tokens):
+    """Forward + backward time of each bin from its attention seconds and token count."""
+    out = np.empty(attn.shape[0], dtype=np.float64)
+    for k in range(attn.shape[0]):
+        out[k] = _bin_time(c, attn[k], tokens[k])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- WLB-LLM
+
+
+@njit(cache=True)
+def wlb_pack(c, lengths, nbins, cap):
+    """WLB-LLM Algorithm 1, lines 18-35: pieces in descending length order go to the bin with the least
+    workload if the token cap allows, else to the bin with the fewest tokens, else they remain for the next
+    step (bin -1). Returns (bin of each piece, bin attention seconds, bin tokens)."""
+    n = lengths.shape[0]
+    assign = np.full(n, -1, dtype=np.int64)
+    attn = np.zeros(nbins, dtype=np.float64)
+    tok = np.zeros(nbins, dtype=np.int64)
+    load = np.zeros(nbins, dtype=np.float64)
+    for b in range(nbins):
+        load[b] = _bin_time(c, 0.0, 0)
+    order = np.argsort(-lengths, kind="mergesort")
+    for k in range(n):
+        i = order[k]
+        l = lengths[i]
+        w_idx = 0
+        l_idx = 0
+        for b in range(1, nbins):
+            if load[b] < load[w_idx]:
+                w_idx = b
+            if tok[b] < tok[l_idx]:
+                l_idx = b
+        if tok[w_idx] + l <= cap:
+            b = w_idx
+        elif tok[l_idx] + l <= cap:
+            b = l_idx
+        else:
+            continue
+        assign[i] = b
+        attn[b] += attn_time(c, l, 0, False) + attn_time(c, l, 0, True)
+        tok[b] += l
+        load[b] = _bin_time(c, attn[b], tok[b])
+    return assign, attn, tok
+
+
+@njit(cache=True)
+def deal_bins(cost, dp, per_rank):
+    """Deal dp*per_rank bins to dp ranks, per_rank each, heaviest bin first to the least loaded rank that still
+    has room (LPT with a count constraint). Returns (rank of each bin, position of each bin on its rank);
+    positions follow the dealing order, so each rank runs its heaviest micro-batch first."""
+    nb = cost.shape[0]
+    rank = np.empty(nb, dtype=np.int64)
+    pos = np.empty(nb, dtype=np.int64)
+    load = np.zeros(dp, dtype=np.float64)
+    count = np.zeros(dp, dtype=np.int64)
+    order = np.argsort(-cost, kind="mergesort")
+    for k in range(nb):
+        b = order[k]
+        best = -1
+        for r in range(dp):
+            if count[r] < per_rank and (best < 0 or load[r] < load[best]):
+                best = r
+        rank[b] = best
+        pos[b] = count[best]
+        count[best] += 1
+        load[best] += cost[b]
+    return rank, pos
+
+
+# ------------------------------------------------------------------------------------------------ Hydraulis
+
+
+@njit(cache=True)
+def hydraulis_dispatch(coeffs, rank_profile, caps, lengths, pp, trials, seed):
+    """Hydraulis Algorithm 1 (Appendix D.2): greedy dispatch of pieces to DP ranks (pipelines), each piece to
+    the rank that keeps the largest lower bound (Eq. 2: sum T(l) + T(max l) * (PP - 1)) smallest, over
+    `trials` orders; trial 0 takes the pieces longest first (an addition: it is usually the best trial), the
+    others random permutations from `seed`. Ties go to the rank whose own bound stays lowest, then the lowest
+    index.
+
+    coeffs: (K, 13) cost profiles; rank_profile: (D,) profile index of each rank; caps: (D,) token caps
+    (MaxLen) of each rank. Returns (rank of each piece, best objective); rank -1 everywhere if some piece fits
+    no rank.
+    """
+    n = lengths.shape[0]
+    d = rank_profile.shape[0]
+    k_prof = coeffs.shape[0]
+    best_assign = np.full(n, -1, dtype=np.int64)
+    if n == 0:
+        return best_assign, 0.0
+    for i in range(n):
+        ok = False
+        for j in range(d):
+            if caps[j] >= lengths[i]:
+                ok = True
+                break
+        if not ok:
+            return best_assign, np.inf
+    # T(l) without floor (summed) and T(l) with the micro-batch floor (the E term), per profile.
+    t_sum = np.empty((k_prof, n), dtype=np.float64)
+    t_full = np.empty((k_prof, n), dtype=np.float64)
+    for k in range(k_prof):
+        f, b = doc_time_split(coeffs[k], lengths)
+        for i in range(n):
+            t_sum[k, i] = f[i] + b[i]
+            t_full[k, i] = t_sum[k, i] + coeffs[k][LIN_FWD + 2] + coeffs[k][LIN_BWD + 2]
+    np.random.seed(seed)
+    best_obj = np.inf
+    assign = np.empty(n, dtype=np.int64)
+    cc = np.empty(d, dtype=np.float64)
+    ee = np.empty(d, dtype=np.float64)
+    lmax = np.empty(d, dtype=np.int64)
+    desc = np.argsort(-lengths, kind="mergesort")
+    for trial in range(trials):
+        perm = desc if trial == 0 else np.random.permutation(n)
+        cc[:] = 0.0
+        ee[:] = 0.0
+        lmax[:] = 0
+        # top two of cc + ee, to get max over k != j in O(1)
+        i1 = 0
+        v1 = 0.0
+        i2 = 1 if d > 1 else -1
+        v2 = 0.0 if d > 1 else -np.inf
+        for kk in range(n):
+            i = perm[kk]
+            l = lengths[i]
+            best_j = -1
+            best_o = np.inf
+            best_own = np.inf
+            for j in range(d):
+                if caps[j] < l:
+                    continue
+                p = rank_profile[j]
+                cn = cc[j] + t_sum[p, i]
+                en = ee[j] if lmax[j] >= l else t_full[p, i] * (pp - 1)
+                own = cn + en
+                other = v2 if j == i1 else v1
+                o = own if own > other else other
+                if o < best_o or (o == best_o and own < best_own):
+                    best_o = o
+                    best_own = own
+                    best_j = j
+            j = best_j
+            assign[i] = j
+            p = rank_profile[j]
+            cc[j] += t_sum[p, i]
+            if l > lmax[j]:
+                lmax[j] = l
+                ee[j] = t_full[p, i] * (pp - 1)
+            v = cc[j] + ee[j]
+            if j == i1:
+                v1 = v
+            elif v > v1:
+                i2 = i1
+                v2 = v1
+                i1 = j
+                v1 = v
+            elif j == i2 or v > v2:
+                i2 = j
+                v2 = v
+        obj = v1
+        if obj < best_obj:
+            best_obj = obj
+            best_assign[:] = assign
+    return best_assign, best_obj
+
+
+@njit(cache=True)
+def hydraulis_pack(coeffs, rank_profile, caps, lengths, piece_rank, per_rank):
+    """Hydraulis Eq. (1) for one V: on every rank, pack its pieces into `per_rank` micro-batches, longest
+    workload first into the least loaded micro-batch the rank's cap allows (LPT with a cap).
+
+    Returns (bin of each piece as rank * per_rank + j, or -1 everywhere when infeasible; bin times;
+    max over ranks of max bin time * (PP - 1 + V) is left to the caller)."""
+    n = lengths.shape[0]
+    d = rank_profile.shape[0]
+    nb = d * per_rank
+    assign = np.full(n, -1, dtype=np.int64)
+    attn = np.zeros(nb, dtype=np.float64)
+    tok = np.zeros(nb, dtype=np.int64)
+    load = np.zeros(nb, dtype=np.float64)
+    work = np.empty(n, dtype=np.float64)
+    for i in range(n):
+        cf = coeffs[rank_profile[piece_rank[i]]]
+        f, b = doc_time_split(cf, lengths[i : i + 1])
+        work[i] = f[0] + b[0]
+    order = np.argsort(-work, kind="mergesort")
+    for kk in range(n):
+        i = order[kk]
+        r = piece_rank[i]
+        l = lengths[i]
+        best = -1
+        for b in range(r * per_rank, (r + 1) * per_rank):
+            if tok[b] + l <= caps[r] and (best < 0 or load[b] < load[best]):
+                best = b
+        if best < 0:
+            assign[:] = -1
+            return assign, load
+        cf = coeffs[rank_profile[r]]
+        assign[i] = best
+        attn[best] += attn_time(cf, l, 0, False) + attn_time(cf, l, 0, True)
+        tok[best] += l
+        load[best] = _bin_time(cf, attn[best], tok[best])
+    for b in range(nb):
+        if tok[b] == 0:
+            load[b] = _bin_time(coeffs[rank_profile[b // per_rank]], 0.0, 0)
+    return assign, load
+
+
+# ------------------------------------------------------------------------------------------------- SlimPack
+
+
+@njit(cache=True)
+def lpt_dispatch(work, dp, merge_share):
+    """SlimPack phase one: pieces, heaviest first, to the least loaded DP rank (equal forward capacity per
+    rank). A piece heavier than `merge_share` (a rank's share; inf disables DP-Merge) goes to a DP-Merge group
+    of g = ceil(work / merge_share) ranks (2 <= g <= dp), the g least loaded, each charged work / g.
+
+    Returns (rank of each piece, -1 for a merged one; members of piece i's group, sorted, as
+    members[offs[i]:offs[i+1]], empty for a piece that is not merged)."""
+    n = work.shape[0]
+    rank = np.full(n, -1, dtype=np.int64)
+    gsize = np.zeros(n, dtype=np.int64)
+    for i in range(n):
+        if dp > 1 and work[i] > merge_share:
+            gsize[i] = min(max(int(math.ceil(work[i] / merge_share)), 2), dp)
+    offs = np.zeros(n + 1, dtype=np.int64)
+    for i in range(n):
+        offs[i + 1] = offs[i] + gsize[i]
+    members = np.empty(offs[n], dtype=np.int64)
+    load = np.zeros(dp, dtype=np.float64)
+    order = np.argsort(-work, kind="mergesort")
+    for kk in range(n):
+        i = order[kk]
+        g = gsize[i]
+        if g > 1:
+            sel = np.sort(np.argsort(load, kind="mergesort")[:g])
+            for t in range(g):
+                members[offs[i] + t] = sel[t]
+                load[sel[t]] += work[i] / g
+        else:
+            best = 0
+            for r in range(1, dp):
+                if load[r] < load[best]:
+                    best = r
+            rank[i] = best
+            load[best] += work[i]
+    return rank, members, offs
+
+
+@njit(cache=True)
+def slice_end(c, x0, budget, length, scale):
+    """Token offset x1 (within a piece of `length` tokens) such that the slice x0..x1, attending to the
+    piece's first x0 tokens, costs about `budget` forward seconds (divided by `scale`, the DP-Merge group
+    size). Attention of a slice is A(x1) - A(x0) with A(x) = a*x^2 + b*x; the linear part adds lam*(x1-x0).
+    Tile rounding is ignored here (the caller measures the real cost). At least x0 + 1, at most length."""
+    a = c[ATTN_FWD] / scale
+    b = (c[ATTN_FWD + 1] + c[LIN_FWD + 1]) / scale
+    target = a * x0 * x0 + b * x0 + budget
+    if a > 0.0:
+        x1 = (-b + math.sqrt(b * b + 4.0 * a * target)) / (2.0 * a)
+    elif b > 0.0:
+        x1 = target / b
+    else:
+        x1 = float(length)
+    e = int(math.floor(x1))
+    if e <= x0:
+        e = x0 + 1
+    if e > length:
+        e = length
+    return e
+
+
+@njit(cache=True)
+def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_slice):
+    """SlimPack phase two on one rank: pack its pieces (in the given order, heaviest forward workload first)
+    into `npacks` MicroPacks of about `budget` forward seconds each.
+
+    Pieces heavier than the budget (or longer than the cap) are slimmed: cut into consecutive slices that fill
+    the current pack to the budget (next-fit), so a piece's slices land in increasing packs (Slim packs, and
+    a Mix pack where its last slice meets other pieces). The remaining pieces are packed whole (Pack): each
+    to the pack whose forward and backward loads, each relative to its own budget (`budget`, `bbudget`), stay
+    lowest after adding it (asymmetric: forward and backward balanced separately), within the token cap.
+
+    Returns (ok, seg_piece, seg_start, seg_end, seg_pack) with starts/ends relative to the piece; ok is False
+    when the pieces do not fit in npacks packs under the cap (the caller then tries more packs).
+    """
+    n = lengths.shape[0]
+    maxseg = n + 4 * npacks + 16
+    seg_piece = np.empty(maxseg, dtype=np.int64)
+    seg_start = np.empty(maxseg, dtype=np.int64)
+    seg_end = np.empty(maxseg, dtype=np.int64)
+    seg_pack = np.empty(maxseg, dtype=np.int64)
+    ns = 0
+    fl = np.zeros(npacks, dtype=np.float64)  # forward attention + linear share, no floor
+    bl = np.zeros(npacks, dtype=np.float64)
+    tok = np.zeros(npacks, dtype=np.int64)
+    f_one, b_one = doc_time_split(c, lengths)
+    lam_f = c[LIN_FWD + 1]
+    lam_b = c[LIN_BWD + 1]
+    cur = 0
+    placed_whole = np.zeros(n, dtype=np.bool_)
+    # slim: long pieces, next-fit from pack 0
+    for i in range(n):
+        l = lengths[i]
+        if not allow_slice or (f_one[i] <= budget and l <= cap):
+            continue
+        if l <= min_slice and l <= cap:
+            continue
+        x0 = 0
+        while x0 < l:
+            if cur >= npacks:
+                return False, seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
+            room = cap - tok[cur]
+            rem = budget - fl[cur]
+            if room <= 0 or (rem <= 0.0 and tok[cur] > 0):
+                cur += 1
+                continue
+            e = slice_end(c, x0, max(rem, 0.0), l, 1.0)
+            last = cur == npacks - 1
+            if last:
+                e = l  # the last pack takes what is left (cap permitting)
+            if e - x0 > room:
+                e = x0 + room
+            if e < l and e - x0 < min_slice and tok[cur] > 0 and not last:
+                cur += 1
+                continue
+            if e < l and l - e < min_slice and l - x0 <= room:
+                e = l  # do not leave a sliver
+            if e - x0 > room:
+                if last:
+                    return False, seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
+                cur += 1
+                continue
+            if ns >= maxseg:
+                return False, seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
+            q = e - x0
+            seg_piece[ns] = i
+            seg_start[ns] = x0
+            seg_end[ns] = e
+            seg_pack[ns] = cur
+            ns += 1
+            fl[cur] += attn_time(c, q, x0, False) + lam_f * q
+            bl[cur] += attn_time(c, q, x0, True) + lam_b * q
+            tok[cur] += q
+            x0 = e
+            if x0 < l:
+                cur += 1
+        placed_whole[i] = True
+    # pack: the rest whole, asymmetric 2-D greedy
+    for i in range(n):
+        if placed_whole[i]:
+            continue
+        l = lengths[i]
+        best = -1
+        best_v = np.inf
+        for j in range(npacks):
+            if tok[j] + l > cap:
+                continue
+            vf = (fl[j] + f_one[i]) / budget if budget > 0 else 0.0
+            vb = (bl[j] + b_one[i]) / bbudget if bbudget > 0 else 0.0
+            v = vf if vf > vb else vb
+            if v < best_v:
+                best_v = v
+                best = j
+        if best < 0:
+            return False, seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
+        if ns >= maxseg:
+            return False, seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
+        seg_piece[ns] = i
+        seg_start[ns] = 0
+        seg_end[ns] = l
+        seg_pack[ns] = best
+        ns += 1
+        fl[best] += f_one[i]
+        bl[best] += b_one[i]
+        tok[best] += l
+    return True, seg_piece[:ns], seg_start[:ns], seg_end[:ns], seg_pack[:ns]
+
+
+@njit(cache=True)
+def equal_cost_cuts(c, length, k, scale):
+    """k+1 cut points 0 = x_0 < ... < x_k = length splitting a piece into k consecutive slices of about equal
+    forward cost (slice j attends to the first x_j tokens)."""
+    a = c[ATTN_FWD]
+    b = c[ATTN_FWD + 1] + c[LIN_FWD + 1]
+    total = a * length * length + b * length
+    cuts = np.empty(k + 1, dtype=np.int64)
+    cuts[0] = 0
+    for j in range(1, k):
+        target = total * j / k
+        if a > 0.0:
+            x = (-b + math.sqrt(b * b + 4.0 * a * target)) / (2.0 * a)
+        else:
+            x = target / b if b > 0.0 else length * j / k
+        e = int(round(x))
+        if e <= cuts[j - 1]:
+            e = cuts[j - 1] + 1
+        cuts[j] = e
+    cuts[k] = length
+    for j in range(k - 1, 0, -1):  # keep strictly increasing at the end too
+        if cuts[j] >= cuts[j + 1]:
+            cuts[j] = cuts[j + 1] - 1
+    return cuts

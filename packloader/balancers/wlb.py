@@ -1,0 +1,124 @@
+"""WLB-LLM (seed 004): variable-length packing on total workload with multi-level outlier-delay queues.
+
+Per step (Algorithm 1 of the paper):
+
+1. The step's pieces are the queued ones (oldest first) and the newly drawn ones. A piece is an outlier of
+   level k when its length is at least the level's threshold L_k. By default the thresholds are derived from
+   the step's length distribution: L_k is the shortest length whose own workload (attention + linear, the
+   cost model's `doc_time_split`) reaches `gammas[k]` times the mean workload per micro-batch of the step.
+2. Outliers wait in their level's queue until it holds one per micro-batch (N = DP x V); then N of them,
+   oldest first, join the step. An outlier that has waited `max_delay` steps joins regardless (a bound on
+   the delay the paper leaves open), and a flush (``state.extra["flush"]``, see assemble.py) releases all.
+3. Longest first, each piece goes to the micro-batch with the least workload if the token cap allows, else
+   to the one with the fewest tokens, else it remains for the next step (Eq. 2's var-length packing with the
+   memory cap L_max = max_tokens).
+4. The N micro-batches are dealt to DP ranks, V each, heaviest first to the least loaded rank.
+
+The queue lives in PlannerState.queued (QueuedDoc keeps the step each piece was drawn), so a resumed run
+plans the same steps. V is config.num_micro_batches, or enough micro-batches of max_tokens for the step's
+tokens at `fill` occupancy (at least the pipeline depth when there are pieces for it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from packloader.balancers.assemble import Packing, Pieces, carried_extra, check_cap, cost_model_for, wants_flush, whole_pieces_packing
+from packloader.balancers.cost import doc_time_split
+from packloader.balancers.kernels import bin_times, deal_bins, wlb_pack
+from packloader.balancers.registry import Planner, Window, register_planner
+from packloader.contracts import PlanConfig, PlannerState, StepPlan
+
+
+def default_micro_batches(tokens: int, num_pieces: int, dp: int, pp: int, cap: int, fill: float = 0.9) -> int:
+    """Micro-batches per DP rank that hold `tokens` at `fill` of the cap, at least the pipeline depth when
+    there are enough pieces to fill it."""
+    v = max(1, math.ceil(tokens / (dp * cap * fill)))
+    return max(v, min(pp, math.ceil(num_pieces / dp)))
+
+
+class WLBPlanner:
+    name = "wlb"
+
+    def __init__(self, config: PlanConfig, *, gammas: tuple[float, ...] = (0.5, 1.0), max_delay: int = 2,
+                 fill: float = 0.9, thresholds: tuple[int, ...] | None = None) -> None:
+        self.config = config
+        self.gammas = tuple(sorted(gammas))
+        self.max_delay = max_delay
+        self.fill = fill
+        self.fixed_thresholds = tuple(sorted(thresholds)) if thresholds else None
+        self.model = cost_model_for(config)
+
+    def thresholds(self, work_per_mb: float) -> np.ndarray:
+        """Length thresholds L_1 < ... < L_n: the shortest length whose workload reaches gamma_k x the mean
+        micro-batch workload (binary search on the monotone cost)."""
+        if self.fixed_thresholds is not None:
+            return np.array(self.fixed_thresholds, np.int64)
+        c = self.model.coeffs
+        hi = max(self.config.context, self.config.max_tokens)
+        out = []
+        for g in self.gammas:
+            target = g * work_per_mb
+            lo_l, hi_l = 1, hi + 1  # hi + 1: no piece is that long (no outliers at this level)
+            while lo_l < hi_l:
+                mid = (lo_l + hi_l) // 2
+                f, b = doc_time_split(c, np.array([mid], np.int64))
+                if f[0] + b[0] >= target:
+                    hi_l = mid
+                else:
+                    lo_l = mid + 1
+            out.append(lo_l)
+        return np.array(out, np.int64)
+
+    def solve(self, pieces: Pieces, step: int, flush: bool, num_micro_batches: int | None = None) -> Packing:
+        cfg = self.config
+        dp, pp, cap = cfg.parallel.dp, cfg.parallel.pp, cfg.max_tokens
+        check_cap(pieces, cap, self.name)
+        c = self.model.coeffs
+        v = num_micro_batches or cfg.num_micro_batches or default_micro_batches(pieces.total_tokens, len(pieces), dp, pp, cap, self.fill)
+        n = len(pieces)
+        f, b = doc_time_split(c, pieces.length)
+        work = f + b
+        nbins = dp * v
+        floor = float(self.model.floor()[0] + self.model.floor()[1])
+        held = np.zeros(n, dtype=bool)
+        if not flush and n:
+            th = self.thresholds((float(work.sum()) + nbins * floor) / nbins)
+            level = np.searchsorted(th, pieces.length, side="right")  # 0: not an outlier
+            waited = step - pieces.drawn
+            for k in range(1, len(th) + 1):
+                idx = np.nonzero(level == k)[0]  # queue order: oldest first
+                release = len(idx) - len(idx) % nbins  # whole rounds of one per micro-batch
+                forced = idx[waited[idx] >= self.max_delay]
+                held[idx[release:]] = True
+                held[forced] = False
+        while True:
+            sel = np.nonzero(~held)[0]
+            assign, attn, tok = wlb_pack(c, pieces.length[sel], nbins, cap)
+            if not flush or (assign >= 0).all():
+                break
+            v += 1  # a flush plans everything: add micro-batches until it fits
+            nbins = dp * v
+        piece_bin = np.full(n, -1, np.int64)
+        piece_bin[sel] = assign
+        bin_cost = bin_times(c, attn, tok)
+        rank, pos = deal_bins(bin_cost, dp, v)
+        rank_mbs = np.empty((dp, v), np.int64)
+        rank_mbs[rank, pos] = np.arange(nbins)
+        queued_idx = np.nonzero(piece_bin < 0)[0]
+        return whole_pieces_packing(
+            pieces, piece_bin, rank_mbs, queued=pieces.queue(queued_idx),
+            delayed=[int(pieces.doc[i]) for i in queued_idx if pieces.drawn[i] == step], strategy=self.name,
+        )
+
+    def plan(self, window: Window, state: PlannerState, step: int) -> tuple[StepPlan, PlannerState]:
+        packing = self.solve(Pieces.of(window, state, step), step, wants_flush(state))
+        packing.extra = carried_extra(state)
+        return packing.costs(self.model).to_step_plan(step), packing.state()
+
+
+@register_planner("wlb")
+def _make(config: PlanConfig) -> Planner:
+    return WLBPlanner(config)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from packloader.balancers.cost import CostModel, load_cost_model, microbatch_times_csr
+from packloader.balancers.cost import LIN_BWD, LIN_FWD, CostModel, load_cost_model, microbatch_times_csr, segment_times_kernel
 from packloader.balancers.registry import Window
 from packloader.contracts import MicroBatch, PlanConfig, PlannerState, QueuedDoc, RankPlan, Segment, StepPlan
 
@@ -128,9 +128,15 @@ class Packing:
         offs = np.zeros(nmb + 1, np.int64)
         np.cumsum(np.bincount(self.seg_mb, minlength=nmb), out=offs[1:])
         f, b = microbatch_times_csr(model.coeffs, q, p, offs)
-        for m, ranks in self.groups.items():
-            segs = [Segment(0, int(s), int(e), int(a)) for s, e, a in zip(self.seg_start[self.seg_mb == m], self.seg_end[self.seg_mb == m], self.seg_af[self.seg_mb == m])]
-            f[m], b[m] = model.microbatch_times(MicroBatch(segments=segs, dp_group=ranks))
+        if self.groups:  # DP-Merge: each member runs 1/g of the attention and the linear part of n/g tokens
+            c = model.coeffs
+            af, ab = segment_times_kernel(c, q, p)
+            seg_mb = self.seg_mb[order]
+            ids = np.fromiter(self.groups.keys(), np.int64, len(self.groups))
+            g = np.fromiter((len(v) for v in self.groups.values()), np.float64, len(self.groups))
+            n = np.bincount(seg_mb, weights=q, minlength=nmb)[ids] / g
+            for arr, attn, o in ((f, af, LIN_FWD), (b, ab, LIN_BWD)):
+                arr[ids] = np.bincount(seg_mb, weights=attn, minlength=nmb)[ids] / g + c[o] * n * n + c[o + 1] * n + c[o + 2]
         self.mb_fwd, self.mb_bwd = f, b
         return self
 

@@ -56,7 +56,7 @@ class HydraulisPlanner:
     name = "hydraulis"
 
     def __init__(self, config: PlanConfig, *, models: Sequence[CostModel] | None = None, caps: Sequence[int] | None = None,
-                 trials: int | None = None, work_budget: float = 1e7) -> None:
+                 trials: int | None = None, work_budget: float = 1e7, v_limit: int = MAX_V_CANDIDATES) -> None:
         self.config = config
         dp = config.parallel.dp
         self.models = list(models) if models is not None else [cost_model_for(config)] * dp
@@ -74,6 +74,7 @@ class HydraulisPlanner:
         self.caps = np.array(caps if caps is not None else [config.max_tokens] * dp, np.int64)
         self.trials = trials
         self.work_budget = work_budget
+        self.v_limit = v_limit
 
     def num_trials(self, n: int) -> int:
         """Paper: T = 100. Fewer at scale so one step stays within ~work_budget rank evaluations."""
@@ -102,7 +103,7 @@ class HydraulisPlanner:
             lo = max(1, int(np.max(np.ceil(tokens / self.caps)))) if n else 1
             ul = min(util_len(m) for m in self.models)
             hi = max(lo, int(np.max(np.minimum(tokens // ul, counts)))) if n else 1
-            cands = v_candidates(lo, hi)
+            cands = v_candidates(lo, hi, self.v_limit)
         best = None
         for v in cands:
             assign, load = hydraulis_pack(self.coeffs, self.rank_profile, self.caps, pieces.length, rank, v)

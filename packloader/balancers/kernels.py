@@ -21,9 +21,10 @@ import math
 import numpy as np
 from numba import njit
 
-from packloader.balancers.cost import ATTN_FWD, LIN_BWD, LIN_FWD, attn_time, doc_time_split, lin_time
+from packloader.balancers.cost import ATTN_BWD, ATTN_FWD, LIN_BWD, LIN_FWD, attn_time, doc_time_split, lin_time
 
 __all__ = [
+    "bfd_pack",
     "bin_times",
     "deal_bins",
     "equal_cost_cuts",
@@ -32,6 +33,7 @@ __all__ = [
     "lpt_dispatch",
     "slice_end",
     "slim_pack_rank",
+    "slim_pack_ranks",
     "wlb_pack",
 ]
 
@@ -112,6 +114,29 @@ def deal_bins(cost, dp, per_rank):
         count[best] += 1
         load[best] += cost[b]
     return rank, pos
+
+
+@njit(cache=True)
+def bfd_pack(lengths, capacity, num_bins):
+    """Best-fit decreasing by token count (`fixed.best_fit_decreasing` in numba, same answer): longest first
+    (stable), each to the fullest bin it fits, ties to the lowest bin. Returns (bin of each item, ok); ok is
+    False when some item fits no bin."""
+    n = lengths.shape[0]
+    assign = np.full(n, -1, dtype=np.int64)
+    free = np.full(num_bins, capacity, dtype=np.int64)
+    order = np.argsort(-lengths, kind="mergesort")
+    for k in range(n):
+        i = order[k]
+        need = lengths[i]
+        best = -1
+        for b in range(num_bins):
+            if free[b] >= need and (best < 0 or free[b] < free[best]):
+                best = b
+        if best < 0:
+            return assign, False
+        free[best] -= need
+        assign[i] = best
+    return assign, True
 
 
 # ------------------------------------------------------------------------------------------------ Hydraulis
@@ -227,10 +252,11 @@ def hydraulis_pack(coeffs, rank_profile, caps, lengths, piece_rank, per_rank):
     tok = np.zeros(nb, dtype=np.int64)
     load = np.zeros(nb, dtype=np.float64)
     work = np.empty(n, dtype=np.float64)
-    for i in range(n):
-        cf = coeffs[rank_profile[piece_rank[i]]]
-        f, b = doc_time_split(cf, lengths[i : i + 1])
-        work[i] = f[0] + b[0]
+    for k in range(coeffs.shape[0]):  # each profile's workload of every piece, kept where the rank uses it
+        f, b = doc_time_split(coeffs[k], lengths)
+        for i in range(n):
+            if rank_profile[piece_rank[i]] == k:
+                work[i] = f[i] + b[i]
     order = np.argsort(-work, kind="mergesort")
     for kk in range(n):
         i = order[kk]
@@ -347,6 +373,13 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
     lam_b = c[LIN_BWD + 1]
     cur = 0
     placed_whole = np.zeros(n, dtype=np.bool_)
+    # a slice fills its pack up to the forward budget and up to the backward budget, whichever comes first
+    # (a slice's backward grows faster with its prefix than its forward: a forward-only cut leaves the packs
+    # of long documents heavy in backward); cb holds the backward coefficients where slice_end reads forward
+    cb = c.copy()
+    for j in range(3):
+        cb[ATTN_FWD + j] = c[ATTN_BWD + j]
+        cb[LIN_FWD + j] = c[LIN_BWD + j]
     # slim: long pieces, next-fit from pack 0
     for i in range(n):
         l = lengths[i]
@@ -360,10 +393,14 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
                 return False, seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
             room = cap - tok[cur]
             rem = budget - fl[cur]
-            if room <= 0 or (rem <= 0.0 and tok[cur] > 0):
+            remb = bbudget - bl[cur]
+            if room <= 0 or ((rem <= 0.0 or remb <= 0.0) and tok[cur] > 0):
                 cur += 1
                 continue
             e = slice_end(c, x0, max(rem, 0.0), l, 1.0)
+            eb = slice_end(cb, x0, max(remb, 0.0), l, 1.0)
+            if eb < e:
+                e = eb
             last = cur == npacks - 1
             if last:
                 e = l  # the last pack takes what is left (cap permitting)
@@ -422,7 +459,86 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
         fl[best] += f_one[i]
         bl[best] += b_one[i]
         tok[best] += l
+    # refine: move whole pieces from the heaviest pack to the lightest while that lowers the heavier of the
+    # two (forward + backward), so the largest micro-batch comes closer to the mean
+    load = fl + bl
+    for _ in range(2 * ns + 2):
+        hi = 0
+        lo = 0
+        for j in range(1, npacks):
+            if load[j] > load[hi]:
+                hi = j
+            if load[j] < load[lo]:
+                lo = j
+        if hi == lo:
+            break
+        gap = load[hi] - load[lo]
+        pick = -1
+        pick_dev = gap
+        for k in range(ns):
+            if seg_pack[k] != hi:
+                continue
+            i = seg_piece[k]
+            if seg_start[k] != 0 or seg_end[k] != lengths[i] or tok[lo] + lengths[i] > cap:
+                continue
+            w = f_one[i] + b_one[i]
+            if w >= gap:
+                continue
+            dev = abs(gap - 2.0 * w)  # |new difference| after the move
+            if dev < pick_dev:
+                pick_dev = dev
+                pick = k
+        if pick < 0:
+            break
+        i = seg_piece[pick]
+        seg_pack[pick] = lo
+        fl[hi] -= f_one[i]
+        bl[hi] -= b_one[i]
+        fl[lo] += f_one[i]
+        bl[lo] += b_one[i]
+        tok[hi] -= lengths[i]
+        tok[lo] += lengths[i]
+        load[hi] = fl[hi] + bl[hi]
+        load[lo] = fl[lo] + bl[lo]
     return True, seg_piece[:ns], seg_start[:ns], seg_end[:ns], seg_pack[:ns]
+
+
+@njit(cache=True)
+def slim_pack_ranks(c, lengths, bounds, npacks, budgets, bbudgets, cap, min_slice, allow_slice):
+    """`slim_pack_rank` for every rank in one call: rank r packs lengths[bounds[r]:bounds[r+1]] (in that
+    order) into npacks[r] packs with its own budgets. Returns (the first rank that does not fit, or -1;
+    seg_rank, seg_piece (index into lengths), seg_start, seg_end, seg_pack), segments rank by rank."""
+    dp = bounds.shape[0] - 1
+    total = 0
+    for r in range(dp):
+        n = bounds[r + 1] - bounds[r]
+        if n > 0:
+            total += n + 4 * npacks[r] + 16
+    seg_rank = np.empty(total, dtype=np.int64)
+    seg_piece = np.empty(total, dtype=np.int64)
+    seg_start = np.empty(total, dtype=np.int64)
+    seg_end = np.empty(total, dtype=np.int64)
+    seg_pack = np.empty(total, dtype=np.int64)
+    ns = 0
+    for r in range(dp):
+        lo = bounds[r]
+        hi = bounds[r + 1]
+        if hi == lo:
+            continue
+        if npacks[r] <= 0:
+            return r, seg_rank[:0], seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
+        ok, sp, ss, se, sk = slim_pack_rank(c, lengths[lo:hi], npacks[r], budgets[r], bbudgets[r], cap, min_slice, allow_slice)
+        if not ok:
+            return r, seg_rank[:0], seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
+        k = sp.shape[0]
+        for t in range(k):
+            seg_rank[ns + t] = r
+            seg_piece[ns + t] = sp[t] + lo
+            seg_start[ns + t] = ss[t]
+            seg_end[ns + t] = se[t]
+            seg_pack[ns + t] = sk[t]
+        ns += k
+    return -1, seg_rank[:ns], seg_piece[:ns], seg_start[:ns], seg_end[:ns], seg_pack[:ns]
 
 
 @njit(cache=True)

@@ -8,13 +8,18 @@ Per step:
 2. Phase two, per rank, V MicroPacks (the same V on every rank, as the packloader contract asks; each rank
    has its own budget = its forward load / V):
    * Slim: a piece heavier than the budget (or longer than max_tokens) is cut into consecutive slices, each
-     filling the current pack to the budget (a slice attends to the piece's earlier tokens: attend_from is
-     the piece's first token). Its slices land in increasing packs of the same rank and step.
+     filling the current pack up to the forward budget and up to the backward budget, whichever comes
+     first (a slice attends to the piece's earlier tokens: attend_from is the piece's first token, and its
+     backward grows faster with that prefix than its forward). Its slices land in increasing packs of the
+     same rank and step.
    * Mix: the pack holding a piece's last slice is filled with other pieces (or the next piece's slices).
    * Pack: the remaining pieces, whole, each to the pack whose forward and backward loads (each relative to
      its own budget) stay lowest: forward and backward balanced separately (asymmetric partitioning).
-   A DP-Merge piece is cut into k slices of equal forward cost (k from the group's budget and the cap); its
-   micro-batches come first on every rank of the group, at the same positions.
+   * Refine: whole pieces move from the heaviest pack to the lightest while that lowers the heavier one.
+   A DP-Merge piece is cut into k slices of equal forward cost (k its share of the group's packs, or the
+   fewest the cap allows when that share does not fit); its micro-batches take the earliest run of
+   positions free on every rank of the group (the same positions on each), leaving each rank enough free
+   packs for its own pieces.
 3. Backward order (RankPlan.backward_order): slices need first-in-last-out backward (a later slice's backward
    produces the gradient of the keys and values of the earlier ones), so every run of packs linked by a sliced
    piece is visited in reverse, runs in forward order (SlimPack's FIFO MicroPacks with FILO slices). The
@@ -40,7 +45,7 @@ import numpy as np
 
 from packloader.balancers.assemble import Packing, Pieces, carried_extra, check_cap, cost_model_for
 from packloader.balancers.cost import doc_time_split
-from packloader.balancers.kernels import equal_cost_cuts, lpt_dispatch, slim_pack_rank
+from packloader.balancers.kernels import equal_cost_cuts, lpt_dispatch, slim_pack_ranks
 from packloader.balancers.registry import Planner, Window, register_planner
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
@@ -96,21 +101,28 @@ class SlimPackPlanner:
         share = float(f.sum()) / dp if n else 0.0
         merge_share = share if (self.dp_merge and dp > 1 and share > 0) else np.inf
         rank, members, offs = lpt_dispatch(f, dp, merge_share)
-        merged = [i for i in np.argsort(-f, kind="stable") if offs[i + 1] > offs[i]]
-        tokens = np.bincount(rank[rank >= 0], weights=pieces.length[rank >= 0], minlength=dp).astype(np.float64)
+        by_work = np.argsort(-f, kind="stable")
+        merged = by_work[offs[by_work + 1] > offs[by_work]].tolist()
+        own = rank >= 0
+        tokens = np.bincount(rank[own], weights=pieces.length[own], minlength=dp).astype(np.float64)
+        # packs a rank needs at least: its own tokens under the cap, plus each merged piece's minimum slices
+        need = np.where(tokens > 0, np.ceil(tokens / cap), 0).astype(np.int64)
         for i in merged:
-            tokens[members[offs[i] : offs[i + 1]]] += pieces.length[i] / (offs[i + 1] - offs[i])
+            grp = members[offs[i] : offs[i + 1]]
+            tokens[grp] += pieces.length[i] / len(grp)
+            need[grp] += math.ceil(pieces.length[i] / cap) if slicing else 1
         v = num_micro_batches or cfg.num_micro_batches
         if not v:
             v = default_packs(float(tokens.max()) if n else 0.0, math.ceil(n / dp), pp, cap, self.factor)
-        for _ in range(200):
-            out = self._pack(pieces, f, b, rank, members, offs, merged, v)
+        v = max(v, int(need.max()) if n else 1)
+        for attempt in range(200):
+            out = self._pack(pieces, f, b, rank, members, offs, merged, v, attempt)
             if out is not None:
                 return out
             v += max(1, v // 8)
         raise RuntimeError(f"slimpack: no packing found for {n} pieces up to {v} micro-batches per rank")
 
-    def _pack(self, pieces, f, b, rank, members, offs, merged, v) -> Packing | None:
+    def _pack(self, pieces, f, b, rank, members, offs, merged, v, attempt=0) -> Packing | None:
         cfg = self.config
         dp, cap = cfg.parallel.dp, cfg.max_tokens
         c = self.model.coeffs
@@ -120,71 +132,94 @@ class SlimPackPlanner:
             g = offs[i + 1] - offs[i]
             fload[members[offs[i] : offs[i + 1]]] += f[i] / g
         slot = np.full((dp, v), -1, np.int64)  # micro-batch id at each rank position
-        used = np.zeros(dp, np.int64)
         seg: list[tuple[np.ndarray, ...]] = []  # (doc, start, end, af, mb) arrays
         groups: dict[int, list[int]] = {}
         spans: list[list[tuple[int, int]]] = [[] for _ in range(dp)]
         nmb = 0
+        # packs each rank keeps free for its own pieces: enough for their tokens under the cap, plus one more
+        # per failed attempt (fragmentation can need more than the token count says)
+        own_tok = np.bincount(rank[rank >= 0], weights=pieces.length[rank >= 0], minlength=dp)
+        reserve = np.where(own_tok > 0, np.ceil(own_tok / cap).astype(np.int64) + attempt, 0)
         for i in merged:
             grp = members[offs[i] : offs[i + 1]]
             g = len(grp)
             l = int(pieces.length[i])
-            start = int(used[grp].max())
             k_min = math.ceil(l / cap) if slicing else 1
             # its share of the group's packs: as many as its share of the members' forward load (one whole
-            # micro-batch without slicing)
-            k = max(k_min, min(v - start, round(v * (f[i] / g) / float(fload[grp].mean())))) if slicing else 1
-            if start + k_min > v:
-                return None
-            while True:
-                cuts = equal_cost_cuts(c, l, k, 1.0)
-                if np.diff(cuts).max() <= cap or k >= l:
+            # micro-batch without slicing); after failed attempts only as many as the cap needs, so that a
+            # large enough v always fits (the proportional share grows with v)
+            tries = [k_min]
+            if slicing and attempt < 3:
+                k = max(k_min, round(v * (f[i] / g) / float(fload[grp].mean())))
+                k = min(k, max(k_min, l // self.min_slice))  # no slice shorter than min_slice unless the cap asks
+                if k > k_min:
+                    tries.insert(0, k)  # the proportional share if it fits, else the fewest slices
+            free = slot[grp] < 0
+            free_all = free.all(axis=0)
+            spare = int((free.sum(axis=1) - reserve[grp]).min())
+            start = -1
+            for k in tries:
+                while True:
+                    cuts = equal_cost_cuts(c, l, k, 1.0)
+                    if np.diff(cuts).max() <= cap or k >= l:
+                        break
+                    k += 1
+                # the earliest run of k positions free on every rank of the group, leaving each its reserve
+                if k <= spare:
+                    run = 0
+                    for pos in range(v):
+                        run = run + 1 if free_all[pos] else 0
+                        if run == k:
+                            start = pos - k + 1
+                            break
+                if start >= 0:
                     break
-                k += 1
-            if start + k > v:
+            if start < 0:
                 return None
             off = int(pieces.offset[i])
             ids = np.arange(nmb, nmb + k)
             seg.append((np.full(k, pieces.doc[i]), off + cuts[:-1], off + cuts[1:], np.full(k, off), ids))
-            for t, m in enumerate(ids):
-                groups[int(m)] = [int(r) for r in grp]
-                slot[grp, start + t] = m
-            used[grp] = start + k
+            members_list = grp.tolist()
+            for t, m in enumerate(ids.tolist()):
+                groups[m] = members_list
+            slot[grp, start : start + k] = ids
             if k > 1:
                 for r in grp:
                     spans[r].append((start, start + k - 1))
             nmb += k
-        for r in range(dp):
-            own = np.nonzero(rank == r)[0]
-            free = np.nonzero(slot[r] < 0)[0]
-            if len(own) == 0:
-                slot[r, free] = np.arange(nmb, nmb + len(free))
-                nmb += len(free)
-                continue
-            if len(free) == 0:
-                return None
-            own = own[np.argsort(-f[own], kind="stable")]
-            kpacks = len(free)
-            budget = float(f[own].sum()) / kpacks
-            bbudget = float(b[own].sum()) / kpacks
-            ok, sp, ss, se, sk = slim_pack_rank(c, pieces.length[own], kpacks, budget, bbudget, cap, self.min_slice, slicing)
-            if not ok:
-                return None
-            ids = nmb + np.arange(kpacks)
-            slot[r, free] = ids
-            nmb += kpacks
-            p = own[sp]
-            off = pieces.offset[p]
-            seg.append((pieces.doc[p], off + ss, off + se, off, ids[sk]))
-            sliced = np.nonzero((ss > 0) | (se < pieces.length[p]))[0]
-            if len(sliced):
-                first: dict[int, int] = {}
-                last: dict[int, int] = {}
-                for k in sliced:
-                    s_pos = int(free[sk[k]])
-                    first[int(p[k])] = min(first.get(int(p[k]), s_pos), s_pos)
-                    last[int(p[k])] = max(last.get(int(p[k]), s_pos), s_pos)
-                spans[r].extend((first[q], last[q]) for q in first)
+        # each rank's own pieces, heaviest forward workload first (ties in index order), from one sort
+        by_rank = np.lexsort((np.arange(len(f)), -f, rank))
+        bounds = np.searchsorted(rank[by_rank], np.arange(dp + 1))
+        # phase two on every rank in one numba call; each rank's free positions, row-major, get the next ids
+        free = slot < 0
+        kp = free.sum(axis=1).astype(np.int64)
+        own = rank >= 0
+        fsum = np.bincount(rank[own], weights=f[own], minlength=dp)
+        bsum = np.bincount(rank[own], weights=b[own], minlength=dp)
+        div = np.maximum(kp, 1)
+        failed, sr, spc, ss, se, sk = slim_pack_ranks(
+            c, np.ascontiguousarray(pieces.length[by_rank]), bounds.astype(np.int64), kp, fsum / div, bsum / div,
+            cap, self.min_slice, slicing,
+        )
+        if failed >= 0:
+            return None
+        rows, cols = np.nonzero(free)
+        slot[rows, cols] = nmb + np.arange(len(rows))
+        free_off = np.zeros(dp + 1, np.int64)
+        np.cumsum(kp, out=free_off[1:])
+        at = free_off[sr] + sk
+        p = by_rank[spc]
+        off = pieces.offset[p]
+        seg.append((pieces.doc[p], off + ss, off + se, off, nmb + at))
+        nmb += len(rows)
+        sliced = np.nonzero((ss > 0) | (se < pieces.length[p]))[0]
+        if len(sliced):  # first and last pack position of each sliced piece (its slices are in order)
+            p_sl = p[sliced]
+            pos = cols[at[sliced]]
+            _, first_at = np.unique(p_sl, return_index=True)
+            last_at = len(p_sl) - 1 - np.unique(p_sl[::-1], return_index=True)[1]
+            for r_, a_, b_ in zip(sr[sliced][first_at].tolist(), pos[first_at].tolist(), pos[last_at].tolist()):
+                spans[r_].append((a_, b_))
         cat = [np.concatenate([s[j] for s in seg]).astype(np.int64) if seg else np.zeros(0, np.int64) for j in range(5)]
         bwd = [backward_runs(v, spans[r]) for r in range(dp)]
         return Packing(

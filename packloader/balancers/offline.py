@@ -1,0 +1,192 @@
+"""Planning a whole run from a lengths array, as a loader would draw it: the library side of `packloader plan`.
+
+Documents are taken in the order given (doc id = position in the array). Each step draws the next documents
+until `tokens_per_step` tokens are reached (the document that crosses the mark included); documents longer
+than `context` are cut into independent pieces of `context` tokens (the last one shorter). The last step
+(after `steps` steps, or when the documents run out) is planned with a flush, so every token of every drawn
+document appears exactly once over the run and nothing stays queued.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from packloader.balancers.assemble import flush_state
+from packloader.balancers.registry import Window, make_planner
+from packloader.contracts import PlanConfig, PlannerState, StepPlan
+
+
+class LengthsError(ValueError):
+    """A lengths file that cannot be read as positive document lengths."""
+
+
+def cut_window(ids: np.ndarray, lengths: np.ndarray, context: int) -> Window:
+    """Whole documents, and documents longer than `context` cut into independent pieces of `context` tokens."""
+    ids = np.asarray(ids, np.int64)
+    lengths = np.asarray(lengths, np.int64)
+    n_pieces = np.maximum(1, -(-lengths // context))
+    doc = np.repeat(ids, n_pieces)
+    first = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
+    offset = (np.arange(len(doc), dtype=np.int64) - first) * context
+    length = np.minimum(context, np.repeat(lengths, n_pieces) - offset)
+    return Window(doc, offset, length)
+
+
+def draw_windows(lengths: np.ndarray, config: PlanConfig, steps: int) -> list[Window]:
+    """The pieces each step draws: the next documents until tokens_per_step is reached, at most `steps` steps
+    (fewer when the documents run out)."""
+    lengths = np.asarray(lengths, np.int64)
+    cum = np.cumsum(lengths)
+    out: list[Window] = []
+    start, base = 0, 0
+    for _ in range(steps):
+        if start >= len(lengths):
+            break
+        end = int(np.searchsorted(cum, base + config.tokens_per_step, side="left")) + 1
+        end = min(max(end, start + 1), len(lengths))
+        out.append(cut_window(np.arange(start, end, dtype=np.int64), lengths[start:end], config.context))
+        base = int(cum[end - 1])
+        start = end
+    return out
+
+
+@dataclass
+class PlanRun:
+    plans: list[StepPlan]
+    windows: list[Window]
+    final_state: PlannerState
+
+
+def plan_run(lengths: np.ndarray, config: PlanConfig, steps: int, planner=None) -> PlanRun:
+    """Plan every step of a run; the last one flushes whatever the planner still holds."""
+    planner = planner or make_planner(config)
+    windows = draw_windows(lengths, config, steps)
+    state = PlannerState()
+    plans = []
+    for s, w in enumerate(windows):
+        if s == len(windows) - 1:
+            state = flush_state(state)
+        plan, state = planner.plan(w, state, s)
+        plans.append(plan)
+    if state.queued:  # a planner that ignores the flush: keep planning empty windows until it lets go
+        empty = Window(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        for s in range(len(windows), len(windows) + 16):
+            plan, state = planner.plan(empty, flush_state(state), s)
+            plans.append(plan)
+            if not state.queued:
+                break
+        else:
+            raise RuntimeError(f"planner {config.strategy!r} still holds {len(state.queued)} pieces after flushing")
+    return PlanRun(plans, windows, state)
+
+
+def plan_record(plan: StepPlan) -> dict:
+    """One JSON line of `packloader plan`: {"step", "ranks": [[[doc, start, end, attend_from], ...] per
+    micro-batch] per rank, "costs": [[fwd, bwd] per micro-batch] per rank, ...}.
+
+    A DP-Merge micro-batch is written once, under the first rank of its group, and as an empty micro-batch at
+    the same position of the other members; "dp_groups" lists [rank, position, [ranks]] for each."""
+    ranks = []
+    costs = []
+    groups = []
+    written: set = set()
+    for r, rank in enumerate(plan.ranks):
+        mbs = []
+        cs = []
+        for i, mb in enumerate(rank.micro_batches):
+            cs.append([mb.fwd_cost, mb.bwd_cost])
+            if mb.dp_group and len(mb.dp_group) > 1:
+                key = (tuple(mb.dp_group), i, tuple(mb.segments))
+                if key in written:
+                    mbs.append([])
+                    continue
+                written.add(key)
+                groups.append([r, i, list(mb.dp_group)])
+            mbs.append([[s.doc, s.start, s.end, s.attend_from] for s in mb.segments])
+        ranks.append(mbs)
+        costs.append(cs)
+    rec: dict = {"step": plan.step, "ranks": ranks, "costs": costs}
+    if groups:
+        rec["dp_groups"] = groups
+    orders = [rank.backward_order for rank in plan.ranks]
+    if any(o is not None for o in orders):
+        rec["backward_order"] = orders
+    if plan.delayed:
+        rec["delayed"] = plan.delayed
+    return rec
+
+
+def read_lengths(path: str | os.PathLike, column: str = "length") -> np.ndarray:
+    """Document lengths from a .npy array, a Parquet file's `column`, or a text file with one length per line
+    (blank lines skipped). Raises LengthsError naming the file (and the line or field) when the input is
+    unusable: missing, not 1-D integers, or any length < 1."""
+    p = Path(path)
+    if not p.exists():
+        raise LengthsError(f"{p}: no such lengths file")
+    if p.is_dir():
+        raise LengthsError(f"{p}: is a directory, expected a .npy, .parquet or text file of lengths")
+    suffix = p.suffix.lower()
+    if suffix == ".npy":
+        try:
+            arr = np.load(p, allow_pickle=False)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is a user error here
+            raise LengthsError(f"{p}: not a readable .npy array ({e})") from None
+        if arr.ndim != 1:
+            raise LengthsError(f"{p}: expected a 1-D array of lengths, got shape {arr.shape}")
+        if arr.dtype.kind == "f":
+            bad = np.nonzero(arr != np.round(arr))[0]
+            if len(bad):
+                raise LengthsError(f"{p}: element {int(bad[0])} is {arr[bad[0]]!r}, expected an integer length")
+        elif arr.dtype.kind not in "iu":
+            raise LengthsError(f"{p}: expected integer lengths, got dtype {arr.dtype}")
+        where = "element"
+        lengths = arr.astype(np.int64)
+    elif suffix in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        try:
+            schema = pq.read_schema(p)
+        except Exception as e:  # noqa: BLE001
+            raise LengthsError(f"{p}: not a readable Parquet file ({e})") from None
+        if column not in schema.names:
+            raise LengthsError(f"{p}: no column {column!r} (columns: {', '.join(schema.names)}); pass --column NAME")
+        col = pq.read_table(p, columns=[column]).column(column)
+        if col.null_count:
+            raise LengthsError(f"{p}: column {column!r} has {col.null_count} null lengths")
+        arr = col.to_numpy()
+        if arr.dtype.kind not in "iu":
+            raise LengthsError(f"{p}: column {column!r} has type {col.type}, expected integer lengths")
+        where = f"column {column!r} row"
+        lengths = arr.astype(np.int64)
+    else:
+        vals = []
+        with open(p, encoding="utf-8", errors="replace") as fh:
+            for lineno, line in enumerate(fh, 1):
+                text = line.strip()
+                if not text:
+                    continue
+                try:
+                    v = int(text)
+                except ValueError:
+                    raise LengthsError(f"{p}: line {lineno} is {text[:40]!r}, expected one integer length per line") from None
+                if v < 1:
+                    raise LengthsError(f"{p}: line {lineno} has length {v}, expected a positive length")
+                vals.append(v)
+        where = "entry"
+        lengths = np.asarray(vals, dtype=np.int64)
+    if len(lengths) == 0:
+        raise LengthsError(f"{p}: no lengths in the file")
+    bad = np.nonzero(lengths < 1)[0]
+    if len(bad):
+        raise LengthsError(f"{p}: {where} {int(bad[0])} has length {int(lengths[bad[0]])}, expected a positive length")
+    return lengths
+
+
+def iter_records(run: PlanRun) -> Iterator[dict]:
+    for plan in run.plans:
+        yield plan_record(plan)

@@ -1,0 +1,286 @@
+"""Train a small Llama-style model on CPU from Parquet token shards through packloader, once per planner, and log
+the loss curves side by side.
+
+    python examples/train_llama.py --out runs/llama --planners fixed,wlb            # a few minutes on 2 cores
+    python examples/train_llama.py --out /tmp/tiny --tiny                           # CI size, well under a minute
+
+Data: the Python standard library's source files (no download), cut into top-level definitions (a long-tailed
+mix of short and long documents), tokenized with packloader's default tokenizer (tekken) by
+``packloader.sources.pretokenize.tokenize_to_parquet`` into train and held-out Parquet shards. The model's
+vocabulary is the ``--vocab`` - 1 most frequent token ids of the training shards plus one id for all others (a
+131k-entry output layer would dominate CPU time); this is a fixed relabelling of the same tokens for every run.
+
+Model: ``transformers.LlamaConfig`` at random init (seeded), attention through packloader's runtime
+``varlen_attention`` (registered with transformers as ``packloader_varlen``; the CPU reference backend here), fed the
+packed batches with ``cu_seq_lens``. Loss: summed over tokens and divided by the loss tokens of the whole step,
+one AdamW step per packloader step.
+
+Every planner run sees the same documents in the same order with the same model init; only the packing (and, for
+wlb, the outlier delay) differs. Outputs in ``--out``: ``curves.json`` (per step: loss, tokens; per run: held-out
+loss at the end), ``curves.png``, and the shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def stdlib_definitions(max_files: int, min_chars: int = 40) -> list[str]:
+    """Top-level definitions (and the module text between them) of the first `max_files` stdlib files."""
+    from packloader import stdlib_corpus
+
+    src = stdlib_corpus()
+    texts: list[str] = []
+    files = 0
+    for shard, info in enumerate(src.shards):
+        for text in src.read(shard, np.arange(info.num_rows)):
+            parts = re.split(r"\n(?=(?:def|class|async def) )", text)
+            texts.extend(p for p in parts if len(p) >= min_chars)
+            files += 1
+            if files >= max_files:
+                return texts
+    return texts
+
+
+def write_shards(out: Path, max_files: int, valid_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Tokenize the corpus into train/ and valid/ Parquet shards (reused when present)."""
+    from packloader.sources.base import IterableSource
+    from packloader.sources.pretokenize import tokenize_to_parquet
+    from packloader.sources.tokenizers import get_tokenizer
+
+    train_dir, valid_dir = out / "shards" / "train", out / "shards" / "valid"
+    if not (train_dir.exists() and any(train_dir.glob("part-*.parquet"))):
+        texts = stdlib_definitions(max_files)
+        rng = np.random.default_rng(seed)
+        is_valid = rng.random(len(texts)) < valid_fraction
+        tok = get_tokenizer()
+        for d, sel in ((train_dir, ~is_valid), (valid_dir, is_valid)):
+            docs = [t for t, s in zip(texts, sel) if s]
+            tokenize_to_parquet(IterableSource(docs), tok, d, overwrite=True, progress=False)
+    return (sorted(str(p) for p in train_dir.glob("part-*.parquet")),
+            sorted(str(p) for p in valid_dir.glob("part-*.parquet")))
+
+
+def vocab_map(paths: list[str], size: int) -> np.ndarray:
+    """Tokenizer id -> model id: the `size` - 1 most frequent ids of `paths` get 1..size-1, every other id 0."""
+    import pyarrow.parquet as pq
+
+    counts: dict[int, int] = {}
+    for p in paths:
+        col = pq.read_table(p, columns=["tokens"]).column("tokens").combine_chunks()
+        ids, c = np.unique(col.values.to_numpy(), return_counts=True)
+        for i, k in zip(ids.tolist(), c.tolist()):
+            counts[i] = counts.get(i, 0) + k
+    top = sorted(counts, key=lambda i: (-counts[i], i))[: size - 1]
+    table = np.zeros(max(counts) + 1 if counts else 1, dtype=np.int64)
+    table[np.array(top, dtype=np.int64)] = np.arange(1, len(top) + 1)
+    return table
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+def build_model(args, vocab: int):
+    import transformers
+
+    from packloader_integrations.hf import register_packloader_attention
+
+    name = register_packloader_attention()
+    torch.manual_seed(args.seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+                                   num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                   num_key_value_heads=max(1, args.heads // 2), max_position_embeddings=args.context,
+                                   use_cache=False, tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=name, dtype=torch.float32)
+
+
+def remap(t: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    ok = t >= 0
+    out = t.clone()
+    out[ok] = table[t[ok].clamp(max=table.numel() - 1)]
+    out[ok & (t >= table.numel())] = 0
+    return out
+
+
+def micro_batch_loss_sum(model, batch, table: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token loss of one packed micro-batch (packloader's labels) and its loss-token count."""
+    from packloader_integrations.hf import hf_batch
+
+    inputs = hf_batch(batch, attention="varlen")
+    labels = remap(inputs.pop("shift_labels"), table)
+    inputs.pop("labels")
+    inputs["input_ids"] = remap(inputs["input_ids"], table)
+    logits = model(**inputs).logits[0]
+    loss = torch.nn.functional.cross_entropy(logits, labels[0], ignore_index=-100, reduction="sum")
+    return loss, int((labels != -100).sum())
+
+
+def make_loader(paths, args, strategy: str, epochs):
+    from packloader import PackedLoader, PlanConfig
+
+    cfg = PlanConfig(strategy=strategy, max_tokens=args.max_tokens, context=args.context,
+                     tokens_per_step=args.tokens_per_step, allow_slicing=False, model=args.cost_model,
+                     seed=args.seed)
+    return PackedLoader(paths, config=cfg, epochs=epochs, num_threads=0, seed=args.seed)
+
+
+def evaluate(model, paths, args, table) -> float:
+    model.eval()
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for b in make_loader(paths, args, "fixed", epochs=1):
+            if b.num_tokens == 0:
+                continue
+            loss, k = micro_batch_loss_sum(model, b, table)
+            total, n = total + float(loss), n + k
+    model.train()
+    return total / max(1, n)
+
+
+def train(args, strategy: str, train_paths, valid_paths, table) -> dict:
+    from packloader_integrations.deepspeed import steps
+
+    model = build_model(args, args.vocab)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
+    loader = make_loader(train_paths, args, strategy, epochs=None)
+    curve = []
+    skipped = 0
+    t0 = time.perf_counter()
+    for step, micro_batches in enumerate(steps(loader)):
+        if step >= args.steps:
+            break
+        opt.zero_grad(set_to_none=True)
+        n_step = micro_batches[0].loss_tokens_in_step
+        if n_step == 0:  # nothing to learn from in this step (e.g. only empty micro-batch slots on this rank)
+            skipped += 1
+            continue
+        total, tokens = 0.0, 0
+        for b in micro_batches:
+            if b.num_tokens == 0:  # a planner may leave a micro-batch slot empty: nothing to run
+                continue
+            loss, _ = micro_batch_loss_sum(model, b, table)
+            (loss / n_step).backward()
+            total += float(loss.detach())
+            tokens += b.num_tokens
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        curve.append({"step": step, "loss": total / n_step, "tokens": tokens, "micro_batches": len(micro_batches),
+                      "seconds": time.perf_counter() - t0})
+        if args.verbose and (step % max(1, args.steps // 10) == 0 or step == args.steps - 1):
+            print(f"[{strategy}] step {step:4d} loss {total / n_step:.4f} ({time.perf_counter() - t0:.1f}s)",
+                  file=sys.stderr)
+    loader.close()
+    held_out = evaluate(model, valid_paths, args, table) if valid_paths else float("nan")
+    return {"strategy": strategy, "curve": curve, "held_out_loss": held_out, "skipped_empty_steps": skipped,
+            "seconds": time.perf_counter() - t0}
+
+
+def summarise(runs: list[dict], window: int) -> dict:
+    """Final train loss (mean of the last `window` steps, with the standard error of that mean) and held-out loss."""
+    out = {}
+    for r in runs:
+        last = np.array([c["loss"] for c in r["curve"][-window:]])
+        out[r["strategy"]] = {
+            "final_train_loss": float(last.mean()),
+            "final_train_loss_sem": float(last.std(ddof=1) / math.sqrt(len(last))) if len(last) > 1 else float("nan"),
+            "first_loss": r["curve"][0]["loss"],
+            "held_out_loss": r["held_out_loss"],
+            "steps": len(r["curve"]),
+            "seconds": r["seconds"],
+        }
+    return out
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        ax.plot([c["step"] for c in r["curve"]], [c["loss"] for c in r["curve"]], label=r["strategy"], lw=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("train loss (per token, whole step)")
+    ax.set_title("Llama-style model on stdlib definitions, packloader planners")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="output directory (shards, curves.json, curves.png)")
+    p.add_argument("--planners", default="fixed,wlb", help="comma-separated strategies, e.g. fixed,wlb")
+    p.add_argument("--tiny", action="store_true", help="CI size: few files, a tiny model, few steps")
+    p.add_argument("--files", type=int, default=300, help="stdlib files to read")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--tokens-per-step", type=int, default=4096)
+    p.add_argument("--max-tokens", type=int, default=1024, help="tokens per micro-batch")
+    p.add_argument("--context", type=int, default=1024, help="longer documents are cut into pieces")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=96)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cost-model", default="llama3-8b", help="planner cost model preset")
+    p.add_argument("--valid-fraction", type=float, default=0.05)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--quiet", dest="verbose", action="store_false")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.files, args.steps, args.tokens_per_step = 12, 12, 1024
+        args.max_tokens = args.context = 512
+        args.vocab, args.hidden, args.layers, args.heads, args.warmup = 512, 32, 1, 2, 3
+        args.lr = 1e-2
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    train_paths, valid_paths = write_shards(args.out, args.files, args.valid_fraction, args.seed)
+    table = torch.from_numpy(vocab_map(train_paths, args.vocab))
+    runs = [train(args, s.strip(), train_paths, valid_paths, table) for s in args.planners.split(",") if s.strip()]
+    window = max(2, args.steps // 10)
+    result = {
+        "command": " ".join(["python", "examples/train_llama.py"] + (sys.argv[1:] if argv is None else list(argv))),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "summary": summarise(runs, window),
+        "runs": runs,
+    }
+    (args.out / "curves.json").write_text(json.dumps(result, indent=1))
+    plot(runs, args.out / "curves.png")
+    if args.verbose:
+        for name, s in result["summary"].items():
+            print(f"{name:>10}: final train loss {s['final_train_loss']:.4f} +- {s['final_train_loss_sem']:.4f} "
+                  f"(last {window} steps), held-out {s['held_out_loss']:.4f}, {s['seconds']:.0f}s", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Framework-free pieces the adapters share: slice refusal, micro-batch count checks, HF-convention labels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from packloader.collate.batch import IGNORE_INDEX, PackedBatch
+
+
+def refuse_slices(batch: PackedBatch, consumer: str) -> None:
+    """Trainers that run each micro-batch on its own cannot run SlimPack slices (they need an earlier micro-batch's
+    keys and values)."""
+    for s in batch.segments:
+        if s.attend_from != s.start:
+            raise ValueError(
+                f"{consumer} cannot run sliced documents: step {batch.step}, micro-batch {batch.index_in_step} holds "
+                f"a slice of document {s.doc} (tokens {s.start}..{s.end}, attending from {s.attend_from}). Plan with "
+                "PlanConfig(allow_slicing=False)"
+            )
+
+
+def check_micro_batches(step: int, count: int, expected: int | None, consumer: str) -> None:
+    """A trainer with a fixed number of micro-batches per step (gradient accumulation steps) must get exactly that
+    many from every packloader step, or its optimizer steps and packloader's steps drift apart."""
+    if expected is not None and count != expected:
+        raise ValueError(
+            f"{consumer} runs {expected} micro-batches per optimizer step, but packloader step {step} gives "
+            f"this rank {count}: set PlanConfig(num_micro_batches={expected}) and a planner "
+            "that honours it"
+        )
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """[T] view of a `[T]` or `[1, T]` token tensor (the loader's two layouts)."""
+    return t.reshape(-1)
+
+
+def unshifted_labels(batch: PackedBatch) -> torch.Tensor:
+    """Labels in the Hugging Face convention ([T]): `labels[t]` is token t itself, -100 where token t must not be
+    predicted (the first token of every segment, and padding). A model shifts them by one inside its loss, which
+    then equals packloader's (shifted) labels everywhere except at a piece's last token, whose target lies in the
+    next piece (not in this row): use `shift_labels` (packloader's labels) to keep that target."""
+    ids = flat(batch.input_ids)
+    lab = flat(batch.labels)
+    out = torch.full_like(ids, IGNORE_INDEX)
+    cu = batch.cu_seqlens.tolist()
+    offsets = batch.cu_seqlens_padded.tolist() if batch.cu_seqlens_padded is not None else cu
+    for i in range(len(cu) - 1):
+        o, q = offsets[i], cu[i + 1] - cu[i]
+        if q > 1:  # tokens o+1 .. o+q-1 are predicted by their predecessors in the same segment
+            out[o + 1 : o + q] = ids[o + 1 : o + q]
+            # a predecessor whose packloader label is -100 (none inside a segment) would not predict: keep in step
+            out[o + 1 : o + q][lab[o : o + q - 1] == IGNORE_INDEX] = IGNORE_INDEX
+    return out
+
+
+def to_device(x: Any, device: Any, non_blocking: bool = True) -> Any:
+    if torch.is_tensor(x) and device is not None:
+        return x.to(device, non_blocking=non_blocking)
+    return x

@@ -1,0 +1,295 @@
+"""Megatron-core adapter: packloader micro-batches as the batches of Megatron's GPT training step (THD format).
+
+What a Megatron pretraining script needs, in its own terms::
+
+    from packloader_integrations.megatron import make_datasets_provider, forward_step
+
+    provider = make_datasets_provider(lambda dp_rank, split: PackedLoader(..., dp_rank=dp_rank, epochs=None)
+                                      if split == "train" else None)
+    pretrain(provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+             args_defaults={"dataloader_type": "external"})   # or --dataloader-type external
+
+and in the model config ``calculate_per_token_loss=True`` (the loss is a sum over tokens, normalised by the
+number of loss tokens of the whole global step, micro-batches, DP and CP ranks together) and, with pipeline
+parallelism, ``variable_seq_lengths=True`` (see ``check_megatron_config``).
+
+Each batch is a dict (``megatron_batch``): ``tokens``, ``labels``, ``position_ids`` (int64 ``[1, n]``),
+``loss_mask`` (float32 ``[1, n]``), ``attention_mask`` None (THD attention masks by ``cu_seqlens``) and a real
+``megatron.core.packed_seq_params.PackedSeqParams`` with ``qkv_format="thd"``. Labels where ``loss_mask`` is 0
+hold ``label_pad`` (default 0), not -100: Megatron's cross-entropy indexes the vocabulary with every label and
+relies on ``loss_mask`` to drop them.
+
+Context parallelism, two layouts (``cp_layout``):
+
+``"packloader"`` (default) this CP rank's shard from ``packloader.collate.cp_shard`` (mode ``cp_mode``, default
+                 "document": every document in 2 x CP chunks, remainders dealt round-robin, no padding, so documents
+                 need not be multiples of 2 x CP). ``PackedSeqParams`` then describes this rank's *local* query runs
+                 (``cu_seqlens_q``) and the keys each run sees in the all-gathered buffer (``cu_seqlens_kv``); the
+                 ``CPRankShard`` is in ``batch["cp_shard"]`` and on ``packed_seq_params.packloader_shard``. The
+                 attention that consumes it is ``packloader.runtime.cp_attention`` (all-gather of K/V, then varlen
+                 attention); TransformerEngine's CP attention cannot, it assumes the "te" layout.
+``"te"``         what ``megatron.core.utils.get_thd_batch_on_this_cp_rank`` produces with TransformerEngine, computed
+                 here without TE: each segment padded to a multiple of 2 x CP (collate with ``pad_to_multiple=2*CP``,
+                 checked), this rank taking chunks ``r`` and ``2CP-1-r`` of every padded segment; ``PackedSeqParams``
+                 holds the global ``cu_seqlens`` and ``cu_seqlens_padded``.
+
+Variable micro-batch sizes: packloader's micro-batches hold different token counts. Megatron-core handles that
+with ``ModelParallelConfig.variable_seq_lengths=True``: the pipeline's p2p communication then exchanges tensor
+shapes before every send (a small extra message). Without pipeline parallelism nothing is needed. With the
+padded variant (``pad_to_tokens``: every micro-batch the same size) it is not needed either.
+
+Tensor parallelism: every TP rank builds the same loader (same dp_rank) and gets the same batches, since plans are
+deterministic; no broadcast from TP rank 0 (``get_batch_on_this_tp_rank``) is needed.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from packloader.collate.batch import IGNORE_INDEX, PackedBatch
+
+from ._common import check_micro_batches, flat, refuse_slices
+from ._lazy import require
+
+CP_LAYOUTS = ("packloader", "te")
+
+__all__ = [
+    "CP_LAYOUTS",
+    "megatron_batch",
+    "MegatronDataIterator",
+    "get_batch",
+    "loss_func",
+    "forward_step",
+    "make_datasets_provider",
+    "check_megatron_config",
+    "te_partition_index",
+]
+
+
+def _packed_seq_params_cls():
+    return require("megatron.core.packed_seq_params").PackedSeqParams
+
+
+def te_partition_index(cu_seqlens_padded: np.ndarray | torch.Tensor, cp_size: int, cp_rank: int) -> np.ndarray:
+    """Token indices of CP rank `cp_rank` in TransformerEngine's THD layout (``tex.thd_get_partitioned_indices``):
+    every padded segment in 2 x CP equal chunks, the rank taking chunks ``r`` and ``2CP-1-r``."""
+    cu = np.asarray(cu_seqlens_padded.tolist() if torch.is_tensor(cu_seqlens_padded) else cu_seqlens_padded,
+                    dtype=np.int64)
+    n = 2 * cp_size
+    parts = []
+    for i in range(cu.size - 1):
+        length = int(cu[i + 1] - cu[i])
+        if length % n:
+            raise ValueError(
+                f"segment {i} spans {length} padded tokens, not a multiple of 2 x CP = {n}: TransformerEngine's THD "
+                f"context parallelism needs collate padding pad_to_multiple={n} (PackedLoader(pad_to_multiple={n})), "
+                "or use cp_layout='packloader', which needs no padding"
+            )
+        c = length // n
+        for chunk in (cp_rank, n - 1 - cp_rank):
+            parts.append(np.arange(cu[i] + chunk * c, cu[i] + (chunk + 1) * c, dtype=np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def megatron_batch(
+    batch: PackedBatch,
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_layout: str = "packloader",
+    cp_mode: str = "document",
+    cost_model: Any = None,
+    label_pad: int = 0,
+    device: Any = None,
+) -> dict[str, Any]:
+    """One PackedBatch -> the dict Megatron's GPT ``get_batch`` returns, for this CP rank (see the module)."""
+    if cp_layout not in CP_LAYOUTS:
+        raise ValueError(f"cp_layout must be one of {CP_LAYOUTS}, got {cp_layout!r}")
+    if not (0 <= cp_rank < cp_size):
+        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
+    refuse_slices(batch, "Megatron-core's THD attention")
+    PackedSeqParams = _packed_seq_params_cls()
+    ids, lab, pos = flat(batch.input_ids), flat(batch.labels), flat(batch.position_ids)
+    shard = None
+    if cp_size == 1 or cp_layout == "te":
+        if cp_size > 1:
+            if batch.cu_seqlens_padded is None:
+                raise ValueError(
+                    f"cp_layout='te' with CP={cp_size} needs the padded collate variant "
+                    f"(PackedLoader(pad_to_multiple={2 * cp_size}))")
+            index = torch.from_numpy(te_partition_index(batch.cu_seqlens_padded, cp_size, cp_rank))
+            ids, lab, pos = ids[index], lab[index], pos[index]
+        padded = batch.cu_seqlens_padded if batch.cu_seqlens_padded is not None else batch.cu_seqlens
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=batch.cu_seqlens,
+            cu_seqlens_kv=batch.cu_seqlens_k,
+            cu_seqlens_q_padded=padded,
+            cu_seqlens_kv_padded=padded,
+            max_seqlen_q=int(batch.max_seqlen),
+            max_seqlen_kv=int(batch.max_seqlen_k),
+        )
+    else:
+        from packloader.collate.cp_shard import plan_cp_shards
+
+        if batch.cu_seqlens_padded is not None:
+            raise ValueError("cp_layout='packloader' shards the unpadded micro-batch: build the loader without "
+                             "pad_to_multiple / pad_to_tokens")
+        lengths = [s.end - s.start for s in batch.segments]
+        offsets = [s.start for s in batch.segments]
+        shard = plan_cp_shards(lengths, cp_size, cp_mode, position_offsets=offsets, cost_model=cost_model)[cp_rank]
+        index = torch.from_numpy(shard.token_index)
+        ids, lab = ids[index], lab[index]
+        pos = torch.from_numpy(shard.position_ids)
+        _, cu_k, max_k = shard.key_layout(causal=True)
+        cu_q = torch.from_numpy(shard.cu_seqlens_q.astype(np.int32))
+        cu_k = torch.from_numpy(np.asarray(cu_k, dtype=np.int32))
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_q,
+            cu_seqlens_kv=cu_k,
+            cu_seqlens_q_padded=cu_q,
+            cu_seqlens_kv_padded=cu_k,
+            max_seqlen_q=int(shard.max_seqlen_q),
+            max_seqlen_kv=int(max_k),
+        )
+        params.packloader_shard = shard  # travels with the params down to the attention module
+    loss_mask = (lab != IGNORE_INDEX).to(torch.float32)
+    labels = torch.where(lab == IGNORE_INDEX, torch.full_like(lab, label_pad), lab)
+    if device is not None:
+        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            setattr(params, name, getattr(params, name).to(device, non_blocking=True))
+    out = {
+        "tokens": ids.unsqueeze(0),
+        "labels": labels.unsqueeze(0),
+        "loss_mask": loss_mask.unsqueeze(0),
+        "attention_mask": None,
+        "position_ids": pos.unsqueeze(0),
+        "packed_seq_params": params,
+    }
+    if device is not None:
+        for k in ("tokens", "labels", "loss_mask", "position_ids"):
+            out[k] = out[k].to(device, non_blocking=True)
+    out["cp_shard"] = shard
+    out["num_loss_tokens_in_step"] = int(batch.loss_tokens_in_step)
+    return out
+
+
+class MegatronDataIterator:
+    """This rank's packloader micro-batches as Megatron batch dicts; an iterator, as Megatron's
+    ``--dataloader-type external`` expects. ``num_microbatches``: Megatron's micro-batches per step (checked against
+    every packloader step). ``state_dict``/``load_state_dict`` pass through to the loader (exact resume)."""
+
+    def __init__(self, loader: Iterable[PackedBatch], *, num_microbatches: int | None = None, cp_size: int = 1,
+                 cp_rank: int = 0, cp_layout: str = "packloader", cp_mode: str = "document", cost_model: Any = None,
+                 label_pad: int = 0, device: Any = None) -> None:
+        self.loader = loader
+        self.num_microbatches = num_microbatches
+        self._kw = dict(cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout, cp_mode=cp_mode,
+                        cost_model=cost_model, label_pad=label_pad, device=device)
+        self._it: Iterator[PackedBatch] | None = None
+
+    def __iter__(self) -> "MegatronDataIterator":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._it is None:
+            self._it = iter(self.loader)
+        batch = next(self._it)
+        check_micro_batches(batch.step, batch.micro_batches_in_step, self.num_microbatches, "Megatron's schedule")
+        return megatron_batch(batch, **self._kw)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+        self._it = None
+
+
+def get_batch(data_iterator, vp_stage: int | None = None):
+    """Drop-in for pretrain_gpt's ``get_batch``: (tokens, labels, loss_mask, attention_mask, position_ids,
+    packed_seq_params); all None on a pipeline stage without data (``data_iterator`` None)."""
+    if data_iterator is None:
+        return None, None, None, None, None, None
+    b = next(data_iterator)
+    return b["tokens"], b["labels"], b["loss_mask"], b["attention_mask"], b["position_ids"], b["packed_seq_params"]
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token loss in Megatron's 3-tuple form: (loss sum, number of loss tokens, report). With
+    ``calculate_per_token_loss=True`` Megatron sums both over micro-batches and DP/CP ranks and divides once, so the
+    step's loss is the mean over every loss token of the global step."""
+    losses = output_tensor.reshape(-1).float()
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1).to(loss.dtype)])}
+    return loss, num_tokens, report
+
+
+def forward_step(data_iterator, model):
+    """Drop-in ``forward_step`` for a GPTModel: the THD batch with its PackedSeqParams, the per-token loss."""
+    tokens, labels, loss_mask, attention_mask, position_ids, params = get_batch(data_iterator)
+    output = model(tokens, position_ids, attention_mask, labels=labels, packed_seq_params=params)
+    return output, partial(loss_func, loss_mask)
+
+
+def _parallel_ranks() -> dict[str, int]:
+    """dp/cp rank and size from megatron.core.parallel_state when it is initialised, else a single rank."""
+    ps = require("megatron.core.parallel_state")
+    if not ps.model_parallel_is_initialized():
+        return {"dp_rank": 0, "dp_size": 1, "cp_rank": 0, "cp_size": 1}
+    return {
+        "dp_rank": ps.get_data_parallel_rank(),
+        "dp_size": ps.get_data_parallel_world_size(),
+        "cp_rank": ps.get_context_parallel_rank(),
+        "cp_size": ps.get_context_parallel_world_size(),
+    }
+
+
+def make_datasets_provider(
+    loader_factory: Callable[[int, str], Iterable[PackedBatch] | None],
+    *,
+    num_microbatches: int | None = None,
+    **batch_kwargs: Any,
+) -> Callable:
+    """A ``train_valid_test_datasets_provider`` for Megatron's ``pretrain`` with ``--dataloader-type external``.
+
+    ``loader_factory(dp_rank, split)`` builds this DP rank's loader for split "train", "valid" or "test" (or returns
+    None for a split without data). The provider reads DP and CP ranks from ``megatron.core.parallel_state`` and
+    returns one ``MegatronDataIterator`` per split; ``train_val_test_num_samples`` is ignored (packloader's steps
+    are counted in tokens). ``provider.is_distributed = True``: Megatron calls it on every rank.
+    """
+
+    def provider(train_val_test_num_samples=None, vp_stage=None):
+        r = _parallel_ranks()
+        out = []
+        for split in ("train", "valid", "test"):
+            loader = loader_factory(r["dp_rank"], split)
+            out.append(None if loader is None else MegatronDataIterator(
+                loader, num_microbatches=num_microbatches, cp_size=r["cp_size"], cp_rank=r["cp_rank"],
+                **batch_kwargs))
+        return tuple(out)
+
+    provider.is_distributed = True
+    return provider
+
+
+def check_megatron_config(config: Any, *, pipeline_parallel_size: int | None = None,
+                          fixed_token_count: bool = False) -> None:
+    """Refuse a Megatron ``TransformerConfig``/``ModelParallelConfig`` that would mis-handle packloader batches:
+    per-token loss needs ``calculate_per_token_loss=True``; pipeline parallelism with micro-batches of different
+    token counts needs ``variable_seq_lengths=True`` (unless every micro-batch is padded to one size)."""
+    if hasattr(config, "calculate_per_token_loss") and not config.calculate_per_token_loss:
+        raise ValueError("set calculate_per_token_loss=True: packloader's micro-batches hold different numbers of "
+                         "loss tokens, and averaging per micro-batch would weight tokens unequally")
+    pp = pipeline_parallel_size if pipeline_parallel_size is not None else getattr(
+        config, "pipeline_model_parallel_size", 1)
+    if pp > 1 and not fixed_token_count and not getattr(config, "variable_seq_lengths", False):
+        raise ValueError(f"pipeline_model_parallel_size={pp} with packed micro-batches of varying token counts needs "
+                         "variable_seq_lengths=True (or PackedLoader(pad_to_tokens=...) for one fixed size)")

@@ -1,0 +1,239 @@
+"""DeepSpeed adapter with the real deepspeed package on CPU (2 gloo ranks): a DeepSpeedEngine loop and a
+PipelineEngine (one stage, DP=2) trained on packloader batches make the parameter update of the per-token mean
+gradient over the global step, computed one document at a time; DeepSpeed's own UlyssesSPDataLoaderAdapter
+shards packloader's rows exactly as `ulysses_batch` does.
+
+DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op on first use (about 4 minutes on 2 cores); the
+ranks mark it unavailable (`disable_shm_comm_op`) so DeepSpeed uses torch.distributed's gloo directly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from distributed import run_ranks  # noqa: E402
+
+VOCAB, HID = 53, 16
+
+
+def docs(n=50, seed=3, max_len=90):
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.pareto(1.1, size=n) * 15 + 2, max_len).astype(int)
+    return [rng.integers(0, VOCAB, size=int(k)).astype(np.int32) for k in lengths]
+
+
+def loader(ds, dp_rank, ga, check_ranks=True):
+    from packloader.contracts import ParallelConfig, PlanConfig
+    from packloader.loader.loader import PackedLoader
+    from packloader.sources.base import IterableSource
+
+    cfg = PlanConfig(strategy="wlb", parallel=ParallelConfig(dp=2), max_tokens=128, context=128,
+                     tokens_per_step=640, num_micro_batches=ga, allow_slicing=False)
+    return PackedLoader(IterableSource(ds), config=cfg, dp_rank=dp_rank, num_threads=0, append_eos=False,
+                        epochs=None, check_ranks=check_ranks)
+
+
+class Embed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(VOCAB, HID)
+        self.pos = torch.nn.Embedding(256, HID)
+
+    def forward(self, inputs):
+        ids, pos, cu = inputs
+        return self.tok(ids) + self.pos(pos), pos, cu
+
+
+class Attn(torch.nn.Module):
+    """One causal attention layer over packed documents through packloader's varlen attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(HID, 3 * HID)
+
+    def forward(self, x):
+        from packloader.runtime.attention import varlen_attention
+
+        h, pos, cu = x
+        q, k, v = self.qkv(h[0]).view(-1, 3, 2, HID // 2).unbind(1)
+        m = int(torch.diff(cu).max())
+        o = varlen_attention(q, k, v, cu, cu, m, m, causal=True)
+        return h + o.reshape(1, -1, HID), pos, cu
+
+
+class Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = torch.nn.Linear(HID, VOCAB)
+
+    def forward(self, x):
+        return self.out(x[0])
+
+
+def layers(seed=0):
+    torch.manual_seed(seed)
+    return [Embed(), Attn(), Head()]
+
+
+def run(mods, ids, pos, cu):
+    x = (ids, pos, cu)
+    for m in mods:
+        x = m(x)
+    return x
+
+
+def reference_grads(ds, step_batches):
+    """Gradient of (sum of next-token losses of every document of the global step) / (its loss tokens), one
+    document at a time (cu_seqlens of one segment)."""
+    mods = layers()
+    ld = step_batches[0][0]
+    total = step_batches[0][1][0].loss_tokens_in_step
+    loss = 0.0
+    for _, mbs in step_batches:
+        ids = sorted({s.doc for b in mbs for s in b.segments})
+        toks = dict(zip(ids, ld.stream.read(ids)))
+        for b in mbs:
+            for s in b.segments:
+                d = torch.from_numpy(toks[s.doc][s.start:s.end]).long()
+                out = run(mods, d.unsqueeze(0), torch.arange(s.start, s.end).unsqueeze(0),
+                          torch.tensor([0, d.numel()], dtype=torch.int32))
+                loss = loss + torch.nn.functional.cross_entropy(out[0, :-1], d[1:], reduction="sum")
+    (loss / total).backward()
+    params = [p for m in mods for p in m.parameters()]
+    return [p.grad.clone() for p in params], [p.detach().clone() for p in params], float(loss.detach() / total)
+
+
+def first_step(ds, ga):
+    """Each DP rank's micro-batches of step 0 (and the loader that read them)."""
+    out = []
+    for r in range(2):
+        ld = loader(ds, r, ga, check_ranks=False)
+        mbs = []
+        for b in ld:
+            if b.step > 0:
+                break
+            mbs.append(b)
+        out.append((ld, mbs))
+    return out
+
+
+def _ranks(rank, world):
+    import os
+
+    os.environ["LOCAL_RANK"] = str(rank)  # what a launcher sets; DeepSpeed's engine asks for it
+    import deepspeed
+
+    from packloader_integrations import deepspeed as pds
+
+    pds.disable_shm_comm_op()
+    ga, lr = 2, 0.5
+    ds = docs()
+    results = {}
+    ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": ga,
+              "optimizer": {"type": "SGD", "params": {"lr": lr}}}
+    ref_grads, init, ref_loss = reference_grads(ds, first_step(ds, ga))
+
+    # --- engine loop ---------------------------------------------------------------------------------------------
+    model = torch.nn.Sequential(*layers())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+
+    def loss_sum(eng, b):
+        logits = eng(( b["input_ids"], b["position_ids"], b["cu_seqlens"]))
+        return torch.nn.functional.cross_entropy(logits[0], b["labels"][0], ignore_index=-100, reduction="sum")
+
+    step = next(pds.steps(loader(ds, rank, ga)))
+    local = pds.train_step(engine, step, loss_sum)
+    after = [p.detach().clone() for p in model.parameters()]
+    results["engine_max_err"] = max(float((a - (i - lr * g)).abs().max()) for a, i, g in zip(after, init, ref_grads))
+    results["engine_local_loss"] = local
+    results["ref_loss"] = ref_loss
+    results["global_steps"] = engine.global_steps
+
+    # --- pipeline engine (one stage, DP=2) ------------------------------------------------------------------------
+    from deepspeed.pipe import PipelineModule
+
+    pipe = PipelineModule(layers=layers(), num_stages=1, loss_fn=pds.pipeline_loss_fn, dynamic_shape=True)
+    pengine, *_ = deepspeed.initialize(model=pipe, model_parameters=pipe.parameters(), config=ds_cfg)
+    it = pds.PipelineBatches(loader(ds, rank, ga), gradient_accumulation_steps=ga)
+    inputs, labels = next(pds.PipelineBatches(loader(ds, rank, ga), gradient_accumulation_steps=ga))
+    results["pipe_types"] = [(tuple(t.shape), str(t.dtype)) for t in inputs + labels]
+    ploss = pengine.train_batch(it)
+    after = [p.detach().clone() for p in pipe.parameters()]
+    results["pipe_max_err"] = max(float((a - (i - lr * g)).abs().max()) for a, i, g in zip(after, init, ref_grads))
+    results["pipe_loss"] = float(ploss)
+
+    # --- Ulysses: DeepSpeed's adapter shards packloader rows like ulysses_batch ---------------------------------
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    mine = [b for _, b in zip(range(3), loader(ds, rank, ga))]
+    theirs = [[b for _, b in zip(range(3), loader(ds, r, ga, check_ranks=False))] for r in range(world)]
+    adapter = UlyssesSPDataLoaderAdapter([pds.ulysses_hf_batch(b, world) for b in mine], sp_rank=rank,
+                                         sp_group=dist.group.WORLD, sp_world_size=world, device="cpu")
+    agree = []
+    for i in range(3):
+        for src in range(world):  # the adapter serves rank src's batch i, sharded, in rank order
+            got = next(adapter)
+            want = pds.ulysses_batch(theirs[src][i], world, rank)
+            agree.append(torch.equal(got["input_ids"], want["input_ids"])
+                         and torch.equal(got["position_ids"], want["position_ids"])
+                         and equal_inside(got["shift_labels"], want["labels"], theirs[src][i], world, rank))
+    results["ulysses_agree"] = agree
+    return results
+
+
+def equal_inside(shift_labels, labels, batch, world, rank):
+    """DeepSpeed's shift_labels equal packloader's labels except at a piece's last token (target outside row)."""
+    T = labels.shape[1]
+    ends = set((batch.cu_seqlens[1:].long() - 1 - rank * T).tolist())
+    keep = torch.tensor([t not in ends for t in range(T)])
+    return torch.equal(shift_labels[0][keep], labels[0][keep])
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_ranks, 2, timeout=240)
+
+
+def test_engine_loop_update_is_the_per_token_mean_gradient(results):
+    for r in results:
+        assert r["global_steps"] == 1
+        assert r["engine_max_err"] < 1e-5
+    assert sum(r["engine_local_loss"] for r in results) == pytest.approx(results[0]["ref_loss"], rel=1e-5)
+
+
+def test_pipeline_engine_takes_dynamic_shapes_and_normalises_per_token(results):
+    for r in results:
+        shapes = [s for s, _ in r["pipe_types"]]
+        dtypes = [d for _, d in r["pipe_types"]]
+        ids, pos, cu, lab, scale = shapes
+        assert ids[0] == 1 and ids == pos == lab and len(cu) == 1 and scale == (1,)
+        assert dtypes == ["torch.int64", "torch.int64", "torch.int32", "torch.int64", "torch.float32"]
+        assert r["pipe_max_err"] < 1e-5
+    # the engine reports the mean over micro-batches and DP ranks of (sum * GA * DP / N): the step's per-token mean
+    assert results[0]["pipe_loss"] == pytest.approx(results[0]["ref_loss"], rel=1e-5)
+
+
+def test_ulysses_adapter_shards_like_ulysses_batch(results):
+    for r in results:
+        assert r["ulysses_agree"] and all(r["ulysses_agree"])
+
+
+def test_ulysses_batch_pads_to_sp_and_resets_positions():
+    from packloader.collate.collate import collate
+    from packloader.contracts import Segment
+    from packloader_integrations import deepspeed as pds
+
+    toks = {0: np.arange(7, dtype=np.int32), 1: np.arange(100, 110, dtype=np.int32)}
+    b = collate([Segment(0, 0, 7, 0), Segment(1, 0, 6, 0)], toks)  # 13 tokens
+    shards = [pds.ulysses_batch(b, 4, r) for r in range(4)]
+    assert [s["input_ids"].shape[1] for s in shards] == [4] * 4 and shards[0]["padding"] == 3
+    assert shards[0]["cu_seqlens"].tolist() == [0, 7, 13, 16] and shards[0]["max_seqlen"] == 7
+    pos = torch.cat([s["position_ids"][0] for s in shards]).tolist()
+    assert pos == list(range(7)) + list(range(6)) + [0, 1, 2]
+    lab = torch.cat([s["labels"][0] for s in shards]).tolist()
+    # document 0 ends (-100); document 1's piece 0..6 still predicts its 7th token (106); padding -100
+    assert lab == [1, 2, 3, 4, 5, 6, -100, 101, 102, 103, 104, 105, 106, -100, -100, -100]

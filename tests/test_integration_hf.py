@@ -1,0 +1,170 @@
+"""Hugging Face adapter with the real transformers package on CPU: a tiny random LlamaForCausalLM's packed forward
+on packloader batches equals its per-document unpacked forward (logits and loss), through transformers' own
+packed-position path (sdpa) and through packloader's varlen attention; PackedTrainer's accumulated gradient equals
+the per-token mean gradient computed one document at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from packloader.collate.batch import IGNORE_INDEX  # noqa: E402
+from packloader.contracts import PlanConfig  # noqa: E402
+from packloader.loader.loader import PackedLoader  # noqa: E402
+from packloader.sources.base import IterableSource  # noqa: E402
+from packloader_integrations import hf as phf  # noqa: E402
+
+VOCAB = 101
+
+
+def docs(n=40, seed=0, max_len=120):
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.pareto(1.1, size=n) * 20 + 2, max_len).astype(int)
+    return [rng.integers(0, VOCAB, size=int(k)).astype(np.int32) for k in lengths]
+
+
+def loader(ds, *, context=200, **kw):
+    cfg = PlanConfig(strategy=kw.pop("strategy", "fixed"), max_tokens=200, context=context, tokens_per_step=400,
+                     allow_slicing=False, num_micro_batches=kw.pop("num_micro_batches", None))
+    return PackedLoader(IterableSource(ds), config=cfg, num_threads=0, append_eos=False, **kw)
+
+
+def tiny_llama(attn="sdpa", seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return docs()
+
+
+def doc_tokens(ld, batches) -> dict:
+    """Each segment's whole document, read straight from the loader's stream (doc ids are the stream's)."""
+    ids = sorted({s.doc for b in batches for s in b.segments})
+    return dict(zip(ids, ld.stream.read(ids)))
+
+
+def reference(model, batch, corpus):
+    """Per-segment forward, one document (or document piece, with its positions) at a time."""
+    logits, loss_sum, n = [], 0.0, 0
+    for s in batch.segments:
+        x = torch.from_numpy(corpus[s.doc][s.start:s.end]).long().unsqueeze(0)
+        pos = torch.arange(s.start, s.end).unsqueeze(0)
+        with torch.no_grad():
+            lg = model(input_ids=x, position_ids=pos).logits[0]
+        logits.append(lg)
+        doc = corpus[s.doc]
+        tgt = torch.from_numpy(doc[s.start + 1:s.end + 1]).long()  # next tokens (the document's, past the piece)
+        k = tgt.numel()
+        loss_sum += float(torch.nn.functional.cross_entropy(lg[:k], tgt, reduction="sum"))
+        n += k
+    return torch.cat(logits), loss_sum / n
+
+
+@pytest.mark.parametrize("attention", ["position_ids", "varlen"])
+def test_packed_forward_equals_per_document_forward(corpus, attention):
+    attn = "sdpa" if attention == "position_ids" else phf.register_packloader_attention()
+    model = tiny_llama(attn)
+    # context 90 < longest document: pieces of long documents (positions continuing) are in the batches too
+    ld = loader(corpus, context=90)
+    batches = list(ld)[:6]
+    toks = doc_tokens(ld, batches)
+    assert any(s.start > 0 for b in batches for s in b.segments)
+    for b in batches:
+        inputs = phf.hf_batch(b, attention=attention)
+        assert inputs["input_ids"].shape == inputs["position_ids"].shape == (1, b.num_tokens)
+        with torch.no_grad():
+            out = model(**inputs)
+        ref_logits, ref_loss = reference(model, b, toks)
+        torch.testing.assert_close(out.logits[0], ref_logits, rtol=1e-4, atol=1e-4)
+        assert float(out.loss) == pytest.approx(ref_loss, rel=1e-4)
+
+
+def test_unshifted_labels_shift_to_packloader_labels_inside_the_row(corpus):
+    """HF-convention labels, shifted the way transformers' loss shifts them, give packloader's labels except at a
+    piece's last token (whose target lies outside the row)."""
+    for b in list(loader(corpus, context=90))[:6]:
+        inputs = phf.hf_batch(b)
+        shifted = torch.nn.functional.pad(inputs["labels"][0], (0, 1), value=IGNORE_INDEX)[1:]
+        lab = b.labels
+        ends = b.cu_seqlens[1:].long() - 1
+        keep = torch.ones_like(lab, dtype=torch.bool)
+        keep[ends] = False
+        assert torch.equal(shifted[keep], lab[keep])
+        assert (shifted[ends] == IGNORE_INDEX).all()
+
+
+def test_ambiguous_positions_are_refused():
+    from packloader.collate.collate import collate
+    from packloader.contracts import Segment
+
+    toks = {0: np.arange(10, dtype=np.int32), 1: np.arange(20, dtype=np.int32)}
+    # document 1's piece starting at offset 4 continues document 0's positions 0..3
+    b = collate([Segment(0, 0, 4, 0), Segment(1, 4, 9, 4)], toks)
+    with pytest.raises(ValueError, match="attention='varlen'"):
+        phf.hf_batch(b)
+    assert phf.hf_batch(b, attention="varlen")["cu_seq_lens_q"].tolist() == [0, 4, 9]
+
+
+def test_packed_trainer_gradient_is_the_per_token_mean_of_the_step(tmp_path, corpus):
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    ga = 3
+    mk = lambda: loader(corpus, num_micro_batches=ga, epochs=None)  # noqa: E731
+    step0 = []
+    ld = mk()
+    it = iter(ld)
+    while True:
+        b = next(it)
+        if b.step > 0:
+            break
+        step0.append(b)
+    assert len(step0) == ga
+    toks = doc_tokens(ld, step0)
+
+    model = tiny_llama("sdpa")
+    ref_model = tiny_llama("sdpa")
+    ref_model.load_state_dict(model.state_dict())
+    ref_model.train()
+    total = sum(b.loss_tokens_in_step for b in step0[:1])
+    loss = 0.0
+    for b in step0:
+        for s in b.segments:
+            x = torch.from_numpy(toks[s.doc][s.start:s.end]).long().unsqueeze(0)
+            lg = ref_model(input_ids=x).logits[0]
+            loss = loss + torch.nn.functional.cross_entropy(lg[:-1], x[0, 1:], reduction="sum")
+    (loss / total).backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
+
+    grads = {}
+
+    class Grab(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            if not grads:
+                grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, gradient_accumulation_steps=ga,
+                                          learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
+                                          logging_strategy="no", max_grad_norm=0.0, dataloader_num_workers=0)
+    model.train()
+    trainer = phf.PackedTrainer(model=model, args=args, packed_loader=mk(), callbacks=[Grab()])
+    trainer.train()
+    assert grads
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=2e-4, atol=1e-6, msg=n)
+
+
+def test_trainer_refuses_a_mismatched_accumulation(tmp_path, corpus):
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, gradient_accumulation_steps=5,
+                                          use_cpu=True, report_to=[], save_strategy="no")
+    trainer = phf.PackedTrainer(model=tiny_llama(), args=args, packed_loader=loader(corpus, num_micro_batches=3,
+                                                                                    epochs=None))
+    with pytest.raises(ValueError, match="num_micro_batches=5"):
+        trainer.train()

@@ -16,6 +16,7 @@ Four timed runs, each one whole epoch in the same shuffled epoch order (`packloa
 - plain DataLoader, raw text: a Dataset that reads and tokenizes one document (cl100k, EOS appended),
   `num_workers=--threads`, the same concatenating collate.
 
+Runs alternate (packloader, baseline, packloader, ...) so load from other processes falls on both.
 Tokens/s = tokens in the yielded batches / wall time of the epoch (pipeline start-up included; building the
 loader object and preparing data excluded). Best and median of `--repeats` epochs. The machine's CPU count and
 load average are printed, because on a shared machine other processes' load shows up in the numbers.
@@ -123,12 +124,16 @@ def run_baseline(paths: list[str], args, tokenizer: str | None, workers: int) ->
     return tokens, elapsed, {"batches": batches}
 
 
-def measure(fn, repeats: int) -> tuple[int, list[float], dict]:
-    rates, tokens, info = [], 0, {}
+def measure_pair(ours, base, repeats: int) -> tuple[tuple[int, list[float], dict], tuple[int, list[float], dict]]:
+    """Alternate the two runs (ours, base, ours, base, ...) so that load from other processes on a shared
+    machine falls on both alike."""
+    out = ([0, [], {}], [0, [], {}])
     for _ in range(repeats):
-        tokens, elapsed, info = fn()
-        rates.append(tokens / elapsed)
-    return tokens, rates, info
+        for slot, fn in zip(out, (ours, base)):
+            tokens, elapsed, info = fn()
+            slot[0], slot[2] = tokens, info
+            slot[1].append(tokens / elapsed)
+    return tuple(out[0]), tuple(out[1])
 
 
 def write_section(path: Path, body: str) -> None:
@@ -181,15 +186,16 @@ def main() -> None:
     rows = []
     only = set(args.only.split(","))
     if "pre-tokenized" in only:
-        tok, ours, info = measure(lambda: run_packloader(token_paths, args, "cl100k"), args.repeats)
+        (tok, ours, info), (btok, base, binfo) = measure_pair(
+            lambda: run_packloader(token_paths, args, "cl100k"), lambda: run_baseline(token_paths, args, None, 0), args.repeats)
         rows.append(("pre-tokenized", f"packloader ({args.threads} threads, lengths={info['mode']})", tok, ours, info))
-        tok, base, info = measure(lambda: run_baseline(token_paths, args, None, 0), args.repeats)
-        rows.append(("pre-tokenized", "plain DataLoader (num_workers=0)", tok, base, info))
+        rows.append(("pre-tokenized", "plain DataLoader (num_workers=0)", btok, base, binfo))
     if "raw text" in only:
-        tok, ours, info = measure(lambda: run_packloader(text_paths, args, "cl100k"), args.repeats)
+        (tok, ours, info), (btok, base, binfo) = measure_pair(
+            lambda: run_packloader(text_paths, args, "cl100k"), lambda: run_baseline(text_paths, args, "cl100k", args.threads),
+            args.repeats)
         rows.append(("raw text", f"packloader ({args.threads} threads, cl100k, lengths={info['mode']})", tok, ours, info))
-        tok, base, info = measure(lambda: run_baseline(text_paths, args, "cl100k", args.threads), args.repeats)
-        rows.append(("raw text", f"plain DataLoader (num_workers={args.threads}, cl100k)", tok, base, info))
+        rows.append(("raw text", f"plain DataLoader (num_workers={args.threads}, cl100k)", btok, base, binfo))
 
     header = "| input | loader | tokens/epoch | best M tokens/s | median M tokens/s | target |"
     lines = [header, "| --- | --- | ---: | ---: | ---: | --- |"]

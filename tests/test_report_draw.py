@@ -1,0 +1,142 @@
+"""The report's library pieces on their own: drawing steps as the loader does, reading lengths files, the merged
+cost model of a heterogeneous group."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packloader.balancers.cost import load_cost_model
+from packloader.contracts import MicroBatch, ParallelConfig, Segment
+from packloader.report.advice import merged_model
+from packloader.report.draw import StepCounter, cut_window, draw_steps, step_bounds
+from packloader.report.lengths import LengthsError, read_lengths
+
+lengths_st = st.lists(st.integers(1, 5000), min_size=1, max_size=200)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths_st, st.integers(1, 3000))
+def test_cut_window_matches_the_loaders_cut(lengths, context):
+    from packloader.loader.nodes import cut_pieces  # the loader's own cut: the reference
+
+    ids = np.arange(100, 100 + len(lengths), dtype=np.int64)
+    lens = np.asarray(lengths, dtype=np.int64)
+    ref, _, _ = cut_pieces(ids, lens, context)
+    got = cut_window(ids, lens, context)
+    for a in ("doc", "offset", "length"):
+        np.testing.assert_array_equal(getattr(got, a), getattr(ref, a))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths_st, st.integers(1, 20000), st.integers(1, 6))
+def test_step_bounds_and_counter_agree_with_a_plain_loop(lengths, target, steps):
+    bounds, fill, k = [], 0, 0
+    for i, v in enumerate(lengths):  # documents until the step reaches the target, the crossing one included
+        fill += v
+        if fill >= target:
+            bounds.append(i + 1)
+            fill = 0
+            if len(bounds) == steps:
+                break
+    assert step_bounds(np.array(lengths), target, steps).tolist() == bounds
+    counter = StepCounter(target, steps)
+    done = any(counter(np.array(lengths[i:i + 7])) for i in range(0, len(lengths), 7))
+    assert done == (len(bounds) == steps)
+
+
+def test_draw_steps_windows_and_draw_steps():
+    lengths = np.array([5, 3, 9, 1, 1, 1, 20, 2, 4])
+    d = draw_steps(lengths, tokens_per_step=8, context=6, steps=5)
+    # steps: [5, 3] -> 8; [9] -> 9; [1, 1, 1, 20] -> 23; [2, 4] -> 6 < 8 is incomplete and left out
+    assert d.steps == 3 and d.leftover_documents == 2
+    assert d.doc_step.tolist() == [0, 0, 1, 2, 2, 2, 2]
+    assert d.windows[1].length.tolist() == [6, 3] and d.windows[1].offset.tolist() == [0, 6]
+    assert d.windows[2].doc.tolist() == [3, 4, 5, 6, 6, 6, 6] and d.windows[2].length.tolist() == [1, 1, 1, 6, 6, 6, 2]
+    assert d.tokens == 40 and d.docs_cut == 2
+    with pytest.raises(ValueError, match="fewer than one step"):
+        draw_steps(lengths, tokens_per_step=1000, context=6, steps=1)
+
+
+def test_read_lengths_formats(tmp_path):
+    np.save(tmp_path / "a.npy", np.array([3.0, 0.0, 7.0]))
+    r = read_lengths(tmp_path / "a.npy")
+    assert r.lengths.tolist() == [3, 7] and r.empty == 1
+    (tmp_path / "b.txt").write_text("# lengths\n12\n\n40  # a comment\n0\n")
+    r = read_lengths(tmp_path / "b.txt")
+    assert r.lengths.tolist() == [12, 40] and r.empty == 1
+    pq.write_table(pa.table({"length": pa.array([4, 5], pa.int32())}), tmp_path / "c.parquet")
+    assert read_lengths(tmp_path / "c.parquet").lengths.tolist() == [4, 5]
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2, 3], [4]], pa.list_(pa.int32()))}), tmp_path / "d.parquet")
+    assert read_lengths(tmp_path / "d.parquet").lengths.tolist() == [3, 1]
+    pq.write_table(pa.table({"n": pa.array([9, 8])}), tmp_path / "e.parquet")
+    assert read_lengths(tmp_path / "e.parquet", column="n").lengths.tolist() == [9, 8]
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("f.npy", np.array([1.5, 2.0]), "entry 0 is 1.5"),
+        ("g.npy", np.array([[1, 2]]), "1-D"),
+        ("h.npy", np.array(["a"]), "integer lengths"),
+        ("i.txt", "1\n2\n-3\n", "line 3: -3 is negative"),
+        ("j.txt", b"\xff\xfe\n", "line 1: not UTF-8"),
+        ("k.txt", "# nothing\n0\n", "no non-empty"),
+        ("l.parquet", pa.table({"length": pa.array([1, None])}), "row 1 is null"),
+        ("m.parquet", pa.table({"length": pa.array(["x"])}), "expected integer lengths"),
+    ],
+)
+def test_read_lengths_errors_name_the_place(tmp_path, name, content, message):
+    path = tmp_path / name
+    if name.endswith(".npy"):
+        np.save(path, content)
+    elif name.endswith(".parquet"):
+        pq.write_table(content, path)
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    with pytest.raises(LengthsError) as e:
+        read_lengths(path)
+    assert message in str(e.value) and name in str(e.value)
+    with pytest.raises(FileNotFoundError, match="nope.npy"):
+        read_lengths(tmp_path / "nope.npy")
+
+
+def test_merged_model_is_a_g_way_split_with_the_floor_kept():
+    base = load_cost_model("llama3-8b", ParallelConfig(tp=2))
+    pr = base.profile
+    for g in (2, 4):
+        m = merged_model(base, g)
+        mb = MicroBatch(segments=[Segment(0, 0, 3000, 0), Segment(1, 0, 700, 0)])
+        f, b = m.microbatch_times(mb)
+        tile = pr.tile
+        attn_f = sum(pr.attn_fwd.a * (math.ceil(q / tile) * tile) ** 2 for q in (3000, 700))
+        attn_b = sum(pr.attn_bwd.a * (math.ceil(q / tile) * tile) ** 2 for q in (3000, 700))
+        assert f == pytest.approx(attn_f / g + pr.lin_fwd.b * 3700 / g + pr.lin_fwd.c, rel=1e-12)
+        assert b == pytest.approx(attn_b / g + pr.lin_bwd.b * 3700 / g + pr.lin_bwd.c, rel=1e-12)
+        # the analytic preset at cp x g gives the same polynomials (ideal sharding, floors not divided)
+        cp = load_cost_model("llama3-8b", ParallelConfig(tp=2, cp=g))
+        assert cp.microbatch_times(mb) == pytest.approx((f, b), rel=1e-9)
+
+
+def test_read_lengths_can_reject_empty_documents(tmp_path):
+    (tmp_path / "z.txt").write_text("5\n0\n7\n")
+    assert read_lengths(tmp_path / "z.txt").lengths.tolist() == [5, 7]
+    with pytest.raises(LengthsError, match="entry 1 is 0"):
+        read_lengths(tmp_path / "z.txt", empty="error")
+
+
+def test_plots_survive_degenerate_inputs(tmp_path):
+    """One length for every document, one strategy: the plots still come out as PNGs."""
+    from packloader.report import plots
+
+    p = plots.plot_lengths(str(tmp_path / "l.png"), np.full(10, 512), np.ones(10), 512, "all alike")
+    q = plots.plot_costs(str(tmp_path / "c.png"), {"fixed": np.array([0.5, 0.5])}, {"fixed": "baseline"}, "one")
+    assert plots.is_png(p) and plots.is_png(q)

@@ -40,6 +40,20 @@ _EXPORTS: dict[str, str] = {
     "PackedDataset": "packloader.loader.loader",
     "LoaderStats": "packloader.loader.state",
     "PackedBatch": "packloader.collate.batch",
+    "collate": "packloader.collate.collate",
+    "plan_cp_shards": "packloader.collate.cp_shard",
+    "shard_micro_batch": "packloader.collate.cp_shard",
+    "CostModel": "packloader.balancers.cost",
+    "load_cost_model": "packloader.balancers.cost",
+    "simulate_step": "packloader.balancers.simulator",
+    "score_plans": "packloader.balancers.metrics",
+    "verify_plan": "packloader.balancers.verify",
+    "varlen_attention": "packloader.runtime.attention",
+    "cp_attention": "packloader.runtime.cp_attention",
+    "require_no_slices": "packloader.runtime.slices",
+    "SliceExecutor": "packloader.runtime.slices",
+    "build_report": "packloader.report.build",
+    "ReportOptions": "packloader.report.build",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

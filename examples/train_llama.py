@@ -1,23 +1,28 @@
-"""Train a small Llama-style model on CPU from Parquet token shards through packloader, once per planner, and log
-the loss curves side by side.
+"""Train a small Llama-style model on CPU from Parquet token shards through packloader, once per planner and
+seed, and compare held-out loss against the `fixed` baseline.
 
-    python examples/train_llama.py --out runs/llama --planners fixed,wlb            # a few minutes on 2 cores
-    python examples/train_llama.py --out /tmp/tiny --tiny                           # CI size, well under a minute
+    python examples/train_llama.py --out runs/llama --seeds 0,1,2          # fixed, auto, wlb: ~40 s a run on 2 cores
+    python examples/train_llama.py --out /tmp/tiny --tiny                  # CI size, well under a minute
 
 Data: the Python standard library's source files (no download), cut into top-level definitions (a long-tailed
 mix of short and long documents), tokenized with packloader's default tokenizer (tekken) by
-``packloader.sources.pretokenize.tokenize_to_parquet`` into train and held-out Parquet shards. The model's
-vocabulary is the ``--vocab`` - 1 most frequent token ids of the training shards plus one id for all others (a
-131k-entry output layer would dominate CPU time); this is a fixed relabelling of the same tokens for every run.
+``packloader.sources.pretokenize.tokenize_to_parquet`` into train and held-out Parquet shards (split by
+``--data-seed``, the same for every seed). The model's vocabulary is the ``--vocab`` - 1 most frequent token ids of
+the training shards plus one id for all others (a 131k-entry output layer would dominate CPU time); this is a fixed
+relabelling of the same tokens for every run.
 
 Model: ``transformers.LlamaConfig`` at random init (seeded), attention through packloader's runtime
 ``varlen_attention`` (registered with transformers as ``packloader_varlen``; the CPU reference backend here), fed the
 packed batches with ``cu_seq_lens``. Loss: summed over tokens and divided by the loss tokens of the whole step,
 one AdamW step per packloader step.
 
-Every planner run sees the same documents in the same order with the same model init; only the packing (and, for
-wlb, the outlier delay) differs. Outputs in ``--out``: ``curves.json`` (per step: loss, tokens; per run: held-out
-loss at the end), ``curves.png``, and the shards.
+A fair comparison: every run trains whole epochs (``--epochs``; the loader flushes what a planner still holds at an
+epoch's end), so every planner trains exactly the same tokens, each once per epoch; the LR schedule (warmup, cosine)
+is a function of tokens trained, not of steps; the held-out loss is measured at the end. For one seed, every planner
+run starts from the same init and draws the same documents in the same order; only the packing (and, for wlb, the
+outlier delay, which also changes how many steps the epoch takes) differs. Outputs in ``--out``: ``curves.json``
+(per run: per-step loss and tokens, held-out loss; per planner: mean and spread over seeds and the paired
+difference to `fixed`), ``curves.png``, and the shards.
 """
 
 from __future__ import annotations
@@ -152,60 +157,114 @@ def evaluate(model, paths, args, table) -> float:
     return total / max(1, n)
 
 
+def lr_factor(args, progress: float) -> float:
+    """LR multiplier at `progress` (fraction of the run's tokens trained): linear warmup over the first
+    `warmup_frac`, then cosine decay to 0.1. A function of tokens, not steps, so runs whose steps hold different
+    token counts (a planner that delays documents) follow the same schedule per token."""
+    warm = min(1.0, progress / args.warmup_frac) if args.warmup_frac > 0 else 1.0
+    return warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def shard_tokens(paths: list[str]) -> int:
+    """Tokens in the shards: what one epoch trains (each token once, whatever the packing)."""
+    import pyarrow.parquet as pq
+
+    return sum(int(pq.read_table(p, columns=["tokens"]).column("tokens").combine_chunks().value_lengths().to_numpy().sum())
+               for p in paths)
+
+
 def train(args, strategy: str, train_paths, valid_paths, table) -> dict:
+    """Whole epochs (the loader flushes what a planner holds at each epoch's end, so every run trains exactly the
+    shards' tokens `epochs` times), one AdamW step per packloader step, LR by tokens trained; held-out loss at
+    the end."""
     from packloader_integrations.deepspeed import steps
 
     model = build_model(args, args.vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
-    loader = make_loader(train_paths, args, strategy, epochs=None)
+    total_tokens = args.epochs * shard_tokens(train_paths)
+    loader = make_loader(train_paths, args, strategy, epochs=args.epochs)
     curve = []
-    skipped = 0
+    skipped = empty_mbs = trained = 0
     t0 = time.perf_counter()
     for step, micro_batches in enumerate(steps(loader)):
-        if step >= args.steps:
+        if args.steps and step >= args.steps:
             break
-        opt.zero_grad(set_to_none=True)
         n_step = micro_batches[0].loss_tokens_in_step
+        step_tokens = sum(b.num_tokens for b in micro_batches)
+        empty_mbs += sum(b.num_tokens == 0 for b in micro_batches)
         if n_step == 0:  # nothing to learn from in this step (e.g. only empty micro-batch slots on this rank)
             skipped += 1
+            trained += step_tokens
             continue
-        total, tokens = 0.0, 0
+        for g in opt.param_groups:  # the schedule at the middle of this step's tokens
+            g["lr"] = args.lr * lr_factor(args, (trained + step_tokens / 2) / total_tokens)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
         for b in micro_batches:
             if b.num_tokens == 0:  # a planner may leave a micro-batch slot empty: nothing to run
                 continue
             loss, _ = micro_batch_loss_sum(model, b, table)
             (loss / n_step).backward()
             total += float(loss.detach())
-            tokens += b.num_tokens
+        trained += step_tokens
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
-        curve.append({"step": step, "loss": total / n_step, "tokens": tokens, "micro_batches": len(micro_batches),
-                      "seconds": time.perf_counter() - t0})
-        if args.verbose and (step % max(1, args.steps // 10) == 0 or step == args.steps - 1):
-            print(f"[{strategy}] step {step:4d} loss {total / n_step:.4f} ({time.perf_counter() - t0:.1f}s)",
-                  file=sys.stderr)
+        curve.append({"step": step, "loss": total / n_step, "tokens": step_tokens, "trained": trained,
+                      "micro_batches": len(micro_batches), "seconds": time.perf_counter() - t0})
+        if args.verbose and step % 25 == 0:
+            print(f"[{strategy} seed {args.seed}] step {step:4d} loss {total / n_step:.4f} tokens {trained}/{total_tokens} "
+                  f"({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
     loader.close()
     held_out = evaluate(model, valid_paths, args, table) if valid_paths else float("nan")
-    return {"strategy": strategy, "curve": curve, "held_out_loss": held_out, "skipped_empty_steps": skipped,
-            "seconds": time.perf_counter() - t0}
+    return {"strategy": strategy, "seed": args.seed, "curve": curve, "held_out_loss": held_out,
+            "skipped_empty_steps": skipped, "empty_micro_batches": empty_mbs, "tokens_trained": trained,
+            "epoch_tokens": total_tokens // args.epochs, "seconds": time.perf_counter() - t0}
 
 
 def summarise(runs: list[dict], window: int) -> dict:
-    """Final train loss (mean of the last `window` steps, with the standard error of that mean) and held-out loss."""
+    """Per run (key "strategy/seed"): final train loss (mean of the last `window` steps, with the standard error
+    of that mean), held-out loss, tokens, steps, micro-batches."""
     out = {}
     for r in runs:
         last = np.array([c["loss"] for c in r["curve"][-window:]])
-        out[r["strategy"]] = {
+        out[f"{r['strategy']}/{r['seed']}"] = {
+            "strategy": r["strategy"], "seed": r["seed"],
             "final_train_loss": float(last.mean()),
             "final_train_loss_sem": float(last.std(ddof=1) / math.sqrt(len(last))) if len(last) > 1 else float("nan"),
             "first_loss": r["curve"][0]["loss"],
             "held_out_loss": r["held_out_loss"],
-            "steps": len(r["curve"]),
+            "tokens_trained": r["tokens_trained"],
+            "steps": len(r["curve"]) + r["skipped_empty_steps"],
+            "micro_batches": sum(c["micro_batches"] for c in r["curve"]),
+            "empty_micro_batches": r["empty_micro_batches"],
             "seconds": r["seconds"],
         }
+    return out
+
+
+def compare(runs: list[dict], baseline: str = "fixed") -> dict:
+    """Held-out loss per strategy over seeds (mean, sample std) and, against `baseline`, the paired difference
+    per seed (mean, std, standard error, t): the gap is "within noise" when |mean difference| is below the
+    baseline's own seed-to-seed std and below 2 standard errors of the paired difference."""
+    by: dict[str, dict[int, float]] = {}
+    for r in runs:
+        by.setdefault(r["strategy"], {})[r["seed"]] = r["held_out_loss"]
+    out = {}
+    base = by.get(baseline, {})
+    base_std = float(np.std(list(base.values()), ddof=1)) if len(base) > 1 else float("nan")
+    for name, vals in by.items():
+        v = np.array(list(vals.values()))
+        entry = {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if len(v) > 1 else float("nan"), "seeds": len(v)}
+        common = sorted(set(vals) & set(base))
+        if name != baseline and common:
+            d = np.array([vals[k] - base[k] for k in common])
+            sd = float(d.std(ddof=1)) if len(d) > 1 else float("nan")
+            se = sd / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+            entry.update(diff_mean=float(d.mean()), diff_std=sd, diff_se=se, diffs=d.tolist(),
+                         t=float(d.mean() / se) if se and se > 0 else float("nan"),
+                         within_noise=bool(abs(d.mean()) <= base_std and abs(d.mean()) <= 2 * se) if len(d) > 1 else None)
+        out[name] = entry
+    out["_baseline_seed_std"] = base_std
     return out
 
 
@@ -216,11 +275,15 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    colors = {}
     for r in runs:
-        ax.plot([c["step"] for c in r["curve"]], [c["loss"] for c in r["curve"]], label=r["strategy"], lw=1.2)
-    ax.set_xlabel("optimizer step")
+        c = colors.setdefault(r["strategy"], f"C{len(colors)}")
+        first = r["seed"] == min(x["seed"] for x in runs if x["strategy"] == r["strategy"])
+        ax.plot([p["trained"] for p in r["curve"]], [p["loss"] for p in r["curve"]], color=c, lw=1.0, alpha=0.8,
+                label=r["strategy"] if first else None)
+    ax.set_xlabel("tokens trained")
     ax.set_ylabel("train loss (per token, whole step)")
-    ax.set_title("Llama-style model on stdlib definitions, packloader planners")
+    ax.set_title("Llama-style model on stdlib definitions, packloader planners (all seeds)")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -231,30 +294,33 @@ def plot(runs: list[dict], path: Path) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output directory (shards, curves.json, curves.png)")
-    p.add_argument("--planners", default="fixed,wlb", help="comma-separated strategies, e.g. fixed,wlb")
-    p.add_argument("--tiny", action="store_true", help="CI size: few files, a tiny model, few steps")
-    p.add_argument("--files", type=int, default=300, help="stdlib files to read")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--tokens-per-step", type=int, default=4096)
+    p.add_argument("--planners", default="fixed,auto,wlb", help="comma-separated strategies, e.g. fixed,auto,wlb")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (model init and document order), e.g. 0,1,2")
+    p.add_argument("--tiny", action="store_true", help="CI size: few files, a tiny model, one short epoch")
+    p.add_argument("--files", type=int, default=40, help="stdlib files to read")
+    p.add_argument("--epochs", type=int, default=1, help="whole epochs to train (every run: the same tokens)")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: whole epochs)")
+    p.add_argument("--tokens-per-step", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=1024, help="tokens per micro-batch")
     p.add_argument("--context", type=int, default=1024, help="longer documents are cut into pieces")
     p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=96)
+    p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-frac", type=float, default=0.05, help="warmup, as a fraction of the run's tokens")
+    p.add_argument("--data-seed", type=int, default=0, help="train / held-out split (the same for every seed)")
     p.add_argument("--cost-model", default="llama3-8b", help="planner cost model preset")
     p.add_argument("--valid-fraction", type=float, default=0.05)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--quiet", dest="verbose", action="store_false")
     args = p.parse_args(argv)
     if args.tiny:
-        args.files, args.steps, args.tokens_per_step = 12, 12, 1024
+        args.files, args.epochs, args.tokens_per_step = 12, 1, 1024
         args.max_tokens = args.context = 512
-        args.vocab, args.hidden, args.layers, args.heads, args.warmup = 512, 32, 1, 2, 3
+        args.vocab, args.hidden, args.layers, args.heads, args.warmup_frac = 512, 32, 1, 2, 0.2
         args.lr = 1e-2
+        args.valid_fraction = 0.1
     return args
 
 
@@ -263,14 +329,19 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    train_paths, valid_paths = write_shards(args.out, args.files, args.valid_fraction, args.seed)
+    train_paths, valid_paths = write_shards(args.out, args.files, args.valid_fraction, args.data_seed)
     table = torch.from_numpy(vocab_map(train_paths, args.vocab))
-    runs = [train(args, s.strip(), train_paths, valid_paths, table) for s in args.planners.split(",") if s.strip()]
-    window = max(2, args.steps // 10)
+    runs = []
+    for seed in [int(x) for x in args.seeds.split(",") if x.strip()]:
+        args.seed = seed
+        runs += [train(args, s.strip(), train_paths, valid_paths, table) for s in args.planners.split(",") if s.strip()]
+    del args.seed
+    window = max(2, min(len(r["curve"]) for r in runs) // 10)
     result = {
         "command": " ".join(["python", "examples/train_llama.py"] + (sys.argv[1:] if argv is None else list(argv))),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "summary": summarise(runs, window),
+        "comparison": compare(runs),
         "runs": runs,
     }
     (args.out / "curves.json").write_text(json.dumps(result, indent=1))
@@ -278,7 +349,15 @@ def main(argv=None) -> dict:
     if args.verbose:
         for name, s in result["summary"].items():
             print(f"{name:>10}: final train loss {s['final_train_loss']:.4f} +- {s['final_train_loss_sem']:.4f} "
-                  f"(last {window} steps), held-out {s['held_out_loss']:.4f}, {s['seconds']:.0f}s", file=sys.stderr)
+                  f"(last {window} steps), held-out {s['held_out_loss']:.4f}, {s['tokens_trained']} tokens, "
+                  f"{s['steps']} steps, {s['micro_batches']} micro-batches ({s['empty_micro_batches']} empty), "
+                  f"{s['seconds']:.0f}s", file=sys.stderr)
+        for name, c in result["comparison"].items():
+            if not name.startswith("_"):
+                extra = (f"; vs fixed {c['diff_mean']:+.4f} (std {c['diff_std']:.4f}, t {c['t']:.2f}, within noise: "
+                         f"{c['within_noise']})") if "diff_mean" in c else ""
+                print(f"{name:>10}: held-out {c['mean']:.4f} +- {c['std']:.4f} over {c['seeds']} seeds{extra}",
+                      file=sys.stderr)
     return result
 
 

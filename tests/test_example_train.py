@@ -1,6 +1,7 @@
 """examples/train_llama.py at CI size: Parquet shards written by tokenize_to_parquet, a random Llama trained
-through packloader with the runtime's varlen attention, once with `fixed` and once with `wlb`; the loss starts at
-the uniform-prediction value ln(vocab) and falls."""
+through packloader with the runtime's varlen attention for one whole epoch with `fixed`, `auto` and `wlb`; every
+run trains exactly the shards' tokens (counted here from the Parquet files), the loss starts at the
+uniform-prediction value ln(vocab) and falls; the comparison helpers on hand-worked numbers."""
 
 from __future__ import annotations
 
@@ -23,19 +24,52 @@ def load_example():
     return mod
 
 
-def test_tiny_training_run_loss_falls_for_both_planners(tmp_path):
+def test_tiny_training_run_same_tokens_and_loss_falls(tmp_path):
+    import pyarrow.parquet as pq
+
     ex = load_example()
-    result = ex.main(["--out", str(tmp_path), "--tiny", "--planners", "fixed,wlb", "--quiet"])
+    result = ex.main(["--out", str(tmp_path), "--tiny", "--planners", "fixed,auto,wlb", "--quiet"])
     assert (tmp_path / "curves.png").stat().st_size > 0
     saved = json.loads((tmp_path / "curves.json").read_text())
-    assert set(saved["summary"]) == {"fixed", "wlb"}
-    assert list((tmp_path / "shards" / "train").glob("part-*.parquet"))
+    assert set(saved["summary"]) == {"fixed/0", "auto/0", "wlb/0"}
+    shards = list((tmp_path / "shards" / "train").glob("part-*.parquet"))
+    epoch_tokens = sum(len(t) for p in shards for t in pq.read_table(p, columns=["tokens"]).column("tokens").to_pylist())
     vocab = result["config"]["vocab"]
     for run in result["runs"]:
+        name = run["strategy"]
+        # a whole epoch, flushed at its end: the same tokens for every planner, each once
+        assert run["tokens_trained"] == epoch_tokens, (name, run["tokens_trained"], epoch_tokens)
+        assert run["curve"][-1]["trained"] == epoch_tokens
+        assert run["empty_micro_batches"] == 0, name
         losses = [c["loss"] for c in run["curve"]]
-        assert len(losses) + run["skipped_empty_steps"] == result["config"]["steps"]
         # a random init predicts nearly uniformly: the first loss is close to ln(vocab)
-        assert abs(losses[0] - math.log(vocab)) < 0.4, (run["strategy"], losses[0])
+        assert abs(losses[0] - math.log(vocab)) < 0.4, (name, losses[0])
         # and training lowers it clearly (mean of the last 3 steps)
-        assert sum(losses[-3:]) / 3 < losses[0] - 0.5, (run["strategy"], losses)
+        assert sum(losses[-3:]) / 3 < losses[0] - 0.5, (name, losses)
         assert math.isfinite(run["held_out_loss"]) and run["held_out_loss"] < math.log(vocab) - 0.5
+    assert set(saved["comparison"]) >= {"fixed", "auto", "wlb"}
+
+
+def test_lr_schedule_by_tokens_hand_values():
+    ex = load_example()
+    args = ex.parse_args(["--out", "unused", "--warmup-frac", "0.1"])
+    assert ex.lr_factor(args, 0.0) == 0.0
+    assert ex.lr_factor(args, 0.05) == pytest.approx(0.5 * (0.1 + 0.45 * (1 + math.cos(math.pi * 0.05))))
+    assert ex.lr_factor(args, 0.5) == pytest.approx(0.1 + 0.45)  # cos(pi/2) = 0
+    assert ex.lr_factor(args, 1.0) == pytest.approx(0.1)
+
+
+def test_compare_hand_worked():
+    ex = load_example()
+    runs = [{"strategy": s, "seed": k, "held_out_loss": v} for s, vals in
+            {"fixed": [5.0, 5.2, 5.1], "wlb": [5.05, 5.15, 5.16]}.items() for k, v in enumerate(vals)]
+    c = ex.compare(runs)
+    assert c["fixed"]["mean"] == pytest.approx(5.1) and c["fixed"]["std"] == pytest.approx(0.1)
+    # paired differences 0.05, -0.05, 0.06: mean 0.02, std sqrt((0.03^2 + 0.07^2 + 0.04^2) / 2)
+    sd = math.sqrt((0.03 ** 2 + 0.07 ** 2 + 0.04 ** 2) / 2)
+    assert c["wlb"]["diff_mean"] == pytest.approx(0.02)
+    assert c["wlb"]["diff_std"] == pytest.approx(sd)
+    assert c["wlb"]["t"] == pytest.approx(0.02 / (sd / math.sqrt(3)))
+    assert c["wlb"]["within_noise"] is True  # 0.02 below fixed's seed std 0.1 and below 2 standard errors
+    runs[3:] = [{"strategy": "wlb", "seed": k, "held_out_loss": v} for k, v in enumerate([5.3, 5.5, 5.4])]
+    assert ex.compare(runs)["wlb"]["within_noise"] is False  # +0.3 every seed

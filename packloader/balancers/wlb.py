@@ -15,8 +15,12 @@ Per step (Algorithm 1 of the paper):
 4. The N micro-batches are dealt to DP ranks, V each, heaviest first to the least loaded rank.
 
 The queue lives in PlannerState.queued (QueuedDoc keeps the step each piece was drawn), so a resumed run
-plans the same steps. V is config.num_micro_batches, or enough micro-batches of max_tokens for the step's
-tokens at `fill` occupancy (at least the pipeline depth when there are pieces for it).
+plans the same steps. V is config.num_micro_batches, or enough micro-batches of max_tokens for the step's newly
+drawn tokens at `fill` occupancy (at least the pipeline depth when there are pieces for it), grown when the pieces
+that run (a released round, forced pieces) need more, and at most one piece per micro-batch. Held pieces never
+leave a micro-batch empty: when fewer pieces would run than there are micro-batches, the oldest held ones run
+(any piece fits an empty micro-batch). Sizing V from all tokens, held ones included, left most micro-batches of
+a step empty and fed back (a larger V makes the next release round larger, so more wait).
 """
 
 from __future__ import annotations
@@ -77,8 +81,15 @@ class WLBPlanner:
         dp, pp, cap = cfg.parallel.dp, cfg.parallel.pp, cfg.max_tokens
         check_cap(pieces, cap, self.name)
         c = self.model.coeffs
-        v = num_micro_batches or cfg.num_micro_batches or default_micro_batches(pieces.total_tokens, len(pieces), dp, pp, cap, self.fill)
+        pinned = num_micro_batches or cfg.num_micro_batches
         n = len(pieces)
+        drawn_now = pieces.drawn == step
+        if pinned:
+            v = pinned
+        elif flush or not drawn_now.any():
+            v = default_micro_batches(pieces.total_tokens, n, dp, pp, cap, self.fill)
+        else:  # the step's own draw sets V: queued (held) tokens must not inflate it (bins left empty)
+            v = default_micro_batches(int(pieces.length[drawn_now].sum()), int(drawn_now.sum()), dp, pp, cap, self.fill)
         f, b = doc_time_split(c, pieces.length)
         work = f + b
         nbins = dp * v
@@ -94,6 +105,15 @@ class WLBPlanner:
                 forced = idx[waited[idx] >= self.max_delay]
                 held[idx[release:]] = True
                 held[forced] = False
+            if not pinned:  # room for what runs: a released round or forced pieces may need more micro-batches
+                run = ~held
+                v = max(v, default_micro_batches(int(pieces.length[run].sum()), int(run.sum()), dp, pp, cap, self.fill))
+                v = min(v, max(1, math.ceil(int(run.sum()) / dp)))  # one piece each is enough (pieces <= cap)
+                nbins = dp * v
+            # never an empty micro-batch while a piece waits (any piece fits an empty one): release the oldest
+            short = nbins - int((~held).sum())
+            if short > 0:
+                held[np.nonzero(held)[0][:short]] = False
         while True:
             sel = np.nonzero(~held)[0]
             assign, attn, tok = wlb_pack(c, pieces.length[sel], nbins, cap)

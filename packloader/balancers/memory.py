@@ -130,6 +130,11 @@ class MemoryModel:
     def static_bytes(self, stage: int = 0) -> float:
         return static_bytes(self.shape, self.parallel, stage, self.distributed_optimizer)
 
+    def limit_bytes(self) -> float:
+        """Bytes one GPU may use in all (the usable share less the reserve): what a simulated peak, static
+        memory included, must stay under."""
+        return self.memory_gib * GiB * self.usable_fraction - self.reserve_gib * GiB
+
     def budget_bytes(self, stage: int = 0) -> float:
         """Bytes left for activations on `stage`."""
         return self.memory_gib * GiB * self.usable_fraction - self.reserve_gib * GiB - self.static_bytes(stage)
@@ -154,6 +159,39 @@ class MemoryModel:
         k = in_flight_micro_batches(self.parallel, stage, self.schedule, num_micro_batches)
         per_token = self.activation_bytes_per_token(stage) * k + self.transient_bytes_per_token(stage)
         return self.static_bytes(stage) + per_token * tokens_per_micro_batch
+
+
+def device_spec(device: str):
+    """The presets' DeviceSpec of a device name ("h100" or "h200")."""
+    from packloader.balancers import presets
+
+    dev = {"h100": presets.H100, "h200": presets.H200}.get(device.lower())
+    if dev is None:
+        raise ValueError(f"unknown device {device!r}; expected h100 or h200")
+    return dev
+
+
+def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, schedule: str = "1f1b", device: str = "h100") -> "MemoryModel | None":
+    """The memory model of a preset name on `device` (default recompute), or None when `model_spec` is a
+    calibration profile (a JSON path or a bundled profile), whose model shape and so memory are unknown."""
+    from pathlib import Path
+
+    from packloader.balancers.cost import PROFILES_DIR
+
+    text = str(model_spec)
+    if text.endswith(".json") or Path(text).exists() or (PROFILES_DIR / f"{text}.json").exists():
+        return None
+    try:
+        shape = get_shape(text)
+    except KeyError:
+        return None
+    dev = device_spec(device)
+    return MemoryModel(shape, parallel or ParallelConfig(), memory_gib=dev.memory_gib, schedule=schedule)
+
+
+def memory_limit_bytes(memory: "MemoryModel | None") -> float | None:
+    """Bytes a GPU may use (MemoryModel.limit_bytes), None without a memory model."""
+    return None if memory is None else memory.limit_bytes()
 
 
 def max_tokens_for_memory(

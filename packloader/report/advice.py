@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost import CostModel
+from packloader.balancers.memory import memory_limit_bytes
 from packloader.balancers.metrics import score_plans
 from packloader.balancers.simulator import simulate_step
 from packloader.contracts import ParallelConfig, PlanConfig, Poly
@@ -29,11 +30,6 @@ from packloader.report.figures import GiB, Advice, CapCandidate, GroupingCandida
 from packloader.report.run import run_planner, run_strategy
 
 
-def memory_limit_bytes(memory) -> float | None:
-    """Bytes a GPU may use (the memory model's usable share less its reserve), None without a memory model."""
-    if memory is None:
-        return None
-    return memory.memory_gib * GiB * memory.usable_fraction - memory.reserve_gib * GiB
 
 
 def fits(fig: StrategyFigures, memory) -> bool:

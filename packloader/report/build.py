@@ -41,16 +41,11 @@ class ReportOptions:
 
 
 def memory_model_for(model_spec: str, config: PlanConfig, device: str):
-    """The memory model of a preset (None for a calibration profile, whose shape is unknown)."""
-    from packloader.balancers import presets
-    from packloader.balancers.memory import MemoryModel
+    """The memory model of a preset (None for a calibration profile, whose shape is unknown); the same one the
+    `auto` planner checks its plans against."""
+    from packloader.balancers.memory import memory_model_for as _for
 
-    try:
-        shape = presets.get_shape(model_spec)
-    except KeyError:
-        return None
-    dev = {"h100": presets.H100, "h200": presets.H200}[device.lower()]
-    return MemoryModel(shape, config.parallel, memory_gib=dev.memory_gib, schedule=config.schedule)
+    return _for(model_spec, config.parallel, config.schedule, device)
 
 
 def _reference(figs: list[StrategyFigures]) -> StrategyFigures | None:

@@ -234,8 +234,8 @@ class Row(msgspec.Struct):
 
 
 def run_one(dataset: str, setup: Setup, strategy: str, windows: list[Window], model: str, slicing: bool = True,
-            budget_s: float = float("inf")) -> Row:
-    cfg = PlanConfig(strategy=strategy, parallel=ParallelConfig(dp=setup.dp, pp=setup.pp), max_tokens=setup.cap,
+            budget_s: float = float("inf"), tp: int = 8) -> Row:
+    cfg = PlanConfig(strategy=strategy, parallel=ParallelConfig(dp=setup.dp, pp=setup.pp, tp=tp), max_tokens=setup.cap,
                      context=setup.cap, tokens_per_step=setup.tokens_per_step, allow_slicing=slicing, model=model)
     label = strategy if slicing else f"{strategy} (no slicing)"
     try:
@@ -302,7 +302,7 @@ def run_all(args) -> tuple[list[Row], dict]:
             if setup.pp > 1 and "auto" in args.strategies:
                 runs.append(("auto", False))
             for s, slicing in runs:
-                row = run_one(d, setup, s, windows, args.model, slicing, args.budget_s)
+                row = run_one(d, setup, s, windows, args.model, slicing, args.budget_s, args.tp)
                 rows.append(row)
                 print(f"[{d} {setup.name}] {row.strategy:22s} " + (
                     f"imb {row.imbalance:.3f} spread {row.dp_spread:.4f} eff {row.efficiency:.3f} "
@@ -368,7 +368,7 @@ def report(rows: list[Row], stats: dict, args, argv: list[str]) -> str:
     lines = [
         f"Measured {now} on {platform.machine()} with {cpus} CPUs usable ({os.cpu_count()} online), load average "
         f"{os.getloadavg()[0]:.1f} at the end; Python {platform.python_version()}, numba {numba.__version__}; "
-        f"cost model `{args.model}` (analytic), 1F1B:",
+        f"cost model `{args.model}` (analytic, TP {args.tp}), 1F1B:",
         "",
         "```",
         "$ " + " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/planner.py", *argv]),
@@ -435,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setups", nargs="+", default=["dp8-pp4", "dp8-pp1", "dp1024"])
     ap.add_argument("--strategies", nargs="+", default=STRATEGIES)
     ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--tp", type=int, default=8,
+                    help="tensor parallelism of the cost and memory model: Llama-3-8B with 64K-token micro-batches fits "
+                         "an 80 GB H100 only with TP 8, and auto keeps only plans that fit")
     ap.add_argument("--budget-s", type=float, default=60.0, help="stop a strategy's run after this many seconds (steps done so far are scored)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "packloader-bench"), help="token-length cache")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from packloader.balancers.simulator import backward_order_kernel, build_ops, simulate_kernel
+from packloader.balancers.simulator import backward_order_kernel, build_ops, edge_csr, simulate_kernel
 
 
 @njit(cache=True)
@@ -56,27 +56,7 @@ def peaks_ranks_sliced(pp, vpp, kind, fwd, bwd, tokens, act_pt, trans_pt, kv_pt,
         else:
             order = backward_order_kernel(m, src, dst)
         ops = build_ops(pp, vpp, m, kind, order)
-        in_ptr = np.zeros(m + 1, dtype=np.int64)
-        out_ptr = np.zeros(m + 1, dtype=np.int64)
-        for i in range(E):
-            in_ptr[dst[i] + 1] += 1
-            out_ptr[src[i] + 1] += 1
-        for u in range(m):
-            in_ptr[u + 1] += in_ptr[u]
-            out_ptr[u + 1] += out_ptr[u]
-        in_src = np.zeros(max(E, 1), dtype=np.int64)
-        in_eid = np.zeros(max(E, 1), dtype=np.int64)
-        out_dst = np.zeros(max(E, 1), dtype=np.int64)
-        out_eid = np.zeros(max(E, 1), dtype=np.int64)
-        fi_in = in_ptr[:-1].copy()
-        fi_out = out_ptr[:-1].copy()
-        for i in range(E):
-            in_src[fi_in[dst[i]]] = src[i]
-            in_eid[fi_in[dst[i]]] = i
-            fi_in[dst[i]] += 1
-            out_dst[fi_out[src[i]]] = dst[i]
-            out_eid[fi_out[src[i]]] = i
-            fi_out[src[i]] += 1
+        in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid = edge_csr(m, src, dst)
         kv = np.zeros((V, max(E, 1)), dtype=np.float64)
         for v in range(V):
             for i in range(E):

@@ -265,6 +265,35 @@ def backward_order_kernel(m, src, dst):
 
 
 @njit(cache=True)
+def edge_csr(m, src, dst):
+    """Slice edges (src[i] -> dst[i], micro-batch positions < m) as CSR by destination (what a forward waits
+    for) and by source (what a backward waits for), with each entry's edge index for the KV memory terms."""
+    E = src.shape[0]
+    in_ptr = np.zeros(m + 1, dtype=np.int64)
+    out_ptr = np.zeros(m + 1, dtype=np.int64)
+    for i in range(E):
+        in_ptr[dst[i] + 1] += 1
+        out_ptr[src[i] + 1] += 1
+    for u in range(m):
+        in_ptr[u + 1] += in_ptr[u]
+        out_ptr[u + 1] += out_ptr[u]
+    in_src = np.zeros(max(E, 1), dtype=np.int64)
+    in_eid = np.zeros(max(E, 1), dtype=np.int64)
+    out_dst = np.zeros(max(E, 1), dtype=np.int64)
+    out_eid = np.zeros(max(E, 1), dtype=np.int64)
+    fi_in = in_ptr[:-1].copy()
+    fi_out = out_ptr[:-1].copy()
+    for i in range(E):
+        in_src[fi_in[dst[i]]] = src[i]
+        in_eid[fi_in[dst[i]]] = i
+        fi_in[dst[i]] += 1
+        out_dst[fi_out[src[i]]] = dst[i]
+        out_eid[fi_out[src[i]]] = i
+        fi_out[src[i]] += 1
+    return in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid
+
+
+@njit(cache=True)
 def step_times_ranks_sliced(pp, vpp, kind, fwd, bwd, offsets, e_offsets, e_src, e_dst, p2p):
     """Like step_times_ranks, with slice edges: rank r's edges are e_offsets[r]..e_offsets[r+1]-1 of e_src /
     e_dst (micro-batch indices local to the rank, src < dst); the backward order is the default FILO one.
@@ -291,26 +320,7 @@ def step_times_ranks_sliced(pp, vpp, kind, fwd, bwd, offsets, e_offsets, e_src, 
         E = eb - ea
         order = backward_order_kernel(m, src, dst)
         ops = build_ops(pp, vpp, m, kind, order)
-        # CSR by destination (forward waits) and by source (backward waits)
-        in_ptr = np.zeros(m + 1, dtype=np.int64)
-        out_ptr = np.zeros(m + 1, dtype=np.int64)
-        for i in range(E):
-            in_ptr[dst[i] + 1] += 1
-            out_ptr[src[i] + 1] += 1
-        for u in range(m):
-            in_ptr[u + 1] += in_ptr[u]
-            out_ptr[u + 1] += out_ptr[u]
-        in_src = np.empty(max(E, 1), dtype=np.int64)
-        in_eid = np.zeros(max(E, 1), dtype=np.int64)
-        out_dst = np.empty(max(E, 1), dtype=np.int64)
-        out_eid = np.zeros(max(E, 1), dtype=np.int64)
-        fi_in = in_ptr[:-1].copy()
-        fi_out = out_ptr[:-1].copy()
-        for i in range(E):
-            in_src[fi_in[dst[i]]] = src[i]
-            fi_in[dst[i]] += 1
-            out_dst[fi_out[src[i]]] = dst[i]
-            fi_out[src[i]] += 1
+        in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid = edge_csr(m, src, dst)
         zero_vm = np.zeros((V, m), dtype=np.float64)
         kv = np.zeros((V, max(E, 1)), dtype=np.float64)
         st = np.empty(V * m * 2, dtype=np.float64)

@@ -41,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "LoaderStats": "packloader.loader.state",
     "PackedBatch": "packloader.collate.batch",
     "collate": "packloader.collate.collate",
+    "collate_step": "packloader.collate.collate",
     "plan_cp_shards": "packloader.collate.cp_shard",
     "shard_micro_batch": "packloader.collate.cp_shard",
     "CostModel": "packloader.balancers.cost",

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packloader.collate.batch import IGNORE_INDEX
-from packloader.collate.collate import collate, collate_padded, loss_tokens_in_plan
+from packloader.collate.collate import MicroBatchMeta, collate, collate_padded, collate_step, loss_tokens_in_plan
 from packloader.contracts import MicroBatch, RankPlan, Segment, StepPlan
 
 
@@ -113,6 +113,47 @@ def test_padded_variant(mb, multiple, extra_tokens, layout):
         at += q
     assert b.num_loss_tokens == sum(l != IGNORE_INDEX for l in labels)
     assert b.max_seqlen == max(np.diff(offs).tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(micro_batches(), min_size=1, max_size=4), st.booleans(), st.sampled_from(["flat", "hf"]))
+def test_step_of_micro_batches_matches_reference(mbs, padded, layout):
+    """collate_step fills all micro-batches of a step in one call (documents shared between micro-batches, an
+    empty micro-batch among them): each must equal the token-by-token reference of its own segments."""
+    docs = {}
+    steps = []
+    for k, (segments, d) in enumerate(mbs):  # renumber so micro-batches' documents do not collide
+        docs.update({1000 * k + i: t for i, t in d.items()})
+        steps.append([Segment(1000 * k + s.doc, s.start, s.end, s.attend_from) for s in segments])
+    steps.insert(1, [])  # an empty micro-batch
+    steps.append(steps[0][:1])  # a document of an earlier micro-batch again
+    kw = dict(pad_to_multiple=4, pad_to_tokens=4 * 41 * 10) if padded else {}
+    meta = [MicroBatchMeta(i, {"i": i}) for i in range(len(steps))]
+    out = collate_step(steps, docs, step=5, loss_tokens_in_step=77, layout=layout, meta=meta, **kw)
+    assert len(out) == len(steps)
+    for i, (b, segments) in enumerate(zip(out, steps)):
+        ids, labels, pos, cu, cu_k = reference(segments, docs)
+        assert (b.step, b.index_in_step, b.micro_batches_in_step, b.loss_tokens_in_step) == (5, i, len(steps), 77)
+        assert b.extra["i"] == i and b.extra["layout"] == layout
+        assert b.doc_ids.tolist()[: len(segments)] == [s.doc for s in segments]
+        assert b.cu_seqlens.tolist()[: len(cu)] == cu and b.cu_seqlens_k.tolist()[: len(cu_k)] == cu_k
+        got = [t.reshape(-1).tolist() for t in (b.input_ids, b.labels, b.position_ids)]
+        if not padded:
+            assert got == [ids, labels, pos]
+            continue
+        offs = b.cu_seqlens_padded.tolist()
+        assert offs[-1] == 4 * 41 * 10
+        at = 0
+        for j, s in enumerate(segments):
+            q = s.end - s.start
+            assert got[0][offs[j] : offs[j] + q] == ids[at : at + q]
+            assert got[1][offs[j] : offs[j] + q] == labels[at : at + q]
+            assert got[2][offs[j] : offs[j] + q] == pos[at : at + q]
+            assert set(got[0][offs[j] + q : offs[j + 1]]) <= {0}
+            assert set(got[1][offs[j] + q : offs[j + 1]]) <= {IGNORE_INDEX}
+            at += q
+        if not segments:
+            assert got[2] == list(range(4 * 41 * 10)) and set(got[1]) == {IGNORE_INDEX}
 
 
 def test_empty_micro_batch_flat_and_padded():

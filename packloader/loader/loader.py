@@ -41,7 +41,7 @@ from packloader.balancers.registry import make_planner
 from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
 from packloader.loader.distributed import RankExchange, next_instance, resolve_dp_rank, torch_rank_world
-from packloader.loader.nodes import ChunkLoader, ChunkNode, StepCollator, StepNode
+from packloader.loader.nodes import ChunkLoader, ChunkNode, StepCollator, StepNode, StepReader
 from packloader.loader.state import (STATE_FORMAT, LoaderOptions, LoaderStats, check_fingerprint, fingerprint,
                                      validate_config, validate_options)
 from packloader.sources.order import split_range
@@ -147,9 +147,13 @@ class _Pipeline:
         steps = StepNode(chunk_node, chunks, self.stream, self.planner, self.config, self.dp_rank, span=span,
                          mode=mode, exchange=exchange, check_ranks=o.check_ranks, start_epoch=start_epoch,
                          step_stride=step_stride, step_offset=step_offset)
-        # Planning, collating (and, for pre-tokenized sources, reading) run in one background thread: collating
-        # is cheap next to tokenizing, and more Python threads only fight over the GIL (measured: collate
-        # threads made the pre-tokenized path slower on 2 cores, benchmarks/loader.py).
+        if mode == "column" and threads > 0:
+            # pre-tokenized: planning in one thread, reading this rank's tokens in another (Parquet decoding
+            # releases the GIL), collating in a third (the prefetcher's)
+            steps = ParallelMapper(steps, StepReader(self.stream), num_workers=1, in_order=True, method="thread",
+                                   max_concurrent=1)
+        # Collating runs in the prefetcher's thread: it is cheap next to tokenizing, and more collating threads
+        # only fight over the GIL (measured: they made the pre-tokenized path slower on 2 cores).
         node = ParallelMapper(steps, self.collator, num_workers=0)
         if threads > 0:
             node = Prefetcher(node, prefetch_factor=o.prefetch)

@@ -4,7 +4,9 @@ Access is by row group: `read(shard, rows)` maps each requested row to its row g
 request touches exactly once (in the order the request first needs it), takes all the requested rows of that group
 in one Arrow `take`, and yields the documents in the requested order. Decoded row groups stay in a small
 per-thread LRU cache (`cache_bytes`, always at least the current one), so consecutive requests into the same row
-group decode nothing.
+group decode nothing. A request that spans several row groups not yet cached decodes them concurrently first, in a
+small per-process thread pool (`decode_threads`, default min(4, CPUs); 1 turns it off): Arrow releases the GIL
+while decoding, and a training step's documents, spread by the shuffle, touch many row groups at once.
 Files are opened with `memory_map=True`.
 
 Token columns may be `list`/`large_list` of any integer type; values are cast to int32 (an out-of-range value is an
@@ -15,8 +17,11 @@ whenever a row group is decoded.
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -29,6 +34,20 @@ from packloader.sources.reader import LruCache, ShardedSource, group_positions
 
 DEFAULT_COLUMNS = ("text", "content", "tokens", "input_ids")
 DEFAULT_LENGTH_COLUMN = "length"
+
+
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _decode_pool(threads: int) -> ThreadPoolExecutor:
+    """One decoding pool per process and size (a forked worker makes its own: threads do not survive fork)."""
+    key = (os.getpid(), threads)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="packloader-parquet")
+        return pool
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -51,8 +70,11 @@ class ParquetSource(ShardedSource):
         length_column: str | None = "auto",
         empty: str = "error",
         cache_bytes: int = 256 << 20,
+        decode_threads: int | None = None,
     ) -> None:
         super().__init__(empty=empty)
+        self.decode_threads = min(4, os.cpu_count() or 1) if decode_threads is None else int(decode_threads)
+        self._group_bytes = 1  # the largest decoded row group so far (bounds decoding ahead by the cache size)
         paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
         if not paths:
             raise ValueError("ParquetSource needs at least one file")
@@ -137,12 +159,35 @@ class ParquetSource(ShardedSource):
         pf = files.get(shard)
         return pf if pf is not None else files.put(shard, self._open(self._paths[shard]))
 
+    def _blocks(self) -> LruCache:
+        return self._cache().setdefault("blocks", LruCache(max_bytes=self.cache_bytes))
+
     def _block(self, shard: int, group: int):
         """A decoded, checked row group: a text array, or (offsets, int32 values)."""
-        blocks = self._cache().setdefault("blocks", LruCache(max_bytes=self.cache_bytes))
+        blocks = self._blocks()
         hit = blocks.get((shard, group))
         if hit is not None:
             return hit
+        return blocks.put((shard, group), *self._decode(shard, group))
+
+    def _decode_ahead(self, shard: int, groups: list[int]) -> None:
+        """Decode these row groups (those not cached yet), several at once in a small thread pool, into this
+        thread's cache. Arrow decodes one row group's column on one core and releases the GIL, so a request that
+        spans many row groups (a step's documents, spread by the shuffle) decodes that many times faster."""
+        if self.decode_threads < 2:
+            return
+        blocks = self._blocks()
+        todo = [g for g in groups if blocks.get((shard, g)) is None]
+        budget = max(1, int(self.cache_bytes // max(1, self._group_bytes)))  # never decode what would be evicted
+        todo = todo[:budget]
+        if len(todo) < 2:
+            return
+        futures = [_decode_pool(self.decode_threads).submit(self._decode, shard, g) for g in todo]
+        for g, f in zip(todo, futures):
+            blocks.put((shard, g), *f.result())
+
+    def _decode(self, shard: int, group: int) -> tuple[Any, int]:
+        """A row group read, decoded and checked: (block, bytes). Thread-safe (files are per thread)."""
         path = self._paths[shard]
         columns = [self.column] + ([self.length_column] if self.length_column else [])
         try:
@@ -154,11 +199,9 @@ class ParquetSource(ShardedSource):
         if arr.null_count:
             row = start + int(pc.index(arr.is_null(), True).as_py())
             raise SourceError(f"{path}, row {row}, column {self.column!r}: null, expected a value")
-        if self.pretokenized:
-            block = self._token_block(path, start, arr, table)
-        else:
-            block = arr
-        return blocks.put((shard, group), block, table.nbytes)
+        block = self._token_block(path, start, arr, table) if self.pretokenized else arr
+        self._group_bytes = max(self._group_bytes, table.nbytes)
+        return block, table.nbytes
 
     def _token_block(self, path: str, start: int, arr: pa.Array, table: pa.Table):
         values = arr.flatten()  # respects slicing, unlike .values
@@ -193,6 +236,8 @@ class ParquetSource(ShardedSource):
         starts = self._rg_starts[shard]
         groups = np.searchsorted(starts, raw_rows, side="right") - 1
         by_group = group_positions(groups)
+        if len(by_group) > 1:
+            self._decode_ahead(shard, list(dict.fromkeys(groups.tolist())))  # in the order the request needs them
         pending: dict[int, RawDocument] = {}
         for i, g in enumerate(groups.tolist()):
             doc = pending.pop(i, None)
@@ -208,7 +253,7 @@ class ParquetSource(ShardedSource):
         block = self._block(shard, group)
         if self.pretokenized:
             offsets, tokens = block
-            return [tokens[offsets[j] : offsets[j + 1]].copy() for j in local.tolist()]
+            return [tokens[a:b].copy() for a, b in zip(offsets[local].tolist(), offsets[local + 1].tolist())]
         try:
             return block.take(pa.array(local)).to_pylist()
         except UnicodeDecodeError:

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from packloader.balancers.assemble import Pieces, cost_model_for, flush_state
-from packloader.balancers.auto import AutoPlanner, slice_edges
+from packloader.balancers.auto import AutoPlanner, slice_edges, slice_edges_prefix
 from packloader.balancers.fixed import best_fit_decreasing
 from packloader.balancers.kernels import bfd_pack
 from packloader.balancers.metrics import score_plan
@@ -39,10 +39,14 @@ def test_slice_edges_match_simulator_reference(lengths, dp, pp, nmb):
     packing = auto.slimpack.solve(pieces, 0, nmb)
     plan = packing.costs(auto.model).to_step_plan(0)
     offs, src, dst = slice_edges(packing)
+    _, _, _, pre = slice_edges_prefix(packing)
     for r, rank in enumerate(plan.ranks):
-        ref, _ = slice_edges_of(rank.micro_batches)
+        ref, ref_pre = slice_edges_of(rank.micro_batches)
         mine = sorted(zip(src[offs[r]:offs[r + 1]].tolist(), dst[offs[r]:offs[r + 1]].tolist()))
         assert mine == sorted(map(tuple, ref.tolist())), f"rank {r}"
+        sl = slice(offs[r], offs[r + 1])
+        mine3 = sorted(zip(src[sl].tolist(), dst[sl].tolist(), pre[sl].tolist()))
+        assert mine3 == sorted(zip(*ref.T.tolist(), ref_pre.tolist())) if len(ref) else not mine3, f"rank {r}"
 
 
 def test_auto_picks_the_fastest_candidate_by_plan_simulation():

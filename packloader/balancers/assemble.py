@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from packloader.balancers.cost import LIN_BWD, LIN_FWD, CostModel, load_cost_model, microbatch_times_csr, segment_times_kernel
+from packloader.balancers.cost import (
+    LIN_BWD, LIN_FWD, CostModel, load_cost_model, microbatch_times_by_id, microbatch_times_csr, segment_times_kernel,
+)
 from packloader.balancers.registry import Window
 from packloader.contracts import MicroBatch, PlanConfig, PlannerState, QueuedDoc, RankPlan, Segment, StepPlan
 
@@ -122,6 +124,10 @@ class Packing:
         """Fill mb_fwd / mb_bwd: the cost model's time of each micro-batch on one rank (a DP-Merge micro-batch
         costs each member its share, as CostModel.microbatch_times defines it)."""
         nmb = self.num_micro_batches
+        if not self.groups:  # no DP-Merge shares: sum each micro-batch's segments as they come, no sort
+            self.mb_fwd, self.mb_bwd = microbatch_times_by_id(
+                model.coeffs, self.seg_end - self.seg_start, self.seg_start - self.seg_af, self.seg_mb, nmb)
+            return self
         order = np.argsort(self.seg_mb, kind="stable")
         q = (self.seg_end - self.seg_start)[order]
         p = (self.seg_start - self.seg_af)[order]

@@ -30,12 +30,24 @@ records StepPlan.extra["memory_over"] = peak / limit (> 1) instead of failing. W
 (no model shape, so no memory information) the check is skipped and the fastest candidate wins.
 
 Cost of the search: hydraulis runs its longest-first dispatch only (one trial, not the paper's 100) with at
-most three V values (two at scale); with pieces x DP ranks above SMALL_WORK only each planner's default count
-is tried, and above FIXED_MAX_WORK fixed is dropped. Measured on a busy 2-core machine (4M tokens per step,
-64K cap, long-tail lengths): about 8-12 ms per step at DP 8 / PP 4, 30-70 ms at DP 1024 with 3.2M tokens.
-The memory check adds no measurable time when the fastest candidate fits (llama3-8b at tp 8); when nothing
-fits (llama3-8b at tp 1, 64K micro-batches) every candidate is planned and simulated: about +2 ms per step at
-DP 8 / PP 4 (median 11.7 -> 13.9 ms on that machine).
+most three V values (two at scale), and skips a V whose objective bound cannot win (`HydraulisPlanner.v_bound`:
+the same V wins, typically without packing the top of Appendix C's window); slimpack's phase one (dispatch,
+DP-Merge groups, per-rank order) is computed once for both of its counts; with pieces x DP ranks above
+SMALL_WORK only each planner's default count is tried, and above FIXED_MAX_WORK fixed is dropped. The
+per-candidate scoring is numba throughout (micro-batch costs, slice edges, the batched simulator); the
+imbalance degree is computed only when candidates tie within TOLERANCE. Measured on a 2-core machine shared
+with other work (load average about 2; 4M tokens per step, 64K cap, long-tail lengths, llama3-8b at TP 8):
+7-9 ms per step (mean) at DP 8 / PP 4, 4-9 ms at PP 1, 22-33 ms at DP 1024 with 3.2M tokens (docs/
+benchmarks.md). The memory check adds no measurable time when the fastest candidate fits (llama3-8b at tp 8);
+when nothing fits (llama3-8b at tp 1, 64K micro-batches) every candidate is planned and simulated: about
++2 ms per step at DP 8 / PP 4 (synthetic-cc median 7.9 -> 9.7 ms on that machine).
+
+Why slimpack at twice its packs usually wins at PP > 1 (imbalance degree 1.01-1.02, simulated efficiency
+0.97 in docs/benchmarks.md): half-size packs halve the pipeline fill and drain, and since slimpack keeps all
+of a rank's slices in one run of linked packs from pack 0 (see slimpack.py) the slices' first-in-last-out
+backward costs no extra drain. Before that rule a run broken mid-step cost one more drain on some ranks, the
+2x slimpack candidate lost about 8 % on those steps, and a wlb candidate with micro-batches up to 2x the mean
+(imbalance degree 1.3-2.0) won by under 1 %, which pushed the mean imbalance on `stdlib` to 1.08.
 
 State: the winner's queue is the new state (only wlb queues); a flush plans everything (every candidate then
 plans all pieces).
@@ -52,7 +64,7 @@ import numpy as np
 from packloader.balancers.assemble import Packing, Pieces, carried_extra, cost_model_for, wants_flush
 from packloader.balancers.cost import doc_time_split
 from packloader.balancers.hydraulis import HydraulisPlanner
-from packloader.balancers.kernels import bfd_pack
+from packloader.balancers.kernels import bfd_pack, slice_edges_kernel
 from packloader.balancers.memory import MemoryModel, memory_limit_bytes, memory_model_for
 from packloader.balancers.peaks import packing_peaks, stage_bytes
 from packloader.balancers.registry import Planner, Window, register_planner
@@ -88,48 +100,11 @@ def slice_edges(packing: Packing) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def slice_edges_prefix(packing: Packing) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """`slice_edges` and, per edge, the tokens of keys the slice attends to before its start (its prefix, whose
-    key/value gradients the simulator holds between the two backwards)."""
-    dp, v = packing.rank_mbs.shape
-    sl = np.nonzero(packing.seg_af < packing.seg_start)[0]
-    if len(sl) == 0:
-        return np.zeros(dp + 1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    # the segment ending where each slice starts: (doc, end) keys sorted, then searched
-    key_end = packing.seg_doc * (1 << 31) + packing.seg_end
-    order = np.argsort(key_end, kind="stable")
-    want = packing.seg_doc[sl] * (1 << 31) + packing.seg_start[sl]
-    at = np.searchsorted(key_end[order], want)
-    at = np.minimum(at, len(order) - 1)
-    found = key_end[order[at]] == want
-    src_mb = packing.seg_mb[order[at]][found]
-    dst_mb = packing.seg_mb[sl][found]
-    prefix = (packing.seg_start - packing.seg_af)[sl][found]
-    keep = src_mb != dst_mb
-    src_mb, dst_mb, prefix = src_mb[keep], dst_mb[keep], prefix[keep]
-    # every (rank, position) listing of each micro-batch (a DP-Merge one is listed by each member rank)
-    ranks = np.repeat(np.arange(dp, dtype=np.int64), v)
-    poss = np.tile(np.arange(v, dtype=np.int64), dp)
-    mbs = packing.rank_mbs.ravel()
-    by_mb = np.argsort(mbs, kind="stable")
-    lo = np.searchsorted(mbs[by_mb], dst_mb, side="left")
-    hi = np.searchsorted(mbs[by_mb], dst_mb, side="right")
-    cnt = hi - lo
-    # one row per (edge, listing of its destination)
-    e_idx = np.repeat(np.arange(len(dst_mb)), cnt)
-    li = by_mb[np.repeat(lo, cnt) + (np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt))]
-    r = ranks[li]
-    d = poss[li]
-    # the source's position on the same rank: listings keyed (mb, rank)
-    key = mbs * dp + ranks
-    ko = np.argsort(key, kind="stable")
-    want = src_mb[e_idx] * dp + r
-    at = np.minimum(np.searchsorted(key[ko], want), len(ko) - 1)
-    hit = key[ko[at]] == want
-    r, d, s, pre = r[hit], d[hit], poss[ko[at]][hit], prefix[e_idx][hit]
-    o = np.lexsort((d, s, r))
-    r, s, d, pre = r[o], s[o], d[o], pre[o]
-    offs = np.zeros(dp + 1, np.int64)
-    np.cumsum(np.bincount(r, minlength=dp), out=offs[1:])
-    return offs, np.ascontiguousarray(s), np.ascontiguousarray(d), np.ascontiguousarray(pre)
+    key/value gradients the simulator holds between the two backwards). One numba call
+    (kernels.slice_edges_kernel); tests check it against the simulator's `slice_edges_of` on the StepPlan."""
+    a = [np.ascontiguousarray(x, np.int64) for x in (packing.seg_doc, packing.seg_start, packing.seg_end, packing.seg_af,
+                                                      packing.seg_mb, packing.rank_mbs)]
+    return slice_edges_kernel(*a)
 
 
 def imbalance_degree(packing: Packing) -> float:
@@ -285,7 +260,7 @@ class AutoPlanner:
                 hf, hb = doc_time_split(self.model.coeffs, np.array([q.length for q in packing.queued], np.int64))
                 work -= float(hf.sum() + hb.sum())
             score = t / work if work > 0 else (0.0 if t == 0 else math.inf)
-            results.append(_Result(score, imbalance_degree(packing), idx, packing, cand, edges))
+            results.append(_Result(score, idx, packing, cand, edges))
         if not results:
             raise ValueError("auto: no candidate planner can plan this step: " + "; ".join(errors))
         fastest = self.fastest_fitting(results)
@@ -293,7 +268,7 @@ class AutoPlanner:
         if fastest < math.inf or self.mem_limit is None:
             # within TOLERANCE of the fastest that fits: the most even micro-batches, then the earliest candidate
             group = [r for r in results if r.score <= fastest * (1.0 + TOLERANCE) and self.fits(r)]
-            best = min(group, key=lambda r: (r.imbalance, r.idx))
+            best = min(group, key=lambda r: (r.imbalance(), r.idx)) if len(group) > 1 else group[0]
         else:  # nothing fits the device: the lowest peak, then the fastest, recorded in the plan
             for r in results:
                 self.fits(r)
@@ -332,16 +307,21 @@ class AutoPlanner:
 
 @dataclass
 class _Result:
-    """A scored candidate: its score (simulated time per unit of work), imbalance degree, position in the
-    candidate list, plan, slice edges and simulated peak bytes (None until checked)."""
+    """A scored candidate: its score (simulated time per unit of work), position in the candidate list, plan,
+    slice edges, simulated peak bytes (None until checked) and imbalance degree (computed when a tie asks)."""
 
     score: float
-    imbalance: float
     idx: int
     packing: Packing
     cand: Candidate
     edges: tuple
     peak: float | None = None
+    _imbalance: float | None = None
+
+    def imbalance(self) -> float:
+        if self._imbalance is None:
+            self._imbalance = imbalance_degree(self.packing)
+        return self._imbalance
 
 
 @register_planner("auto")

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from packloader.balancers.kernels import bfd_pack
 from packloader.balancers.registry import Planner, Window, register_planner
 from packloader.contracts import MicroBatch, PlanConfig, PlannerState, RankPlan, Segment, StepPlan
 
 
 def best_fit_decreasing(lengths: np.ndarray, capacity: int, num_bins: int) -> np.ndarray | None:
-    """Bin index per item, or None if the items do not fit into num_bins bins of `capacity` tokens."""
+    """Bin index per item, or None if the items do not fit into num_bins bins of `capacity` tokens.
+
+    The readable reference; planning runs `kernels.bfd_pack`, the same loop in numba (tests compare the two)."""
     order = np.argsort(-lengths, kind="stable")
     free = np.full(num_bins, capacity, dtype=np.int64)
     assign = np.empty(len(lengths), dtype=np.int64)
@@ -52,14 +55,13 @@ class FixedPlanner:
             )
         per_rank = cfg.num_micro_batches or max(1, -(-pieces.total_tokens // (cap * dp)))
         while True:
-            assign = best_fit_decreasing(pieces.length, cap, per_rank * dp)
-            if assign is not None:
+            assign, ok = bfd_pack(np.ascontiguousarray(pieces.length, dtype=np.int64), cap, per_rank * dp)
+            if ok:
                 break
             per_rank += 1
         bins: list[list[Segment]] = [[] for _ in range(per_rank * dp)]
-        for i in range(len(pieces.length)):  # draw order within a bin
-            start = int(pieces.offset[i])
-            bins[assign[i]].append(Segment(int(pieces.doc[i]), start, start + int(pieces.length[i]), start))
+        for b, d, start, n in zip(assign.tolist(), pieces.doc.tolist(), pieces.offset.tolist(), pieces.length.tolist()):
+            bins[b].append(Segment(d, start, start + n, start))  # draw order within a bin
         # Deal the bins to ranks so bin b goes to rank b % dp: each rank gets per_rank micro-batches.
         ranks = [RankPlan(micro_batches=[MicroBatch(segments=bins[b]) for b in range(r, per_rank * dp, dp)]) for r in range(dp)]
         return StepPlan(step=step, ranks=ranks), PlannerState()

@@ -24,6 +24,7 @@ from numba import njit
 from packloader.balancers.cost import ATTN_BWD, ATTN_FWD, LIN_BWD, LIN_FWD, attn_time, doc_time_split, lin_time
 
 __all__ = [
+    "backward_runs_ranks",
     "bfd_pack",
     "bin_times",
     "deal_bins",
@@ -31,6 +32,7 @@ __all__ = [
     "hydraulis_dispatch",
     "hydraulis_pack",
     "lpt_dispatch",
+    "slice_edges_kernel",
     "slice_end",
     "slim_pack_rank",
     "slim_pack_ranks",
@@ -53,19 +55,57 @@ def bin_times(c, attn, tokens):
     return out
 
 
-# ------------------------------------------------------------------------------------------------- WLB-LLM
+@njit(cache=True)
+def _heap_push(key, idx, size, k, i):
+    """Push (k, i) onto the binary min-heap held in key[:size], idx[:size], ordered by (key, idx); returns
+    the new size. The planners' "least loaded bin, ties to the lowest index" is the heap's top."""
+    j = size
+    while j > 0:
+        parent = (j - 1) // 2
+        if key[parent] < k or (key[parent] == k and idx[parent] < i):
+            break
+        key[j] = key[parent]
+        idx[j] = idx[parent]
+        j = parent
+    key[j] = k
+    idx[j] = i
+    return size + 1
 
 
 @njit(cache=True)
-def wlb_pack(c, lengths, nbins, cap):
-    """WLB-LLM Algorithm 1, lines 18-35: pieces in descending length order go to the bin with the least
-    workload if the token cap allows, else to the bin with the fewest tokens, else they remain for the next
-    step (bin -1). Returns (bin of each piece, bin attention seconds, bin tokens)."""
+def _heap_pop(key, idx, size):
+    """Remove the top of the heap in key[:size], idx[:size]; returns the new size (the caller read the top)."""
+    size -= 1
+    k = key[size]
+    i = idx[size]
+    j = 0
+    while True:
+        c = 2 * j + 1
+        if c >= size:
+            break
+        if c + 1 < size and (key[c + 1] < key[c] or (key[c + 1] == key[c] and idx[c + 1] < idx[c])):
+            c += 1
+        if k < key[c] or (k == key[c] and i < idx[c]):
+            break
+        key[j] = key[c]
+        idx[j] = idx[c]
+        j = c
+    if size > 0:
+        key[j] = k
+        idx[j] = i
+    return size
+
+
+# ------------------------------------------------------------------------------------------------- WLB-LLM
+
+
+HEAP_MIN_BINS = 96  # below this many bins a scan of every bin beats the heaps (measured: same answers)
+
+
+@njit(cache=True)
+def _wlb_pack_scan(c, lengths, nbins, cap, assign, attn, tok, load):
+    """`wlb_pack` by scanning every bin for both minima (few bins)."""
     n = lengths.shape[0]
-    assign = np.full(n, -1, dtype=np.int64)
-    attn = np.zeros(nbins, dtype=np.float64)
-    tok = np.zeros(nbins, dtype=np.int64)
-    load = np.zeros(nbins, dtype=np.float64)
     for b in range(nbins):
         load[b] = _bin_time(c, 0.0, 0)
     order = np.argsort(-lengths, kind="mergesort")
@@ -89,6 +129,61 @@ def wlb_pack(c, lengths, nbins, cap):
         attn[b] += attn_time(c, l, 0, False) + attn_time(c, l, 0, True)
         tok[b] += l
         load[b] = _bin_time(c, attn[b], tok[b])
+    return assign, attn, tok
+
+
+@njit(cache=True)
+def wlb_pack(c, lengths, nbins, cap):
+    """WLB-LLM Algorithm 1, lines 18-35: pieces in descending length order go to the bin with the least
+    workload if the token cap allows, else to the bin with the fewest tokens, else they remain for the next
+    step (bin -1); ties to the lowest bin. Returns (bin of each piece, bin attention seconds, bin tokens).
+
+    Both minima come from binary heaps keyed (value, bin) with lazy deletion (loads and token counts only
+    grow, so an entry whose value is no longer its bin's is stale): O(n log bins) instead of a scan of
+    every bin per piece, which dominated at DP 1024 (a thousand bins and more); up to HEAP_MIN_BINS bins the
+    scan is cheaper and is used."""
+    n = lengths.shape[0]
+    assign = np.full(n, -1, dtype=np.int64)
+    attn = np.zeros(nbins, dtype=np.float64)
+    tok = np.zeros(nbins, dtype=np.int64)
+    load = np.zeros(nbins, dtype=np.float64)
+    if nbins <= HEAP_MIN_BINS:
+        return _wlb_pack_scan(c, lengths, nbins, cap, assign, attn, tok, load)
+    hcap = nbins + n + 1
+    lk = np.empty(hcap, dtype=np.float64)  # heap of (load, bin)
+    li = np.empty(hcap, dtype=np.int64)
+    tk = np.empty(hcap, dtype=np.int64)  # heap of (tokens, bin)
+    ti = np.empty(hcap, dtype=np.int64)
+    ls = 0
+    ts = 0
+    for b in range(nbins):
+        load[b] = _bin_time(c, 0.0, 0)
+        ls = _heap_push(lk, li, ls, load[b], b)
+        ts = _heap_push(tk, ti, ts, tok[b], b)
+    if nbins == 0:
+        return assign, attn, tok
+    order = np.argsort(-lengths, kind="mergesort")
+    for k in range(n):
+        i = order[k]
+        l = lengths[i]
+        while lk[0] != load[li[0]]:  # drop stale tops
+            ls = _heap_pop(lk, li, ls)
+        while tk[0] != tok[ti[0]]:
+            ts = _heap_pop(tk, ti, ts)
+        w_idx = li[0]
+        l_idx = ti[0]
+        if tok[w_idx] + l <= cap:
+            b = w_idx
+        elif tok[l_idx] + l <= cap:
+            b = l_idx
+        else:
+            continue
+        assign[i] = b
+        attn[b] += attn_time(c, l, 0, False) + attn_time(c, l, 0, True)
+        tok[b] += l
+        load[b] = _bin_time(c, attn[b], tok[b])
+        ls = _heap_push(lk, li, ls, load[b], b)
+        ts = _heap_push(tk, ti, ts, tok[b], b)
     return assign, attn, tok
 
 
@@ -238,9 +333,40 @@ def hydraulis_dispatch(coeffs, rank_profile, caps, lengths, pp, trials, seed):
 
 
 @njit(cache=True)
+def _hydraulis_pack_scan(coeffs, rank_profile, caps, lengths, piece_rank, per_rank, order, assign, attn, tok, load):
+    """`hydraulis_pack` by scanning the rank's bins for each piece (few bins per rank)."""
+    n = lengths.shape[0]
+    nb = rank_profile.shape[0] * per_rank
+    for kk in range(n):
+        i = order[kk]
+        r = piece_rank[i]
+        l = lengths[i]
+        best = -1
+        for b in range(r * per_rank, (r + 1) * per_rank):
+            if tok[b] + l <= caps[r] and (best < 0 or load[b] < load[best]):
+                best = b
+        if best < 0:
+            assign[:] = -1
+            return assign, load
+        cf = coeffs[rank_profile[r]]
+        assign[i] = best
+        attn[best] += attn_time(cf, l, 0, False) + attn_time(cf, l, 0, True)
+        tok[best] += l
+        load[best] = _bin_time(cf, attn[best], tok[best])
+    for b in range(nb):
+        if tok[b] == 0:
+            load[b] = _bin_time(coeffs[rank_profile[b // per_rank]], 0.0, 0)
+    return assign, load
+
+
+@njit(cache=True)
 def hydraulis_pack(coeffs, rank_profile, caps, lengths, piece_rank, per_rank):
     """Hydraulis Eq. (1) for one V: on every rank, pack its pieces into `per_rank` micro-batches, longest
-    workload first into the least loaded micro-batch the rank's cap allows (LPT with a cap).
+    workload first into the least loaded micro-batch the rank's cap allows (LPT with a cap; ties to the lowest
+    bin). The least loaded bin comes from a per-rank binary heap keyed (load, bin) with lazy deletion (loads
+    only grow); bins over the cap for this piece are popped aside and pushed back: O(n log V) when the least
+    loaded bin usually fits, instead of a scan of the rank's V bins per piece (V reaches the hundreds at the
+    top of Appendix C's window); up to HEAP_MIN_BINS / 4 bins per rank the scan is cheaper and is used.
 
     Returns (bin of each piece as rank * per_rank + j, or -1 everywhere when infeasible; bin times;
     max over ranks of max bin time * (PP - 1 + V) is left to the caller)."""
@@ -258,22 +384,53 @@ def hydraulis_pack(coeffs, rank_profile, caps, lengths, piece_rank, per_rank):
             if rank_profile[piece_rank[i]] == k:
                 work[i] = f[i] + b[i]
     order = np.argsort(-work, kind="mergesort")
+    if per_rank <= HEAP_MIN_BINS // 4:
+        return _hydraulis_pack_scan(coeffs, rank_profile, caps, lengths, piece_rank, per_rank, order, assign, attn, tok, load)
+    count = np.zeros(d, dtype=np.int64)
+    for i in range(n):
+        count[piece_rank[i]] += 1
+    hcap = per_rank + 1
+    for r in range(d):
+        if per_rank + count[r] + 1 > hcap:
+            hcap = per_rank + count[r] + 1
+    hk = np.empty((d, hcap), dtype=np.float64)
+    hi = np.empty((d, hcap), dtype=np.int64)
+    hs = np.zeros(d, dtype=np.int64)
+    for r in range(d):
+        for b in range(r * per_rank, (r + 1) * per_rank):
+            hs[r] = _heap_push(hk[r], hi[r], hs[r], 0.0, b)
+    aside = np.empty(max(per_rank, 1), dtype=np.int64)
     for kk in range(n):
         i = order[kk]
         r = piece_rank[i]
         l = lengths[i]
+        kr = hk[r]
+        ir = hi[r]
         best = -1
-        for b in range(r * per_rank, (r + 1) * per_rank):
-            if tok[b] + l <= caps[r] and (best < 0 or load[b] < load[best]):
+        na = 0
+        while hs[r] > 0:
+            b = ir[0]
+            if kr[0] != load[b]:  # stale
+                hs[r] = _heap_pop(kr, ir, hs[r])
+                continue
+            if tok[b] + l <= caps[r]:
                 best = b
+                break
+            aside[na] = b  # over the cap for this piece: set aside, still a candidate for the next ones
+            na += 1
+            hs[r] = _heap_pop(kr, ir, hs[r])
         if best < 0:
             assign[:] = -1
             return assign, load
+        hs[r] = _heap_pop(kr, ir, hs[r])
+        for t in range(na):
+            hs[r] = _heap_push(kr, ir, hs[r], load[aside[t]], aside[t])
         cf = coeffs[rank_profile[r]]
         assign[i] = best
         attn[best] += attn_time(cf, l, 0, False) + attn_time(cf, l, 0, True)
         tok[best] += l
         load[best] = _bin_time(cf, attn[best], tok[best])
+        hs[r] = _heap_push(kr, ir, hs[r], load[best], best)
     for b in range(nb):
         if tok[b] == 0:
             load[b] = _bin_time(coeffs[rank_profile[b // per_rank]], 0.0, 0)
@@ -380,7 +537,12 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
     for j in range(3):
         cb[ATTN_FWD + j] = c[ATTN_BWD + j]
         cb[LIN_FWD + j] = c[LIN_BWD + j]
-    # slim: long pieces, next-fit from pack 0
+    # slim: long pieces, next-fit from pack 0. Each sliced piece starts in the pack where the previous one
+    # ended (`chain`), even when that pack is already at its budget (a short first slice, at least min_slice
+    # tokens, cap permitting): then the slices of all pieces form one run of linked packs from pack 0, whose
+    # first-in-last-out backward overlaps the pipeline warm-up. A new run starting mid-step would have to
+    # wait for its own last forward to cross every stage before its first backward: one more pipeline drain.
+    chain = -1
     for i in range(n):
         l = lengths[i]
         if not allow_slice or (f_one[i] <= budget and l <= cap):
@@ -394,7 +556,8 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
             room = cap - tok[cur]
             rem = budget - fl[cur]
             remb = bbudget - bl[cur]
-            if room <= 0 or ((rem <= 0.0 or remb <= 0.0) and tok[cur] > 0):
+            keep = x0 == 0 and cur == chain and room > 0  # the piece's first slice, in the chain's last pack
+            if room <= 0 or ((rem <= 0.0 or remb <= 0.0) and tok[cur] > 0 and not keep):
                 cur += 1
                 continue
             e = slice_end(c, x0, max(rem, 0.0), l, 1.0)
@@ -404,9 +567,11 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
             last = cur == npacks - 1
             if last:
                 e = l  # the last pack takes what is left (cap permitting)
+            if keep and e - x0 < min_slice:
+                e = min(x0 + min_slice, l)
             if e - x0 > room:
                 e = x0 + room
-            if e < l and e - x0 < min_slice and tok[cur] > 0 and not last:
+            if e < l and e - x0 < min_slice and tok[cur] > 0 and not last and not keep:
                 cur += 1
                 continue
             if e < l and l - e < min_slice and l - x0 <= room:
@@ -431,6 +596,7 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
             if x0 < l:
                 cur += 1
         placed_whole[i] = True
+        chain = cur
     # pack: the rest whole, asymmetric 2-D greedy
     for i in range(n):
         if placed_whole[i]:
@@ -565,3 +731,134 @@ def equal_cost_cuts(c, length, k, scale):
         if cuts[j] >= cuts[j + 1]:
             cuts[j] = cuts[j + 1] - 1
     return cuts
+
+
+@njit(cache=True)
+def backward_runs_ranks(num_slots, dp, span_r, span_a, span_b):
+    """`slimpack.backward_runs` for every rank at once: span k covers packs span_a[k]..span_b[k] of rank
+    span_r[k]. Returns (order (dp, num_slots): each rank's backward visiting order, has (dp,): whether the
+    rank has any span; without one its row is the forward order and the plan keeps the default)."""
+    order = np.empty((dp, num_slots), dtype=np.int64)
+    has = np.zeros(dp, dtype=np.bool_)
+    reach = np.empty((dp, num_slots), dtype=np.int64)
+    for r in range(dp):
+        for s in range(num_slots):
+            reach[r, s] = s
+    for k in range(span_r.shape[0]):
+        r = span_r[k]
+        has[r] = True
+        if span_b[k] > reach[r, span_a[k]]:
+            reach[r, span_a[k]] = span_b[k]
+    for r in range(dp):
+        k = 0
+        s = 0
+        while s < num_slots:
+            end = reach[r, s]
+            t = s
+            while t <= end:
+                if reach[r, t] > end:
+                    end = reach[r, t]
+                t += 1
+            for u in range(end, s - 1, -1):
+                order[r, k] = u
+                k += 1
+            s = end + 1
+    return order, has
+
+
+@njit(cache=True)
+def slice_edges_kernel(seg_doc, seg_start, seg_end, seg_af, seg_mb, rank_mbs):
+    """Per-rank slice edges of a plan given as segment arrays (what `auto.slice_edges_prefix` returns): for
+    each slice (attend_from < start), an edge from the micro-batch holding the segment of its document that
+    ends where the slice starts to the slice's micro-batch, on every rank listing the slice's micro-batch (a
+    DP-Merge one is listed by each member) that also lists the source; positions local to the rank, edges
+    sorted by (rank, source, destination); the slice's prefix tokens (start - attend_from) with each.
+    Returns (CSR offsets per rank, source positions, destination positions, prefixes)."""
+    dp = rank_mbs.shape[0]
+    v = rank_mbs.shape[1]
+    ns = seg_doc.shape[0]
+    offs = np.zeros(dp + 1, dtype=np.int64)
+    nsl = 0
+    for i in range(ns):
+        if seg_af[i] < seg_start[i]:
+            nsl += 1
+    if nsl == 0:
+        return offs, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    # (doc, end) of every segment, sorted (stable): the segment a slice continues
+    key_end = np.empty(ns, dtype=np.int64)
+    for i in range(ns):
+        key_end[i] = seg_doc[i] * (1 << 31) + seg_end[i]
+    order = np.argsort(key_end)  # keys are unique (segments of a document do not overlap): no need for stable
+    sorted_keys = key_end[order]
+    # listings of each micro-batch: CSR by id, in (rank, position) order
+    nmb = 0
+    for r in range(dp):
+        for j in range(v):
+            if rank_mbs[r, j] + 1 > nmb:
+                nmb = rank_mbs[r, j] + 1
+    lst_off = np.zeros(nmb + 1, dtype=np.int64)
+    for r in range(dp):
+        for j in range(v):
+            lst_off[rank_mbs[r, j] + 1] += 1
+    for m in range(nmb):
+        lst_off[m + 1] += lst_off[m]
+    lst_r = np.empty(dp * v, dtype=np.int64)
+    lst_p = np.empty(dp * v, dtype=np.int64)
+    fill = lst_off[:-1].copy()
+    for r in range(dp):
+        for j in range(v):
+            m = rank_mbs[r, j]
+            lst_r[fill[m]] = r
+            lst_p[fill[m]] = j
+            fill[m] += 1
+    cap = 0
+    for i in range(ns):
+        if seg_af[i] < seg_start[i]:
+            m = seg_mb[i]
+            cap += lst_off[m + 1] - lst_off[m]
+    er = np.empty(cap, dtype=np.int64)
+    es = np.empty(cap, dtype=np.int64)
+    ed = np.empty(cap, dtype=np.int64)
+    ep = np.empty(cap, dtype=np.int64)
+    ne = 0
+    for i in range(ns):
+        if seg_af[i] >= seg_start[i]:
+            continue
+        want = seg_doc[i] * (1 << 31) + seg_start[i]
+        at = np.searchsorted(sorted_keys, want)
+        if at >= ns or sorted_keys[at] != want:
+            continue
+        src = seg_mb[order[at]]
+        dst = seg_mb[i]
+        if src == dst:
+            continue
+        for a in range(lst_off[dst], lst_off[dst + 1]):
+            r = lst_r[a]
+            sp = -1
+            for b2 in range(lst_off[src], lst_off[src + 1]):
+                if lst_r[b2] == r:
+                    sp = lst_p[b2]
+                    break
+            if sp < 0:
+                continue
+            er[ne] = r
+            es[ne] = sp
+            ed[ne] = lst_p[a]
+            ep[ne] = seg_start[i] - seg_af[i]
+            ne += 1
+    key = np.empty(ne, dtype=np.int64)
+    for k in range(ne):
+        key[k] = (er[k] * v + es[k]) * v + ed[k]
+    o = np.argsort(key, kind="mergesort")
+    s_out = np.empty(ne, dtype=np.int64)
+    d_out = np.empty(ne, dtype=np.int64)
+    p_out = np.empty(ne, dtype=np.int64)
+    for k in range(ne):
+        s_out[k] = es[o[k]]
+        d_out[k] = ed[o[k]]
+        p_out[k] = ep[o[k]]
+        offs[er[o[k]] + 1] += 1
+    for r in range(dp):
+        offs[r + 1] += offs[r]
+    return offs, s_out, d_out, p_out
+

@@ -9,9 +9,7 @@ document appears exactly once over the run and nothing stays queued.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -19,10 +17,6 @@ import numpy as np
 from packloader.balancers.assemble import flush_state
 from packloader.balancers.registry import Window, make_planner
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
-
-
-class LengthsError(ValueError):
-    """A lengths file that cannot be read as positive document lengths."""
 
 
 def cut_window(ids: np.ndarray, lengths: np.ndarray, context: int) -> Window:
@@ -119,72 +113,6 @@ def plan_record(plan: StepPlan) -> dict:
     if plan.delayed:
         rec["delayed"] = plan.delayed
     return rec
-
-
-def read_lengths(path: str | os.PathLike, column: str = "length") -> np.ndarray:
-    """Document lengths from a .npy array, a Parquet file's `column`, or a text file with one length per line
-    (blank lines skipped). Raises LengthsError naming the file (and the line or field) when the input is
-    unusable: missing, not 1-D integers, or any length < 1."""
-    p = Path(path)
-    if not p.exists():
-        raise LengthsError(f"{p}: no such lengths file")
-    if p.is_dir():
-        raise LengthsError(f"{p}: is a directory, expected a .npy, .parquet or text file of lengths")
-    suffix = p.suffix.lower()
-    if suffix == ".npy":
-        try:
-            arr = np.load(p, allow_pickle=False)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is a user error here
-            raise LengthsError(f"{p}: not a readable .npy array ({e})") from None
-        if arr.ndim != 1:
-            raise LengthsError(f"{p}: expected a 1-D array of lengths, got shape {arr.shape}")
-        if arr.dtype.kind == "f":
-            bad = np.nonzero(arr != np.round(arr))[0]
-            if len(bad):
-                raise LengthsError(f"{p}: element {int(bad[0])} is {arr[bad[0]]!r}, expected an integer length")
-        elif arr.dtype.kind not in "iu":
-            raise LengthsError(f"{p}: expected integer lengths, got dtype {arr.dtype}")
-        where = "element"
-        lengths = arr.astype(np.int64)
-    elif suffix in (".parquet", ".pq"):
-        import pyarrow.parquet as pq
-
-        try:
-            schema = pq.read_schema(p)
-        except Exception as e:  # noqa: BLE001
-            raise LengthsError(f"{p}: not a readable Parquet file ({e})") from None
-        if column not in schema.names:
-            raise LengthsError(f"{p}: no column {column!r} (columns: {', '.join(schema.names)}); pass --column NAME")
-        col = pq.read_table(p, columns=[column]).column(column)
-        if col.null_count:
-            raise LengthsError(f"{p}: column {column!r} has {col.null_count} null lengths")
-        arr = col.to_numpy()
-        if arr.dtype.kind not in "iu":
-            raise LengthsError(f"{p}: column {column!r} has type {col.type}, expected integer lengths")
-        where = f"column {column!r} row"
-        lengths = arr.astype(np.int64)
-    else:
-        vals = []
-        with open(p, encoding="utf-8", errors="replace") as fh:
-            for lineno, line in enumerate(fh, 1):
-                text = line.strip()
-                if not text:
-                    continue
-                try:
-                    v = int(text)
-                except ValueError:
-                    raise LengthsError(f"{p}: line {lineno} is {text[:40]!r}, expected one integer length per line") from None
-                if v < 1:
-                    raise LengthsError(f"{p}: line {lineno} has length {v}, expected a positive length")
-                vals.append(v)
-        where = "entry"
-        lengths = np.asarray(vals, dtype=np.int64)
-    if len(lengths) == 0:
-        raise LengthsError(f"{p}: no lengths in the file")
-    bad = np.nonzero(lengths < 1)[0]
-    if len(bad):
-        raise LengthsError(f"{p}: {where} {int(bad[0])} has length {int(lengths[bad[0]])}, expected a positive length")
-    return lengths
 
 
 def iter_records(run: PlanRun) -> Iterator[dict]:

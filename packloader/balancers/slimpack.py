@@ -11,7 +11,10 @@ Per step:
      filling the current pack up to the forward budget and up to the backward budget, whichever comes
      first (a slice attends to the piece's earlier tokens: attend_from is the piece's first token, and its
      backward grows faster with that prefix than its forward). Its slices land in increasing packs of the
-     same rank and step.
+     same rank and step. Each sliced piece starts in the pack where the previous one ended (with a short
+     first slice if that pack is already at its budget), so all of a rank's slices form one run of linked
+     packs from pack 0: its first-in-last-out backward then overlaps the pipeline warm-up, where a second
+     run starting mid-step would cost one more pipeline drain.
    * Mix: the pack holding a piece's last slice is filled with other pieces (or the next piece's slices).
    * Pack: the remaining pieces, whole, each to the pack whose forward and backward loads (each relative to
      its own budget) stay lowest: forward and backward balanced separately (asymmetric partitioning).
@@ -45,7 +48,7 @@ import numpy as np
 
 from packloader.balancers.assemble import Packing, Pieces, carried_extra, check_cap, cost_model_for
 from packloader.balancers.cost import doc_time_split
-from packloader.balancers.kernels import equal_cost_cuts, lpt_dispatch, slim_pack_ranks
+from packloader.balancers.kernels import backward_runs_ranks, equal_cost_cuts, lpt_dispatch, slim_pack_ranks
 from packloader.balancers.registry import Planner, Window, register_planner
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
@@ -60,7 +63,8 @@ def default_packs(tokens_per_rank: float, dp_pieces: int, pp: int, cap: int, fac
 def backward_runs(num_slots: int, spans: list[tuple[int, int]]) -> list[int] | None:
     """Backward visiting order of `num_slots` packs when each (first, last) span of packs holds one sliced
     piece: runs of overlapping spans reversed, runs and untouched packs in forward order. None without
-    spans (the default order)."""
+    spans (the default order). The readable reference: `solve` runs kernels.backward_runs_ranks, the same
+    for every rank in one numba call (tests compare the two)."""
     if not spans:
         return None
     reach = list(range(num_slots))
@@ -88,16 +92,19 @@ class SlimPackPlanner:
         self.dp_merge = dp_merge
         self.factor = factor
         self.min_slice = min_slice or int(self.model.coeffs[0])
+        self._phase_one: tuple | None = None
+        self._by_rank: tuple | None = None
 
-    def solve(self, pieces: Pieces, step: int, num_micro_batches: int | None = None) -> Packing:
-        cfg = self.config
-        dp, pp, cap = cfg.parallel.dp, cfg.parallel.pp, cfg.max_tokens
-        slicing = cfg.allow_slicing
-        if not slicing:
-            check_cap(pieces, cap, self.name)
-        c = self.model.coeffs
+    def phase_one(self, pieces: Pieces) -> tuple:
+        """Workloads, the DP dispatch (DP-Merge groups included) and each rank's tokens and minimum packs: the
+        part of `solve` that does not depend on V, kept for the last Pieces seen (`auto` solves the same
+        pieces at several V; Pieces are not modified after they are made)."""
+        if self._phase_one is not None and self._phase_one[0] is pieces:
+            return self._phase_one[1]
+        dp, cap = self.config.parallel.dp, self.config.max_tokens
+        slicing = self.config.allow_slicing
         n = len(pieces)
-        f, b = doc_time_split(c, pieces.length)
+        f, b = doc_time_split(self.model.coeffs, pieces.length)
         share = float(f.sum()) / dp if n else 0.0
         merge_share = share if (self.dp_merge and dp > 1 and share > 0) else np.inf
         rank, members, offs = lpt_dispatch(f, dp, merge_share)
@@ -111,6 +118,18 @@ class SlimPackPlanner:
             grp = members[offs[i] : offs[i + 1]]
             tokens[grp] += pieces.length[i] / len(grp)
             need[grp] += math.ceil(pieces.length[i] / cap) if slicing else 1
+        out = (f, b, rank, members, offs, merged, tokens, need)
+        self._phase_one = (pieces, out)
+        return out
+
+    def solve(self, pieces: Pieces, step: int, num_micro_batches: int | None = None) -> Packing:
+        cfg = self.config
+        dp, pp, cap = cfg.parallel.dp, cfg.parallel.pp, cfg.max_tokens
+        slicing = cfg.allow_slicing
+        if not slicing:
+            check_cap(pieces, cap, self.name)
+        n = len(pieces)
+        f, b, rank, members, offs, merged, tokens, need = self.phase_one(pieces)
         v = num_micro_batches or cfg.num_micro_batches
         if not v:
             v = default_packs(float(tokens.max()) if n else 0.0, math.ceil(n / dp), pp, cap, self.factor)
@@ -134,7 +153,7 @@ class SlimPackPlanner:
         slot = np.full((dp, v), -1, np.int64)  # micro-batch id at each rank position
         seg: list[tuple[np.ndarray, ...]] = []  # (doc, start, end, af, mb) arrays
         groups: dict[int, list[int]] = {}
-        spans: list[list[tuple[int, int]]] = [[] for _ in range(dp)]
+        spans: list[tuple[int, int, int]] = []  # (rank, first pack, last pack) of each sliced piece
         nmb = 0
         # packs each rank keeps free for its own pieces: enough for their tokens under the cap, plus one more
         # per failed attempt (fragmentation can need more than the token count says)
@@ -184,12 +203,17 @@ class SlimPackPlanner:
                 groups[m] = members_list
             slot[grp, start : start + k] = ids
             if k > 1:
-                for r in grp:
-                    spans[r].append((start, start + k - 1))
+                for r in grp.tolist():
+                    spans.append((r, start, start + k - 1))
             nmb += k
-        # each rank's own pieces, heaviest forward workload first (ties in index order), from one sort
-        by_rank = np.lexsort((np.arange(len(f)), -f, rank))
-        bounds = np.searchsorted(rank[by_rank], np.arange(dp + 1))
+        # each rank's own pieces, heaviest forward workload first (ties in index order), from one sort (kept
+        # with phase one's result: it depends only on the dispatch)
+        if self._by_rank is not None and self._by_rank[0] is rank:
+            by_rank, bounds = self._by_rank[1:]
+        else:
+            by_rank = np.lexsort((np.arange(len(f)), -f, rank))
+            bounds = np.searchsorted(rank[by_rank], np.arange(dp + 1))
+            self._by_rank = (rank, by_rank, bounds)
         # phase two on every rank in one numba call; each rank's free positions, row-major, get the next ids
         free = slot < 0
         kp = free.sum(axis=1).astype(np.int64)
@@ -213,15 +237,18 @@ class SlimPackPlanner:
         seg.append((pieces.doc[p], off + ss, off + se, off, nmb + at))
         nmb += len(rows)
         sliced = np.nonzero((ss > 0) | (se < pieces.length[p]))[0]
+        span_arr = np.array(spans, np.int64).reshape(-1, 3)
         if len(sliced):  # first and last pack position of each sliced piece (its slices are in order)
             p_sl = p[sliced]
             pos = cols[at[sliced]]
             _, first_at = np.unique(p_sl, return_index=True)
             last_at = len(p_sl) - 1 - np.unique(p_sl[::-1], return_index=True)[1]
-            for r_, a_, b_ in zip(sr[sliced][first_at].tolist(), pos[first_at].tolist(), pos[last_at].tolist()):
-                spans[r_].append((a_, b_))
+            span_arr = np.concatenate([span_arr, np.stack([sr[sliced][first_at], pos[first_at], pos[last_at]], axis=1)])
         cat = [np.concatenate([s[j] for s in seg]).astype(np.int64) if seg else np.zeros(0, np.int64) for j in range(5)]
-        bwd = [backward_runs(v, spans[r]) for r in range(dp)]
+        # backward_runs of each rank, in one numba call
+        order, has = backward_runs_ranks(v, dp, np.ascontiguousarray(span_arr[:, 0]), np.ascontiguousarray(span_arr[:, 1]),
+                                         np.ascontiguousarray(span_arr[:, 2]))
+        bwd = [row if h else None for row, h in zip(order.tolist(), has.tolist())]
         return Packing(
             seg_doc=cat[0], seg_start=cat[1], seg_end=cat[2], seg_af=cat[3], seg_mb=cat[4], rank_mbs=slot,
             groups=groups, backward_order=bwd if any(o is not None for o in bwd) else None, strategy=self.name,

@@ -54,22 +54,25 @@ class WLBPlanner:
         self.fill = fill
         self.fixed_thresholds = tuple(sorted(thresholds)) if thresholds else None
         self.model = cost_model_for(config)
+        self._work_table: np.ndarray | None = None
 
     def thresholds(self, work_per_mb: float) -> np.ndarray:
         """Length thresholds L_1 < ... < L_n: the shortest length whose workload reaches gamma_k x the mean
         micro-batch workload (binary search on the monotone cost)."""
         if self.fixed_thresholds is not None:
             return np.array(self.fixed_thresholds, np.int64)
-        c = self.model.coeffs
         hi = max(self.config.context, self.config.max_tokens)
+        if self._work_table is None:  # workload of every length 0..hi, computed once (the search reads it)
+            f, b = doc_time_split(self.model.coeffs, np.arange(hi + 1, dtype=np.int64))
+            self._work_table = f + b
+        work = self._work_table
         out = []
         for g in self.gammas:
             target = g * work_per_mb
             lo_l, hi_l = 1, hi + 1  # hi + 1: no piece is that long (no outliers at this level)
             while lo_l < hi_l:
                 mid = (lo_l + hi_l) // 2
-                f, b = doc_time_split(c, np.array([mid], np.int64))
-                if f[0] + b[0] >= target:
+                if work[mid] >= target:
                     hi_l = mid
                 else:
                     lo_l = mid + 1

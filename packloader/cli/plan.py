@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
     from packloader.balancers.assemble import cost_model_for
     from packloader.balancers.metrics import drawn_steps, score_plans
-    from packloader.balancers.offline import LengthsError, plan_record, plan_run, read_lengths
+    from packloader.balancers.offline import plan_record, plan_run
+    from packloader.sources.lengths_file import LengthsError, read_lengths
 
     if args.steps < 1:
         return _fail(f"--steps must be at least 1, got {args.steps}")
@@ -95,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, KeyError) as e:
         return _fail(f"--model {args.model!r}: {e}")
     try:
-        lengths = read_lengths(args.lengths, args.column)
+        # document ids are positions in the file: an empty document is an error, not silently dropped
+        lengths = read_lengths(args.lengths, args.column, empty="error", column_flag="--column").lengths
     except LengthsError as e:
         return _fail(str(e))
     try:

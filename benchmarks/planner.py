@@ -406,7 +406,9 @@ def report(rows: list[Row], stats: dict, args, argv: list[str]) -> str:
     lines += [
         "",
         "Columns: imbalance = WLB-LLM imbalance degree (max micro-batch cost x count / total, worst rank of each step, "
-        "mean over steps); spread = simulated slowest rank / mean rank (mean over steps); eff = perfect-balance bound / "
+        "mean over steps; WLB-LLM's pipeline figure: the largest micro-batch sets the pace of a pipeline, so it is the "
+        "target's figure at PP 4; at PP 1 the micro-batches of a rank run one after another, their sizes do not change "
+        "the step time, and the balance that counts there is across ranks, the spread); spread = simulated slowest rank / mean rank (mean over steps); eff = perfect-balance bound / "
         "simulated step time over the run; vs fixed = simulated tokens per second over those of `fixed` (tokens planned / simulated step time, summed over the run; a strategy that delays plans fewer tokens in the same steps); delay = mean "
         "delay in steps over all tokens / share of tokens delayed; split = tokens in slices; mbs = micro-batches per rank "
         "(mean); plan = planning wall time per step, mean / median / max, in ms on this machine.",

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packloader.collate.batch import IGNORE_INDEX
-from packloader.collate.collate import MicroBatchMeta, collate, collate_padded, collate_step, loss_tokens_in_plan
+from packloader.collate.collate import collate, collate_padded, collate_step, loss_tokens_in_plan
 from packloader.contracts import MicroBatch, RankPlan, Segment, StepPlan
 
 
@@ -128,13 +128,13 @@ def test_step_of_micro_batches_matches_reference(mbs, padded, layout):
     steps.insert(1, [])  # an empty micro-batch
     steps.append(steps[0][:1])  # a document of an earlier micro-batch again
     kw = dict(pad_to_multiple=4, pad_to_tokens=4 * 41 * 10) if padded else {}
-    meta = [MicroBatchMeta(i, {"i": i}) for i in range(len(steps))]
-    out = collate_step(steps, docs, step=5, loss_tokens_in_step=77, layout=layout, meta=meta, **kw)
+    out = collate_step(steps, docs, step=5, loss_tokens_in_step=77, layout=layout, extra=[{"i": i} for i in range(len(steps))],
+                       common_extra={"common": 1}, **kw)
     assert len(out) == len(steps)
     for i, (b, segments) in enumerate(zip(out, steps)):
         ids, labels, pos, cu, cu_k = reference(segments, docs)
         assert (b.step, b.index_in_step, b.micro_batches_in_step, b.loss_tokens_in_step) == (5, i, len(steps), 77)
-        assert b.extra["i"] == i and b.extra["layout"] == layout
+        assert b.extra == {"i": i, "layout": layout, "common": 1}
         assert b.doc_ids.tolist()[: len(segments)] == [s.doc for s in segments]
         assert b.cu_seqlens.tolist()[: len(cu)] == cu and b.cu_seqlens_k.tolist()[: len(cu_k)] == cu_k
         got = [t.reshape(-1).tolist() for t in (b.input_ids, b.labels, b.position_ids)]

@@ -19,7 +19,7 @@ Checked (`verify_plan`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 

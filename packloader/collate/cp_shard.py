@@ -34,7 +34,6 @@ document's keys ``[0, o + lq)``: in the all-gathered keys, packed positions ``ke
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 

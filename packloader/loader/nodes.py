@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable, Sequence
 
 import msgspec
 import numpy as np
 from torchdata.nodes import BaseNode
 
 from packloader.balancers.registry import Window
-from packloader.collate.collate import MicroBatchMeta, collate_step, loss_tokens_in_plan
+from packloader.collate.collate import collate_step, loss_tokens_in_plan
 from packloader.contracts import MicroBatch, PlanConfig, PlannerState, StepPlan
 from packloader.loader.distributed import RankExchange, digest
 from packloader.loader.state import LoaderStats
@@ -443,19 +443,19 @@ class StepCollator:
         self.stream = stream
         self.kw = dict(layout=layout, pad_to_multiple=pad_to_multiple, pad_to_tokens=pad_to_tokens, pad_id=pad_id)
 
-    def __call__(self, work: StepWork) -> list:
+    def __call__(self, work: StepWork) -> Sequence:
         tokens = read_missing(self.stream, work).tokens
         n = len(work.micro_batches)
-        extra: dict[str, Any] = {"epoch": work.epoch, "plan": work.plan, "stats": work.stats}
-        meta = []
+        common = {"epoch": work.epoch, "plan": work.plan, "stats": work.stats, "last_in_epoch": False}
+        extra: list[dict | None] = [None] * n
         for i, mb in enumerate(work.micro_batches):
-            ex = dict(extra, last_in_epoch=work.last_in_epoch and i == n - 1)
             if mb.dp_group is not None:
-                ex["dp_group"] = mb.dp_group
-            meta.append(MicroBatchMeta(i, ex))
-        out: list = collate_step([mb.segments for mb in work.micro_batches], tokens, step=work.step,
-                                 loss_tokens_in_step=work.loss_tokens, meta=meta, **self.kw)
+                extra[i] = {"dp_group": mb.dp_group}
+        if n and work.last_in_epoch:
+            extra[-1] = {**(extra[-1] or {}), "last_in_epoch": True}
+        out = collate_step([mb.segments for mb in work.micro_batches], tokens, step=work.step,
+                           loss_tokens_in_step=work.loss_tokens, extra=extra, common_extra=common, **self.kw)
         if not out and work.last_in_epoch:
             # a rank with no micro-batch in the epoch's last step still needs to see the epoch end
-            out.append(None)
+            return [None]
         return out

@@ -43,7 +43,7 @@ def _grid_table(a) -> str:
                     f"<td>{c.peak_memory_gib:.0f}</td><td>{'yes' if c.fits_memory else 'no'}</td><td>{_e(c.note)}</td></tr>")
     rows.append("</table>")
     if a.confirmed:
-        rows.append(f"<p>the best of the grid, planned again over every step:</p><table><tr><th>strategy</th><th>token cap</th>"
+        rows.append("<p>the best of the grid, planned again over every step:</p><table><tr><th>strategy</th><th>token cap</th>"
                     "<th>micro-batches per rank</th><th>k tokens/s</th><th>peak GiB</th><th>fits</th><th>note</th></tr>")
         for c in a.confirmed:
             m = str(c.num_micro_batches) if c.num_micro_batches else f"own ({c.micro_batches_mean:.1f})"

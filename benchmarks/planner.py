@@ -32,7 +32,9 @@ steps), DP spread (slowest rank / mean rank, simulated), simulated efficiency (p
 step time, summed over the run), simulated tokens per second over `fixed`'s, mean delay in steps and
 delayed token share, share of tokens in slices, and planning time per step (mean, median and max, wall clock;
 after the warm-up the process heap is frozen with `gc.freeze()`, so a full garbage collection of the modules
-imported so far, torch's included, is not counted as planning: it took 120-180 ms on the benchmark machine).
+imported so far, torch's included, is not counted as planning: it took 120-180 ms on the benchmark machine, and
+it is a pause of the whole process, not of the planner; trainers that mind such pauses control collection
+themselves, e.g. Megatron-LM's --manual-gc).
 """
 
 from __future__ import annotations
@@ -245,9 +247,9 @@ def run_one(dataset: str, setup: Setup, strategy: str, windows: list[Window], mo
         started = time.perf_counter()
         planner = make_planner(cfg)
         planner.plan(windows[0], PlannerState(), 0)  # warm-up: numba compilation, caches
-        # the heap as it stands (torch, numba: ~200K objects) goes to the permanent generation, as a training
-        # process does after start-up; else a full collection of it (120-180 ms here) lands in whichever step
-        # triggers it and shows as that step's planning time
+        # the heap as it stands (torch, numba: ~200K objects) goes to the permanent generation; else a full
+        # collection of it (120-180 ms here, a pause of the whole process) lands in whichever step triggers it
+        # and shows as that step's planning time
         gc.collect()
         gc.freeze()
         state = PlannerState()

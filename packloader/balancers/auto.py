@@ -3,7 +3,10 @@ says runs fastest under the device's memory, as SlimPack's simulator-guided sele
 
 Candidates are (planner, micro-batches per rank): `wlb`, `hydraulis`, `slimpack` (only with
 config.allow_slicing) and `fixed`, each at its own default number of micro-batches and at a few others around
-it (`micro_batch_counts`); config.num_micro_batches pins the count. Every candidate plans the same pieces (the
+it (`micro_batch_counts`); config.num_micro_batches pins the count. In a pipeline (PP > 1) with slicing
+allowed, slimpack is tried at twice its default packs only and wlb at its default count only: measured on the
+four benchmark distributions at DP 8 / PP 4, slimpack at 2x won every step, its default count was at least
+9 % slower and wlb at 2x at least 5 % slower (planning went from about 10 to 7 ms per step). Every candidate plans the same pieces (the
 queued ones, then the window) under the same token cap, min(config.max_tokens, the cost model's memory cap
 MaxLen); a candidate that cannot (a piece over the cap without slicing) is skipped.
 
@@ -36,9 +39,8 @@ DP-Merge groups, per-rank order) is computed once for both of its counts; with p
 SMALL_WORK only each planner's default count is tried, and above FIXED_MAX_WORK fixed is dropped. The
 per-candidate scoring is numba throughout (micro-batch costs, slice edges, the batched simulator); the
 imbalance degree is computed only when candidates tie within TOLERANCE. Measured on a 2-core machine shared
-with other work (load average about 2; 4M tokens per step, 64K cap, long-tail lengths, llama3-8b at TP 8):
-7-9 ms per step (mean) at DP 8 / PP 4, 4-9 ms at PP 1, 22-33 ms at DP 1024 with 3.2M tokens (docs/
-benchmarks.md). The memory check adds no measurable time when the fastest candidate fits (llama3-8b at tp 8);
+with other work (4M tokens per step, 64K cap, long-tail lengths, llama3-8b at TP 8): see docs/benchmarks.md
+(planner section) for the per-step means at DP 8 / PP 4, PP 1 and DP 1024 with 3.2M tokens. The memory check adds no measurable time when the fastest candidate fits (llama3-8b at tp 8);
 when nothing fits (llama3-8b at tp 1, 64K micro-batches) every candidate is planned and simulated: about
 +2 ms per step at DP 8 / PP 4 (synthetic-cc median 7.9 -> 9.7 ms on that machine).
 
@@ -153,6 +155,7 @@ class AutoPlanner:
         fixed_v = cfg.num_micro_batches
         tokens = pieces.total_tokens
         out: list[Candidate] = []
+        pipelined_slicing = pp > 1 and self.slimpack is not None
         for name in PLANNERS:
             if name == "slimpack" and self.slimpack is None:
                 continue
@@ -168,7 +171,13 @@ class AutoPlanner:
             else:  # hydraulis enumerates its own V; fixed takes the fewest bins that hold the step
                 out.append(Candidate(name, None))
                 continue
-            out += [Candidate(name, v) for v in micro_batch_counts(int(base), small)]
+            counts = micro_batch_counts(int(base), small)
+            if pipelined_slicing and len(counts) > 1:
+                # in a pipeline with slicing allowed, slimpack at twice its packs wins and wlb's bigger count
+                # never does: on all four benchmark distributions (dp8-pp4) slimpack's default count was >= 9 %
+                # slower than its 2x and wlb's 2x >= 5 % slower than the winner, so neither is planned there
+                counts = [2 * int(base)] if name == "slimpack" else [None]
+            out += [Candidate(name, v) for v in counts]
         return out
 
     def solve(self, cand: Candidate, pieces: Pieces, step: int, flush: bool, small: bool) -> Packing:

@@ -109,8 +109,8 @@ def collate_step(
     common_extra: dict | None = None,
 ) -> "CollatedStep":
     """Several micro-batches of one step at once: the loader's collate stage. The bookkeeping (offsets,
-    cu_seqlens, maxima, loss tokens) runs once for the step and the token copying per micro-batch, both in numba
-    (`fill.py`, releasing the GIL), so the Python layer only builds arrays and batches.
+    cu_seqlens, maxima, loss tokens) and the token copying each run once for the whole step, in numba (`fill.py`,
+    releasing the GIL), so the Python layer only builds arrays and batches.
 
     Returns a sequence whose item i is micro-batch i's PackedBatch, built when it is taken: a step waiting in the
     prefetch queue is a handful of arrays, not thousands of tensors and dicts that the garbage collector would
@@ -118,8 +118,7 @@ def collate_step(
     once per epoch of the loader benchmark; the plain DataLoader set off none).
 
     `index_in_step[i]` and `extra[i]` are micro-batch i's index in the step (default i) and extra entries (on top
-    of `common_extra`, which all share);
-    `micro_batches_in_step` defaults to len(micro_batches). The tensors are views of per-step arrays (a trainer
+    of `common_extra`, which all share); `micro_batches_in_step` defaults to len(micro_batches). The tensors are views of per-step arrays (a trainer
     that keeps one batch keeps its step's buffers, a few bytes per token of the step).
     """
     if layout not in LAYOUTS:

@@ -173,7 +173,7 @@ class ParquetSource(ShardedSource):
     def _decode_ahead(self, shard: int, groups: list[int]) -> None:
         """Decode these row groups (those not cached yet), several at once in a small thread pool, into this
         thread's cache. Arrow decodes one row group's column on one core and releases the GIL, so a request that
-        spans many row groups (a step's documents, spread by the shuffle) decodes that many times faster."""
+        spans many row groups (a step's documents, spread by the shuffle) decodes up to `decode_threads` times faster."""
         if self.decode_threads < 2:
             return
         blocks = self._blocks()

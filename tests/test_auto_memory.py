@@ -145,3 +145,21 @@ def test_profile_json_skips_the_memory_check(tmp_path):
     window = Window.from_lengths(long_tail(60, 1, 32768))
     plan, _ = auto.plan(window, flush_state(PlannerState()), 0)
     assert "memory_over" not in plan.extra
+
+
+@pytest.mark.parametrize("tp,cap,n", [(8, 65536, 300), (2, 32768, 200)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_deferred_candidates_never_beat_the_choice(tp, cap, n, seed):
+    """In a pipeline with slicing, auto plans slimpack's default count and wlb at 2x only when slimpack at 2x
+    does not fit (AutoPlanner.deferred). Whether it fits or not (tp 8 / tp 2), its choice must be as fast as the
+    fastest of all candidates that fit, each planned on its own and simulated plan by plan."""
+    cfg = PlanConfig(parallel=ParallelConfig(dp=4, pp=4, tp=tp), max_tokens=cap, context=cap)
+    window = Window.from_lengths(long_tail(n, seed, cap))
+    state = flush_state(PlannerState())
+    auto = AutoPlanner(cfg)
+    plan, _ = auto.plan(window, state, 0)
+    rows = candidate_table(auto, cfg, window, state)
+    assert any(auto.deferred(c, [r[0] for r in rows]) for c, _, _ in rows), "the test needs deferred candidates"
+    fitting = [t for c, t, p in rows if p <= H100_LIMIT]
+    chosen = score_plan(plan, cost_model_for(cfg), cfg.parallel).step_time
+    assert fitting and chosen <= min(fitting) * (1 + TOLERANCE) + 1e-12, (auto.last_choice, rows)

@@ -4,9 +4,11 @@ says runs fastest under the device's memory, as SlimPack's simulator-guided sele
 Candidates are (planner, micro-batches per rank): `wlb`, `hydraulis`, `slimpack` (only with
 config.allow_slicing) and `fixed`, each at its own default number of micro-batches and at a few others around
 it (`micro_batch_counts`); config.num_micro_batches pins the count. In a pipeline (PP > 1) with slicing
-allowed, slimpack is tried at twice its default packs only and wlb at its default count only: measured on the
-four benchmark distributions at DP 8 / PP 4, slimpack at 2x won every step, its default count was at least
-9 % slower and wlb at 2x at least 5 % slower (planning went from about 10 to 7 ms per step). Every candidate plans the same pieces (the
+allowed, slimpack's default count and wlb at 2x are planned only when slimpack at 2x does not fit the device
+(`AutoPlanner.deferred`): measured on the four benchmark distributions at DP 8 / PP 4, slimpack at 2x won every
+step, its default count was at least 9 % slower and wlb at 2x at least 5 % slower (planning went from about 10
+to 7 ms per step); in the report's memory-bound demo (TP 2) slimpack at 2x does not fit and wlb at 2x wins
+steps, so they are still planned there. Every candidate plans the same pieces (the
 queued ones, then the window) under the same token cap, min(config.max_tokens, the cost model's memory cap
 MaxLen); a candidate that cannot (a piece over the cap without slicing) is skipped.
 
@@ -155,7 +157,6 @@ class AutoPlanner:
         fixed_v = cfg.num_micro_batches
         tokens = pieces.total_tokens
         out: list[Candidate] = []
-        pipelined_slicing = pp > 1 and self.slimpack is not None
         for name in PLANNERS:
             if name == "slimpack" and self.slimpack is None:
                 continue
@@ -171,14 +172,21 @@ class AutoPlanner:
             else:  # hydraulis enumerates its own V; fixed takes the fewest bins that hold the step
                 out.append(Candidate(name, None))
                 continue
-            counts = micro_batch_counts(int(base), small)
-            if pipelined_slicing and len(counts) > 1:
-                # in a pipeline with slicing allowed, slimpack at twice its packs wins and wlb's bigger count
-                # never does: on all four benchmark distributions (dp8-pp4) slimpack's default count was >= 9 %
-                # slower than its 2x and wlb's 2x >= 5 % slower than the winner, so neither is planned there
-                counts = [2 * int(base)] if name == "slimpack" else [None]
-            out += [Candidate(name, v) for v in counts]
+            out += [Candidate(name, v) for v in micro_batch_counts(int(base), small)]
         return out
+
+    def deferred(self, cand: Candidate, cands: list[Candidate]) -> bool:
+        """Candidates planned only when slimpack at twice its packs does not fit the device: in a pipeline with
+        slicing, that one wins when it fits (all four benchmark distributions at DP 8 / PP 4, TP 8: every step;
+        slimpack's default count >= 9 % slower, wlb at 2x >= 5 % slower), so the default slimpack count and
+        wlb's 2x are not planned then. When it does not fit (the report's demo at TP 2), they are."""
+        if self.config.parallel.pp <= 1 or self.slimpack is None or self.config.num_micro_batches:
+            return False
+        counts = [c.micro_batches for c in cands if c.planner == cand.planner]
+        if len(counts) < 2:
+            return False
+        return (cand.planner == "slimpack" and cand.micro_batches is None) or \
+            (cand.planner == "wlb" and cand.micro_batches is not None)
 
     def solve(self, cand: Candidate, pieces: Pieces, step: int, flush: bool, small: bool) -> Packing:
         v = cand.micro_batches
@@ -244,15 +252,20 @@ class AutoPlanner:
         small = len(pieces) * self.config.parallel.dp <= SMALL_WORK
         results: list[_Result] = []
         errors: list[str] = []
-        cands = list(enumerate(self.candidates(pieces)))
-        # slicing candidates first: their time often rules out the whole-piece planners without running them
-        cands.sort(key=lambda ic: (ic[1].planner != "slimpack", ic[0]))
+        listed = self.candidates(pieces)
+        cands = list(enumerate(listed))
+        # slicing candidates first: their time often rules out the whole-piece planners without running them;
+        # deferred ones last, and only if slimpack at 2x does not fit (`deferred`)
+        later = {i for i, c in cands if self.deferred(c, listed)}
+        cands.sort(key=lambda ic: (ic[0] in later, ic[1].planner != "slimpack", ic[0]))
         floor = sum(self.model.floor())
         # any plan that keeps pieces whole and plans them all runs the largest piece inside one micro-batch,
         # whose forward and backward pass through every stage one after the other: pp x its time at least
         pp = self.config.parallel.pp
         whole_bound = pp * (float(piece_work.max()) + floor) / total_work if len(pieces) and total_work > 0 else 0.0
         for idx, cand in cands:
+            if idx in later and any(r.cand.planner == "slimpack" and self.fits(r) for r in results):
+                continue  # slimpack at 2x planned and fits: the deferred candidates would not win
             if cand.planner in ("hydraulis", "fixed") and results:
                 if whole_bound > self.fastest_fitting(results) * (1.0 + TOLERANCE):
                     continue  # cannot come within the tolerance of the fastest plan that fits so far

@@ -17,6 +17,8 @@ from packloader.balancers.registry import Window
 from packloader.balancers.simulator import simulate_step
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
+from auto_candidates import candidate_plans
+
 GiB = 1024**3
 H100_LIMIT = (80 * 0.92 - 2) * GiB  # by hand: MemoryModel's defaults on an 80 GiB device
 
@@ -44,16 +46,8 @@ def candidate_table(auto: AutoPlanner, cfg: PlanConfig, window: Window, state: P
     """Every candidate planned on its own with everything flushed (so all plan the same work): (candidate,
     simulated step time, peak bytes)."""
     model = cost_model_for(cfg)
-    pieces = Pieces.of(window, state, 0)
-    rows = []
-    for cand in auto.candidates(pieces):
-        try:
-            packing = auto.solve(cand, pieces, 0, True, True)
-        except ValueError:
-            continue
-        plan = packing.costs(model).to_step_plan(0)
-        rows.append((cand, score_plan(plan, model, cfg.parallel).step_time, reference_peak(plan, cfg)))
-    return rows
+    return [(cand, score_plan(plan, model, cfg.parallel).step_time, reference_peak(plan, cfg))
+            for cand, plan in candidate_plans(auto, cfg, window, state)]
 
 
 def test_budget_is_the_hand_worked_h100_limit():

@@ -16,6 +16,8 @@ from packloader.balancers.registry import Window
 from packloader.balancers.simulator import slice_edges_of
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
+from auto_candidates import candidate_plans
+
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 300), min_size=0, max_size=40), st.sampled_from([300, 512]), st.integers(1, 12))
@@ -59,15 +61,8 @@ def test_auto_picks_the_fastest_candidate_by_plan_simulation():
     model = cost_model_for(cfg)
     state = flush_state(PlannerState())
     window = Window.from_lengths(lengths)
-    pieces = Pieces.of(window, state, 0)
-    times = {}
-    for cand in auto.candidates(pieces):
-        try:
-            packing = auto.solve(cand, pieces, 0, True, True)
-        except ValueError:
-            continue
-        plan = packing.costs(model).to_step_plan(0)
-        times[cand] = score_plan(plan, model, cfg.parallel).step_time
+    times = {cand: score_plan(plan, model, cfg.parallel).step_time
+             for cand, plan in candidate_plans(auto, cfg, window, state)}
     assert len(times) >= 3
     plan, _ = auto.plan(window, state, 0)
     chosen = score_plan(plan, model, cfg.parallel).step_time

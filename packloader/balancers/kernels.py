@@ -103,6 +103,23 @@ HEAP_MIN_BINS = 96  # below this many bins a scan of every bin beats the heaps (
 
 
 @njit(cache=True)
+def _add_piece(c, i, l, b, assign, attn, tok, load):
+    """Piece i (l tokens, a whole document) into bin b: its attention, tokens and the bin's new time."""
+    assign[i] = b
+    attn[b] += attn_time(c, l, 0, False) + attn_time(c, l, 0, True)
+    tok[b] += l
+    load[b] = _bin_time(c, attn[b], tok[b])
+
+
+@njit(cache=True)
+def _empty_bin_loads(coeffs, rank_profile, per_rank, tok, load):
+    """An empty Hydraulis bin still costs its rank's per-micro-batch floor."""
+    for b in range(load.shape[0]):
+        if tok[b] == 0:
+            load[b] = _bin_time(coeffs[rank_profile[b // per_rank]], 0.0, 0)
+
+
+@njit(cache=True)
 def _wlb_pack_scan(c, lengths, nbins, cap, assign, attn, tok, load):
     """`wlb_pack` by scanning every bin for both minima (few bins)."""
     n = lengths.shape[0]
@@ -125,10 +142,7 @@ def _wlb_pack_scan(c, lengths, nbins, cap, assign, attn, tok, load):
             b = l_idx
         else:
             continue
-        assign[i] = b
-        attn[b] += attn_time(c, l, 0, False) + attn_time(c, l, 0, True)
-        tok[b] += l
-        load[b] = _bin_time(c, attn[b], tok[b])
+        _add_piece(c, i, l, b, assign, attn, tok, load)
     return assign, attn, tok
 
 
@@ -178,10 +192,7 @@ def wlb_pack(c, lengths, nbins, cap):
             b = l_idx
         else:
             continue
-        assign[i] = b
-        attn[b] += attn_time(c, l, 0, False) + attn_time(c, l, 0, True)
-        tok[b] += l
-        load[b] = _bin_time(c, attn[b], tok[b])
+        _add_piece(c, i, l, b, assign, attn, tok, load)
         ls = _heap_push(lk, li, ls, load[b], b)
         ts = _heap_push(tk, ti, ts, tok[b], b)
     return assign, attn, tok
@@ -336,7 +347,6 @@ def hydraulis_dispatch(coeffs, rank_profile, caps, lengths, pp, trials, seed):
 def _hydraulis_pack_scan(coeffs, rank_profile, caps, lengths, piece_rank, per_rank, order, assign, attn, tok, load):
     """`hydraulis_pack` by scanning the rank's bins for each piece (few bins per rank)."""
     n = lengths.shape[0]
-    nb = rank_profile.shape[0] * per_rank
     for kk in range(n):
         i = order[kk]
         r = piece_rank[i]
@@ -348,14 +358,8 @@ def _hydraulis_pack_scan(coeffs, rank_profile, caps, lengths, piece_rank, per_ra
         if best < 0:
             assign[:] = -1
             return assign, load
-        cf = coeffs[rank_profile[r]]
-        assign[i] = best
-        attn[best] += attn_time(cf, l, 0, False) + attn_time(cf, l, 0, True)
-        tok[best] += l
-        load[best] = _bin_time(cf, attn[best], tok[best])
-    for b in range(nb):
-        if tok[b] == 0:
-            load[b] = _bin_time(coeffs[rank_profile[b // per_rank]], 0.0, 0)
+        _add_piece(coeffs[rank_profile[r]], i, l, best, assign, attn, tok, load)
+    _empty_bin_loads(coeffs, rank_profile, per_rank, tok, load)
     return assign, load
 
 
@@ -425,15 +429,9 @@ def hydraulis_pack(coeffs, rank_profile, caps, lengths, piece_rank, per_rank):
         hs[r] = _heap_pop(kr, ir, hs[r])
         for t in range(na):
             hs[r] = _heap_push(kr, ir, hs[r], load[aside[t]], aside[t])
-        cf = coeffs[rank_profile[r]]
-        assign[i] = best
-        attn[best] += attn_time(cf, l, 0, False) + attn_time(cf, l, 0, True)
-        tok[best] += l
-        load[best] = _bin_time(cf, attn[best], tok[best])
+        _add_piece(coeffs[rank_profile[r]], i, l, best, assign, attn, tok, load)
         hs[r] = _heap_push(kr, ir, hs[r], load[best], best)
-    for b in range(nb):
-        if tok[b] == 0:
-            load[b] = _bin_time(coeffs[rank_profile[b // per_rank]], 0.0, 0)
+    _empty_bin_loads(coeffs, rank_profile, per_rank, tok, load)
     return assign, load
 
 

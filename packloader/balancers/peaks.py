@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from packloader.balancers.simulator import backward_order_kernel, build_ops, edge_csr, simulate_kernel
+from packloader.balancers.simulator import backward_order_kernel, build_ops, edge_csr, sim_buffers, simulate_kernel
 
 
 @njit(cache=True)
@@ -61,13 +61,7 @@ def peaks_ranks_sliced(pp, vpp, kind, fwd, bwd, tokens, act_pt, trans_pt, kv_pt,
         for v in range(V):
             for i in range(E):
                 kv[v, i] = e_prefix[ea + i] * (kv_pt[v % pp] / vpp)
-        st = np.empty(V * m * 2, dtype=np.float64)
-        fin = np.empty(V * m * 2, dtype=np.float64)
-        n = 2 * m * vpp
-        mt = np.empty((pp, 2 * n), dtype=np.float64)
-        mb = np.empty((pp, 2 * n), dtype=np.float64)
-        pk = np.zeros(pp, dtype=np.float64)
-        bz = np.empty(pp, dtype=np.float64)
+        st, fin, mt, mb, pk, bz = sim_buffers(pp, vpp, m)
         t = simulate_kernel(pp, vpp, m, ops, f, b, 0.0, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
                             act, trans, kv, st, fin, mt, mb, pk, bz)
         for s in range(pp):

@@ -107,6 +107,17 @@ def build_ops(pp, vpp, m, kind, bwd_order):
 
 
 @njit(cache=True)
+def sim_buffers(pp, vpp, m):
+    """The output buffers `simulate_kernel` fills: task start and finish (V*m*2), the memory timeline (pp, 2*n
+    events for the n = 2*m*vpp tasks of a stage), peak and busy per stage."""
+    V = pp * vpp
+    n = 2 * m * vpp
+    return (np.empty(V * m * 2, dtype=np.float64), np.empty(V * m * 2, dtype=np.float64),
+            np.empty((pp, 2 * n), dtype=np.float64), np.empty((pp, 2 * n), dtype=np.float64),
+            np.empty(pp, dtype=np.float64), np.empty(pp, dtype=np.float64))
+
+
+@njit(cache=True)
 def simulate_kernel(pp, vpp, m, ops, fwd, bwd, p2p, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
                     act, trans, edge_kv, start, finish, mem_t, mem_b, peak, busy):
     """Resolve the DAG. fwd, bwd, act, trans: (V, m) per virtual stage; edge_kv: (V, E). Fills start/finish
@@ -217,13 +228,7 @@ def step_time_kernel(pp, vpp, m, kind, fwd, bwd, bwd_order, p2p):
     ptr = np.zeros(m + 1, dtype=np.int64)
     zero_vm = np.zeros((V, m), dtype=np.float64)
     kv = np.zeros((V, 0), dtype=np.float64)
-    st = np.empty(V * m * 2, dtype=np.float64)
-    fi = np.empty(V * m * 2, dtype=np.float64)
-    n = 2 * m * vpp
-    mt = np.empty((pp, 2 * n), dtype=np.float64)
-    mb = np.empty((pp, 2 * n), dtype=np.float64)
-    pk = np.empty(pp, dtype=np.float64)
-    bz = np.empty(pp, dtype=np.float64)
+    st, fi, mt, mb, pk, bz = sim_buffers(pp, vpp, m)
     return simulate_kernel(pp, vpp, m, ops, fwd, bwd, p2p, ptr, z, z, ptr, z, z, zero_vm, zero_vm, kv, st, fi, mt, mb, pk, bz)
 
 
@@ -323,13 +328,7 @@ def step_times_ranks_sliced(pp, vpp, kind, fwd, bwd, offsets, e_offsets, e_src, 
         in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid = edge_csr(m, src, dst)
         zero_vm = np.zeros((V, m), dtype=np.float64)
         kv = np.zeros((V, max(E, 1)), dtype=np.float64)
-        st = np.empty(V * m * 2, dtype=np.float64)
-        fin = np.empty(V * m * 2, dtype=np.float64)
-        n = 2 * m * vpp
-        mt = np.empty((pp, 2 * n), dtype=np.float64)
-        mb = np.empty((pp, 2 * n), dtype=np.float64)
-        pk = np.empty(pp, dtype=np.float64)
-        bz = np.empty(pp, dtype=np.float64)
+        st, fin, mt, mb, pk, bz = sim_buffers(pp, vpp, m)
         out[r] = simulate_kernel(pp, vpp, m, ops, f, b, p2p, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
                                  zero_vm, zero_vm, kv, st, fin, mt, mb, pk, bz)
     return out

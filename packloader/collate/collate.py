@@ -171,7 +171,7 @@ def collate_step(
         buf = buf.astype(np.int64, copy=False)
 
     multiple = (pad_to_multiple or 1) if padded else 0
-    out_at, out_end, cu, cu_k, cu_p, n_tok, n_loss, max_q, max_k, over = layout_segments(
+    out_at, out_end, cu, cu_k, cu_p, mb_at, n_loss, max_q, max_k, over = layout_segments(
         start, end, attend, length, np.array(mb_ptr, dtype=np.int64), multiple,
         -1 if pad_to_tokens is None else int(pad_to_tokens))
     if over >= 0:
@@ -183,15 +183,11 @@ def collate_step(
         )
     # one buffer per step for each of the three token tensors, filled in one call that releases the GIL once
     # (a call per micro-batch made the collate thread queue for the GIL after each one: measured slower)
-    mb_at = np.zeros(n_mb + 1, np.int64)
-    np.cumsum(n_tok, out=mb_at[1:])
-    shift = np.repeat(mb_at[:-1], np.diff(np.array(mb_ptr, dtype=np.int64)))
     all_ids = np.empty(int(mb_at[-1]), dtype=np.int64)
     all_labels = np.empty_like(all_ids)
     all_pos = np.empty_like(all_ids)
     if len(start):
-        fill_segments(buf, base, start, end, length, out_at + shift, out_end + shift, int(pad_id), all_ids, all_labels,
-                      all_pos)
+        fill_segments(buf, base, start, end, length, out_at, out_end, int(pad_id), all_ids, all_labels, all_pos)
     return CollatedStep(
         micro_batches, mb_ptr, mb_at.tolist(), all_ids, all_labels, all_pos, doc, cu, cu_k, cu_p if padded else None,
         n_loss.tolist(), max_q.tolist(), max_k.tolist(), index, list(extra) if extra is not None else [None] * n_mb,

@@ -45,10 +45,11 @@ def layout_segments(start: np.ndarray, end: np.ndarray, attend: np.ndarray, leng
 
     multiple > 0 pads each segment to a multiple of it; pad_to_tokens >= 0 extends the last segment's padding so
     the micro-batch holds exactly that many tokens (an empty micro-batch is given as one segment with
-    start == end == 0). Returns per segment: out_at, out_end (offsets in its micro-batch); per micro-batch at
-    mb_ptr[i] + i .. mb_ptr[i+1] + i (one entry more than its segments): cu, cu_k, cu_padded; per micro-batch:
-    tokens, loss tokens, max_q, max_k; and the first micro-batch whose padded length exceeds pad_to_tokens
-    (-1: none).
+    start == end == 0). Micro-batches follow one another in the step's buffers. Returns per segment: out_at,
+    out_end (offsets in the step's buffers); per micro-batch at mb_ptr[i] + i .. mb_ptr[i+1] + i (one entry more
+    than its segments): cu, cu_k, cu_padded (offsets in the micro-batch); mb_at (n_mb + 1: where each
+    micro-batch starts in the step's buffers, and their end); per micro-batch: loss tokens, max_q, max_k; and the
+    first micro-batch whose padded length exceeds pad_to_tokens (-1: none).
     """
     n_seg = start.shape[0]
     n_mb = mb_ptr.shape[0] - 1
@@ -57,7 +58,7 @@ def layout_segments(start: np.ndarray, end: np.ndarray, attend: np.ndarray, leng
     cu = np.empty(n_seg + n_mb, np.int32)
     cu_k = np.empty(n_seg + n_mb, np.int32)
     cu_p = np.empty(n_seg + n_mb, np.int32)
-    tokens = np.zeros(n_mb, np.int64)
+    mb_at = np.zeros(n_mb + 1, np.int64)
     loss = np.zeros(n_mb, np.int64)
     max_q = np.zeros(n_mb, np.int64)
     max_k = np.zeros(n_mb, np.int64)
@@ -66,13 +67,14 @@ def layout_segments(start: np.ndarray, end: np.ndarray, attend: np.ndarray, leng
     m = multiple if multiple > 0 else 1
     for i in range(n_mb):
         a, b = mb_ptr[i], mb_ptr[i + 1]
+        base = mb_at[i]
         total = 0
         for j in range(a, b):
             q = end[j] - start[j]
             p = (q + m - 1) // m * m if padded else q
-            out_at[j] = total
+            out_at[j] = base + total
             total += p
-            out_end[j] = total
+            out_end[j] = base + total
         if pad_to_tokens >= 0 and b > a:
             if total > pad_to_tokens:
                 if over < 0:
@@ -80,7 +82,7 @@ def layout_segments(start: np.ndarray, end: np.ndarray, attend: np.ndarray, leng
             else:
                 out_end[b - 1] += pad_to_tokens - total
                 total = pad_to_tokens
-        tokens[i] = total
+        mb_at[i + 1] = base + total
         c = a + i  # this micro-batch's first entry in the cu arrays
         cu[c] = 0
         cu_k[c] = 0
@@ -91,7 +93,7 @@ def layout_segments(start: np.ndarray, end: np.ndarray, attend: np.ndarray, leng
             p = out_end[j] - out_at[j]
             cu[c + j - a + 1] = cu[c + j - a] + q
             cu_k[c + j - a + 1] = cu_k[c + j - a] + k
-            cu_p[c + j - a + 1] = out_end[j]
+            cu_p[c + j - a + 1] = out_end[j] - base
             if q > 0:
                 loss[i] += q - (1 if end[j] == length[j] else 0)
             if padded:
@@ -102,4 +104,4 @@ def layout_segments(start: np.ndarray, end: np.ndarray, attend: np.ndarray, leng
                 max_k[i] = max(max_k[i], k)
         if padded:
             max_k[i] = max(max_k[i], max_q[i])
-    return out_at, out_end, cu, cu_k, cu_p, tokens, loss, max_q, max_k, over
+    return out_at, out_end, cu, cu_k, cu_p, mb_at, loss, max_q, max_k, over

@@ -114,6 +114,8 @@ class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     schedule: Schedule = "1f1b"
     model: str = "llama3-8b"  # a preset name or a calibration profile path
     seed: NonNegInt = 0
+    # GPU memory the memory check allows, in GiB; None = the device's own (80 GiB H100, 141 GiB H200)
+    memory_gib: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
 
 
 class Poly(msgspec.Struct, frozen=True, array_like=True):

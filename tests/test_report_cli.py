@@ -340,7 +340,6 @@ def test_report_on_pretokenized_parquet_uses_length_column(tmp_path, capsys):
         (None, [], "exactly one of"),
         ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--tokens-per-step", "100000000"], "fewer than one step"),
         ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--model", "gpt-17"], "unknown model preset"),
-        ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--dp", "0"], "--dp must be >= 1"),
         ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--global-batch", "4", "--tokens-per-step", "9"], "not both"),
         ("parquet_nolen", ["--lengths", "{tmp}/x.parquet"], "no column 'length'"),
         ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--strategies", "nosuch"], "no strategy could plan"),

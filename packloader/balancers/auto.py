@@ -139,12 +139,17 @@ class AutoPlanner:
         self.kind = 0 if kind == 2 and config.parallel.vpp == 1 else kind
         # the device the cost model describes (H100 unless its profile says H200); None for a profile JSON
         device = "h200" if "h200" in self.model.profile.device.lower() else "h100"
-        self.memory: MemoryModel | None = memory_model_for(config.model, config.parallel, config.schedule, device)
+        self.memory: MemoryModel | None = memory_model_for(config.model, config.parallel, config.schedule, device,
+                                                                  config.memory_gib)
         self.mem_limit = memory_limit_bytes(self.memory)
         self.mem_stages = stage_bytes(self.memory, config.parallel.pp) if self.memory is not None else None
         self.last_choice: Candidate | None = None
         self.last_scores: list[tuple[Candidate, float]] = []
         self.last_peaks: list[tuple[Candidate, float]] = []  # bytes, of the candidates checked last step
+        self.device = device
+        # candidates the memory check dropped over the run: candidate -> (steps dropped, highest peak bytes)
+        self.memory_drops: dict[Candidate, tuple[int, float]] = {}
+        self.memory_over_steps = 0  # steps where no candidate fit (the lowest peak was taken)
 
     # --- candidates ------------------------------------------------------------------------------------------
 
@@ -296,9 +301,15 @@ class AutoPlanner:
                 self.fits(r)
             best = min(results, key=lambda r: (r.peak, r.score, r.idx))
             over = best.peak / self.mem_limit if best.peak > self.mem_limit else 0.0
+            self.memory_over_steps += over > 0
         self.last_choice = best.cand
         self.last_scores = [(r.cand, r.score) for r in results]
         self.last_peaks = [(r.cand, r.peak) for r in results if r.peak is not None]
+        if self.mem_limit is not None:
+            for r in results:
+                if r.peak is not None and r.peak > self.mem_limit and r is not best:
+                    n, top = self.memory_drops.get(r.cand, (0, 0.0))
+                    self.memory_drops[r.cand] = (n + 1, max(top, r.peak))
         packing = best.packing
         packing.extra = carried_extra(state)
         plan = packing.to_step_plan(step)
@@ -307,6 +318,25 @@ class AutoPlanner:
         if over:
             plan.extra["memory_over"] = over
         return plan, packing.state()
+
+    def memory_summary(self) -> str:
+        """The candidates the memory check dropped over the run, each with its highest simulated peak against
+        the device's limit; empty when none was dropped."""
+        if not self.memory_drops or self.memory is None:
+            return ""
+        from packloader.balancers.memory import GiB
+
+        parts = []
+        for cand, (n, peak) in sorted(self.memory_drops.items(), key=lambda kv: -kv[1][1]):
+            mbs = "its default micro-batches" if cand.micro_batches is None else f"{cand.micro_batches} micro-batches"
+            parts.append(f"{cand.planner} at {mbs} (peak {peak / GiB:.1f} GiB, {n} step{'s' * (n != 1)})")
+        text = (f"auto dropped {len(parts)} candidates that do not fit in memory, against "
+                f"{self.mem_limit / GiB:.1f} GiB usable of the {self.memory.memory_gib:g} GiB "
+                f"{self.device.upper()}: " + "; ".join(parts))
+        if self.memory_over_steps:
+            text += (f"; in {self.memory_over_steps} steps no candidate fit and the lowest peak was taken "
+                     f"(StepPlan.extra['memory_over'])")
+        return text
 
     def fits(self, r: "_Result") -> bool:
         """Whether a scored candidate's simulated peak memory fits the device (simulated once, on demand)."""

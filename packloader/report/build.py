@@ -45,7 +45,7 @@ def memory_model_for(model_spec: str, config: PlanConfig, device: str):
     `auto` planner checks its plans against."""
     from packloader.balancers.memory import memory_model_for as _for
 
-    return _for(model_spec, config.parallel, config.schedule, device)
+    return _for(model_spec, config.parallel, config.schedule, device, config.memory_gib)
 
 
 def _reference(figs: list[StrategyFigures]) -> StrategyFigures | None:

@@ -97,7 +97,8 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     vpp: PosInt = 1  # virtual pipeline stages per rank (interleaved 1F1B)
 
 
-Strategy = Literal["fixed", "wlb", "hydraulis", "slimpack", "auto", "concat", "multipack", "karmarkar_karp"]
+Strategy = Literal["fixed", "wlb", "hydraulis", "slimpack", "auto", "concat", "multipack", "karmarkar_karp",
+                   "multipack_openchat2023", "karmarkar_karp_verl_legacy"]
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
 
 

@@ -111,6 +111,8 @@ def build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions | 
             run = run_strategy(name, config, draw, tick=bar.update)
             bar.update(before + draw.steps - bar.n)
             runs[name] = run
+            if run.memory_summary:
+                notes.append(run.memory_summary)
             try:
                 figs.append(strategy_figures(run, draw, model, config, memory))
             except Exception as e:  # e.g. a schedule the plan's micro-batch count cannot run: report, don't die

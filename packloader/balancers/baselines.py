@@ -12,30 +12,30 @@
   made per document by the collator, so every token appears exactly once.
 * ``multipack`` (Axolotl's ``MultipackBatchSampler`` since its PR 2631, May 2025, ``pack_parallel`` /
   ``pack_group`` in src/axolotl/utils/samplers/multipack.py; per-bin item limit from the config since PR 3307):
-  the step's pieces, in draw order and in groups of
-  ``AXOLOTL_GROUP_SIZE`` pieces, are packed first-fit (no sorting, despite the function's "first-fit
-  decreasing" docstring): each piece goes to the first open bin of ``max_tokens`` with room and fewer than
-  ``AXOLOTL_BIN_SIZE`` pieces (``sample_packing_bin_size``), else opens a bin. Bins are dealt round-robin to DP
-  ranks (bin b to rank ``b % dp`` as its micro-batch ``b // dp``), as accelerate's batch-sampler sharding hands
-  consecutive batches (of one bin each, micro-batch size 1) to consecutive ranks. Axolotl drops the last
-  incomplete batch (``drop_last``); here ranks without a bin get an empty micro-batch, so no token is lost.
-* ``multipack_openchat2023`` (historical: OpenChat's 2023 allocator, which Axolotl ran until PR 2631;
-  ``allocate`` as in Axolotl commit 03508c68): rounds over the pieces in draw order; each round takes the longest
-  prefix of the remaining pieces that first-fit-decreasing packs into ``dp`` bins of ``max_tokens`` (binary
-  search on the prefix length, bounded by ``dp x max_tokens`` tokens; ``ffd_check``), packs it with FFD
-  (``ffd_with_result``) and gives bin r to rank r. The original drops the last round when it fills fewer than
-  ``dp`` bins; here ranks without a bin get an empty micro-batch instead. Rounds of exactly ``dp`` bins cost
-  bins: over 16 long-tail lists it opens more bins than today's first-fit (see tests/test_baselines.py).
-* ``karmarkar_karp`` (verl's ``RayPPOTrainer._balance_batch`` since verl PR 3605, "DP workload balance", September 2025): the largest
-  differencing method (LDM, ``get_seqlen_balanced_partitions``) partitions the pieces over DP ranks by verl's
-  estimated workload ``calculate_workload`` = ``24576 l + l^2`` (a 7B model's ``12 h^2 l + 2 h l^2`` over
-  ``2h``, h = 4096) with ``equal_size=True`` (every rank the same number of sequences; the piece count is padded
-  to a multiple of DP with empty items, which verl avoids by sizing its batch). Each rank's pieces are then split
-  over micro-batches by the same workload (``rearrange_micro_batches``): the micro-batch count is
-  ``min(pieces, ceil(tokens / max_tokens))`` all-reduced to the maximum over ranks and rounded up to a multiple
-  of ``vpp``; micro-batches are ordered heaviest-in-the-middle (``use_dynamic_bsz_balance``). LDM does not bound
-  a partition's tokens; where a micro-batch would exceed ``max_tokens`` every rank gets one more micro-batch and
-  the ranks are partitioned again (verl has no such check; the contract needs it).
+  the step's pieces, in draw order and in groups of ``AXOLOTL_GROUP_SIZE`` pieces, are packed first-fit (no
+  sorting, despite the function's "first-fit decreasing" docstring): each piece goes to the first open bin of
+  ``max_tokens`` with room and fewer than ``AXOLOTL_BIN_SIZE`` pieces (``sample_packing_bin_size``), else opens a
+  bin. Bins are dealt round-robin to DP ranks (bin b to rank ``b % dp`` as its micro-batch ``b // dp``), as
+  accelerate's batch-sampler sharding hands consecutive batches (of one bin each, micro-batch size 1) to
+  consecutive ranks. Axolotl drops the last incomplete batch (``drop_last``); here ranks without a bin get an
+  empty micro-batch, so no token is lost.
+* ``multipack_openchat2023`` (historical: OpenChat's 2023 allocator, which Axolotl ran until PR 2631; ``allocate``
+  as in Axolotl commit 03508c68): rounds over the pieces in draw order; each round takes the longest prefix of the
+  remaining pieces that first-fit-decreasing packs into ``dp`` bins of ``max_tokens`` (binary search on the prefix
+  length, bounded by ``dp x max_tokens`` tokens; ``ffd_check``), packs it with FFD (``ffd_with_result``) and gives
+  bin r to rank r. The original drops the last round when it fills fewer than ``dp`` bins; here ranks without a
+  bin get an empty micro-batch instead. Rounds of exactly ``dp`` bins cost bins: over 16 long-tail lists it opens
+  more bins than today's first-fit (see tests/test_baselines.py).
+* ``karmarkar_karp`` (verl's ``RayPPOTrainer._balance_batch`` since verl PR 3605, "DP workload balance", September
+  2025): the largest differencing method (LDM, ``get_seqlen_balanced_partitions``) partitions the pieces over DP
+  ranks by verl's estimated workload ``calculate_workload`` = ``24576 l + l^2`` (a 7B model's
+  ``12 h^2 l + 2 h l^2`` over ``2h``, h = 4096) with ``equal_size=True`` (every rank the same number of sequences; the piece count
+  is padded to a multiple of DP with empty items, which verl avoids by sizing its batch). Each rank's pieces are
+  then split over micro-batches by the same workload (``rearrange_micro_batches``): the micro-batch count is
+  ``min(pieces, ceil(tokens / max_tokens))`` all-reduced to the maximum over ranks and rounded up to a multiple of
+  ``vpp``; micro-batches are ordered heaviest-in-the-middle (``use_dynamic_bsz_balance``). LDM does not bound a
+  partition's tokens; where a micro-batch would exceed ``max_tokens`` every rank gets one more micro-batch and the
+  ranks are partitioned again (verl has no such check; the contract needs it).
 * ``karmarkar_karp_verl_legacy`` (historical: packloader's first verl baseline): the same, but the DP level
   balances token counts with ``equal_size=False`` (verl before PR 3605 balanced token counts, with equal sizes).
 

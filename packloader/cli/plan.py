@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from packloader.cli import numbers
+
 EXIT_BAD_INPUT = 2
 
 
@@ -23,20 +25,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", required=True, help="document lengths: .npy (1-D integers), .parquet (see --column) "
                    "or a text file with one length per line")
     p.add_argument("--column", default="length", help="the Parquet column holding the lengths (default: length)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per rank (with --schedule interleaved)")
+    p.add_argument("--dp", type=numbers.dp, default=1, help="data-parallel ranks")
+    p.add_argument("--pp", type=numbers.ranks, default=1, help="pipeline stages")
+    p.add_argument("--vpp", type=numbers.vpp, default=1, help="virtual pipeline stages per rank (with --schedule interleaved)")
     p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b", help="pipeline schedule")
-    p.add_argument("--max-tokens", type=int, default=8192, help="most tokens one micro-batch may hold")
-    p.add_argument("--context", type=int, default=None, help="documents longer than this are cut into independent "
+    p.add_argument("--max-tokens", type=numbers.tokens, default=8192, help="most tokens one micro-batch may hold")
+    p.add_argument("--context", type=numbers.tokens, default=None, help="documents longer than this are cut into independent "
                    "pieces (default: --max-tokens)")
-    p.add_argument("--tokens-per-step", type=int, default=65536, help="tokens drawn per optimizer step, all ranks")
-    p.add_argument("--steps", type=int, default=1, help="steps to plan (fewer if the documents run out)")
+    p.add_argument("--tokens-per-step", type=numbers.tokens, default=65536, help="tokens drawn per optimizer step, all ranks")
+    p.add_argument("--steps", type=numbers.steps, default=1, help="steps to plan (fewer if the documents run out)")
     p.add_argument("--strategy", default="auto", help="planner: auto (default), fixed, wlb, hydraulis, slimpack, ...")
-    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per rank (default: the planner's choice)")
+    p.add_argument("--micro-batches", type=numbers.micro_batches, default=None, help="micro-batches per rank (default: the planner's choice)")
     p.add_argument("--model", default="llama3-8b", help="cost model: a preset name or a calibration profile JSON")
     p.add_argument("--no-slicing", action="store_true", help="never slice a document across micro-batches")
-    p.add_argument("--seed", type=int, default=0, help="seed of the planners' random trials")
+    p.add_argument("--seed", type=numbers.seed, default=0, help="seed of the planners' random trials")
     p.add_argument("--out", default="-", help="where to write the JSON lines (default: stdout)")
     p.add_argument("--quiet", action="store_true", help="no summary on stderr")
 
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from packloader.balancers.assemble import cost_model_for
     from packloader.balancers.metrics import drawn_steps, score_plans
     from packloader.balancers.offline import plan_record, plan_run
-    from packloader.sources.lengths_file import LengthsError, read_lengths
+    from packloader.sources.lengths_file import LengthsError, check_pieces, read_lengths
 
     if args.steps < 1:
         return _fail(f"--steps must be at least 1, got {args.steps}")
@@ -98,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # document ids are positions in the file: an empty document is an error, not silently dropped
         lengths = read_lengths(args.lengths, args.column, empty="error", column_flag="--column").lengths
+        check_pieces(lengths, config.context, args.lengths)
     except LengthsError as e:
         return _fail(str(e))
     try:

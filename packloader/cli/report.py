@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from packloader.cli import numbers
+
 # --demo: the Python standard library's .py files, tokenized with the default tokenizer, on a layout where a
 # 32K-token micro-batch of Llama-3-8B fits an H100 (tp=2, pp=2), 4 DP ranks: 16 GPUs.
 DEMO = dict(dp=4, pp=2, cp=1, tp=2, max_tokens=32768, context=32768, tokens_per_step=4 * 4 * 32768, steps=8, model="llama3-8b")
@@ -26,19 +28,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-shuffle", action="store_true", help="read the source in file order instead of the loader's shuffled epoch order")
     g = p.add_argument_group("layout and batch")
     for name, what in (("dp", "data-parallel ranks"), ("pp", "pipeline stages"), ("cp", "context-parallel ranks"), ("tp", "tensor-parallel ranks")):
-        g.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default {DEFAULTS[name]}; demo {DEMO[name]})")
-    g.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per rank (with --schedule interleaved)")
+        g.add_argument(f"--{name}", type=numbers.dp if name == "dp" else numbers.ranks, default=None, help=f"{what} (default {DEFAULTS[name]}; demo {DEMO[name]})")
+    g.add_argument("--vpp", type=numbers.vpp, default=1, help="virtual pipeline stages per rank (with --schedule interleaved)")
     g.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"], help="pipeline schedule (default 1f1b)")
-    g.add_argument("--tokens-per-step", type=int, default=None,
+    g.add_argument("--tokens-per-step", type=numbers.tokens, default=None,
                    help="global tokens drawn per optimizer step (default dp x max-tokens x max(4, 2 pp))")
-    g.add_argument("--global-batch", type=int, default=None,
+    g.add_argument("--global-batch", type=numbers.tokens, default=None,
                    help="instead of --tokens-per-step: sequences of --max-tokens tokens per step (Megatron's global batch size)")
-    g.add_argument("--max-tokens", type=int, default=None, help=f"tokens one micro-batch may hold per DP rank (default {DEFAULTS['max_tokens']})")
-    g.add_argument("--context", type=int, default=None, help="documents longer than this are cut into pieces (default: max-tokens)")
+    g.add_argument("--max-tokens", type=numbers.tokens, default=None, help=f"tokens one micro-batch may hold per DP rank (default {DEFAULTS['max_tokens']})")
+    g.add_argument("--context", type=numbers.tokens, default=None, help="documents longer than this are cut into pieces (default: max-tokens)")
     g.add_argument("--model", default=None, help="model preset (llama3-8b, llama2-7b, llama3-70b, ...) or a cost profile JSON from `packloader calibrate`")
     g.add_argument("--device", default="h100", choices=["h100", "h200"], help="device of the analytic cost and memory model")
-    g.add_argument("--steps", type=int, default=None, help="optimizer steps to draw and plan (default 8)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the loader's order and of the planners")
+    g.add_argument("--steps", type=numbers.steps, default=None, help="optimizer steps to draw and plan (default 8)")
+    g.add_argument("--seed", type=numbers.seed, default=0, help="seed of the loader's order and of the planners")
     o = p.add_argument_group("output")
     o.add_argument("--strategies", default=None,
                    help="comma-separated strategies (default: concat,fixed,multipack,karmarkar_karp,wlb,hydraulis,slimpack,auto)")
@@ -90,6 +92,7 @@ def _run(args: argparse.Namespace) -> int:
     from packloader.report.build import ReportOptions, build_report
     from packloader.report.draw import StepCounter
     from packloader.report.lengths import read_lengths, source_lengths
+    from packloader.sources.lengths_file import check_pieces
     from packloader.report.run import BASELINES, PACKLOADER
     from packloader.report.table import render_text
 
@@ -118,6 +121,7 @@ def _run(args: argparse.Namespace) -> int:
     notes: list[str] = []
     if args.lengths:
         lengths = read_lengths(args.lengths, args.lengths_column)
+        check_pieces(lengths.lengths, config.context, args.lengths)
         label = f"lengths file {args.lengths}"
     else:
         from packloader.sources.stream import DocumentStream

@@ -237,10 +237,10 @@ class ParquetSource(ShardedSource):
             if int(tokens.min()) < 0 or int(tokens.max()) >= hi:
                 pos = int(np.flatnonzero((tokens < 0) | (tokens >= hi))[0])
                 row = start + int(np.searchsorted(offsets, pos, side="right")) - 1
-                vocab = f"[0, {self.vocab_size}), the vocabulary" if self.vocab_size is not None else ">= 0"
+                vocab = f"in [0, {self.vocab_size}), the vocabulary" if self.vocab_size is not None else ">= 0"
                 raise SourceError(
                     f"{path}, row {row}, column {self.column!r}: token id {int(tokens[pos])} at position "
-                    f"{pos - int(offsets[row - start])}, expected an id in {vocab}"
+                    f"{pos - int(offsets[row - start])}, expected an id {vocab}"
                 )
         if self.length_column:
             declared = table.column(self.length_column).combine_chunks()

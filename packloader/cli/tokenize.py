@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--column", default=None, help="text column / JSONL field (default: text, content)")
     p.add_argument("--format", default=None, choices=["parquet", "jsonl", "mds", "directory"],
                    help="input format (default: from the extension or the directory's contents)")
-    p.add_argument("--pattern", default="**/*", help="glob of the files to read in a plain directory (default **/*)")
+    p.add_argument("--pattern", default="**/*", help="glob of the files to read in a directory; it also decides the format (default **/*)")
     p.add_argument("--shard-tokens", type=numbers.tokens, default=1 << 27, help="start a new file after this many tokens")
     p.add_argument("--row-group-tokens", type=numbers.tokens, default=1 << 20, help="tokens per Parquet row group")
     p.add_argument("--no-eos", action="store_true", help="do not append the tokenizer's EOS to each document")

@@ -161,6 +161,14 @@ def truncated_jsonl_gz(tmp):
     return lambda: JsonlSource(tmp / "cut.jsonl.gz")
 
 
+def truncated_jsonl_zst(tmp):
+    import zstandard
+
+    data = zstandard.ZstdCompressor().compress("".join(json.dumps({"text": t}) + "\n" for t in texts(2000)).encode())
+    (tmp / "cut.jsonl.zst").write_bytes(data[: len(data) // 2])  # a stream reader would return the first half
+    return lambda: JsonlSource(tmp / "cut.jsonl.zst")
+
+
 def jsonl_bad_line(tmp):
     p = jsonl(tmp / "mid.jsonl", ['{"text": "a"}', '{"text": "b"}', '{"text": "c", oops}', '{"text": "d"}'])
     return lambda: read_all(JsonlSource(p))
@@ -309,6 +317,8 @@ CASES = [
     Case("empty_rows_skipped", empty_rows_skipped, None, ("e3.parquet", "row 1", "empty documents"),
          skipped=("empty documents", 2)),
     Case("truncated_jsonl_gz", truncated_jsonl_gz, SourceError, ("cut.jsonl.gz", "cannot be read as gzip JSONL")),
+    Case("truncated_jsonl_zst", truncated_jsonl_zst, SourceError,
+         ("cut.jsonl.zst", "cannot be read as zstd JSONL (truncated: the file ends inside a zstd frame)")),
     Case("jsonl_bad_line", jsonl_bad_line, SourceError, ("mid.jsonl", "line 3", "not valid JSON")),
     Case("jsonl_wrong_field", jsonl_wrong_field, SourceError, ("field.jsonl", "line 1", "no text or token field")),
     Case("jsonl_wrong_type", jsonl_wrong_type, SourceError, ("type.jsonl", "line 2", "field 'text'", "Expected `str`")),

@@ -4,12 +4,12 @@ Each shard is indexed once, when the source opens: the byte offsets of its non-b
 whitespace-only lines are not documents; line numbers in errors still count them, 1-based, as an editor does).
 The index costs 24 bytes per document and two vectorised passes over the shard's bytes (a few seconds per GB).
 
-Plain files are memory-mapped, so a row is a slice of the mapping. A .zst shard that ends inside a frame is an
-error, not a shorter shard. A compressed shard has no random access: it is
+Plain files are memory-mapped, so a row is a slice of the mapping. A compressed shard has no random access: it is
 decompressed whole into memory, once to build its index at open and again whenever a read needs it and it is not
 the shard kept in memory (the most recently used compressed shards are kept up to `cache_bytes`, at least one).
 Memory is therefore about one decompressed shard, and a random order over many compressed shards decompresses a
-shard once per visit: store large corpora as Parquet (`packloader tokenize`) or plain JSONL instead.
+shard once per visit: store large corpora as Parquet (`packloader tokenize`) or plain JSONL instead. A compressed
+shard cut short (.gz without its end-of-stream marker, .zst ending inside a frame) is an error, not a shorter shard.
 
 Rows are decoded with msgspec into a one-field struct, so other fields are skipped without building Python objects;
 a malformed line, a missing field, a wrong type or bytes that are not UTF-8 are errors naming file and line.

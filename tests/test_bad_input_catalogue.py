@@ -194,6 +194,12 @@ def jsonl_non_utf8(tmp):
     return lambda: read_all(JsonlSource(p))
 
 
+def parquet_non_utf8(tmp):
+    raw = pa.array([b"fine", "caf\xe9".encode("latin-1")], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"text": raw}), tmp / "latin1.parquet")
+    return lambda: read_all(ParquetSource(tmp / "latin1.parquet"))
+
+
 def directory_non_utf8(tmp):
     (tmp / "d").mkdir()
     (tmp / "d" / "ok.txt").write_text("hello")
@@ -325,6 +331,8 @@ CASES = [
     Case("jsonl_negative_token", jsonl_negative_token, SourceError,
          ("ids.jsonl", "line 2", "field 'tokens'", "Expected `int` >= 0")),
     Case("jsonl_non_utf8", jsonl_non_utf8, NonUtf8Error, ("latin1.jsonl", "line 2", "not valid UTF-8")),
+    Case("parquet_non_utf8", parquet_non_utf8, NonUtf8Error,
+         ("latin1.parquet", "row 1", "column 'text'", "not valid UTF-8")),
     Case("directory_non_utf8", directory_non_utf8, NonUtf8Error, ("latin1.txt", "not valid UTF-8", "errors='skip'")),
     Case("directory_non_utf8_skipped", directory_non_utf8_skipped, None, ("latin1.txt", "non-UTF-8 files"),
          skipped=("non-UTF-8 files", 1)),

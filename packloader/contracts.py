@@ -15,6 +15,17 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 
+# Upper bounds of the config's numbers: far beyond any real run, low enough that a plan over them fits in memory
+# (a plan of millions of ranks or stages, or token counts past 2^40, is refused rather than attempted).
+TOKENS_MAX = 1 << 40
+DP_MAX = 1 << 17
+DEGREE_MAX = 1 << 10  # pipeline, context and tensor parallel degrees
+VPP_MAX = 64
+MICRO_BATCHES_MAX = 1 << 16
+SEED_MAX = 2**63 - 1
+TokenCount = Annotated[int, msgspec.Meta(ge=1, le=TOKENS_MAX)]
+Degree = Annotated[int, msgspec.Meta(ge=1, le=DEGREE_MAX)]
+
 
 class Segment(msgspec.Struct, frozen=True, array_like=True):
     """Tokens `start..end-1` of document `doc`, each attending causally from `attend_from` up to itself.
@@ -90,11 +101,11 @@ class PlannerState(msgspec.Struct, kw_only=True):
 
 
 class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    dp: PosInt = 1
-    pp: PosInt = 1
-    cp: PosInt = 1
-    tp: PosInt = 1
-    vpp: PosInt = 1  # virtual pipeline stages per rank (interleaved 1F1B)
+    dp: Annotated[int, msgspec.Meta(ge=1, le=DP_MAX)] = 1
+    pp: Degree = 1
+    cp: Degree = 1
+    tp: Degree = 1
+    vpp: Annotated[int, msgspec.Meta(ge=1, le=VPP_MAX)] = 1  # virtual pipeline stages per rank (interleaved 1F1B)
 
 
 Strategy = Literal["fixed", "wlb", "hydraulis", "slimpack", "auto", "concat", "multipack", "karmarkar_karp",
@@ -107,14 +118,14 @@ class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
 
     strategy: Strategy = "auto"
     parallel: ParallelConfig = ParallelConfig()
-    max_tokens: PosInt = 8192  # tokens one micro-batch may hold (per DP rank, before CP sharding)
-    context: PosInt = 8192  # documents longer than this are cut into independent pieces
-    tokens_per_step: PosInt = 65536  # global tokens drawn per optimizer step, all DP ranks together
-    num_micro_batches: PosInt | None = None  # per DP rank; None lets the planner choose
+    max_tokens: TokenCount = 8192  # tokens one micro-batch may hold (per DP rank, before CP sharding)
+    context: TokenCount = 8192  # documents longer than this are cut into independent pieces
+    tokens_per_step: TokenCount = 65536  # global tokens drawn per optimizer step, all DP ranks together
+    num_micro_batches: Annotated[int, msgspec.Meta(ge=1, le=MICRO_BATCHES_MAX)] | None = None  # per DP rank; None lets the planner choose
     allow_slicing: bool = True  # only where the runtime that runs the plan supports slices
     schedule: Schedule = "1f1b"
     model: str = "llama3-8b"  # a preset name or a calibration profile path
-    seed: NonNegInt = 0
+    seed: Annotated[int, msgspec.Meta(ge=0, le=SEED_MAX)] = 0
     # GPU memory the memory check allows, in GiB; None = the device's own (80 GiB H100, 141 GiB H200)
     memory_gib: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
 

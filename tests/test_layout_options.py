@@ -68,13 +68,14 @@ def test_report_demo_defaults_apply_only_to_flags_not_given():
 @pytest.mark.parametrize("command", ["plan", "report"])
 @pytest.mark.parametrize("flag, value, field", [
     ("--dp", "0", "parallel.dp"), ("--tp", "-1", "parallel.tp"), ("--max-tokens", "abc", "max_tokens"),
-    ("--memory-gib", "0", "memory_gib"), ("--seed", "-2", "seed"), ("--steps", "0", "steps"),
+    ("--memory-gib", "0", "memory_gib"), ("--seed", "-2", "seed"), ("--steps", "0", None),
 ])
 def test_bad_numbers_fail_naming_the_flag_and_field(capsys, command, flag, value, field):
     code = main([command, "--lengths", "x.npy", flag, value])
     err = capsys.readouterr().err
     assert code == 2
-    assert f"argument {flag}:" in err and f"field {field}" in err, err
+    assert f"argument {flag}:" in err, err
+    assert field is None or f"field {field}" in err, err  # --steps is the command's own count, not a config field
     assert "Traceback" not in err
 
 

@@ -171,6 +171,11 @@ def test_bad_inputs_exit_2_naming_the_problem(tmp_path, capsys):
     _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "ok.npy"), "--no-slicing", "--context", "9000",
                             "--max-tokens", "8192"], "--context", "--no-slicing")
     _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "ok.npy"), "--steps", "0"], "--steps")
+    _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "ok.npy"), "--micro-batches", "100000000"], "--micro-batches",
+         "65,536")
+    _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "ok.npy"), "--max-tokens", "1" + "0" * 21], "--max-tokens")
+    _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "ok.npy"), "--seed", "-1"], "--seed")
+    _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "ok.npy"), "--pp", "many"], "--pp", "'many'")
 
 
 def test_auto_names_the_candidates_its_memory_check_drops(tmp_path, capsys):
@@ -211,3 +216,17 @@ def test_empty_documents_are_skipped_keeping_ids_and_counted(tmp_path, capsys):
                 for doc, start, end, _ in mb:
                     tokens[doc] = tokens.get(doc, 0) + end - start
     assert tokens == {0: 5, 2: 7, 5: 9, 6: 3}  # ids are positions in the file, every token once
+
+
+def test_a_length_beyond_the_piece_bound_is_refused_at_once(tmp_path, capsys):
+    """A length of 10^12 would be 1.2e8 pieces at context 8,192: refused before planning, naming the entry."""
+    from packloader.sources.lengths_file import MAX_PIECES_PER_DOCUMENT
+
+    np.save(tmp_path / "huge.npy", np.array([10, 10**12, 30]))
+    _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "huge.npy")], "huge.npy", "entry 1", "1,000,000,000,000",
+         "--context 8,192", "65,536")
+    at_bound = tmp_path / "at.npy"  # exactly the bound is planned: 65,536 pieces of 16 tokens
+    np.save(at_bound, np.array([MAX_PIECES_PER_DOCUMENT * 16, 5]))
+    assert main(["plan", "--lengths", str(at_bound), "--max-tokens", "16", "--tokens-per-step", "64", "--strategy",
+                 "fixed", "--out", str(tmp_path / "p.jsonl"), "--quiet"]) == 0
+    _bad(tmp_path, capsys, ["--lengths", str(at_bound), "--max-tokens", "15"], "at.npy", "entry 0")

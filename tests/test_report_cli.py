@@ -340,6 +340,10 @@ def test_report_on_pretokenized_parquet_uses_length_column(tmp_path, capsys):
         (None, [], "exactly one of"),
         ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--tokens-per-step", "100000000"], "fewer than one step"),
         ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--model", "gpt-17"], "unknown model preset"),
+        ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--dp", "0"], "argument --dp: must be >= 1"),
+        ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--max-tokens", "10**21"], "argument --max-tokens"),
+        ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--steps", "0"], "argument --steps"),
+        ("huge_npy", ["--lengths", "{tmp}/huge.npy"], "at most 65,536 pieces per document"),
         ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--global-batch", "4", "--tokens-per-step", "9"], "not both"),
         ("parquet_nolen", ["--lengths", "{tmp}/x.parquet"], "no column 'length'"),
         ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--strategies", "nosuch"], "no strategy could plan"),
@@ -353,10 +357,12 @@ def test_bad_input_gives_a_clear_error(tmp_path, capsys, setup, args, expect):
         np.save(tmp_path / "neg.npy", np.array([3, -5, 7]))
     elif setup == "ok_npy":
         np.save(tmp_path / "ok.npy", longtail(2000))
+    elif setup == "huge_npy":
+        np.save(tmp_path / "huge.npy", np.array([3, 10**12, 7]))
     elif setup == "parquet_nolen":
         pq.write_table(pa.table({"n": [1, 2]}), tmp_path / "x.parquet")
     code, out, err = run_cli([a.format(tmp=tmp_path) for a in args] + ["--out", str(tmp_path / "o"), "--no-advice", "--no-plots"], capsys)
-    assert code == 1
+    assert code == (2 if expect.startswith("argument --") else 1), err  # argparse's status for a bad option value
     assert expect in err, err
     assert "Traceback" not in err
 

@@ -65,6 +65,38 @@ def test_directories(tmp_path):
         open_source(tmp_path / "txt", format="parquet")
 
 
+def test_a_directory_is_read_whole_or_refused(tmp_path):
+    """Files beside shards (_SUCCESS, README) do not count; any other mix is refused with the files listed;
+    format= reads one kind on purpose; the pattern decides what counts."""
+    d = tmp_path / "d"
+    _parquet(d / "a.parquet", ["a"] * 100)
+    (d / "_SUCCESS").write_text("")
+    (d / "LICENSE").write_text("MIT")
+    (d / ".hidden.jsonl").write_text("not read")
+    assert isinstance(open_source(d), ParquetSource)
+    _jsonl(d / "b.jsonl", ["b"] * 100)
+    with pytest.raises(ValueError, match=r"mixes file formats \(parquet: .*a\.parquet; jsonl: .*b\.jsonl\)"):
+        open_source(d)
+    assert len(open_source(d, format="jsonl")) == 100 and len(open_source(d, format="parquet")) == 100
+    assert isinstance(open_source(d, pattern="*.jsonl"), JsonlSource)
+    (d / "b.jsonl").unlink()
+    (d / "notes.csv").write_text("x,y")
+    with pytest.raises(ValueError, match=r"parquet: .*a\.parquet; other: .*notes\.csv"):
+        open_source(d)
+
+    code = tmp_path / "code"
+    (code / "pkg").mkdir(parents=True)
+    (code / "pkg" / "m.py").write_text("x = 1")
+    (code / "sub").mkdir()
+    _jsonl(code / "sub" / "data.json", ["stray"])
+    src = open_source(code, pattern="**/*.py")  # the stray JSON file is not what the pattern asks for
+    assert isinstance(src, DirectorySource) and [p.rsplit("/", 1)[-1] for p in src.files] == ["m.py"]
+    with pytest.raises(FileNotFoundError, match=r"no files match '\*\.py'"):
+        open_source(code, pattern="*.py")  # top level only: nothing there
+    with pytest.raises(ValueError, match="mixes file formats"):
+        open_source(code)
+
+
 def test_mds_directory(tmp_path):
     pytest.importorskip("streaming")
     from streaming import MDSWriter

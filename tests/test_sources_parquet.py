@@ -264,3 +264,53 @@ def test_threads_and_forked_workers_read_the_same(tmp_path):
     with multiprocessing.get_context("fork").Pool(2) as pool:
         results = pool.map(_read_forked, [rows.tolist() for rows in chunks[:4]])
     assert results == [[texts[r] for r in rows] for rows in chunks[:4]]
+
+
+def test_token_ids_checked_against_the_vocabulary(tmp_path):
+    """The bound comes from the argument, else the metadata `packloader tokenize` writes; the error names the row."""
+    p = tmp_path / "v.parquet"
+    _write_tokens(p, [np.array([0, 5], np.int32), np.array([7, 9, 3], np.int32)], row_group_size=1)
+    assert ParquetSource(p).vocab_size is None
+    assert [d.tolist() for d in ParquetSource(p, vocab_size=10).read(0, [0, 1])] == [[0, 5], [7, 9, 3]]
+    src = ParquetSource(p, vocab_size=9)
+    assert list(src.read(0, [0]))[0].tolist() == [0, 5]  # row group 0 holds only in-range ids
+    with pytest.raises(SourceError, match=r"v\.parquet, row 1, column 'tokens': token id 9 at position 1, "
+                                          r"expected an id in \[0, 9\), the vocabulary"):
+        list(src.read(0, [1]))
+    table = pq.read_table(p).replace_schema_metadata({"packloader.vocab_size": "8"})
+    pq.write_table(table, tmp_path / "m.parquet")
+    assert ParquetSource(tmp_path / "m.parquet").vocab_size == 8
+    with pytest.raises(SourceError, match=r"m\.parquet, row 1, .*token id 9 .*\[0, 8\)"):
+        list(ParquetSource(tmp_path / "m.parquet").read(0, [0, 1]))
+    with pytest.raises(ValueError, match="vocab_size must be >= 1"):
+        ParquetSource(p, vocab_size=0)
+
+
+def test_empty_token_row_in_a_length_column_is_refused_like_one_read(tmp_path):
+    """lengths() sees the 0 before any token is read; the error is the one read() gives for that row."""
+    q = tmp_path / "ez.parquet"
+    _write_tokens(q, [np.array([1], np.int32), np.array([2], np.int32), np.zeros(0, np.int32)])
+    src = ParquetSource(q)
+    with pytest.raises(EmptyDocumentError, match=r"ez\.parquet, row 2: empty document \(no tokens\)") as by_length:
+        src.lengths(0)
+    with pytest.raises(EmptyDocumentError) as by_read:
+        list(src.read(0, [2]))
+    assert str(by_length.value) == str(by_read.value)
+
+
+def test_written_checksums_are_verified(tmp_path):
+    """A page of a checksummed file whose bytes change fails; the same bytes read with verification off do not."""
+    p = tmp_path / "crc.parquet"
+    docs = _token_lists(40)
+    table = pa.table({"tokens": pa.array([d.tolist() for d in docs], pa.list_(pa.int32()))})
+    pq.write_table(table, p, compression="snappy", use_dictionary=False, write_page_checksum=True)
+    col = pq.ParquetFile(p).metadata.row_group(0).column(0)
+    data = bytearray(p.read_bytes())
+    end = col.data_page_offset + col.total_compressed_size
+    data[end - 40] ^= 0x01  # a low bit of a value near the end of the page
+    bad = tmp_path / "crc-bad.parquet"
+    bad.write_bytes(bytes(data))
+    pq.ParquetFile(bad, page_checksum_verification=False).read()  # decodes: only the checksum can tell
+    with pytest.raises(SourceError, match=r"crc-bad\.parquet: row group 0 \(rows 0\.\.39\), column 'tokens': "
+                                          r"cannot be read.*CRC"):
+        list(ParquetSource(bad).read(0, [0]))

@@ -11,6 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from packloader.cli.main import main
+from packloader.sources.base import IterableSource
+from packloader.sources.errors import SourceError
 from packloader.sources.open import open_source
 from packloader.sources.parquet import ParquetSource
 from packloader.sources.pretokenize import tokenize_to_parquet
@@ -109,6 +111,36 @@ def test_skip_empty_and_bad_input(tmp_path, capsys):
     got = _read_all(open_source(out))
     assert [bytes(g[:-1].astype(np.uint8)).decode() for g in got] == ["first", "last"]
     assert all(g[-1] == 256 for g in got)
+
+
+def test_pattern_decides_what_is_read(tmp_path, capsys):
+    """`--pattern '**/*.py'` reads the .py files, never a stray JSON file beside them; a directory mixing them
+    without a pattern is refused with both listed, and nothing is written."""
+    d = tmp_path / "src"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.py").write_text("print('a')")
+    (d / "sub" / "b.py").write_text("print('b')")
+    (d / "sub" / "data.json").write_text(json.dumps({"text": "stray"}) + "\n")
+    out = tmp_path / "out"
+    assert main(["tokenize", str(d), "--pattern", "**/*.py", "--out", str(out), "--tokenizer", "bytes", "--no-eos",
+                 "--no-progress"]) == 0
+    got = [bytes(g.astype(np.uint8)).decode() for g in _read_all(open_source(out))]
+    assert got == ["print('a')", "print('b')"]
+    capsys.readouterr()
+    assert main(["tokenize", str(d), "--out", str(tmp_path / "o2"), "--tokenizer", "bytes", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "mixes file formats" in err and "data.json" in err and "a.py" in err
+    assert not list((tmp_path / "o2").glob("*.parquet"))
+
+
+def test_tokenize_writes_page_checksums(tmp_path):
+    summary = tokenize_to_parquet(IterableSource(["ab", "c"]), get_tokenizer("bytes"), tmp_path / "o", progress=False)
+    data = bytearray(open(summary.files[0], "rb").read())
+    col = pq.ParquetFile(summary.files[0]).metadata.row_group(0).column(0)
+    data[col.data_page_offset + col.total_compressed_size - 2] ^= 0x10
+    (tmp_path / "bad.parquet").write_bytes(bytes(data))
+    with pytest.raises(SourceError, match="CRC checksum"):
+        list(ParquetSource(tmp_path / "bad.parquet").read(0, [0, 1]))
 
 
 def test_library_function_refuses_tokens_and_missing_eos(tmp_path):

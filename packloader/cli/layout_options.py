@@ -88,7 +88,7 @@ def _bounds(t: Any) -> str:
     for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
         v = getattr(t, attr, None)
         if v is not None:
-            parts.append(f"{op} {v}")
+            parts.append(f"{op} {v:,}")
     return " and ".join(parts)
 
 
@@ -113,10 +113,6 @@ def _number(t: Any, path: str) -> Callable[[str], Any]:
     parse.__name__ = kind.__name__
     return parse
 
-
-def positive_int(flag_path: str) -> Callable[[str], int]:
-    """argparse type for a command's own count flags (e.g. --steps): an integer >= 1."""
-    return _number(mi.IntType(ge=1), flag_path)
 
 
 class _Given(argparse.Action):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from packloader.cli.layout_options import add_layout_arguments, config_from_args, positive_int
+from packloader.cli import numbers
+from packloader.cli.layout_options import add_layout_arguments, config_from_args
 
 EXIT_BAD_INPUT = 2
 
@@ -26,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", required=True, help="document lengths: .npy (1-D integers), .parquet (see --column) "
                    "or a text file with one length per line")
     p.add_argument("--column", default="length", help="the Parquet column holding the lengths (default: length)")
-    p.add_argument("--steps", type=positive_int("steps"), default=1, help="steps to plan (fewer if the documents run out)")
+    p.add_argument("--steps", type=numbers.steps, default=1, help="steps to plan (fewer if the documents run out)")
     p.add_argument("--strategy", default="auto", help="planner: auto (default), fixed, wlb, hydraulis, slimpack, ...")
     add_layout_arguments(p.add_argument_group("layout and model"))
     p.add_argument("--out", default="-", help="where to write the JSON lines (default: stdout)")
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from packloader.balancers.metrics import drawn_steps, score_plans
     from packloader.balancers.offline import plan_record, plan_run
     from packloader.balancers.registry import make_planner
-    from packloader.sources.lengths_file import LengthsError, read_lengths
+    from packloader.sources.lengths_file import LengthsError, check_pieces, read_lengths
 
     try:
         config = build_config(args)
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         # document ids are positions in the file: empty documents stay in place (skipped when drawn) and counted
         read = read_lengths(args.lengths, args.column, empty="keep", column_flag="--column")
         lengths = read.lengths
+        check_pieces(lengths, config.context, args.lengths)
     except LengthsError as e:
         return _fail(str(e))
     try:

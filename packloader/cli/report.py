@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from packloader.cli.layout_options import add_layout_arguments, config_from_args, layout_fields, positive_int
+from packloader.cli import numbers
+from packloader.cli.layout_options import add_layout_arguments, config_from_args, layout_fields
 
 # --demo: the Python standard library's .py files, tokenized with the default tokenizer, on a layout where a
 # 32K-token micro-batch of Llama-3-8B fits an H100 (tp=2, pp=2), 4 DP ranks: 16 GPUs. These override the
@@ -32,11 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("layout and model (the same flags and defaults as `packloader plan`; demo: " +
                              ", ".join(f"{k} {v}" for k, v in DEMO.items()) + ")")
     add_layout_arguments(g, defaults=DEMO, mode="demo")
-    g.add_argument("--global-batch", type=positive_int("global_batch"), default=None,
+    g.add_argument("--global-batch", type=numbers.tokens, default=None,
                    help="instead of --tokens-per-step: sequences of --max-tokens tokens per step (Megatron's global batch size)")
     if not any(f.name == "device" for f in layout_fields()):
         g.add_argument("--device", default="h100", choices=["h100", "h200"], help="device of the analytic cost and memory model")
-    g.add_argument("--steps", type=positive_int("steps"), default=None, help=f"optimizer steps to draw and plan (default {DEMO_STEPS})")
+    g.add_argument("--steps", type=numbers.steps, default=None, help=f"optimizer steps to draw and plan (default {DEMO_STEPS})")
     o = p.add_argument_group("output")
     o.add_argument("--strategies", default=None,
                    help="comma-separated strategies (default: concat,fixed,multipack,karmarkar_karp,wlb,hydraulis,slimpack,auto)")
@@ -79,6 +80,7 @@ def _run(args: argparse.Namespace) -> int:
     from packloader.report.build import ReportOptions, build_report
     from packloader.report.draw import StepCounter
     from packloader.report.lengths import read_lengths, source_lengths
+    from packloader.sources.lengths_file import check_pieces
     from packloader.report.run import BASELINES, PACKLOADER
     from packloader.report.table import render_text
 
@@ -99,6 +101,7 @@ def _run(args: argparse.Namespace) -> int:
     notes: list[str] = []
     if args.lengths:
         lengths = read_lengths(args.lengths, args.lengths_column)
+        check_pieces(lengths.lengths, config.context, args.lengths)
         label = f"lengths file {args.lengths}"
     else:
         from packloader.sources.stream import DocumentStream

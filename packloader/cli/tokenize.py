@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from packloader.cli import numbers
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT",
@@ -16,14 +18,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--column", default=None, help="text column / JSONL field (default: text, content)")
     p.add_argument("--format", default=None, choices=["parquet", "jsonl", "mds", "directory"],
                    help="input format (default: from the extension or the directory's contents)")
-    p.add_argument("--pattern", default="**/*", help="glob of the files to read in a plain directory (default **/*)")
-    p.add_argument("--shard-tokens", type=int, default=1 << 27, help="start a new file after this many tokens")
-    p.add_argument("--row-group-tokens", type=int, default=1 << 20, help="tokens per Parquet row group")
+    p.add_argument("--pattern", default="**/*", help="glob of the files to read in a directory; it also decides the format (default **/*)")
+    p.add_argument("--shard-tokens", type=numbers.tokens, default=1 << 27, help="start a new file after this many tokens")
+    p.add_argument("--row-group-tokens", type=numbers.tokens, default=1 << 20, help="tokens per Parquet row group")
     p.add_argument("--no-eos", action="store_true", help="do not append the tokenizer's EOS to each document")
     p.add_argument("--skip-empty", action="store_true", help="skip and count empty documents instead of failing")
     p.add_argument("--skip-bad-files", action="store_true",
                    help="in a plain directory, skip and count files that are not UTF-8 instead of failing")
-    p.add_argument("--threads", type=int, default=None, help="tokenizer threads (default: usable CPUs, at most 8)")
+    p.add_argument("--threads", type=numbers.threads, default=None, help="tokenizer threads (default: usable CPUs, at most 8)")
     p.add_argument("--eos", default=None, help="EOS token of an hf: tokenizer whose files do not name one")
     p.add_argument("--overwrite", action="store_true", help="replace token shards already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -8,7 +8,8 @@ Plain files are memory-mapped, so a row is a slice of the mapping. A compressed 
 decompressed whole into memory, once to build its index at open and again whenever a read needs it and it is not
 the shard kept in memory (the most recently used compressed shards are kept up to `cache_bytes`, at least one).
 Memory is therefore about one decompressed shard, and a random order over many compressed shards decompresses a
-shard once per visit: store large corpora as Parquet (`packloader tokenize`) or plain JSONL instead.
+shard once per visit: store large corpora as Parquet (`packloader tokenize`) or plain JSONL instead. A compressed
+shard cut short (.gz without its end-of-stream marker, .zst ending inside a frame) is an error, not a shorter shard.
 
 Rows are decoded with msgspec into a one-field struct, so other fields are skipped without building Python objects;
 a malformed line, a missing field, a wrong type or bytes that are not UTF-8 are errors naming file and line.
@@ -53,20 +54,35 @@ def load_bytes(path: str):
             with gzip.open(path, "rb") as f:
                 return f.read()
         if kind == "zstd":
-            import zstandard
-
-            with open(path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True) as f:
-                return f.read()
+            return _zstd_frames(path)
         if os.path.getsize(path) == 0:
             return b""
         with open(path, "rb") as f:
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except SourceError:
+        raise
     except (OSError, EOFError, ValueError) as e:  # gzip: BadGzipFile is an OSError; zstandard: ZstdError
         raise SourceError(f"{path}: cannot be read as {kind or 'plain'} JSONL ({e})") from e
     except Exception as e:
         if type(e).__name__ == "ZstdError":
             raise SourceError(f"{path}: cannot be read as zstd-compressed JSONL ({e})") from e
         raise
+
+
+def _zstd_frames(path: str) -> bytes:
+    """Every frame of a .zst file, decompressed; a file that ends inside a frame is an error (a streaming reader
+    returns what it has, which would lose the documents after the cut without a word)."""
+    import zstandard
+
+    rest = Path(path).read_bytes()
+    out = []
+    while rest:
+        d = zstandard.ZstdDecompressor().decompressobj()
+        out.append(d.decompress(rest))
+        if not d.eof:
+            raise SourceError(f"{path}: cannot be read as zstd JSONL (truncated: the file ends inside a zstd frame)")
+        rest = d.unused_data
+    return b"".join(out)
 
 
 def line_index(buf, chunk: int = 1 << 24) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

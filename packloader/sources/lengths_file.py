@@ -24,7 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Lengths", "LengthsError", "LengthsFileMissing", "read_lengths"]
+__all__ = ["MAX_PIECES_PER_DOCUMENT", "Lengths", "LengthsError", "LengthsFileMissing", "check_pieces", "read_lengths"]
+
+# A document longer than the context is cut into ceil(length / context) pieces, each planned on its own: past this
+# many, planning one document would take memory and time out of proportion to the rest of the run, so the commands
+# that plan from lengths refuse it instead (a length of 10^12 at context 8,192 would be 1.2e8 pieces).
+MAX_PIECES_PER_DOCUMENT = 1 << 16
 
 
 class LengthsError(ValueError):
@@ -114,6 +119,21 @@ def _read_parquet(path: str, column: str | None, column_flag: str, empty: str) -
         raise LengthsError(f"{path}: column {col!r} has type {arr.type}, expected integer lengths or token lists")
     values = np.asarray(arr.to_numpy(zero_copy_only=False))
     return _check_values(values, f"{path} column {col!r}", lambda i: f" (row {i})", empty), col
+
+
+def check_pieces(lengths: np.ndarray, context: int, origin: str, *, context_flag: str = "--context") -> None:
+    """A LengthsError for the first document that `context` would cut into more than MAX_PIECES_PER_DOCUMENT
+    pieces (its index is its position in `lengths`)."""
+    limit = MAX_PIECES_PER_DOCUMENT * int(context)
+    over = np.flatnonzero(np.asarray(lengths) > limit)
+    if len(over):
+        i = int(over[0])
+        n = int(lengths[i])
+        raise LengthsError(
+            f"{origin}: entry {i} is {n:,} tokens, {-(-n // int(context)):,} pieces of {context_flag} {int(context):,}; "
+            f"at most {MAX_PIECES_PER_DOCUMENT:,} pieces per document are planned (lengths up to {limit:,}); "
+            f"raise {context_flag} or check the file"
+        )
 
 
 def read_lengths(path: str | os.PathLike, column: str | None = None, *, empty: str = "drop",

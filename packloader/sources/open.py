@@ -2,8 +2,12 @@
 
 Detection, in order:
 - `format=` given ("parquet", "jsonl", "mds", "directory"): that reader;
-- a directory with `index.json`: MDS; with Parquet files (recursively): those, as Parquet; with JSONL files
-  (.jsonl, .jsonl.gz, .jsonl.zst, .json, .ndjson): those, as JSONL; otherwise every file in it, one document per file;
+- a directory with `index.json`: MDS; otherwise the files `pattern` matches in it (default: all, recursively;
+  hidden files left out) decide: all Parquet, as Parquet; all JSONL (.jsonl, .jsonl.gz, .jsonl.zst, .json,
+  .ndjson), as JSONL; none of either, every file, one document per file. Files that only sit beside shards
+  (`_SUCCESS`, `_metadata`, README, LICENSE, *.md) do not count. Any other mix (Parquet with JSONL, shards with
+  other files) is a ValueError listing the files of each kind: nothing is read in part or left out unsaid;
+  `format=` reads one kind on purpose;
 - files: by extension (.parquet / .pq; .jsonl, .jsonl.gz, .jsonl.zst, .json, .json.gz, .ndjson); all must agree;
 - a path that does not exist but holds a glob character (`*`, `?`, `[`): its matches.
 A path that does not exist is a FileNotFoundError naming it.
@@ -48,19 +52,46 @@ def _expand(paths: Sequence[str]) -> list[str]:
     return out
 
 
-def _files_under(path: str) -> list[str]:
-    return sorted(str(p) for p in Path(path).rglob("*") if p.is_file() and not p.name.startswith("."))
+def _files_under(path: str, pattern: str = "**/*") -> list[str]:
+    """The files `pattern` matches under `path`, hidden ones (any part starting with ".") left out."""
+    root = Path(path)
+    return sorted(str(p) for p in root.glob(pattern)
+                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
-def _detect_directory(path: str) -> tuple[str, list[str]]:
+def _is_side_file(path: str) -> bool:
+    """Files that sit beside data shards without being data: `_SUCCESS`, `_metadata` (the "_" prefix pyarrow's
+    datasets skip too), README and LICENSE files and Markdown notes."""
+    name = os.path.basename(path).lower()
+    return name.startswith("_") or name.startswith(("readme", "license", "licence")) or name.endswith(".md")
+
+
+def _listing(paths: list[str], limit: int = 5) -> str:
+    shown = ", ".join(paths[:limit])
+    return f"{shown}, ... ({len(paths)} files)" if len(paths) > limit else shown
+
+
+def _detect_directory(path: str, pattern: str = "**/*") -> tuple[str, list[str]]:
+    """The one format of the files `pattern` matches, or a ValueError listing the files of each kind: a directory
+    mixing Parquet, JSONL and other files is refused, never read in part."""
     if os.path.exists(os.path.join(path, "index.json")):
         return "mds", [path]
-    files = _files_under(path)
-    for fmt in ("parquet", "jsonl"):
-        chosen = [f for f in files if format_of(f) == fmt]
-        if chosen:
-            return fmt, chosen
-    return "directory", [path]
+    files = _files_under(path, pattern)
+    kinds: dict[str, list[str]] = {}
+    for f in files:
+        kinds.setdefault(format_of(f) or "other", []).append(f)
+    data = [k for k in ("parquet", "jsonl") if k in kinds]
+    if not data:
+        return "directory", [path]
+    other = [f for f in kinds.get("other", []) if not _is_side_file(f)]
+    if len(data) == 1 and not other:
+        return data[0], kinds[data[0]]
+    groups = [(k, kinds[k]) for k in data] + ([("other", other)] if other else [])
+    listed = "; ".join(f"{k}: {_listing(fs)}" for k, fs in groups)
+    raise ValueError(
+        f"{path} mixes file formats ({listed}); nothing was read. Pass format= (--format) to read one kind and "
+        "leave the rest out, or a pattern (--pattern) that matches one kind"
+    )
 
 
 def open_source(
@@ -75,8 +106,9 @@ def open_source(
 ) -> ShardedSource:
     """Open shards as a `Source`. `column` is the Parquet column, JSONL field or MDS column (None: auto-detect).
 
-    `empty="skip"` leaves empty documents out and counts them (`source.skipped`); `pattern`, `files_per_shard` and
-    `errors` apply to a plain directory of text files (see `DirectorySource`).
+    `empty="skip"` leaves empty documents out and counts them (`source.skipped`); `pattern` selects the files of a
+    directory (format detection included); `files_per_shard` and `errors` apply to a plain directory of text files
+    (see `DirectorySource`).
     """
     if format is not None and format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -93,11 +125,11 @@ def open_source(
         if len(paths) > 1:
             raise ValueError(f"pass one directory or a list of files, not a mix: {paths}")
         if format is None:
-            fmt, paths = _detect_directory(dirs[0])
+            fmt, paths = _detect_directory(dirs[0], pattern)
         elif format in ("parquet", "jsonl"):
-            fmt, paths = format, [f for f in _files_under(dirs[0]) if format_of(f) == format]
+            fmt, paths = format, [f for f in _files_under(dirs[0], pattern) if format_of(f) == format]
             if not paths:
-                raise FileNotFoundError(f"no {format} files under {dirs[0]}")
+                raise FileNotFoundError(f"no {format} files under {dirs[0]} match {pattern!r}")
         else:
             fmt = format
     else:

@@ -10,7 +10,11 @@ while decoding, and a training step's documents, spread by the shuffle, touch ma
 Files are opened with `memory_map=True`.
 
 Token columns may be `list`/`large_list` of any integer type; values are cast to int32 (an out-of-range value is an
-error naming the file and column). A length column (`length_column`, by default a column named "length" next to a
+error naming the file and column), and every id must lie in [0, vocab_size): `vocab_size` is the argument, else the
+`packloader.vocab_size` that `packloader tokenize` records in the schema metadata; without either only negative ids
+are refused. Page checksums (which `packloader tokenize` writes) are verified on every read, so a shard with
+overwritten bytes in its page data fails with an error naming the file and row group instead of yielding changed
+tokens; files written without checksums are read unverified (the id range check is then the only guard). A length column (`length_column`, by default a column named "length" next to a
 token column) gives `lengths(shard)` without reading tokens, and is checked against the token lists it describes
 whenever a row group is decoded.
 """
@@ -34,6 +38,7 @@ from packloader.sources.reader import LruCache, ShardedSource, group_positions
 
 DEFAULT_COLUMNS = ("text", "content", "tokens", "input_ids")
 DEFAULT_LENGTH_COLUMN = "length"
+_INT32_LIMIT = 2**31
 
 
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
@@ -71,8 +76,11 @@ class ParquetSource(ShardedSource):
         empty: str = "error",
         cache_bytes: int = 256 << 20,
         decode_threads: int | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__(empty=empty)
+        if vocab_size is not None and int(vocab_size) < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.decode_threads = min(4, os.cpu_count() or 1) if decode_threads is None else int(decode_threads)
         self._group_bytes = 1  # the largest decoded row group so far (bounds decoding ahead by the cache size)
         paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
@@ -94,6 +102,9 @@ class ParquetSource(ShardedSource):
                 meta = pf.schema_arrow.metadata or {}
                 self.metadata = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in meta.items()
                                  if k != b"ARROW:schema"}
+        recorded = self.metadata.get("packloader.vocab_size", "")
+        self.vocab_size: int | None = int(vocab_size) if vocab_size is not None else (
+            int(recorded) if recorded.isdigit() else None)
         self._open_shards(self._paths, [int(s[-1]) for s in self._rg_starts])
 
     @property
@@ -107,7 +118,7 @@ class ParquetSource(ShardedSource):
         if not Path(path).exists():
             raise FileNotFoundError(f"Parquet shard not found: {path}")
         try:
-            return pq.ParquetFile(path, memory_map=True)
+            return pq.ParquetFile(path, memory_map=True, page_checksum_verification=True)
         except (pa.ArrowException, OSError) as e:
             raise SourceError(f"{path}: not a readable Parquet file ({e})") from e
 
@@ -193,7 +204,11 @@ class ParquetSource(ShardedSource):
         try:
             table = self._file(shard).read_row_group(group, columns=columns)
         except (pa.ArrowException, OSError) as e:
-            raise SourceError(f"{path}: row group {group} cannot be read ({e})") from e
+            a, b = int(self._rg_starts[shard][group]), int(self._rg_starts[shard][group + 1])
+            raise SourceError(
+                f"{path}: row group {group} (rows {a}..{b - 1}), column {self.column!r}: cannot be read, the file is "
+                f"corrupt or truncated ({e})"
+            ) from e
         start = int(self._rg_starts[shard][group])
         arr = table.column(self.column).combine_chunks()
         if arr.null_count:
@@ -217,6 +232,16 @@ class ParquetSource(ShardedSource):
         offsets = arr.offsets.to_numpy().astype(np.int64)
         offsets -= offsets[0]
         tokens = values.to_numpy(zero_copy_only=False)
+        if tokens.size:
+            hi = self.vocab_size if self.vocab_size is not None else _INT32_LIMIT
+            if int(tokens.min()) < 0 or int(tokens.max()) >= hi:
+                pos = int(np.flatnonzero((tokens < 0) | (tokens >= hi))[0])
+                row = start + int(np.searchsorted(offsets, pos, side="right")) - 1
+                vocab = f"in [0, {self.vocab_size}), the vocabulary" if self.vocab_size is not None else ">= 0"
+                raise SourceError(
+                    f"{path}, row {row}, column {self.column!r}: token id {int(tokens[pos])} at position "
+                    f"{pos - int(offsets[row - start])}, expected an id {vocab}"
+                )
         if self.length_column:
             declared = table.column(self.length_column).combine_chunks()
             if declared.null_count:
@@ -276,7 +301,9 @@ class ParquetSource(ShardedSource):
         try:
             col = self._file(shard).read(columns=[self.length_column]).column(0).combine_chunks()
         except (pa.ArrowException, OSError) as e:
-            raise SourceError(f"{path}: column {self.length_column!r} cannot be read ({e})") from e
+            raise SourceError(
+                f"{path}, column {self.length_column!r}: cannot be read, the file is corrupt or truncated ({e})"
+            ) from e
         if col.null_count:
             row = int(pc.index(col.is_null(), True).as_py())
             raise SourceError(f"{path}, row {row}, column {self.length_column!r}: null, expected a length")
@@ -286,7 +313,12 @@ class ParquetSource(ShardedSource):
         lengths = self._raw_lengths(shard)
         if lengths is not None:
             return lengths == 0
-        col = self._file(shard).read(columns=[self.column]).column(0)
+        try:
+            col = self._file(shard).read(columns=[self.column]).column(0)
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(
+                f"{self._paths[shard]}, column {self.column!r}: cannot be read, the file is corrupt or truncated ({e})"
+            ) from e
         measure = pc.list_value_length if self.pretokenized else pc.binary_length
         n = measure(col).fill_null(1)  # nulls are not "empty": reading them is an error of its own
         return n.to_numpy() == 0

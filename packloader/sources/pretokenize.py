@@ -1,7 +1,7 @@
 """Text shards in, Parquet token shards out, so that later epochs skip tokenizing (`packloader tokenize`).
 
 Output: `part-00000.parquet`, `part-00001.parquet`, ... in `out_dir`, each with columns `tokens: list<int32>` and
-`length: int32` (zstd, no dictionary encoding, row groups of about `row_group_tokens` tokens), documents in source
+`length: int32` (zstd, no dictionary encoding, CRC page checksums that `ParquetSource` verifies, row groups of about `row_group_tokens` tokens), documents in source
 order (shard by shard, row by row). A new file starts once the current one holds `shard_tokens` tokens. The schema
 metadata records the tokenizer, its EOS id and whether EOS was appended (`packloader.eos_appended`), so a reader
 knows not to append it again; `ParquetSource(...).metadata` exposes it.
@@ -133,7 +133,8 @@ class _ShardWriter:
         if self._writer is None:
             name = f"part-{len(self.files):05d}.parquet"
             self._tmp = self.out_dir / f".{name}.tmp"
-            self._writer = pq.ParquetWriter(self._tmp, self.schema, compression="zstd", use_dictionary=False)
+            self._writer = pq.ParquetWriter(self._tmp, self.schema, compression="zstd", use_dictionary=False,
+                                           write_page_checksum=True)
             self.files.append(str(self.out_dir / name))
         self._writer.write_table(table, row_group_size=len(self._pending))
         self._pending, self._pending_tokens = [], 0

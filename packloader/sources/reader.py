@@ -4,7 +4,8 @@ A subclass describes its shards (names and raw row counts) and knows how to read
 into the `Source` protocol of `base.py`:
 
 - rows are checked against the shard's row count, and an empty document is an error naming the file and row,
-  unless the source was opened with `empty="skip"`. Skipping is decided once, when the source opens: the reader
+  unless the source was opened with `empty="skip"`; the rule is the same whether the emptiness shows in the
+  tokens (`read`) or in a length column (`lengths`), so a loader never drops an empty document silently. Skipping is decided once, when the source opens: the reader
   scans every shard for empty rows (a subclass does it as cheaply as its format allows) and the skipped rows leave
   the row space, so `read(shard, rows)` still yields exactly one document per requested row and `DocKey`s stay
   stable for a given set of options. `source.skipped` counts what was left out, with the first few places.
@@ -89,6 +90,9 @@ class ShardedSource:
         if raw is None:
             return None
         keep = self._keep[shard]
+        if keep is None and self.empty == "error" and len(raw) and not raw.all():
+            # the same rule as read(): an empty document is refused, whether its length or its tokens tell
+            raise empty_error(self._location(shard, int(np.flatnonzero(raw == 0)[0])), "tokens")
         return np.asarray(raw if keep is None else raw[keep], dtype=np.int64)
 
     def raw_row(self, shard: int, row: int) -> int:

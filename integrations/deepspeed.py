@@ -20,9 +20,11 @@ DeepSpeed-Ulysses: every SP rank holds an equal contiguous 1/SP of the packed ro
 each rank the whole row for 1/SP of the heads, so attention runs per document on the global ``cu_seqlens``.
 ``ulysses_batch(batch, sp_size, sp_rank)`` pads the row to a multiple of SP (the padding is its own segment in
 ``cu_seqlens``, labels -100, positions restarting at 0, so it attends to nothing real) and returns this rank's shard
-with positions reset per document. ``ulysses_hf_batch`` gives the whole padded row in the Hugging Face convention
-that DeepSpeed's ``UlyssesSPDataLoaderAdapter`` shards itself (``input_ids``, ``position_ids``, unshifted
-``labels``). The documents were balanced by packloader across micro-batches and DP ranks; inside a micro-batch,
+with positions reset per document and per piece. ``ulysses_hf_batch`` gives the whole padded row in the Hugging Face
+convention that DeepSpeed's ``UlyssesSPDataLoaderAdapter`` shards itself (``input_ids``, ``position_ids``, unshifted
+``labels``); that adapter derives its targets by shifting ``labels`` inside the row, so there the last token of a
+piece of a document longer than the context has no target (its target, the next piece's first token, is not in
+the row) and the loss covers one token per piece boundary less than ``loss_tokens_in_step`` counts. The documents were balanced by packloader across micro-batches and DP ranks; inside a micro-batch,
 Ulysses splits work evenly by construction (all heads' attention over the same row).
 """
 

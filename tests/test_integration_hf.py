@@ -52,11 +52,12 @@ def doc_tokens(ld, batches) -> dict:
 
 
 def reference(model, batch, corpus):
-    """Per-segment forward, one document (or document piece, with its positions) at a time."""
+    """Per-segment forward, one document or independent piece at a time, as its own sequence from position 0
+    (concat-and-chunk); each token's target is the document's next token, past the piece's end too."""
     logits, loss_sum, n = [], 0.0, 0
     for s in batch.segments:
         x = torch.from_numpy(corpus[s.doc][s.start:s.end]).long().unsqueeze(0)
-        pos = torch.arange(s.start, s.end).unsqueeze(0)
+        pos = torch.arange(s.end - s.start).unsqueeze(0)
         with torch.no_grad():
             lg = model(input_ids=x, position_ids=pos).logits[0]
         logits.append(lg)
@@ -72,7 +73,7 @@ def reference(model, batch, corpus):
 def test_packed_forward_equals_per_document_forward(corpus, attention):
     attn = "sdpa" if attention == "position_ids" else phf.register_packloader_attention()
     model = tiny_llama(attn)
-    # context 90 < longest document: pieces of long documents (positions continuing) are in the batches too
+    # context 90 < longest document: pieces of long documents (positions from 0) are in the batches too
     ld = loader(corpus, context=90)
     batches = list(ld)[:6]
     toks = doc_tokens(ld, batches)
@@ -102,15 +103,75 @@ def test_unshifted_labels_shift_to_packloader_labels_inside_the_row(corpus):
 
 
 def test_ambiguous_positions_are_refused():
+    """The collate never makes such positions (every segment starts at 0); a hand-made batch can."""
+    import dataclasses
+
     from packloader.collate.collate import collate
     from packloader.contracts import Segment
 
     toks = {0: np.arange(10, dtype=np.int32), 1: np.arange(20, dtype=np.int32)}
-    # document 1's piece starting at offset 4 continues document 0's positions 0..3
     b = collate([Segment(0, 0, 4, 0), Segment(1, 4, 9, 4)], toks)
-    with pytest.raises(ValueError, match="attention='varlen'"):
-        phf.hf_batch(b)
-    assert phf.hf_batch(b, attention="varlen")["cu_seq_lens_q"].tolist() == [0, 4, 9]
+    assert phf.hf_batch(b)["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4]
+    # the second segment continuing the first one's positions: both of transformers' inferences merge them
+    merged = dataclasses.replace(b, position_ids=torch.arange(9))
+    # the second segment starting at 5: the mask path sees the boundary, the flash path (starts at 0) does not
+    shifted = dataclasses.replace(b, position_ids=torch.tensor([0, 1, 2, 3, 5, 6, 7, 8, 9]))
+    for bad in (merged, shifted):
+        with pytest.raises(ValueError, match="attention='varlen'"):
+            phf.hf_batch(bad)
+        assert phf.hf_batch(bad, attention="varlen")["cu_seq_lens_q"].tolist() == [0, 4, 9]
+
+
+def _transformers_cu_seqlens(position_ids: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Sequence starts as transformers infers them from [1, T] position ids: its flash-attention path
+    (`prepare_fa_kwargs_from_position_ids`, a start where the position is 0) and its mask path
+    (`find_packed_sequence_indices`, a start where the position does not grow by one), as cu_seqlens."""
+    from transformers.masking_utils import find_packed_sequence_indices
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    (cu_q, cu_k), _ = prepare_fa_kwargs_from_position_ids(position_ids)
+    assert torch.equal(cu_q, cu_k)
+    seq = find_packed_sequence_indices(position_ids)[0]
+    counts = torch.bincount(seq - seq[0])
+    return cu_q.tolist(), [0] + torch.cumsum(counts, 0).tolist()
+
+
+def test_adjacent_pieces_of_one_document_stay_apart_in_transformers():
+    """Issue reproduction: documents of 16, 48 and 96 tokens at context 48 (max_tokens 200) give the segments
+    (1,0,16) (4,0,48) (8,0,48) (8,48,96), two adjacent pieces of document 8 in one micro-batch. Their positions
+    used to continue (48..95 after 0..47), and transformers' flash path merged the two pieces; now every piece
+    restarts at 0, and both of transformers' inferences give packloader's cu_seqlens."""
+    from packloader.collate.collate import collate
+    from packloader.contracts import Segment
+
+    toks = {1: np.arange(16, dtype=np.int32), 4: np.arange(48, dtype=np.int32), 8: np.arange(96, dtype=np.int32)}
+    segs = [Segment(1, 0, 16, 0), Segment(4, 0, 48, 0), Segment(8, 0, 48, 0), Segment(8, 48, 96, 48)]
+    b = collate(segs, toks)
+    assert b.cu_seqlens.tolist() == [0, 16, 64, 112, 160]
+    inputs = phf.hf_batch(b)  # position_ids mode accepts it
+    flash, mask = _transformers_cu_seqlens(inputs["position_ids"])
+    assert flash == mask == [0, 16, 64, 112, 160]
+    assert int(inputs["position_ids"].max()) == 47  # below the context
+
+
+def test_loader_pieces_in_one_micro_batch_through_transformers():
+    """The same through the loader: documents cut at context 32 < max_tokens 200, adjacent pieces packed into one
+    micro-batch; transformers' inferred sequences are packloader's segments, positions stay below the context."""
+    lengths = [16, 48, 96, 70, 5, 33]
+    rng = np.random.default_rng(3)
+    ds = [rng.integers(0, VOCAB, size=k).astype(np.int32) for k in lengths]
+    cfg = PlanConfig(strategy="fixed", max_tokens=200, context=32, tokens_per_step=400, allow_slicing=False)
+    ld = PackedLoader(IterableSource(ds), config=cfg, num_threads=0, append_eos=False, epochs=1)
+    batches = [b for b in ld if b.num_tokens]
+    adjacent = 0
+    for b in batches:
+        segs = b.segments
+        adjacent += sum(p.doc == q.doc and p.end == q.start for p, q in zip(segs, segs[1:]))
+        inputs = phf.hf_batch(b)
+        flash, mask = _transformers_cu_seqlens(inputs["position_ids"])
+        assert flash == mask == b.cu_seqlens.tolist()
+        assert int(inputs["position_ids"].max()) < 32
+    assert adjacent > 0  # the case of the issue did occur
 
 
 def test_packed_trainer_gradient_is_the_per_token_mean_of_the_step(tmp_path, corpus):

@@ -6,7 +6,10 @@ micro-batches by step; ``train_step(engine, micro_batches, loss_sum_fn)`` runs t
 scaled to ``sum / loss_tokens_in_step * dp_world_size`` and ``engine.backward(loss, scale_wrt_gas=False)``, so that
 after DeepSpeed averages gradients over data-parallel ranks the step's gradient is the per-token mean over the
 global step. The engine's ``gradient_accumulation_steps`` must equal the micro-batches per step (checked). A
-micro-batch slot a planner left empty runs as a zero loss (no forward), so DeepSpeed's micro-step count holds.
+micro-batch slot a planner left empty (every DP rank runs the same count, so a rank with fewer pieces gets empty
+slots) runs as a one-token padding row without a loss target (``placeholder_batch``), its loss multiplied by 0:
+a real forward and backward, so DeepSpeed's micro-step count, its gradient reduction (ZeRO stages included) and
+a pipeline's schedule stay in step on every rank. ``PipelineBatches`` and ``ulysses_batch`` give the same row.
 
 Pipeline engine (``PipelineEngine.train_batch(data_iter)``): ``PipelineBatches(loader)`` yields
 ``(inputs, labels)`` tuples: inputs ``(input_ids [1, T] int64, position_ids [1, T] int64, cu_seqlens [S+1] int32)``
@@ -36,7 +39,7 @@ import torch
 
 from packloader.collate.batch import IGNORE_INDEX, PackedBatch
 
-from ._common import check_micro_batches, flat, refuse_slices, unshifted_labels
+from ._common import check_micro_batches, flat, placeholder_batch, refuse_slices, unshifted_labels
 from ._lazy import require
 
 __all__ = [
@@ -58,9 +61,12 @@ def _dp_world(engine: Any = None) -> int:
     return 1
 
 
-def deepspeed_batch(batch: PackedBatch, *, device: Any = None) -> dict[str, Any]:
-    """The micro-batch as `[1, T]` tensors plus varlen metadata, for a model called inside an engine loop."""
+def deepspeed_batch(batch: PackedBatch, *, device: Any = None, pad_id: int = 0) -> dict[str, Any]:
+    """The micro-batch as `[1, T]` tensors plus varlen metadata, for a model called inside an engine loop; an empty
+    micro-batch as a one-token row of `pad_id` without a loss target (`placeholder_batch`)."""
     refuse_slices(batch, "a DeepSpeed engine")
+    if batch.num_tokens == 0:
+        batch = placeholder_batch(batch, 1, pad_id)
     out = {
         "input_ids": flat(batch.input_ids).unsqueeze(0),
         "position_ids": flat(batch.position_ids).unsqueeze(0),
@@ -99,11 +105,9 @@ def train_step(engine: Any, micro_batches: Sequence[PackedBatch],
     scale = _dp_world(engine) / max(1, mb.loss_tokens_in_step)
     total = 0.0
     for b in micro_batches:
-        if b.num_tokens == 0:
-            # an empty micro-batch slot: a zero loss keeps DeepSpeed's micro-step count (and its all-reduce) in step
-            loss_sum = sum(p.reshape(-1)[:1].sum() for p in engine.module.parameters() if p.requires_grad) * 0.0
-        else:
-            loss_sum = loss_sum_fn(engine, deepspeed_batch(b, device=engine.device))
+        loss_sum = loss_sum_fn(engine, deepspeed_batch(b, device=engine.device))
+        if b.num_tokens == 0:  # the placeholder row: a real forward and backward, nothing learnt from it
+            loss_sum = loss_sum * 0.0
         engine.backward(loss_sum * scale, scale_wrt_gas=False)
         engine.step()
         total += float(loss_sum.detach())
@@ -171,6 +175,8 @@ def ulysses_batch(batch: PackedBatch, sp_size: int, sp_rank: int, *, pad_id: int
     if not (0 <= sp_rank < sp_size):
         raise ValueError(f"sp_rank must be in [0, {sp_size}), got {sp_rank}")
     refuse_slices(batch, "DeepSpeed-Ulysses")
+    if batch.num_tokens == 0:  # every SP rank still takes part in the all-to-all: one padding token each
+        batch = placeholder_batch(batch, sp_size, pad_id)
     ids, lab, pos, cu, pad = _pad_row(batch, sp_size, pad_id)
     n = ids.numel() // sp_size
     sl = slice(sp_rank * n, (sp_rank + 1) * n)
@@ -189,6 +195,8 @@ def ulysses_hf_batch(batch: PackedBatch, sp_size: int, *, pad_id: int = 0) -> di
     """The whole row padded to a multiple of `sp_size` in the HF convention DeepSpeed's
     ``UlyssesSPDataLoaderAdapter`` takes (it shards the row and derives ``shift_labels`` itself)."""
     refuse_slices(batch, "DeepSpeed-Ulysses")
+    if batch.num_tokens == 0:
+        batch = placeholder_batch(batch, sp_size, pad_id)
     ids, _, pos, _, pad = _pad_row(batch, sp_size, pad_id)
     labels = unshifted_labels(batch)
     if pad:

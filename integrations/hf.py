@@ -29,6 +29,12 @@ the micro-batches per step (``PlanConfig(num_micro_batches=...)``, checked every
 micro-batch is its token-loss sum divided by the step's loss tokens over all ranks (``loss_tokens_in_step``),
 which makes the step's gradient the per-token mean over the global step. ``args.max_steps`` must be set (the
 loader has no length).
+
+Empty micro-batches: planners give every DP rank the same number of micro-batches per step, so a rank with fewer
+pieces than the fullest one gets empty slots. ``hf_batch`` turns one into a one-token padding row with no loss
+target, which PackedTrainer runs like any other: zero loss and zero gradient, but a real forward and backward, so
+under DDP this rank still joins the gradient all-reduce at the end of the accumulation window (skipping it would
+leave the other ranks waiting in that all-reduce).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import torch
 
 from packloader.collate.batch import PackedBatch
 
-from ._common import check_micro_batches, flat, refuse_slices, unshifted_labels
+from ._common import check_micro_batches, flat, placeholder_batch, refuse_slices, unshifted_labels
 from ._lazy import require
 
 ATTENTION_MODES = ("position_ids", "varlen")
@@ -62,11 +68,15 @@ def _starts_at_zero(pos: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(pos == 0).view(-1)
 
 
-def hf_batch(batch: PackedBatch, *, attention: str = "position_ids", include_meta: bool = False) -> dict[str, Any]:
-    """One PackedBatch -> keyword arguments of a transformers causal LM on its packed path (see the module)."""
+def hf_batch(batch: PackedBatch, *, attention: str = "position_ids", include_meta: bool = False,
+             pad_id: int = 0) -> dict[str, Any]:
+    """One PackedBatch -> keyword arguments of a transformers causal LM on its packed path (see the module). An
+    empty micro-batch becomes a one-token row of `pad_id` without a loss target (`placeholder_batch`)."""
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     refuse_slices(batch, "a transformers model")
+    if batch.num_tokens == 0:
+        batch = placeholder_batch(batch, 1, pad_id)
     ids, pos = flat(batch.input_ids), flat(batch.position_ids)
     out: dict[str, Any] = {
         "input_ids": ids.unsqueeze(0),
@@ -200,13 +210,6 @@ class _PackedTrainerMixin:
                              "; expected all micro-batches of one packloader step, in order")
         # a step without loss tokens has only empty micro-batches (zero losses): avoid dividing by 0
         return torch.tensor(max(1, first["loss_tokens_in_step"]), device=device)
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if inputs["input_ids"].numel() == 0:
-            # an empty micro-batch slot: nothing to run (single process; under DDP an empty slot on the
-            # accumulation boundary would skip this rank's gradient all-reduce, so plan without empty slots)
-            return torch.zeros((), device=self.args.device)
-        return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = {k: v for k, v in inputs.items() if k != META_KEY}

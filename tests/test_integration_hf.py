@@ -229,3 +229,115 @@ def test_trainer_refuses_a_mismatched_accumulation(tmp_path, corpus):
                                                                                     epochs=None))
     with pytest.raises(ValueError, match="num_micro_batches=5"):
         trainer.train()
+
+
+def _step_with_empty_last(batches, toks, ga):
+    """One step's micro-batches rearranged: all segments in the first ga - 1, the last one empty."""
+    from packloader.collate.collate import collate_step
+
+    segs = [s for b in batches for s in b.segments]
+    parts = [list(p) for p in np.array_split(np.arange(len(segs)), ga - 1)]
+    mbs = [[segs[i] for i in p] for p in parts] + [[]]
+    return list(collate_step(mbs, toks, step=batches[0].step, loss_tokens_in_step=batches[0].loss_tokens_in_step))
+
+
+def _reference_grads(model, segments, toks, total):
+    """Gradient of the summed next-token loss of every segment, each run on its own, divided by `total`."""
+    loss = 0.0
+    for s in segments:
+        x = torch.from_numpy(toks[s.doc][s.start:s.end]).long().unsqueeze(0)
+        lg = model(input_ids=x).logits[0]
+        loss = loss + torch.nn.functional.cross_entropy(lg[:-1], x[0, 1:], reduction="sum")
+    (loss / total).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_hf_batch_of_an_empty_micro_batch_is_a_placeholder_row():
+    from packloader.collate.collate import collate
+
+    empty = collate([], {}, loss_tokens_in_step=9)
+    for attention in ("position_ids", "varlen"):
+        d = phf.hf_batch(empty, attention=attention, include_meta=True, pad_id=3)
+        assert d["input_ids"].tolist() == [[3]] and d["position_ids"].tolist() == [[0]]
+        assert d["labels"].tolist() == d["shift_labels"].tolist() == [[IGNORE_INDEX]]
+        assert d[phf.META_KEY]["num_loss_tokens"] == 0 and d[phf.META_KEY]["loss_tokens_in_step"] == 9
+    assert d["cu_seq_lens_q"].tolist() == [0, 1] and d["max_length_q"] == 1
+
+
+def test_packed_trainer_runs_an_empty_last_micro_batch(tmp_path, corpus):
+    """A step whose last micro-batch is empty: PackedTrainer runs the placeholder row through the model (a forward
+    for each of the ga micro-batches, so under DDP the accumulation boundary's all-reduce still happens), and the
+    gradient is still the per-token mean over the step's documents."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    ga = 3
+    ld = loader(corpus, num_micro_batches=ga, epochs=None)
+    step0 = []
+    for b in ld:
+        if b.step > 0:
+            break
+        step0.append(b)
+    toks = doc_tokens(ld, step0)
+    step = _step_with_empty_last(step0, toks, ga)
+    assert [b.num_tokens == 0 for b in step] == [False, False, True]
+
+    model, ref_model = tiny_llama("sdpa"), tiny_llama("sdpa")
+    ref_model.load_state_dict(model.state_dict())
+    ref_model.train()
+    ref_grads = _reference_grads(ref_model, [s for b in step for s in b.segments], toks, step[0].loss_tokens_in_step)
+
+    grads, calls = {}, []
+    model.register_forward_hook(lambda *a: calls.append(1))
+
+    class Grab(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            if not grads:
+                grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, gradient_accumulation_steps=ga,
+                                          learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
+                                          logging_strategy="no", max_grad_norm=0.0, dataloader_num_workers=0)
+    model.train()
+    phf.PackedTrainer(model=model, args=args, packed_loader=step, callbacks=[Grab()]).train()
+    assert len(calls) == ga
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=2e-4, atol=1e-6, msg=n)
+
+
+def _ddp_ranks(rank, world, steps, toks, ref_grads):
+    """Plain DDP (gloo) over hf_batch rows, all-reduce only in the last micro-batch's backward (no_sync before)."""
+    import contextlib
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = tiny_llama("sdpa").train()
+    ddp = DistributedDataParallel(model)
+    mbs = steps[rank]
+    for i, b in enumerate(mbs):
+        inputs = phf.hf_batch(b)
+        target = inputs.pop("shift_labels")[0]
+        inputs.pop("labels")
+        with ddp.no_sync() if i < len(mbs) - 1 else contextlib.nullcontext():
+            lg = ddp(**inputs).logits[0]
+            loss = torch.nn.functional.cross_entropy(lg, target, ignore_index=IGNORE_INDEX, reduction="sum")
+            (loss * world / b.loss_tokens_in_step).backward()  # DDP averages over ranks
+    return max(float((p.grad - ref_grads[n]).abs().max()) for n, p in model.named_parameters())
+
+
+def test_ddp_ranks_stay_in_step_over_an_empty_last_micro_batch(corpus):
+    """Two DP ranks, rank 1's last micro-batch empty: its placeholder row's backward joins DDP's all-reduce (a rank
+    that skipped it would leave the other waiting), and both end with the per-token mean gradient of the step."""
+    from distributed import run_ranks
+
+    ga = 2
+    ld = loader(corpus, num_micro_batches=ga, epochs=None)
+    first = [b for _, b in zip(range(2 * ga), ld)]  # two steps of one loader: the two ranks' shares of a step
+    toks = doc_tokens(ld, first)
+    total = first[0].loss_tokens_in_step + first[ga].loss_tokens_in_step
+    steps = [first[:ga], _step_with_empty_last(first[ga:], toks, ga)]
+    for s in steps:
+        for b in s:
+            b.loss_tokens_in_step = total
+    ref = tiny_llama("sdpa").train()
+    ref_grads = _reference_grads(ref, [s for st in steps for b in st for s in b.segments], toks, total)
+    errs = run_ranks(_ddp_ranks, 2, steps, toks, ref_grads, timeout=240)
+    assert max(errs) < 1e-5, errs

@@ -214,3 +214,32 @@ def test_adapters_import_lazily_and_name_the_extra():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("cp_size,cp_layout", [(1, "packloader"), (2, "packloader"), (3, "packloader"), (2, "te")])
+def test_an_empty_micro_batch_runs_as_a_placeholder_without_loss(cp_size, cp_layout):
+    """An empty slot (a DP rank with fewer pieces than the fullest one) becomes 2 x CP padding tokens with loss mask
+    0: every CP rank gets tokens to run, and megatron's loss over it is 0 with 0 tokens."""
+    from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from packloader.collate.collate import collate, collate_padded
+
+    empty = collate([], {}, loss_tokens_in_step=11) if cp_layout == "packloader" else collate_padded(
+        [], {}, pad_to_multiple=2 * cp_size)
+    assert empty.num_tokens == 0
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, calculate_per_token_loss=True)
+    table = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(1))
+    held = 0
+    for r in range(cp_size):
+        d = pm.megatron_batch(empty, cp_size=cp_size, cp_rank=r, cp_layout=cp_layout)
+        n = d["tokens"].shape[1]
+        assert n >= 1 and float(d["loss_mask"].sum()) == 0.0
+        # the packloader layout describes this rank's tokens, the te layout the whole (global) row
+        assert int(d["packed_seq_params"].cu_seqlens_q[-1]) == (n if cp_layout == "packloader" else 2 * cp_size)
+        held += n
+        out = _per_token_losses(table, d["tokens"], d["labels"])
+        loss, num = forward_step_calc_loss(torch.nn.Identity(), out, partial(pm.loss_func, d["loss_mask"]), cfg,
+                                           None, False, 1, [], cp_group_size=cp_size, is_last_stage=True)
+        assert float(loss) == 0.0 and int(num) == 0
+    assert held == 2 * cp_size

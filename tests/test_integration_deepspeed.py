@@ -98,7 +98,7 @@ def reference_grads(ds, step_batches):
         for b in mbs:
             for s in b.segments:
                 d = torch.from_numpy(toks[s.doc][s.start:s.end]).long()
-                out = run(mods, d.unsqueeze(0), torch.arange(s.start, s.end).unsqueeze(0),
+                out = run(mods, d.unsqueeze(0), torch.arange(s.end - s.start).unsqueeze(0),
                           torch.tensor([0, d.numel()], dtype=torch.int32))
                 loss = loss + torch.nn.functional.cross_entropy(out[0, :-1], d[1:], reduction="sum")
     (loss / total).backward()

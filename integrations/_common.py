@@ -1,12 +1,15 @@
-"""Framework-free pieces the adapters share: slice refusal, micro-batch count checks, HF-convention labels."""
+"""Framework-free pieces the adapters share: slice refusal, micro-batch count checks, HF-convention labels, the
+placeholder row of an empty micro-batch."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from packloader.collate.batch import IGNORE_INDEX, PackedBatch
+from packloader.contracts import Segment
 
 
 def refuse_slices(batch: PackedBatch, consumer: str) -> None:
@@ -30,6 +33,30 @@ def check_micro_batches(step: int, count: int, expected: int | None, consumer: s
             f"this rank {count}: set PlanConfig(num_micro_batches={expected}) and a planner "
             "that honours it"
         )
+
+
+def placeholder_batch(batch: PackedBatch, tokens: int = 1, pad_id: int = 0) -> PackedBatch:
+    """What an adapter runs for an empty micro-batch: one segment of `tokens` padding tokens (document id -1),
+    positions from 0, no loss target.
+
+    Planners give every DP rank the same number of micro-batches (Megatron's num_microbatches, DeepSpeed's and
+    the Trainer's gradient_accumulation_steps are one number for all ranks), so a rank with fewer pieces than
+    the fullest one gets empty slots. Skipping one would leave that rank a forward/backward short: under DDP the
+    gradient all-reduce fires in the last micro-batch's backward, and in a pipeline every stage expects each
+    micro-batch, so the other ranks would wait forever. Running this row instead keeps every rank in step and
+    adds zero to the loss, to its normaliser and to the gradient."""
+    n = int(tokens)
+    cu = torch.tensor([0, n], dtype=torch.int32)
+    return dataclasses.replace(
+        batch,
+        input_ids=torch.full((n,), int(pad_id), dtype=torch.int64),
+        labels=torch.full((n,), IGNORE_INDEX, dtype=torch.int64),
+        position_ids=torch.arange(n, dtype=torch.int64),
+        cu_seqlens=cu, cu_seqlens_k=cu.clone(), max_seqlen=n, max_seqlen_k=n,
+        doc_ids=torch.tensor([-1], dtype=torch.int64), segments=[Segment(-1, 0, n, 0)], num_loss_tokens=0,
+        cu_seqlens_padded=None if batch.cu_seqlens_padded is None else cu.clone(),
+        extra={**batch.extra, "placeholder": True},
+    )
 
 
 def flat(t: torch.Tensor) -> torch.Tensor:

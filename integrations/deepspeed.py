@@ -6,7 +6,10 @@ micro-batches by step; ``train_step(engine, micro_batches, loss_sum_fn)`` runs t
 scaled to ``sum / loss_tokens_in_step * dp_world_size`` and ``engine.backward(loss, scale_wrt_gas=False)``, so that
 after DeepSpeed averages gradients over data-parallel ranks the step's gradient is the per-token mean over the
 global step. The engine's ``gradient_accumulation_steps`` must equal the micro-batches per step (checked). A
-micro-batch slot a planner left empty runs as a zero loss (no forward), so DeepSpeed's micro-step count holds.
+micro-batch slot a planner left empty (every DP rank runs the same count, so a rank with fewer pieces gets empty
+slots) runs as a one-token padding row without a loss target (``placeholder_batch``), its loss multiplied by 0:
+a real forward and backward, so DeepSpeed's micro-step count, its gradient reduction (ZeRO stages included) and
+a pipeline's schedule stay in step on every rank. ``PipelineBatches`` and ``ulysses_batch`` give the same row.
 
 Pipeline engine (``PipelineEngine.train_batch(data_iter)``): ``PipelineBatches(loader)`` yields
 ``(inputs, labels)`` tuples: inputs ``(input_ids [1, T] int64, position_ids [1, T] int64, cu_seqlens [S+1] int32)``
@@ -20,9 +23,11 @@ DeepSpeed-Ulysses: every SP rank holds an equal contiguous 1/SP of the packed ro
 each rank the whole row for 1/SP of the heads, so attention runs per document on the global ``cu_seqlens``.
 ``ulysses_batch(batch, sp_size, sp_rank)`` pads the row to a multiple of SP (the padding is its own segment in
 ``cu_seqlens``, labels -100, positions restarting at 0, so it attends to nothing real) and returns this rank's shard
-with positions reset per document. ``ulysses_hf_batch`` gives the whole padded row in the Hugging Face convention
-that DeepSpeed's ``UlyssesSPDataLoaderAdapter`` shards itself (``input_ids``, ``position_ids``, unshifted
-``labels``). The documents were balanced by packloader across micro-batches and DP ranks; inside a micro-batch,
+with positions reset per document and per piece. ``ulysses_hf_batch`` gives the whole padded row in the Hugging Face
+convention that DeepSpeed's ``UlyssesSPDataLoaderAdapter`` shards itself (``input_ids``, ``position_ids``, unshifted
+``labels``); that adapter derives its targets by shifting ``labels`` inside the row, so there the last token of a
+piece of a document longer than the context has no target (its target, the next piece's first token, is not in
+the row) and the loss covers one token per piece boundary less than ``loss_tokens_in_step`` counts. The documents were balanced by packloader across micro-batches and DP ranks; inside a micro-batch,
 Ulysses splits work evenly by construction (all heads' attention over the same row).
 """
 
@@ -34,7 +39,7 @@ import torch
 
 from packloader.collate.batch import IGNORE_INDEX, PackedBatch
 
-from ._common import check_micro_batches, flat, refuse_slices, unshifted_labels
+from ._common import check_micro_batches, flat, placeholder_batch, refuse_slices, unshifted_labels
 from ._lazy import require
 
 __all__ = [
@@ -56,9 +61,12 @@ def _dp_world(engine: Any = None) -> int:
     return 1
 
 
-def deepspeed_batch(batch: PackedBatch, *, device: Any = None) -> dict[str, Any]:
-    """The micro-batch as `[1, T]` tensors plus varlen metadata, for a model called inside an engine loop."""
+def deepspeed_batch(batch: PackedBatch, *, device: Any = None, pad_id: int = 0) -> dict[str, Any]:
+    """The micro-batch as `[1, T]` tensors plus varlen metadata, for a model called inside an engine loop; an empty
+    micro-batch as a one-token row of `pad_id` without a loss target (`placeholder_batch`)."""
     refuse_slices(batch, "a DeepSpeed engine")
+    if batch.num_tokens == 0:
+        batch = placeholder_batch(batch, 1, pad_id)
     out = {
         "input_ids": flat(batch.input_ids).unsqueeze(0),
         "position_ids": flat(batch.position_ids).unsqueeze(0),
@@ -97,11 +105,9 @@ def train_step(engine: Any, micro_batches: Sequence[PackedBatch],
     scale = _dp_world(engine) / max(1, mb.loss_tokens_in_step)
     total = 0.0
     for b in micro_batches:
-        if b.num_tokens == 0:
-            # an empty micro-batch slot: a zero loss keeps DeepSpeed's micro-step count (and its all-reduce) in step
-            loss_sum = sum(p.reshape(-1)[:1].sum() for p in engine.module.parameters() if p.requires_grad) * 0.0
-        else:
-            loss_sum = loss_sum_fn(engine, deepspeed_batch(b, device=engine.device))
+        loss_sum = loss_sum_fn(engine, deepspeed_batch(b, device=engine.device))
+        if b.num_tokens == 0:  # the placeholder row: a real forward and backward, nothing learnt from it
+            loss_sum = loss_sum * 0.0
         engine.backward(loss_sum * scale, scale_wrt_gas=False)
         engine.step()
         total += float(loss_sum.detach())
@@ -169,6 +175,8 @@ def ulysses_batch(batch: PackedBatch, sp_size: int, sp_rank: int, *, pad_id: int
     if not (0 <= sp_rank < sp_size):
         raise ValueError(f"sp_rank must be in [0, {sp_size}), got {sp_rank}")
     refuse_slices(batch, "DeepSpeed-Ulysses")
+    if batch.num_tokens == 0:  # every SP rank still takes part in the all-to-all: one padding token each
+        batch = placeholder_batch(batch, sp_size, pad_id)
     ids, lab, pos, cu, pad = _pad_row(batch, sp_size, pad_id)
     n = ids.numel() // sp_size
     sl = slice(sp_rank * n, (sp_rank + 1) * n)
@@ -187,6 +195,8 @@ def ulysses_hf_batch(batch: PackedBatch, sp_size: int, *, pad_id: int = 0) -> di
     """The whole row padded to a multiple of `sp_size` in the HF convention DeepSpeed's
     ``UlyssesSPDataLoaderAdapter`` takes (it shards the row and derives ``shift_labels`` itself)."""
     refuse_slices(batch, "DeepSpeed-Ulysses")
+    if batch.num_tokens == 0:
+        batch = placeholder_batch(batch, sp_size, pad_id)
     ids, _, pos, _, pad = _pad_row(batch, sp_size, pad_id)
     labels = unshifted_labels(batch)
     if pad:

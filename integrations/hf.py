@@ -3,16 +3,21 @@ from a packloader loader with the loss normalised per token over the whole optim
 
 Batches (``hf_batch``), all ``[1, T]``:
 
-* ``input_ids``, ``position_ids`` (restart at 0 per document; a piece of a long document continues its document's
-  positions), ``shift_labels`` (packloader's labels: the target of every token, -100 at a document's last token),
-  and ``labels`` in the Hugging Face convention (unshifted, -100 at each segment's first token and on padding),
-  for code that shifts labels itself. transformers' causal-LM loss uses ``shift_labels`` when it is given.
+* ``input_ids``, ``position_ids`` (restart at 0 at every document and every independent piece of a document
+  longer than the context), ``shift_labels`` (packloader's labels: the target of every token, -100 at a
+  document's last token; a piece's last token predicts the next piece's first) and ``labels`` in the Hugging Face
+  convention (unshifted, -100 at each segment's first token and on padding), for code that shifts labels itself;
+  they cannot hold a piece's last target, which lies outside the row. transformers' causal-LM loss uses
+  ``shift_labels`` when it is given.
 * ``attention="position_ids"`` (default): nothing else. transformers (>= 4.53) detects packed sequences from
   position ids that do not increase by one (``find_packed_sequence_indices``) and masks attention per document with
   sdpa, eager and flex attention, but only without a KV cache: the batch carries ``use_cache=False`` (with
   ``config.use_cache=True`` Llama creates a cache even in training, and the packed detection is silently skipped:
   attention then crosses documents). This needs every segment boundary to show in the positions; ``hf_batch`` checks
-  that and refuses a batch where a segment happens to continue the previous one's positions.
+  that: every segment starts at position 0 (transformers' flash-attention path starts a sequence exactly where a
+  position is 0, ``prepare_fa_kwargs_from_position_ids``) and is followed by one that does not continue it (the
+  sdpa/eager/flex path, ``find_packed_sequence_indices``); a batch where either inference misses a boundary is
+  refused.
 * ``attention="varlen"``: also ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` (ints), the flash-attention
   varlen keyword arguments of transformers' ``flash_attention_2`` path, and of the ``"packloader_varlen"``
   attention that ``register_packloader_attention()`` adds (packloader's ``varlen_attention``: any device, CPU
@@ -24,6 +29,12 @@ the micro-batches per step (``PlanConfig(num_micro_batches=...)``, checked every
 micro-batch is its token-loss sum divided by the step's loss tokens over all ranks (``loss_tokens_in_step``),
 which makes the step's gradient the per-token mean over the global step. ``args.max_steps`` must be set (the
 loader has no length).
+
+Empty micro-batches: planners give every DP rank the same number of micro-batches per step, so a rank with fewer
+pieces than the fullest one gets empty slots. ``hf_batch`` turns one into a one-token padding row with no loss
+target, which PackedTrainer runs like any other: zero loss and zero gradient, but a real forward and backward, so
+under DDP this rank still joins the gradient all-reduce at the end of the accumulation window (skipping it would
+leave the other ranks waiting in that all-reduce).
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import torch
 
 from packloader.collate.batch import PackedBatch
 
-from ._common import check_micro_batches, flat, refuse_slices, unshifted_labels
+from ._common import check_micro_batches, flat, placeholder_batch, refuse_slices, unshifted_labels
 from ._lazy import require
 
 ATTENTION_MODES = ("position_ids", "varlen")
@@ -45,18 +56,27 @@ __all__ = ["hf_batch", "register_packloader_attention", "packloader_attention_fo
 
 
 def _boundaries_from_positions(pos: torch.Tensor) -> torch.Tensor:
-    """Segment starts as transformers infers them: where the position does not increase by exactly one."""
+    """Segment starts as transformers' mask path infers them: where the position does not increase by one."""
     starts = torch.ones_like(pos, dtype=torch.bool)
     if pos.numel() > 1:
         starts[1:] = torch.diff(pos) != 1
     return torch.nonzero(starts).view(-1)
 
 
-def hf_batch(batch: PackedBatch, *, attention: str = "position_ids", include_meta: bool = False) -> dict[str, Any]:
-    """One PackedBatch -> keyword arguments of a transformers causal LM on its packed path (see the module)."""
+def _starts_at_zero(pos: torch.Tensor) -> torch.Tensor:
+    """Segment starts as transformers' flash-attention path infers them: where the position is 0."""
+    return torch.nonzero(pos == 0).view(-1)
+
+
+def hf_batch(batch: PackedBatch, *, attention: str = "position_ids", include_meta: bool = False,
+             pad_id: int = 0) -> dict[str, Any]:
+    """One PackedBatch -> keyword arguments of a transformers causal LM on its packed path (see the module). An
+    empty micro-batch becomes a one-token row of `pad_id` without a loss target (`placeholder_batch`)."""
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     refuse_slices(batch, "a transformers model")
+    if batch.num_tokens == 0:
+        batch = placeholder_batch(batch, 1, pad_id)
     ids, pos = flat(batch.input_ids), flat(batch.position_ids)
     out: dict[str, Any] = {
         "input_ids": ids.unsqueeze(0),
@@ -71,13 +91,14 @@ def hf_batch(batch: PackedBatch, *, attention: str = "position_ids", include_met
     if attention == "position_ids":
         expected = offsets[:-1].long()
         expected = expected[torch.diff(offsets.long()) > 0]
-        got = _boundaries_from_positions(pos)
-        if not torch.equal(got, expected):
-            raise ValueError(
-                f"step {batch.step}, micro-batch {batch.index_in_step}: segment starts {expected.tolist()} cannot be "
-                f"recovered from position_ids (they give {got.tolist()}): a segment continues the previous one's "
-                "positions. Use hf_batch(..., attention='varlen') with a varlen attention implementation"
-            )
+        for got in (_boundaries_from_positions(pos), _starts_at_zero(pos)):
+            if not torch.equal(got, expected):
+                raise ValueError(
+                    f"step {batch.step}, micro-batch {batch.index_in_step}: segment starts {expected.tolist()} cannot "
+                    f"be recovered from position_ids (they give {got.tolist()}): a segment does not start at "
+                    "position 0 or continues the previous one's positions. Use hf_batch(..., attention='varlen') "
+                    "with a varlen attention implementation"
+                )
     else:
         out["cu_seq_lens_q"] = offsets.to(torch.int32)
         out["cu_seq_lens_k"] = offsets.to(torch.int32)
@@ -189,13 +210,6 @@ class _PackedTrainerMixin:
                              "; expected all micro-batches of one packloader step, in order")
         # a step without loss tokens has only empty micro-batches (zero losses): avoid dividing by 0
         return torch.tensor(max(1, first["loss_tokens_in_step"]), device=device)
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if inputs["input_ids"].numel() == 0:
-            # an empty micro-batch slot: nothing to run (single process; under DDP an empty slot on the
-            # accumulation boundary would skip this rank's gradient all-reduce, so plan without empty slots)
-            return torch.zeros((), device=self.args.device)
-        return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = {k: v for k, v in inputs.items() if k != META_KEY}

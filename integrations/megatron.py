@@ -38,6 +38,12 @@ with ``ModelParallelConfig.variable_seq_lengths=True``: the pipeline's p2p commu
 shapes before every send (a small extra message). Without pipeline parallelism nothing is needed. With the
 padded variant (``pad_to_tokens``: every micro-batch the same size) it is not needed either.
 
+Empty micro-batches: every DP rank runs Megatron's one ``num_microbatches`` per step, so a rank with fewer pieces
+than the fullest one gets empty slots from the planner. ``megatron_batch`` turns one into a row of 2 x CP padding
+tokens with ``loss_mask`` 0 (``placeholder_batch``): every pipeline stage runs it like any micro-batch, so the
+schedule's sends and receives and the DP gradient reduction stay in step, and it adds nothing to the loss or to
+the per-token normaliser (``loss_func`` counts 0 tokens for it).
+
 Tensor parallelism: every TP rank builds the same loader (same dp_rank) and gets the same batches, since plans are
 deterministic; no broadcast from TP rank 0 (``get_batch_on_this_tp_rank``) is needed.
 """
@@ -52,7 +58,7 @@ import torch
 
 from packloader.collate.batch import IGNORE_INDEX, PackedBatch
 
-from ._common import check_micro_batches, flat, refuse_slices
+from ._common import check_micro_batches, flat, placeholder_batch, refuse_slices
 from ._lazy import require
 
 CP_LAYOUTS = ("packloader", "te")
@@ -112,6 +118,8 @@ def megatron_batch(
     if not (0 <= cp_rank < cp_size):
         raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
     refuse_slices(batch, "Megatron-core's THD attention")
+    if batch.num_tokens == 0:  # an empty slot: 2 x CP padding tokens (each CP rank two), no loss target
+        batch = placeholder_batch(batch, 2 * cp_size)
     PackedSeqParams = _packed_seq_params_cls()
     ids, lab, pos = flat(batch.input_ids), flat(batch.labels), flat(batch.position_ids)
     shard = None
@@ -140,7 +148,7 @@ def megatron_batch(
             raise ValueError("cp_layout='packloader' shards the unpadded micro-batch: build the loader without "
                              "pad_to_multiple / pad_to_tokens")
         lengths = [s.end - s.start for s in batch.segments]
-        offsets = [s.start for s in batch.segments]
+        offsets = [s.start - s.attend_from for s in batch.segments]  # the collate's positions (0: no slices)
         shard = plan_cp_shards(lengths, cp_size, cp_mode, position_offsets=offsets, cost_model=cost_model)[cp_rank]
         index = torch.from_numpy(shard.token_index)
         ids, lab = ids[index], lab[index]

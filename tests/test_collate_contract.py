@@ -19,7 +19,7 @@ def reference(segments, docs):
         for t in range(s.start, s.end):
             ids.append(doc[t])
             labels.append(doc[t + 1] if t + 1 < len(doc) else IGNORE_INDEX)
-            pos.append(t)  # offset in the document
+            pos.append(t - s.attend_from)  # offset in its attention span: 0 at a document's or piece's start
         cu.append(cu[-1] + s.end - s.start)
         cu_k.append(cu_k[-1] + s.end - s.attend_from)
     return ids, labels, pos, cu, cu_k
@@ -74,15 +74,30 @@ def test_labels_never_cross_a_document_and_positions_restart():
     assert b.cu_seqlens.tolist() == [0, 3, 5] and b.max_seqlen == 3 and b.num_loss_tokens == 3
 
 
-def test_pieces_continue_positions_and_predict_the_next_piece():
+def test_pieces_restart_positions_and_predict_the_next_piece():
     docs = {7: np.arange(100, 110)}
     first = collate([Segment(7, 0, 4, 0)], docs)
     second = collate([Segment(7, 4, 10, 4)], docs)
     assert first.labels.tolist() == [101, 102, 103, 104]  # the piece's last token predicts the next piece's first
-    assert second.position_ids.tolist() == list(range(4, 10))
+    assert second.position_ids.tolist() == list(range(6))  # an independent piece is a sequence of its own
     assert second.labels.tolist()[-1] == -100
     sl = collate([Segment(7, 4, 10, 0)], docs)  # a slice: keys include the 4 earlier tokens
     assert sl.cu_seqlens.tolist() == [0, 6] and sl.cu_seqlens_k.tolist() == [0, 10] and sl.max_seqlen_k == 10
+    assert sl.position_ids.tolist() == list(range(4, 10))  # and its positions continue them
+
+
+def test_hand_worked_pieces_and_slices_in_one_micro_batch():
+    """Document 5 (12 tokens 500..511) at context 5 is three pieces [0,5) [5,10) [10,12); the second one sliced
+    into [5,7) and [7,10) (attend_from 5). Document 6 (3 tokens) is whole. Worked out by hand."""
+    docs = {5: np.arange(500, 512), 6: np.array([60, 61, 62])}
+    segs = [Segment(5, 0, 5, 0), Segment(5, 5, 7, 5), Segment(6, 0, 3, 0), Segment(5, 7, 10, 5),
+            Segment(5, 10, 12, 10)]
+    b = collate(segs, docs)
+    assert b.input_ids.tolist() == [500, 501, 502, 503, 504, 505, 506, 60, 61, 62, 507, 508, 509, 510, 511]
+    assert b.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 2, 3, 4, 0, 1]
+    assert b.labels.tolist() == [501, 502, 503, 504, 505, 506, 507, 61, 62, -100, 508, 509, 510, 511, -100]
+    assert b.cu_seqlens.tolist() == [0, 5, 7, 10, 13, 15] and b.cu_seqlens_k.tolist() == [0, 5, 7, 10, 15, 17]
+    assert b.num_loss_tokens == 13  # 15 tokens, two documents end here
 
 
 @settings(max_examples=80, deadline=None)

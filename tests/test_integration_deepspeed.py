@@ -98,7 +98,7 @@ def reference_grads(ds, step_batches):
         for b in mbs:
             for s in b.segments:
                 d = torch.from_numpy(toks[s.doc][s.start:s.end]).long()
-                out = run(mods, d.unsqueeze(0), torch.arange(s.start, s.end).unsqueeze(0),
+                out = run(mods, d.unsqueeze(0), torch.arange(s.end - s.start).unsqueeze(0),
                           torch.tensor([0, d.numel()], dtype=torch.int32))
                 loss = loss + torch.nn.functional.cross_entropy(out[0, :-1], d[1:], reduction="sum")
     (loss / total).backward()
@@ -165,6 +165,25 @@ def _ranks(rank, world):
     results["pipe_max_err"] = max(float((a - (i - lr * g)).abs().max()) for a, i, g in zip(after, init, ref_grads))
     results["pipe_loss"] = float(ploss)
 
+    # --- an empty micro-batch on rank 1, last in the step (DeepSpeed all-reduces in that backward) -------------
+    # rank 1 runs its two micro-batches' segments as one, then an empty one: the same tokens, so the same update
+    step = next(pds.steps(loader(ds, rank, ga)))
+    if rank == 1:
+        step = with_empty_last(step)
+    results["empty_counts"] = [b.num_tokens == 0 for b in step]
+    model = torch.nn.Sequential(*layers())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+    pds.train_step(engine, step, loss_sum)
+    after = [p.detach().clone() for p in model.parameters()]
+    results["engine_empty_max_err"] = max(float((a - (i - lr * g)).abs().max())
+                                          for a, i, g in zip(after, init, ref_grads))
+    pipe = PipelineModule(layers=layers(), num_stages=1, loss_fn=pds.pipeline_loss_fn, dynamic_shape=True)
+    pengine, *_ = deepspeed.initialize(model=pipe, model_parameters=pipe.parameters(), config=ds_cfg)
+    pengine.train_batch(pds.PipelineBatches(iter(step), gradient_accumulation_steps=ga))
+    after = [p.detach().clone() for p in pipe.parameters()]
+    results["pipe_empty_max_err"] = max(float((a - (i - lr * g)).abs().max())
+                                        for a, i, g in zip(after, init, ref_grads))
+
     # --- Ulysses: DeepSpeed's adapter shards packloader rows like ulysses_batch ---------------------------------
     import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
@@ -183,6 +202,24 @@ def _ranks(rank, world):
                          and equal_inside(got["shift_labels"], want["labels"], theirs[src][i], world, rank))
     results["ulysses_agree"] = agree
     return results
+
+
+def with_empty_last(step):
+    """The step's micro-batches as two: all their segments in the first, the second empty (collated anew from the
+    documents' tokens, so everything else about the step is the same)."""
+    from packloader.collate.collate import collate_step
+
+    segs = [s for b in step for s in b.segments]
+    docs_ = {}
+    for b in step:  # each segment's whole document, rebuilt from the batch (labels carry the next token)
+        for s, lo, hi in zip(b.segments, b.cu_seqlens[:-1].tolist(), b.cu_seqlens[1:].tolist()):
+            toks = docs_.setdefault(s.doc, {})
+            toks.update(zip(range(s.start, s.end), b.input_ids[lo:hi].tolist()))
+            lab = b.labels[hi - 1].item()
+            if lab != -100:
+                toks[s.end] = lab
+    arrays = {d: np.array([t[i] for i in range(len(t))], np.int64) for d, t in docs_.items()}
+    return list(collate_step([segs, []], arrays, step=step[0].step, loss_tokens_in_step=step[0].loss_tokens_in_step))
 
 
 def equal_inside(shift_labels, labels, batch, world, rank):
@@ -215,6 +252,34 @@ def test_pipeline_engine_takes_dynamic_shapes_and_normalises_per_token(results):
         assert r["pipe_max_err"] < 1e-5
     # the engine reports the mean over micro-batches and DP ranks of (sum * GA * DP / N): the step's per-token mean
     assert results[0]["pipe_loss"] == pytest.approx(results[0]["ref_loss"], rel=1e-5)
+
+
+def test_an_empty_last_micro_batch_keeps_ranks_in_step_and_adds_nothing(results):
+    """Rank 1's step ends with an empty micro-batch: the engine loop and the pipeline engine run the placeholder
+    row there (a real forward and backward, so the DP all-reduce of that micro-step happens on both ranks, no
+    hang), and the update still equals the reference step's per-token mean gradient."""
+    assert results[0]["empty_counts"] == [False, False] and results[1]["empty_counts"] == [False, True]
+    for r in results:
+        assert r["engine_empty_max_err"] < 1e-5
+        assert r["pipe_empty_max_err"] < 1e-5
+
+
+def test_placeholder_rows_of_an_empty_micro_batch():
+    from packloader.collate.collate import collate
+    from packloader_integrations import deepspeed as pds
+
+    empty = collate([], {}, loss_tokens_in_step=7)
+    d = pds.deepspeed_batch(empty, pad_id=5)
+    assert d["input_ids"].tolist() == [[5]] and d["labels"].tolist() == [[-100]] and d["position_ids"].tolist() == [[0]]
+    assert d["cu_seqlens"].tolist() == [0, 1] and d["max_seqlen"] == 1 and d["loss_tokens_in_step"] == 7
+    (ids, pos, cu), (lab, scale) = next(pds.PipelineBatches(iter([empty]), gradient_accumulation_steps=1,
+                                                            dp_world_size=1))
+    assert ids.shape == lab.shape == (1, 1) and lab.tolist() == [[-100]] and cu.tolist() == [0, 1]
+    for sp in (1, 2, 3):
+        shards = [pds.ulysses_batch(empty, sp, r) for r in range(sp)]
+        assert all(s["input_ids"].shape == (1, 1) and s["labels"].tolist() == [[-100]] for s in shards)
+        assert shards[0]["cu_seqlens"].tolist() == [0, sp]
+        assert pds.ulysses_hf_batch(empty, sp)["labels"].tolist() == [[-100] * sp]
 
 
 def test_ulysses_adapter_shards_like_ulysses_batch(results):

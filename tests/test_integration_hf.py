@@ -52,11 +52,12 @@ def doc_tokens(ld, batches) -> dict:
 
 
 def reference(model, batch, corpus):
-    """Per-segment forward, one document (or document piece, with its positions) at a time."""
+    """Per-segment forward, one document or independent piece at a time, as its own sequence from position 0
+    (concat-and-chunk); each token's target is the document's next token, past the piece's end too."""
     logits, loss_sum, n = [], 0.0, 0
     for s in batch.segments:
         x = torch.from_numpy(corpus[s.doc][s.start:s.end]).long().unsqueeze(0)
-        pos = torch.arange(s.start, s.end).unsqueeze(0)
+        pos = torch.arange(s.end - s.start).unsqueeze(0)
         with torch.no_grad():
             lg = model(input_ids=x, position_ids=pos).logits[0]
         logits.append(lg)
@@ -72,7 +73,7 @@ def reference(model, batch, corpus):
 def test_packed_forward_equals_per_document_forward(corpus, attention):
     attn = "sdpa" if attention == "position_ids" else phf.register_packloader_attention()
     model = tiny_llama(attn)
-    # context 90 < longest document: pieces of long documents (positions continuing) are in the batches too
+    # context 90 < longest document: pieces of long documents (positions from 0) are in the batches too
     ld = loader(corpus, context=90)
     batches = list(ld)[:6]
     toks = doc_tokens(ld, batches)
@@ -102,15 +103,75 @@ def test_unshifted_labels_shift_to_packloader_labels_inside_the_row(corpus):
 
 
 def test_ambiguous_positions_are_refused():
+    """The collate never makes such positions (every segment starts at 0); a hand-made batch can."""
+    import dataclasses
+
     from packloader.collate.collate import collate
     from packloader.contracts import Segment
 
     toks = {0: np.arange(10, dtype=np.int32), 1: np.arange(20, dtype=np.int32)}
-    # document 1's piece starting at offset 4 continues document 0's positions 0..3
     b = collate([Segment(0, 0, 4, 0), Segment(1, 4, 9, 4)], toks)
-    with pytest.raises(ValueError, match="attention='varlen'"):
-        phf.hf_batch(b)
-    assert phf.hf_batch(b, attention="varlen")["cu_seq_lens_q"].tolist() == [0, 4, 9]
+    assert phf.hf_batch(b)["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4]
+    # the second segment continuing the first one's positions: both of transformers' inferences merge them
+    merged = dataclasses.replace(b, position_ids=torch.arange(9))
+    # the second segment starting at 5: the mask path sees the boundary, the flash path (starts at 0) does not
+    shifted = dataclasses.replace(b, position_ids=torch.tensor([0, 1, 2, 3, 5, 6, 7, 8, 9]))
+    for bad in (merged, shifted):
+        with pytest.raises(ValueError, match="attention='varlen'"):
+            phf.hf_batch(bad)
+        assert phf.hf_batch(bad, attention="varlen")["cu_seq_lens_q"].tolist() == [0, 4, 9]
+
+
+def _transformers_cu_seqlens(position_ids: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Sequence starts as transformers infers them from [1, T] position ids: its flash-attention path
+    (`prepare_fa_kwargs_from_position_ids`, a start where the position is 0) and its mask path
+    (`find_packed_sequence_indices`, a start where the position does not grow by one), as cu_seqlens."""
+    from transformers.masking_utils import find_packed_sequence_indices
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    (cu_q, cu_k), _ = prepare_fa_kwargs_from_position_ids(position_ids)
+    assert torch.equal(cu_q, cu_k)
+    seq = find_packed_sequence_indices(position_ids)[0]
+    counts = torch.bincount(seq - seq[0])
+    return cu_q.tolist(), [0] + torch.cumsum(counts, 0).tolist()
+
+
+def test_adjacent_pieces_of_one_document_stay_apart_in_transformers():
+    """Issue reproduction: documents of 16, 48 and 96 tokens at context 48 (max_tokens 200) give the segments
+    (1,0,16) (4,0,48) (8,0,48) (8,48,96), two adjacent pieces of document 8 in one micro-batch. Their positions
+    used to continue (48..95 after 0..47), and transformers' flash path merged the two pieces; now every piece
+    restarts at 0, and both of transformers' inferences give packloader's cu_seqlens."""
+    from packloader.collate.collate import collate
+    from packloader.contracts import Segment
+
+    toks = {1: np.arange(16, dtype=np.int32), 4: np.arange(48, dtype=np.int32), 8: np.arange(96, dtype=np.int32)}
+    segs = [Segment(1, 0, 16, 0), Segment(4, 0, 48, 0), Segment(8, 0, 48, 0), Segment(8, 48, 96, 48)]
+    b = collate(segs, toks)
+    assert b.cu_seqlens.tolist() == [0, 16, 64, 112, 160]
+    inputs = phf.hf_batch(b)  # position_ids mode accepts it
+    flash, mask = _transformers_cu_seqlens(inputs["position_ids"])
+    assert flash == mask == [0, 16, 64, 112, 160]
+    assert int(inputs["position_ids"].max()) == 47  # below the context
+
+
+def test_loader_pieces_in_one_micro_batch_through_transformers():
+    """The same through the loader: documents cut at context 32 < max_tokens 200, adjacent pieces packed into one
+    micro-batch; transformers' inferred sequences are packloader's segments, positions stay below the context."""
+    lengths = [16, 48, 96, 70, 5, 33]
+    rng = np.random.default_rng(3)
+    ds = [rng.integers(0, VOCAB, size=k).astype(np.int32) for k in lengths]
+    cfg = PlanConfig(strategy="fixed", max_tokens=200, context=32, tokens_per_step=400, allow_slicing=False)
+    ld = PackedLoader(IterableSource(ds), config=cfg, num_threads=0, append_eos=False, epochs=1)
+    batches = [b for b in ld if b.num_tokens]
+    adjacent = 0
+    for b in batches:
+        segs = b.segments
+        adjacent += sum(p.doc == q.doc and p.end == q.start for p, q in zip(segs, segs[1:]))
+        inputs = phf.hf_batch(b)
+        flash, mask = _transformers_cu_seqlens(inputs["position_ids"])
+        assert flash == mask == b.cu_seqlens.tolist()
+        assert int(inputs["position_ids"].max()) < 32
+    assert adjacent > 0  # the case of the issue did occur
 
 
 def test_packed_trainer_gradient_is_the_per_token_mean_of_the_step(tmp_path, corpus):
@@ -168,3 +229,115 @@ def test_trainer_refuses_a_mismatched_accumulation(tmp_path, corpus):
                                                                                     epochs=None))
     with pytest.raises(ValueError, match="num_micro_batches=5"):
         trainer.train()
+
+
+def _step_with_empty_last(batches, toks, ga):
+    """One step's micro-batches rearranged: all segments in the first ga - 1, the last one empty."""
+    from packloader.collate.collate import collate_step
+
+    segs = [s for b in batches for s in b.segments]
+    parts = [list(p) for p in np.array_split(np.arange(len(segs)), ga - 1)]
+    mbs = [[segs[i] for i in p] for p in parts] + [[]]
+    return list(collate_step(mbs, toks, step=batches[0].step, loss_tokens_in_step=batches[0].loss_tokens_in_step))
+
+
+def _reference_grads(model, segments, toks, total):
+    """Gradient of the summed next-token loss of every segment, each run on its own, divided by `total`."""
+    loss = 0.0
+    for s in segments:
+        x = torch.from_numpy(toks[s.doc][s.start:s.end]).long().unsqueeze(0)
+        lg = model(input_ids=x).logits[0]
+        loss = loss + torch.nn.functional.cross_entropy(lg[:-1], x[0, 1:], reduction="sum")
+    (loss / total).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_hf_batch_of_an_empty_micro_batch_is_a_placeholder_row():
+    from packloader.collate.collate import collate
+
+    empty = collate([], {}, loss_tokens_in_step=9)
+    for attention in ("position_ids", "varlen"):
+        d = phf.hf_batch(empty, attention=attention, include_meta=True, pad_id=3)
+        assert d["input_ids"].tolist() == [[3]] and d["position_ids"].tolist() == [[0]]
+        assert d["labels"].tolist() == d["shift_labels"].tolist() == [[IGNORE_INDEX]]
+        assert d[phf.META_KEY]["num_loss_tokens"] == 0 and d[phf.META_KEY]["loss_tokens_in_step"] == 9
+    assert d["cu_seq_lens_q"].tolist() == [0, 1] and d["max_length_q"] == 1
+
+
+def test_packed_trainer_runs_an_empty_last_micro_batch(tmp_path, corpus):
+    """A step whose last micro-batch is empty: PackedTrainer runs the placeholder row through the model (a forward
+    for each of the ga micro-batches, so under DDP the accumulation boundary's all-reduce still happens), and the
+    gradient is still the per-token mean over the step's documents."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    ga = 3
+    ld = loader(corpus, num_micro_batches=ga, epochs=None)
+    step0 = []
+    for b in ld:
+        if b.step > 0:
+            break
+        step0.append(b)
+    toks = doc_tokens(ld, step0)
+    step = _step_with_empty_last(step0, toks, ga)
+    assert [b.num_tokens == 0 for b in step] == [False, False, True]
+
+    model, ref_model = tiny_llama("sdpa"), tiny_llama("sdpa")
+    ref_model.load_state_dict(model.state_dict())
+    ref_model.train()
+    ref_grads = _reference_grads(ref_model, [s for b in step for s in b.segments], toks, step[0].loss_tokens_in_step)
+
+    grads, calls = {}, []
+    model.register_forward_hook(lambda *a: calls.append(1))
+
+    class Grab(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            if not grads:
+                grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, gradient_accumulation_steps=ga,
+                                          learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
+                                          logging_strategy="no", max_grad_norm=0.0, dataloader_num_workers=0)
+    model.train()
+    phf.PackedTrainer(model=model, args=args, packed_loader=step, callbacks=[Grab()]).train()
+    assert len(calls) == ga
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=2e-4, atol=1e-6, msg=n)
+
+
+def _ddp_ranks(rank, world, steps, toks, ref_grads):
+    """Plain DDP (gloo) over hf_batch rows, all-reduce only in the last micro-batch's backward (no_sync before)."""
+    import contextlib
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = tiny_llama("sdpa").train()
+    ddp = DistributedDataParallel(model)
+    mbs = steps[rank]
+    for i, b in enumerate(mbs):
+        inputs = phf.hf_batch(b)
+        target = inputs.pop("shift_labels")[0]
+        inputs.pop("labels")
+        with ddp.no_sync() if i < len(mbs) - 1 else contextlib.nullcontext():
+            lg = ddp(**inputs).logits[0]
+            loss = torch.nn.functional.cross_entropy(lg, target, ignore_index=IGNORE_INDEX, reduction="sum")
+            (loss * world / b.loss_tokens_in_step).backward()  # DDP averages over ranks
+    return max(float((p.grad - ref_grads[n]).abs().max()) for n, p in model.named_parameters())
+
+
+def test_ddp_ranks_stay_in_step_over_an_empty_last_micro_batch(corpus):
+    """Two DP ranks, rank 1's last micro-batch empty: its placeholder row's backward joins DDP's all-reduce (a rank
+    that skipped it would leave the other waiting), and both end with the per-token mean gradient of the step."""
+    from distributed import run_ranks
+
+    ga = 2
+    ld = loader(corpus, num_micro_batches=ga, epochs=None)
+    first = [b for _, b in zip(range(2 * ga), ld)]  # two steps of one loader: the two ranks' shares of a step
+    toks = doc_tokens(ld, first)
+    total = first[0].loss_tokens_in_step + first[ga].loss_tokens_in_step
+    steps = [first[:ga], _step_with_empty_last(first[ga:], toks, ga)]
+    for s in steps:
+        for b in s:
+            b.loss_tokens_in_step = total
+    ref = tiny_llama("sdpa").train()
+    ref_grads = _reference_grads(ref, [s for st in steps for b in st for s in b.segments], toks, total)
+    errs = run_ranks(_ddp_ranks, 2, steps, toks, ref_grads, timeout=240)
+    assert max(errs) < 1e-5, errs

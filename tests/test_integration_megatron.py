@@ -94,12 +94,15 @@ def _megatron_rope_positions(cu_padded: torch.Tensor, cp_size: int, cp_rank: int
     return torch.cat(parts).view(-1).long()
 
 
-@pytest.mark.parametrize("cp_size", [1, 2])
-def test_te_layout_matches_megatron_thd_rope_per_cp_rank(corpus, cp_size):
+@pytest.mark.parametrize("cp_size,context", [(1, 256), (2, 256), (2, 64)])
+def test_te_layout_matches_megatron_thd_rope_per_cp_rank(corpus, cp_size, context):
     """The "te" CP layout (padded to 2 x CP) gives each rank the tokens whose positions megatron's THD RoPE assumes,
-    and together the ranks hold every token once."""
+    and together the ranks hold every token once. Context 64 cuts long documents into pieces, which restart at
+    position 0 as megatron's RoPE (from cu_seqlens) assumes for every segment."""
     m = 2 * cp_size
-    for b in list(loader(corpus, pad_to_multiple=m))[:5]:
+    batches = list(loader(corpus, pad_to_multiple=m, context=context))[:5]
+    assert context == 256 or any(s.start > 0 for b in batches for s in b.segments)
+    for b in batches:
         seen = []
         for r in range(cp_size):
             d = pm.megatron_batch(b, cp_size=cp_size, cp_rank=r, cp_layout="te")
@@ -124,10 +127,12 @@ def _per_token_losses(table: torch.Tensor, tokens: torch.Tensor, labels: torch.T
     return torch.nn.functional.cross_entropy(table[tokens[0]], labels[0], reduction="none").unsqueeze(0)
 
 
-@pytest.mark.parametrize("cp_size", [1, 2, 3])
-def test_per_token_loss_through_megatron_forward_step_calc_loss(corpus, cp_size):
+@pytest.mark.parametrize("cp_size,context", [(1, 256), (2, 256), (3, 256), (1, 40), (2, 40)])
+def test_per_token_loss_through_megatron_forward_step_calc_loss(corpus, cp_size, context):
     """Sum of megatron's per-micro-batch loss over the step (all micro-batches, all CP ranks) / its token count
-    equals the mean next-token loss over the documents computed unpacked, one document at a time."""
+    equals the mean next-token loss over the documents computed unpacked, one document at a time. At context 40
+    long documents are cut into pieces: a piece's last token predicts the next piece's first, so the loss tokens
+    are still every document's length - 1, and the steps' loss_tokens_in_step add up to them."""
     from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -139,7 +144,7 @@ def test_per_token_loss_through_megatron_forward_step_calc_loss(corpus, cp_size)
     ref_tokens = sum(len(x) - 1 for x in corpus)
 
     total_loss, total_tokens, step_tokens = 0.0, 0, {}
-    for b in loader(corpus):
+    for b in loader(corpus, context=context):
         step_tokens[b.step] = b.loss_tokens_in_step
         for r in range(cp_size):
             d = pm.megatron_batch(b, cp_size=cp_size, cp_rank=r)
@@ -209,3 +214,32 @@ def test_adapters_import_lazily_and_name_the_extra():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("cp_size,cp_layout", [(1, "packloader"), (2, "packloader"), (3, "packloader"), (2, "te")])
+def test_an_empty_micro_batch_runs_as_a_placeholder_without_loss(cp_size, cp_layout):
+    """An empty slot (a DP rank with fewer pieces than the fullest one) becomes 2 x CP padding tokens with loss mask
+    0: every CP rank gets tokens to run, and megatron's loss over it is 0 with 0 tokens."""
+    from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from packloader.collate.collate import collate, collate_padded
+
+    empty = collate([], {}, loss_tokens_in_step=11) if cp_layout == "packloader" else collate_padded(
+        [], {}, pad_to_multiple=2 * cp_size)
+    assert empty.num_tokens == 0
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, calculate_per_token_loss=True)
+    table = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(1))
+    held = 0
+    for r in range(cp_size):
+        d = pm.megatron_batch(empty, cp_size=cp_size, cp_rank=r, cp_layout=cp_layout)
+        n = d["tokens"].shape[1]
+        assert n >= 1 and float(d["loss_mask"].sum()) == 0.0
+        # the packloader layout describes this rank's tokens, the te layout the whole (global) row
+        assert int(d["packed_seq_params"].cu_seqlens_q[-1]) == (n if cp_layout == "packloader" else 2 * cp_size)
+        held += n
+        out = _per_token_losses(table, d["tokens"], d["labels"])
+        loss, num = forward_step_calc_loss(torch.nn.Identity(), out, partial(pm.loss_func, d["loss_mask"]), cfg,
+                                           None, False, 1, [], cp_group_size=cp_size, is_last_stage=True)
+        assert float(loss) == 0.0 and int(num) == 0
+    assert held == 2 * cp_size

@@ -74,9 +74,9 @@ def test_attention_cost_balance_beats_the_linear_layout():
 def test_plain_lengths_and_pieces():
     lin, att = micro_batch_layouts([10, 10, 10, 10], 2)
     assert sorted(len(i) for i in att.indices) == [20, 20]
-    # a context-window piece keeps its position offset
+    # a context-window piece is a sequence of its own: positions from 0, as the collate gives them
     _, att = micro_batch_layouts([Segment(3, 8192, 8200, 8192)], 1)
-    assert att.shards[0].position_ids.tolist() == list(range(8192, 8200))
+    assert att.shards[0].position_ids.tolist() == list(range(8))
 
 
 def test_slices_are_refused():

@@ -229,3 +229,81 @@ def test_executor_that_cannot_run_slices_refuses_them():
     _, gx, gw, _ = _sliced(model, xs, ws, whole, supports_slices=False)
     for name in gw:
         torch.testing.assert_close(gw[name], ref_gw[name], rtol=1e-10, atol=1e-10)
+
+
+def _rope(x, pos):
+    """Rotary embedding of x [T, H, HD] at integer positions pos [T] (pairs of channels, base 10000)."""
+    half = HD // 2
+    inv = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float64) / half))
+    ang = pos.to(torch.float64)[:, None] * inv[None, :]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
+
+
+class RopeModel(Model):
+    """Model with positions: an absolute sinusoid added to the input and RoPE on queries and keys, so a token's
+    output depends on its own position and on the relative positions of the keys it attends to."""
+
+    def forward(self, x, attend, pos):
+        x = x + 0.5 * torch.sin(pos.to(x.dtype)[:, None] * torch.linspace(0.05, 1.0, D, dtype=x.dtype))
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(x)
+            T = h.shape[0]
+            q = _rope(layer.q(h).view(T, HQ, HD), pos)
+            k = _rope(layer.k(h).view(T, HKV, HD), pos)
+            out = attend(q, k, layer.v(h).view(T, HKV, HD), i)
+            x = x + layer.o(out.reshape(T, HQ * HD))
+        return x
+
+
+def test_slices_with_collate_positions_match_whole_pieces_under_rope():
+    """Document 0 (50 tokens) at context 30 is two independent pieces, [0, 30) and [30, 50), each sliced over
+    micro-batches; the collate's positions (a piece from 0, its slices continuing it) with RoPE and an absolute
+    position term give what each piece run whole from position 0 gives (the reference: dense attention, explicit
+    positions 0..len-1 per piece). Slices restarting at 0, or a piece keeping the document's offset, would not."""
+    import numpy as np
+
+    from packloader.collate.collate import collate
+
+    chain = [
+        [Segment(0, 0, 12, 0), Segment(1, 0, 12, 0)],
+        [Segment(0, 12, 30, 0), Segment(0, 30, 38, 30)],
+        [Segment(2, 0, 30, 0), Segment(0, 38, 50, 30)],
+    ]
+    pieces = [(0, 0, 30), (0, 30, 50), (1, 0, 12), (2, 0, 30)]
+    torch.manual_seed(0)
+    model = RopeModel().double()
+    xs = {d: torch.randn(n, D, dtype=torch.float64) for d, n in LENGTHS.items()}
+    ws = {d: torch.randn(n, D, dtype=torch.float64) for d, n in LENGTHS.items()}
+    toks = {d: np.zeros(n, np.int64) for d, n in LENGTHS.items()}
+
+    x = torch.cat([xs[d][a:b] for d, a, b in pieces]).clone().requires_grad_()
+    pos = torch.cat([torch.arange(b - a) for _, a, b in pieces])
+    out = model(x, dense_whole([b - a for _, a, b in pieces]), pos)
+    (out * torch.cat([ws[d][a:b] for d, a, b in pieces])).sum().backward()
+    ref_out = {}
+    o = 0
+    for d, a, b in pieces:
+        ref_out[(d, a)] = out.detach()[o : o + b - a]
+        o += b - a
+    ref_gw = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    outs = {d: torch.full((n, D), float("nan"), dtype=torch.float64) for d, n in LENGTHS.items()}
+
+    def step_fn(segs, ctx):
+        b = collate(segs, toks)
+        h = torch.cat([xs[s.doc][s.start : s.end] for s in segs])
+        y = model(h, ctx.attention, b.position_ids)
+        o = 0
+        for s in segs:
+            outs[s.doc][s.start : s.end] = y.detach()[o : o + s.end - s.start]
+            o += s.end - s.start
+        return (y * torch.cat([ws[s.doc][s.start : s.end] for s in segs])).sum()
+
+    SliceExecutor().run(chain, step_fn)
+    for d, a, b in pieces:
+        torch.testing.assert_close(outs[d][a:b], ref_out[(d, a)], rtol=1e-10, atol=1e-10)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_gw[n], rtol=1e-10, atol=1e-10)

@@ -11,6 +11,7 @@ plan` after its last step) passes a state with ``extra["flush"] = [1]`` (`flush_
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import msgspec
@@ -145,6 +146,35 @@ class Packing:
                 arr[ids] = np.bincount(seg_mb, weights=attn, minlength=nmb)[ids] / g + c[o] * n * n + c[o + 1] * n + c[o + 2]
         self.mb_fwd, self.mb_bwd = f, b
         return self
+
+    def drop_empty_slots(self) -> "Packing":
+        """The same plan with the empty micro-batches that no rank needs removed: every rank must run the same
+        count (the frameworks' micro-batches per step are one number for all DP ranks), so a rank keeps as many
+        empty ones as it has fewer filled micro-batches than the fullest rank, and the others go (each rank drops
+        its last ones, at least one micro-batch stays). With DP-Merge groups, whose micro-batch sits at the same
+        position on every member, only positions empty on every rank go. Forward order and backward orders are
+        kept (renumbered); costs are per micro-batch id and stay valid."""
+        dp, v = self.rank_mbs.shape
+        if v <= 1 or dp == 0:
+            return self
+        used = np.zeros(int(self.rank_mbs.max()) + 1, bool)
+        used[self.seg_mb] = True
+        empty = ~used[self.rank_mbs]
+        if self.groups:
+            drop = np.broadcast_to(empty.all(axis=0), empty.shape)  # a group's micro-batch: never all empty
+            k = int(drop[0].sum())
+        else:
+            k = min(int(empty.sum(axis=1).min()), v - 1)
+            drop = empty & (np.cumsum(empty[:, ::-1], axis=1)[:, ::-1] <= k)  # each rank's last k empty slots
+        if k == 0:
+            return self
+        keep = ~drop
+        rank_mbs = self.rank_mbs[keep].reshape(dp, v - k)
+        order = self.backward_order
+        if order is not None:
+            order = [None if o is None else [int(new[q]) for q in o if keep[r, q]]
+                     for r, o, new in zip(range(dp), order, np.cumsum(keep, axis=1) - 1)]
+        return dataclasses.replace(self, rank_mbs=rank_mbs, backward_order=order)
 
     def to_step_plan(self, step: int) -> StepPlan:
         nmb = self.num_micro_batches

@@ -17,14 +17,16 @@ class PackedBatch:
     """One micro-batch, flat `[T]` convention (use `to_hf()` for `[1, T]`).
 
     Labels: `labels[t]` is the document's next token after token t, or -100 at each document's last token, so no
-    loss crosses a document boundary; a slice's last token still predicts the first token of the next slice.
+    loss crosses a document boundary; a slice's or piece's last token still predicts the first token of the next
+    slice or piece. Positions: `t - attend_from`, restarting at 0 at every document and every independent piece
+    (so they stay below the context), continuing within a piece across its slices.
     `cu_seqlens` counts query tokens per segment; for a slice (attend_from < start) `cu_seqlens_k` counts its
     keys including the earlier slices' prefix, which the runtime's KV cache supplies. Without slices both equal.
     """
 
     input_ids: torch.Tensor  # int64 [T]
     labels: torch.Tensor  # int64 [T]
-    position_ids: torch.Tensor  # int64 [T]; restarts at 0 per document, continues across slices and pieces
+    position_ids: torch.Tensor  # int64 [T]; restarts at 0 per document and piece, continues across slices
     cu_seqlens: torch.Tensor  # int32 [S+1], starts at 0
     cu_seqlens_k: torch.Tensor  # int32 [S+1]
     max_seqlen: int  # Python int: never a tensor (no device sync)

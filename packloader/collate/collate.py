@@ -3,10 +3,15 @@
 For a micro-batch's segments `(doc, start, end, attend_from)` and each document's full token array:
 
 - `input_ids`: the segments' tokens, concatenated in segment order;
-- `labels[t]`: the document's next token after token t (also across a piece or slice boundary, since the next
-  token belongs to the same document), and -100 only at a document's last token;
-- `position_ids`: the token's offset in its document (restarts at 0 for each document, continues across the
-  pieces and slices of one document);
+- `labels[t]`: the document's next token after token t, and -100 only at a document's last token. Across a
+  piece boundary too: a piece's last token predicts the next piece's first token, as Megatron's concat-and-chunk
+  (each sample reads seq_len + 1 tokens) does, so every token of a document but its first is a target exactly
+  once whatever the context, and the step's loss tokens are its tokens minus one per document
+  (`segment_loss_tokens`);
+- `position_ids`: `t - attend_from`, the token's offset in its attention span: 0 at the start of each document
+  and of each independent piece of a document longer than the context (a piece is a sequence of its own, as in
+  every trainer's concat-and-chunk, so positions stay below the context and every segment start shows as a 0);
+  a slice (attend_from < start) continues its piece's positions, since it attends to the piece's earlier keys;
 - `cu_seqlens` (int32): cumulative query tokens per segment; `cu_seqlens_k`: cumulative keys, a slice's
   earlier-slice prefix (start - attend_from) included; `max_seqlen`, `max_seqlen_k` as Python ints;
 - `doc_ids`: each segment's document id; `num_loss_tokens`: labels that are not -100.
@@ -46,7 +51,8 @@ def _check_segment(seg: Segment, length: int) -> None:
 
 
 def segment_loss_tokens(seg: Segment, doc_length: int) -> int:
-    """Tokens of a segment that carry a loss target: all but the document's last token."""
+    """Tokens of a segment that carry a loss target: all but the document's last token (a piece's last token
+    predicts the next piece's first)."""
     return (seg.end - seg.start) - (1 if seg.end >= doc_length else 0)
 
 
@@ -187,7 +193,8 @@ def collate_step(
     all_labels = np.empty_like(all_ids)
     all_pos = np.empty_like(all_ids)
     if len(start):
-        fill_segments(buf, base, start, end, length, out_at, out_end, int(pad_id), all_ids, all_labels, all_pos)
+        fill_segments(buf, base, start, end, attend, length, out_at, out_end, int(pad_id), all_ids, all_labels,
+                      all_pos)
     return CollatedStep(
         micro_batches, mb_ptr, mb_at.tolist(), all_ids, all_labels, all_pos, doc, cu, cu_k, cu_p if padded else None,
         n_loss.tolist(), max_q.tolist(), max_k.tolist(), index, list(extra) if extra is not None else [None] * n_mb,

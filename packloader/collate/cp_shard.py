@@ -55,7 +55,7 @@ class CPRankShard:
     mode: str
     total_tokens: int  # tokens of the packed micro-batch (all ranks)
     token_index: np.ndarray  # int64 [n]: the packed positions this rank owns, increasing (its local token order)
-    position_ids: np.ndarray  # int64 [n]: position of each local token in its document (piece offsets included)
+    position_ids: np.ndarray  # int64 [n]: each local token's position (its segment's offset + index in it)
     cu_seqlens_q: np.ndarray  # int32 [R+1]: local query runs
     run_segment: np.ndarray  # int64 [R]: the micro-batch segment each run belongs to
     run_key_start: np.ndarray  # int64 [R]: packed (= all-gathered, reordered) position of that segment's first key
@@ -392,8 +392,8 @@ def plan_cp_shards(
 
     `mode`: "sequence", "document", "hierarchical" or "adaptive" (the lowest estimated max per-rank latency among
     `modes`). `cost_model`: a `packloader.balancers.cost.CostModel`, a preset name / profile path, or None (the
-    llama3-8b analytic preset). `position_offsets`: each segment's first position id (a piece of a longer document
-    continues its positions); default 0. `remapped`: the linear layers run in a separately balanced layout
+    llama3-8b analytic preset). `position_offsets`: each segment's first position id (start - attend_from: 0 for a
+    document or an independent piece, which restart their positions); default 0. `remapped`: the linear layers run in a separately balanced layout
     (runtime.remap), so only attention counts in the estimate. `hierarchical_threshold`: shard exactly the
     segments at least this long instead of searching over the `max_sharded` longest.
     """
@@ -491,8 +491,9 @@ def _assemble(mode, cp, L, pos0, lay, owner, pad, sharded, fwd, bwd, lin, estima
 
 
 def shard_micro_batch(mb: MicroBatch, cp_size: int, *, mode: str | None = None, **kwargs: Any) -> CPShardPlan:
-    """plan_cp_shards for a planner's MicroBatch: its segments' lengths, position offsets (a piece of a document
-    continues at `start`), and mode (`mode`, else the micro-batch's `cp_mode`, else adaptive).
+    """plan_cp_shards for a planner's MicroBatch: its segments' lengths, position offsets (start - attend_from, the
+    collate's: 0 for every segment here, since slices are refused), and mode (`mode`, else the micro-batch's
+    `cp_mode`, else adaptive).
 
     Slices (``attend_from < start``, SlimPack) need their document's earlier keys from a KV cache that lives
     outside the micro-batch; CP sharding of those is not supported and is refused here.
@@ -503,5 +504,5 @@ def shard_micro_batch(mb: MicroBatch, cp_size: int, *, mode: str | None = None, 
                 f"segment of document {s.doc} is a slice (attend_from={s.attend_from} < start={s.start}); "
                 "context-parallel sharding of slices is not supported: plan with allow_slicing=False when CP > 1")
     lengths = [s.end - s.start for s in mb.segments]
-    offsets = [s.start for s in mb.segments]
+    offsets = [s.start - s.attend_from for s in mb.segments]
     return plan_cp_shards(lengths, cp_size, mode or mb.cp_mode or "adaptive", position_offsets=offsets, **kwargs)

@@ -14,21 +14,24 @@ IGNORE = -100
 
 
 @njit(cache=True, nogil=True)
-def fill_segments(buf: np.ndarray, base: np.ndarray, start: np.ndarray, end: np.ndarray, doc_len: np.ndarray,
-                  out_at: np.ndarray, out_end: np.ndarray, pad_id: int, input_ids: np.ndarray, labels: np.ndarray,
-                  positions: np.ndarray) -> None:
+def fill_segments(buf: np.ndarray, base: np.ndarray, start: np.ndarray, end: np.ndarray, attend: np.ndarray,
+                  doc_len: np.ndarray, out_at: np.ndarray, out_end: np.ndarray, pad_id: int, input_ids: np.ndarray,
+                  labels: np.ndarray, positions: np.ndarray) -> None:
     """Segment i is tokens start[i]..end[i]-1 of the document whose whole tokens are buf[base[i]:base[i]+doc_len[i]];
-    it goes to out_at[i].., followed by padding up to out_end[i] (pad_id, label IGNORE, positions continuing)."""
+    it goes to out_at[i].., followed by padding up to out_end[i] (pad_id, label IGNORE, positions continuing).
+    Token t's position is t - attend[i]: 0 at the start of a document or independent piece (attend == start), and
+    continuing the piece's positions in a slice (attend is the piece's first token)."""
     for i in range(len(base)):
         o = out_at[i]
         s = start[i]
         q = end[i] - s
+        p0 = s - attend[i]
         b = base[i] + s
         # separate branch-free loops, so that LLVM vectorises them
         for t in range(q):
             input_ids[o + t] = buf[b + t]
         for t in range(out_end[i] - o):
-            positions[o + t] = s + t
+            positions[o + t] = p0 + t
         has_next = max(0, min(q, doc_len[i] - s - 1))  # tokens whose next token is in the document
         for t in range(has_next):
             labels[o + t] = buf[b + t + 1]

@@ -76,5 +76,6 @@ def check_batch_tokens(batch: PackedBatch, stream: DocumentStream, cache: dict |
         want = np.append(doc[s.start + 1 : s.end + 1], [] if s.end < len(doc) else [IGNORE_INDEX])
         if not np.array_equal(labels[o : o + q], want):
             raise CoverageError(f"step {batch.step}: segment {s}: labels differ from the next tokens")
-        if not np.array_equal(pos[o : o + q], np.arange(s.start, s.end)):
-            raise CoverageError(f"step {batch.step}: segment {s}: position_ids are not the offsets in the document")
+        if not np.array_equal(pos[o : o + q], np.arange(s.start, s.end) - s.attend_from):
+            raise CoverageError(f"step {batch.step}: segment {s}: position_ids are not the offsets from "
+                                f"attend_from (0 at a document's or piece's start)")

@@ -106,8 +106,8 @@ def micro_batch_layouts(
 ) -> tuple[Layout, Layout]:
     """The linear layout and the attention layout of one micro-batch over `world_size` ranks.
 
-    `segments`: the micro-batch's segments (packed in order; a piece of a longer document keeps its position
-    offset) or plain lengths. The linear layout: equal contiguous token counts. The attention layout: the CP
+    `segments`: the micro-batch's segments (packed in order; positions as the collate gives them, from 0 at each
+    document or independent piece) or plain lengths. The linear layout: equal contiguous token counts. The attention layout: the CP
     shards of `packloader.collate.cp_shard.plan_cp_shards` in `mode` (default Zeppelin's hierarchical: short
     documents whole on one rank, long ones in 2 x world_size chunks, rank i taking chunks i and 2W-1-i,
     balancing the estimated attention time of `cost_model`) with `remapped=True`, since the linear layers run in
@@ -127,7 +127,7 @@ def micro_batch_layouts(
                     f"document {s.doc} is sliced (tokens {s.start}..{s.end - 1} attend from {s.attend_from}): layout "
                     f"remapping of slices is not supported; plan with allow_slicing=False when remapping")
         lengths = np.array([s.end - s.start for s in segs], dtype=np.int64)
-        offsets = np.array([s.start for s in segs], dtype=np.int64)
+        offsets = np.array([s.start - s.attend_from for s in segs], dtype=np.int64)
     else:
         lengths = np.asarray(segs, dtype=np.int64).reshape(-1)
         offsets = None

@@ -306,9 +306,14 @@ def test_state_from_another_configuration_is_refused():
     next(iter(a))
     state = a.state_dict()
     b = PackedLoader(IterableSource(docs), config=config(), seed=1, num_threads=0)
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(ValueError, match="seed: saved 0, now 1"):
         b.load_state_dict(state)
-    b.load_state_dict(state, strict=False)  # allowed when asked
+    # strict=False too: another seed's position would lose and repeat tokens
+    with pytest.raises(ValueError, match="seed: saved 0, now 1"):
+        b.load_state_dict(state, strict=False)
+    c = PackedLoader(IterableSource(docs), config=config(tokens_per_step=1100), num_threads=0)
+    with pytest.raises(ValueError, match="config.tokens_per_step: saved 1024, now 1100"):
+        c.load_state_dict(state, strict=False)
 
 
 def test_bad_rows_surface_with_file_and_row(tmp_path):

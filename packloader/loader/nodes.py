@@ -79,6 +79,9 @@ class StepWork:
     loss_tokens: int
     last_in_epoch: bool
     stats: LoaderStats
+    # StepNode states: replaying from `state_before` plans this step again; `state_after` plans the next one
+    state_before: dict | None = None
+    state_after: dict | None = None
 
 
 class ChunkNode(BaseNode[ChunkSpec]):
@@ -178,6 +181,8 @@ class StepNode(BaseNode[StepWork]):
         start_epoch: int = 0,
         step_stride: int = 1,
         step_offset: int = 0,
+        start_state: dict | None = None,
+        lock: threading.Lock | None = None,
     ) -> None:
         super().__init__()
         self.chunk_node, self.chunks, self.stream = chunk_node, chunks, stream
@@ -185,7 +190,15 @@ class StepNode(BaseNode[StepWork]):
         self.span, self.mode, self.exchange, self.check_ranks = span, mode, exchange, check_ranks
         self.start_epoch = start_epoch
         self.step_stride, self.step_offset = step_stride, step_offset
-        self._lock = threading.Lock()  # a stale reader thread may still be inside next() when reset comes
+        self.start_state = start_state  # where reset(None) starts: a saved state_after/state_before, or the start
+        # One lock for every StepNode of a pipeline: the planner object is shared, and a thread of a graph that was
+        # replaced (torchdata joins its threads with a timeout) may still be planning when the new graph starts.
+        self._lock = lock if lock is not None else threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """Make any later next() stop: a thread left over from a replaced graph must not draw another step."""
+        self._closed = True
 
     # --- state ---------------------------------------------------------------------------------------------------
 
@@ -209,7 +222,9 @@ class StepNode(BaseNode[StepWork]):
     def reset(self, initial_state: dict | None = None) -> None:
         with self._lock:
             super().reset(initial_state)
-            st = initial_state if initial_state is not None else self.fresh_state()
+            st = initial_state if initial_state is not None else self.start_state
+            if st is None:
+                st = self.fresh_state()
             self.epoch, self.pos, self.k = int(st["epoch"]), int(st["pos"]), int(st["k"])
             self.flushing = bool(st["flushing"])
             self.pstate = msgspec.convert(st["planner"], PlannerState)
@@ -302,9 +317,13 @@ class StepNode(BaseNode[StepWork]):
 
     def next(self) -> StepWork:
         with self._lock:
+            if self._closed:
+                raise StopIteration
+            before = self.get_state()
             while True:
                 work = self._next_step()
                 if work is not None:
+                    work.state_before, work.state_after = before, self.get_state()
                     return work
 
     def _next_step(self) -> StepWork | None:
@@ -352,8 +371,7 @@ class StepNode(BaseNode[StepWork]):
         plan = msgspec.structs.replace(plan, loss_tokens=loss_tokens)
 
         if self.exchange is not None and self.check_ranks:
-            value = digest(msgspec.json.encode(plan), window.doc, window.length)
-            self.exchange.check_agreement(step, value)
+            self.exchange.check_plan(step, digest(window.doc, window.length), digest(msgspec.json.encode(plan)))
 
         # this rank's part
         mbs = plan.ranks[self.dp_rank].micro_batches

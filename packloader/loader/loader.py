@@ -18,6 +18,12 @@ Epochs: a `for` pass yields `epochs` epochs (None: an endless stream); the next 
 epoch. At the end of each epoch the planner is asked to flush what it holds back, so every token is trained
 exactly once per epoch. Steps are numbered from 0 across epochs.
 
+Resume: the state is the planning stage's position (the first document not yet drawn, the step number, the
+planner's queue, the stats) and how many of the current step's micro-batches were yielded, so it does not
+depend on `num_threads`, `prefetch`, `chunk_docs`, `lengths` or the layout. A state saved inside the loop after
+a pass's last batch resumes into that pass, which yields nothing more (as the uninterrupted loop would end);
+the next `for` is the next epoch. A state saved after the loop resumes before the next pass.
+
 Ranks: `dp_rank` defaults to torch.distributed's rank when it is initialised and its world size equals
 `config.parallel.dp`; otherwise pass it. With torch.distributed initialised (world > 1) each step's plan digest
 is compared across all ranks through the process group's store; a rank that disagrees, or that does not answer

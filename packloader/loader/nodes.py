@@ -9,8 +9,8 @@ ChunkNode         epoch order in chunks of `chunk_docs` positions              s
                                                     without the GIL, several row groups at once)
   -> ParallelMapper(StepCollator)                   collate this rank's micro-batches (numba, without the GIL)
   -> Prefetcher    the next steps are planned, read and collated while this one trains
-  -> Unbatcher     one micro-batch at a time                                    state: (step's state, index)
 ```
+(the loader hands out the micro-batches of each step one at a time; its state: a StepNode state and an index)
 
 How each rank learns the lengths (`lengths=`):
 - "column": a pre-tokenized source with a length column. Every rank reads the global lengths (a few bytes per
@@ -26,7 +26,9 @@ How each rank learns the lengths (`lengths=`):
 
 Resume: StepNode's state is small (the position of the first document not yet drawn, the step, the planner's
 state with its queue of delayed pieces, the lengths of those documents, the stats). On reset it restarts the
-chunk stage at that position, so nothing drawn is kept in the state: delayed pieces are re-read by id.
+chunk stage at that position, so nothing drawn is kept in the state: delayed pieces are re-read by id. Each
+StepWork carries the state before and after its step: those are the loader's resume points, so torchdata's own
+snapshots of the graph are not used, and a resume builds a new graph rather than resetting a running one.
 """
 
 from __future__ import annotations

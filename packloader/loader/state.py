@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from packloader.contracts import PlanConfig, PlannerState
+from packloader.contracts import PlanConfig, PlannerState, check_plan_config
 
 STATE_FORMAT = "packloader.loader/2"
 LengthsMode = Literal["auto", "column", "local", "gather"]
@@ -38,11 +38,30 @@ class LoaderOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
 
 
 def validate_config(config) -> PlanConfig:
-    """A PlanConfig, validated (msgspec checks constraints when converting, not in the constructor)."""
+    """A PlanConfig, validated: each field (msgspec checks constraints when converting, not in the constructor),
+    the rules between fields (`check_plan_config`), and that `model` names a preset or a cost profile (the `fixed`
+    strategy never loads it, so a typo would otherwise pass unnoticed)."""
     raw = msgspec.to_builtins(config) if isinstance(config, PlanConfig) else config
     if not isinstance(raw, dict):
         raise TypeError(f"config must be a PlanConfig or a dict, got {type(config).__name__}")
-    return msgspec.convert(raw, PlanConfig)
+    cfg = msgspec.convert(raw, PlanConfig)
+    check_plan_config(cfg)
+    check_model(cfg)
+    return cfg
+
+
+def check_model(config: PlanConfig) -> None:
+    from packloader.balancers.assemble import cost_model_for
+    from packloader.balancers.presets import preset_names
+
+    try:
+        cost_model_for(config)
+    except (KeyError, ValueError, OSError, msgspec.DecodeError) as e:
+        why = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        raise ValueError(
+            f"PlanConfig.model={config.model!r} is not usable ({why}); expected a model preset ({', '.join(preset_names())}) "
+            "or the path of a cost profile JSON (`packloader calibrate` writes one)"
+        ) from e
 
 
 def validate_options(**kwargs) -> LoaderOptions:

@@ -305,7 +305,8 @@ def test_invalid_config_and_options_name_the_field():
     (dict(model="llama9-1b"), r"model='llama9-1b' is not usable .*expected a model preset \(.*llama3-8b"),
     (dict(model="/nonexistent/profile.json"), r"model='/nonexistent/profile.json' is not usable"),
     (dict(context=512), r"context=512 exceeds max_tokens=256 with strategy='fixed', which does not slice"),
-    (dict(context=512, strategy="slimpack", allow_slicing=False), r"context=512 exceeds max_tokens=256 with allow_slicing=False"),
+    (dict(context=512, strategy="slimpack", allow_slicing=False),
+     r"context=512 exceeds max_tokens=256 with allow_slicing=False"),
 ])
 def test_inconsistent_config_is_refused_at_construction(bad, message):
     """Settings that used to pass construction and fail (or not) later: refused before anything is read."""

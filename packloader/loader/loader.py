@@ -25,9 +25,11 @@ a pass's last batch resumes into that pass, which yields nothing more (as the un
 the next `for` is the next epoch. A state saved after the loop resumes before the next pass.
 
 Ranks: `dp_rank` defaults to torch.distributed's rank when it is initialised and its world size equals
-`config.parallel.dp`; otherwise pass it. With torch.distributed initialised (world > 1) each step's plan digest
-is compared across all ranks through the process group's store; a rank that disagrees, or that does not answer
-within `timeout` seconds, makes the others raise a RuntimeError naming the step and the ranks.
+`config.parallel.dp`; otherwise pass it. With torch.distributed initialised (world > 1) the ranks compare their
+settings (PlanConfig, seed, shuffle, tokenizer, EOS, source) when the loader is built, and a RuntimeError names
+each field that differs; then each step's plan digest is compared through the process group's store: a rank that
+disagrees, or that does not answer within `timeout` seconds, makes the others raise a RuntimeError naming the
+step and the ranks.
 
 For torch DataLoader workers, use `PackedDataset` (below): each worker plans its own contiguous part of every
 epoch and yields whole steps.
@@ -153,9 +155,9 @@ class _Pipeline:
 
         The loader never resets a graph that has run: torchdata joins a replaced stage's threads with a timeout
         and lets them run on, so a thread of the old graph could still draw a step from a node that was reset to a
-        saved state (that is how resumed DataLoader workers skipped steps under load). Resuming builds a new graph
-        and closes the old one instead; the state is the StepNode's, not torchdata's, so it does not depend on
-        threads, prefetching or the lengths mode."""
+        saved state, and that step would be lost. Resuming builds a new graph and closes the old one instead;
+        the state is the StepNode's, not torchdata's, so it does not depend on threads, prefetching or the
+        lengths mode."""
         o = self.options
         mode = self.mode
         if mode == "gather" and exchange is None:
@@ -208,7 +210,8 @@ class _Collate:
 
 
 class _Graph:
-    """A started node graph; `close` stops its threads and makes its StepNode refuse to draw again."""
+    """A node graph, started by the first `next`; `close` stops its threads and makes its StepNode refuse to
+    draw again (a thread that outlives the join only ever sees this graph's nodes)."""
 
     def __init__(self, root, steps: StepNode) -> None:
         self.root, self.steps = root, steps

@@ -59,8 +59,8 @@ def check_model(config: PlanConfig) -> None:
     except (KeyError, ValueError, OSError, msgspec.DecodeError) as e:
         why = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         raise ValueError(
-            f"PlanConfig.model={config.model!r} is not usable ({why}); expected a model preset ({', '.join(preset_names())}) "
-            "or the path of a cost profile JSON (`packloader calibrate` writes one)"
+            f"PlanConfig.model={config.model!r} is not usable ({why}); expected a model preset "
+            f"({', '.join(preset_names())}) or the path of a cost profile JSON (`packloader calibrate` writes one)"
         ) from e
 
 

@@ -130,6 +130,29 @@ class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     memory_gib: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
 
 
+# Strategies that plan pieces longer than max_tokens (as slices across micro-batches) when allow_slicing is set.
+SLICING_STRATEGIES = ("slimpack", "auto")
+
+
+def check_plan_config(config: PlanConfig) -> None:
+    """The rules between PlanConfig fields that a run needs (msgspec checks each field alone), as a ValueError
+    naming the fields and what is expected. Not in `__post_init__`: planners derive sub-configs (e.g. `auto`'s
+    non-slicing candidates) that break these rules and never see an over-long piece."""
+    if config.tokens_per_step < config.max_tokens:
+        raise ValueError(
+            f"PlanConfig.tokens_per_step={config.tokens_per_step} is below max_tokens={config.max_tokens}: expected "
+            "tokens_per_step >= max_tokens (a step draws at least one full micro-batch of tokens)"
+        )
+    if config.context > config.max_tokens and not (config.allow_slicing and config.strategy in SLICING_STRATEGIES):
+        how = ("allow_slicing=False" if not config.allow_slicing
+               else f"strategy={config.strategy!r}, which does not slice")
+        raise ValueError(
+            f"PlanConfig.context={config.context} exceeds max_tokens={config.max_tokens} with {how}: a piece of "
+            f"{config.context} tokens fits no micro-batch; expected context <= max_tokens, or allow_slicing=True "
+            f"with strategy in {SLICING_STRATEGIES}"
+        )
+
+
 class Poly(msgspec.Struct, frozen=True, array_like=True):
     """time = a*x^2 + b*x + c, in seconds."""
 

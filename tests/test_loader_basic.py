@@ -300,15 +300,46 @@ def test_invalid_config_and_options_name_the_field():
         PackedLoader("/nonexistent/shards-*.parquet", config=config())
 
 
+@pytest.mark.parametrize("bad,message", [
+    (dict(tokens_per_step=200), r"tokens_per_step=200 is below max_tokens=256: expected tokens_per_step >= max_tokens"),
+    (dict(model="llama9-1b"), r"model='llama9-1b' is not usable .*expected a model preset \(.*llama3-8b"),
+    (dict(model="/nonexistent/profile.json"), r"model='/nonexistent/profile.json' is not usable"),
+    (dict(context=512), r"context=512 exceeds max_tokens=256 with strategy='fixed', which does not slice"),
+    (dict(context=512, strategy="slimpack", allow_slicing=False),
+     r"context=512 exceeds max_tokens=256 with allow_slicing=False"),
+])
+def test_inconsistent_config_is_refused_at_construction(bad, message):
+    """Settings that used to pass construction and fail (or not) later: refused before anything is read."""
+    from packloader.loader.loader import PackedDataset
+
+    docs = token_docs(10)
+    for make in (PackedLoader, PackedDataset):
+        with pytest.raises(ValueError, match=message):
+            make(IterableSource(docs), config=config(**bad))
+    with pytest.raises(ValueError, match=message):  # a dict config too
+        PackedLoader(IterableSource(docs), config=msgspec.to_builtins(config(**bad)))
+
+
+def test_context_above_max_tokens_is_accepted_where_the_planner_slices():
+    docs = token_docs(10)
+    for strategy in ("slimpack", "auto"):
+        PackedLoader(IterableSource(docs), config=config(context=512, strategy=strategy), num_threads=0).close()
+
+
 def test_state_from_another_configuration_is_refused():
     docs = token_docs(50)
     a = PackedLoader(IterableSource(docs), config=config(), num_threads=0)
     next(iter(a))
     state = a.state_dict()
     b = PackedLoader(IterableSource(docs), config=config(), seed=1, num_threads=0)
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(ValueError, match="seed: saved 0, now 1"):
         b.load_state_dict(state)
-    b.load_state_dict(state, strict=False)  # allowed when asked
+    # strict=False too: another seed's position would lose and repeat tokens
+    with pytest.raises(ValueError, match="seed: saved 0, now 1"):
+        b.load_state_dict(state, strict=False)
+    c = PackedLoader(IterableSource(docs), config=config(tokens_per_step=1100), num_threads=0)
+    with pytest.raises(ValueError, match="config.tokens_per_step: saved 1024, now 1100"):
+        c.load_state_dict(state, strict=False)
 
 
 def test_bad_rows_surface_with_file_and_row(tmp_path):

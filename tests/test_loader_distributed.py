@@ -123,10 +123,21 @@ def test_a_dead_rank_is_an_error_naming_it_not_a_hang(tmp_path, stop_after):
         assert "step " in msg
 
 
-def _disagrees(rank, world, paths):
+def _disagrees(rank, world, paths, differ):
+    """Rank 1 builds its loader with `differ` changed; every rank must fail before the first step, naming it."""
     import torch.distributed as dist
 
-    loader = PackedLoader(paths, config=_config(world), seed=int(rank == 1), num_threads=1, timeout=30)
+    kw = dict(tokenizer="bytes", config=_config(world), num_threads=1, timeout=30)
+    if rank == 1:
+        kw.update(differ)
+        if "tokens_per_step" in differ:
+            kw["config"] = msgspec.structs.replace(_config(world), tokens_per_step=kw.pop("tokens_per_step"))
+    try:
+        loader = PackedLoader(paths[rank] if isinstance(paths[0], list) else paths, **kw)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        dist.barrier()
     try:
         for _ in loader:
             pass
@@ -138,10 +149,31 @@ def _disagrees(rank, world, paths):
     return "no error"
 
 
-def test_a_disagreeing_rank_is_an_error_on_every_rank(tmp_path):
+@pytest.mark.parametrize("differ,field", [
+    (dict(seed=1), "seed: ranks [0] have 0, ranks [1] have 1"),
+    (dict(tokens_per_step=900), "config.tokens_per_step: ranks [0] have 800, ranks [1] have 900"),
+    (dict(append_eos=False), "append_eos: ranks [0] have True, ranks [1] have False"),
+])
+def test_ranks_configured_differently_fail_before_the_first_step_naming_the_field(tmp_path, differ, field):
+    from test_loader_basic import text_docs, write_text_shards
+
+    paths = write_text_shards(tmp_path, text_docs(120, seed=2), shards=2)
+    results = run_ranks(_disagrees, 2, paths, differ, timeout=120)
+    for msg in results:
+        assert "before the first step: ranks disagree on the loader settings" in msg and field in msg, msg
+
+
+def test_ranks_reading_different_data_disagree_on_the_plan_naming_the_lengths(tmp_path):
+    """Same shard names and row counts (the settings check passes), other contents: the step check names the
+    lengths, on every rank."""
     from test_loader_basic import token_docs, write_token_shards
 
-    paths = write_token_shards(tmp_path, token_docs(200, seed=2), shards=2)
-    results = run_ranks(_disagrees, 2, paths, timeout=120)
+    paths = []
+    for r in range(2):
+        d = tmp_path / f"rank{r}"
+        d.mkdir()
+        paths.append(write_token_shards(d, token_docs(200, seed=10 + r), shards=2))
+    results = run_ranks(_disagrees, 2, paths, {}, timeout=120)
     for msg in results:
         assert "step 0: ranks disagree on the plan" in msg and "ranks [0]" in msg and "ranks [1]" in msg, msg
+        assert "lengths of the documents drawn for the step differ" in msg, msg

@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -55,7 +56,9 @@ def child_main(in_path: str, out_path: str) -> None:
         loader = build_loader(spec)
         loader.load_state_dict(state)
         rest = list(loader)
-        results.append(([fingerprint(b) for b in rest], [segments_of(b) for b in rest], msgspec_stats(loader)))
+        # a state saved after the pass's last batch resumes into that pass, which ends: the next pass goes on
+        after = [fingerprint(b) for b in list(loader)[:1]] if not rest else None
+        results.append(([fingerprint(b) for b in rest], [segments_of(b) for b in rest], msgspec_stats(loader), after))
         loader.close()
     with open(out_path, "wb") as f:
         pickle.dump(results, f)
@@ -107,9 +110,10 @@ def check_resume(tmp_path, spec, stops):
         heads.append(head)
         loader.close()
     results = restore_in_new_process(tmp_path, spec, states)
-    for k, head, (rest_fp, rest_segs, stats) in zip(stops, heads, results):
-        if k == len(ref):  # saved after the pass ended: the restored loader's next pass is the next epochs
-            assert rest_fp and rest_fp[0][4] == spec["epochs"] and rest_fp[0][0] == ref_fp[-1][0] + 1
+    for k, head, (rest_fp, rest_segs, stats, after) in zip(stops, heads, results):
+        if k == len(ref):  # saved at the pass's last batch: the pass yields nothing more, the next one the next epochs
+            assert rest_fp == []
+            assert after and after[0][4] == spec["epochs"] and after[0][0] == ref_fp[-1][0] + 1
             continue
         got = [fingerprint(b) for b in head] + rest_fp
         assert got == ref_fp, f"stream differs after resuming at batch {k}"
@@ -178,3 +182,169 @@ def test_resume_in_the_same_process_after_more_iteration():
     after = [fingerprint(b) for b in it]
     loader.load_state_dict(state)
     assert [fingerprint(b) for b in loader] == after
+
+
+def _fixed(tokens_per_step=900):
+    return PlanConfig(strategy="fixed", max_tokens=256, context=256, tokens_per_step=tokens_per_step)
+
+
+def test_a_state_saved_at_the_pass_last_batch_resumes_the_ended_pass(tmp_path):
+    """epochs=1. A state taken inside the loop after the pass's last batch resumes into that pass, which yields
+    nothing more (as the uninterrupted loop would), and the next pass is epoch 1; a state taken after the loop
+    resumes before the next pass. Token by token against the uninterrupted run: no epoch is trained twice."""
+    from test_loader_basic import token_docs
+
+    docs = token_docs(120, seed=7)
+
+    def make():
+        return PackedLoader(IterableSource(docs), config=_fixed(), num_threads=2, epochs=1)
+
+    ref = make()
+    ref_passes = [[fingerprint(b) for b in ref] for _ in range(2)]  # epochs 0 and 1
+    ref.close()
+    assert {f[4] for f in ref_passes[0]} == {0} and {f[4] for f in ref_passes[1]} == {1}
+
+    a = make()
+    first = []
+    for b in a:
+        first.append(b)
+        inside = a.state_dict()  # the last one: after the pass's last batch, inside the loop
+    after_loop = a.state_dict()
+    a.close()
+    assert [fingerprint(b) for b in first] == ref_passes[0]
+
+    b = make()
+    b.load_state_dict(pickle.loads(pickle.dumps(inside)))
+    resumed = [list(b) for _ in range(2)]
+    assert resumed[0] == [], "the pass the state was saved in had ended"
+    assert [fingerprint(x) for x in resumed[1]] == ref_passes[1]
+    ledger = TokenLedger(b.stream)
+    ledger.add(first + resumed[1])
+    assert ledger.check_epoch(0) == ledger.check_epoch(1) == sum(len(d) for d in docs)
+    assert all(d // b.stream.num_docs < 2 for d in ledger.segments), "no extra epoch"
+    b.close()
+
+    c = make()
+    c.load_state_dict(after_loop)
+    assert [fingerprint(x) for x in c] == ref_passes[1]
+    c.close()
+
+    d = make()  # leaving the loop with break after the last batch ends the pass too
+    for x in d:
+        if x.extra["last_in_epoch"]:
+            break
+    assert [fingerprint(x) for x in d] == ref_passes[1]
+    d.close()
+
+
+@pytest.mark.parametrize("saved,loaded", [
+    (dict(num_threads=2), dict(num_threads=0)),
+    (dict(num_threads=0), dict(num_threads=2)),
+    (dict(lengths="column"), dict(lengths="local")),
+    (dict(lengths="local", num_threads=2), dict(lengths="column", num_threads=0, prefetch=1, chunk_docs=7)),
+    (dict(num_threads=1, prefetch=3, chunk_docs=5), dict(num_threads=2, prefetch=1, chunk_docs=64, layout="hf")),
+])
+def test_resume_across_options_that_do_not_change_the_stream(tmp_path, saved, loaded):
+    """Threads, prefetching, chunk size, the lengths mode and the layout are not part of the saved position: a
+    state saved under one resumes under another, mid-step and at step ends, to the uninterrupted stream."""
+    from test_loader_basic import token_docs, write_token_shards
+
+    docs = token_docs(160, seed=2)
+    paths = write_token_shards(tmp_path, docs, shards=3, row_group_size=11)
+
+    def make(**kw):
+        return PackedLoader(paths, config=_fixed(700), epochs=2, **kw)
+
+    def tokens(b):  # the layout changes the shape, not the tokens
+        return (b.step, b.index_in_step, b.extra["epoch"], b.input_ids.reshape(-1).tolist(), segments_of(b))
+
+    ref = make()
+    ref_batches = list(ref)
+    ref.close()
+    stops = [1, 2, len(ref_batches) // 2 + 1, len(ref_batches) - 1]
+    assert any(ref_batches[k - 1].index_in_step < ref_batches[k - 1].micro_batches_in_step - 1 for k in stops)
+    for k in stops:
+        a = make(**saved)
+        it = iter(a)
+        head = [next(it) for _ in range(k)]
+        state = pickle.loads(pickle.dumps(a.state_dict()))
+        a.close()
+        b = make(**loaded)
+        b.load_state_dict(state)
+        rest = list(b)
+        b.close()
+        assert [tokens(x) for x in head + rest] == [tokens(x) for x in ref_batches], f"resumed after batch {k}"
+    ledger = TokenLedger(b.stream)
+    ledger.add(head + rest)
+    assert ledger.check_epoch(0) == ledger.check_epoch(1) == sum(len(d) for d in docs)
+
+
+def test_an_incomplete_or_old_state_is_refused_naming_the_key():
+    from test_loader_basic import token_docs
+
+    docs = token_docs(50)
+    a = PackedLoader(IterableSource(docs), config=_fixed(), num_threads=0)
+    next(iter(a))
+    state = a.state_dict()
+    b = PackedLoader(IterableSource(docs), config=_fixed(), num_threads=0)
+    for key in ("loader", "fingerprint", "pass_left"):
+        with pytest.raises(ValueError, match=f"missing required field `{key}`"):
+            b.load_state_dict({k: v for k, v in state.items() if k != key})
+    with pytest.raises(ValueError, match=r"`step_state`"):
+        b.load_state_dict(dict(state, loader={"skip": 0}))
+    with pytest.raises(ValueError, match=r"\$\.loader\.skip"):
+        b.load_state_dict(dict(state, loader=dict(state["loader"], skip=-1)))
+    with pytest.raises(ValueError, match="'format' is 'packloader.loader/1'"):
+        b.load_state_dict(dict(state, format="packloader.loader/1"))
+    with pytest.raises(TypeError, match="got list"):
+        b.load_state_dict([state])
+    b.load_state_dict(state)  # the complete one still loads
+    assert fingerprint(next(iter(b))) == fingerprint(list(a)[0])
+
+
+class SlowPlanner:
+    """The fixed planner, taking `pause` seconds to plan the steps in `slow`: planning slower than torchdata's
+    0.5 s thread join, as on a loaded machine."""
+
+    def __init__(self, config: PlanConfig) -> None:
+        from packloader.balancers.fixed import FixedPlanner
+
+        self.inner, self.pause, self.slow = FixedPlanner(config), 0.0, range(0)
+
+    def plan(self, window, state, step):
+        import time
+
+        if step in self.slow:
+            time.sleep(self.pause)
+        return self.inner.plan(window, state, step)
+
+
+def test_load_state_dict_while_the_planning_thread_is_busy(tmp_path):
+    """A loader that ran ahead, its planning thread busy with a slow step, rewinds exactly: no thread of the
+    replaced pipeline draws a step from the restored position."""
+    from test_loader_basic import token_docs, write_token_shards
+
+    paths = write_token_shards(tmp_path, token_docs(70, seed=3), shards=2)
+    cfg = _fixed()
+    planner = SlowPlanner(cfg)
+    loader = PackedLoader(paths, config=cfg, planner=planner, num_threads=2, prefetch=2)
+    ref = [fingerprint(b) for b in loader]
+    steps = len({f[0] for f in ref})
+    assert steps >= 5
+    planner.pause, planner.slow = 1.5, range(steps, 2 * steps)  # the second epoch's steps
+    it = iter(loader)
+    next(it)
+    time.sleep(0.3)  # the pipeline is planning the second epoch's next step
+    loader.load_state_dict(state_after(cfg, paths, 3))
+    assert [fingerprint(b) for b in loader] == ref[3:]
+    loader.close()
+
+
+def state_after(cfg, paths, k):
+    loader = PackedLoader(paths, config=cfg, num_threads=2, prefetch=2)
+    it = iter(loader)
+    for _ in range(k):
+        next(it)
+    state = loader.state_dict()
+    loader.close()
+    return state

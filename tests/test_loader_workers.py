@@ -81,3 +81,40 @@ def test_stateful_dataloader_resumes_each_worker(tmp_path):
     dl.load_state_dict(state)
     rest = [key(m) for m in dl]
     assert head + rest == full
+
+
+def test_a_worker_iterator_restores_while_planning_is_slow(tmp_path):
+    """What StatefulDataLoader does in a restored worker: a new iterator of the dataset, then load_state_dict,
+    then next. With planning slower than torchdata's 0.5 s thread join (a loaded machine), a pipeline that the
+    iterator had started before the load, and that the load reset, let its old thread draw a step from the
+    restored position: that step was lost."""
+    import time
+
+    from test_loader_basic import token_docs, write_token_shards
+    from test_loader_resume import SlowPlanner
+
+    paths = write_token_shards(tmp_path, token_docs(70, seed=3), shards=2)
+    cfg = _config()
+    planner = SlowPlanner(cfg)
+    ds = PackedDataset(paths, config=cfg, planner=planner, epochs=1)
+
+    def key(mbs):
+        return [(b.step, b.input_ids.tolist()) for b in mbs]
+
+    ref = [key(s) for s in iter(ds)]
+    assert len(ref) >= 5
+    planner.pause, planner.slow = 1.5, range(1)  # planning the first step from scratch is slow
+    it = iter(ds)
+    head = [key(next(it)) for _ in range(2)]
+    state = it.state_dict()
+    it.close()
+    restored = iter(ds)
+    time.sleep(0.3)  # a started pipeline would be planning its first step by now
+    restored.load_state_dict(state)
+    assert head + [key(s) for s in restored] == ref
+    restored.close()
+    started = iter(ds)  # loading into an iterator that is running
+    next(started)
+    started.load_state_dict(state)
+    assert [key(s) for s in started] == ref[2:]
+    started.close()

@@ -2,6 +2,8 @@
 
 The loader exchanges two kinds of small messages between ranks:
 
+- once, before the first step, the settings that decide the stream (PlanConfig, seed, shuffle, tokenizer, EOS,
+  source, lengths mode): a rank configured differently gives a RuntimeError on every rank naming the field;
 - a digest of each step's plan (and of the lengths it was computed from), to check that every rank planned the
   same step; a rank whose digest differs, or that does not answer within `timeout` seconds (dead, stalled, or
   configured differently), gives a RuntimeError on the others naming the step, the ranks and what happened;
@@ -160,16 +162,48 @@ class RankExchange:
     def _what(what) -> str:
         return what() if callable(what) else (what or "exchange")
 
-    def check_agreement(self, step: int, value: bytes, what: str = "plan") -> None:
-        """Raise a RuntimeError naming the ranks when not every rank reports the same `value` for `step`."""
-        got = self.all_gather(f"agree/{step}", value, f"step {step}: checking that all ranks computed the same {what}")
+    def check_plan(self, step: int, lengths_digest: bytes, plan_digest: bytes) -> None:
+        """Raise a RuntimeError naming the ranks, and whether the lengths or the plan differ, when not every rank
+        drew the same documents and planned them alike for `step`."""
+        got = self.all_gather(f"agree/{step}", lengths_digest + plan_digest,
+                              f"step {step}: checking that all ranks computed the same plan")
         if all(g == got[0] for g in got):
             return
+        n = len(lengths_digest)
+        lengths_differ = any(g[:n] != got[0][:n] for g in got)
         groups: dict[bytes, list[int]] = {}
         for r, g in enumerate(got):
-            groups.setdefault(g, []).append(r)
+            groups.setdefault(g[:n] if lengths_differ else g[n:], []).append(r)
         desc = "; ".join(f"ranks {rs} have {g.hex()[:12]}" for g, rs in groups.items())
+        if lengths_differ:
+            what = ("the lengths of the documents drawn for the step differ; the loader settings were checked equal "
+                    "at the start, so the ranks read different data under the same shard names and row counts")
+        else:
+            what = ("the same document lengths gave different plans: a planner object or cost profile that differs "
+                    "between ranks, or a planner that is not deterministic")
+        raise RuntimeError(f"packloader: step {step}: ranks disagree on the plan ({desc}): {what}")
+
+
+def check_settings(exchange: RankExchange, settings: dict) -> None:
+    """Before the first step: every rank's loader settings (PlanConfig, seed, shuffle, tokenizer, EOS, source,
+    lengths mode, chunk size) equal, or a RuntimeError naming each field that differs and the ranks' values."""
+    import msgspec
+
+    from packloader.loader.state import flatten
+
+    got = exchange.all_gather("settings", msgspec.msgpack.encode(settings),
+                              "before the first step: checking that all ranks use the same loader settings")
+    per_rank = [flatten(msgspec.msgpack.decode(g)) for g in got]
+    diffs = []
+    for key in sorted(set().union(*per_rank)):
+        values = [p.get(key) for p in per_rank]
+        if any(v != values[0] for v in values):
+            groups: dict[str, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(repr(v), []).append(r)
+            diffs.append(f"{key}: " + ", ".join(f"ranks {rs} have {v}" for v, rs in groups.items()))
+    if diffs:
         raise RuntimeError(
-            f"packloader: step {step}: ranks disagree on the {what} ({desc}); every rank must read the same source "
-            "with the same seed, tokenizer and PlanConfig"
+            "packloader: before the first step: ranks disagree on the loader settings (" + "; ".join(diffs)
+            + "); every rank must read the same source with the same seed, tokenizer, options and PlanConfig"
         )

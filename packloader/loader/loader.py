@@ -18,10 +18,18 @@ Epochs: a `for` pass yields `epochs` epochs (None: an endless stream); the next 
 epoch. At the end of each epoch the planner is asked to flush what it holds back, so every token is trained
 exactly once per epoch. Steps are numbered from 0 across epochs.
 
+Resume: the state is the planning stage's position (the first document not yet drawn, the step number, the
+planner's queue, the stats) and how many of the current step's micro-batches were yielded, so it does not
+depend on `num_threads`, `prefetch`, `chunk_docs`, `lengths` or the layout. A state saved inside the loop after
+a pass's last batch resumes into that pass, which yields nothing more (as the uninterrupted loop would end);
+the next `for` is the next epoch. A state saved after the loop resumes before the next pass.
+
 Ranks: `dp_rank` defaults to torch.distributed's rank when it is initialised and its world size equals
-`config.parallel.dp`; otherwise pass it. With torch.distributed initialised (world > 1) each step's plan digest
-is compared across all ranks through the process group's store; a rank that disagrees, or that does not answer
-within `timeout` seconds, makes the others raise a RuntimeError naming the step and the ranks.
+`config.parallel.dp`; otherwise pass it. With torch.distributed initialised (world > 1) the ranks compare their
+settings (PlanConfig, seed, shuffle, tokenizer, EOS, source) when the loader is built, and a RuntimeError names
+each field that differs; then each step's plan digest is compared through the process group's store: a rank that
+disagrees, or that does not answer within `timeout` seconds, makes the others raise a RuntimeError naming the
+step and the ranks.
 
 For torch DataLoader workers, use `PackedDataset` (below): each worker plans its own contiguous part of every
 epoch and yields whole steps.
@@ -31,18 +39,21 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import msgspec
 from torch.utils.data import IterableDataset
-from torchdata.nodes import Loader, ParallelMapper, Prefetcher, Unbatcher
+from torchdata.nodes import ParallelMapper, Prefetcher
 
 from packloader.balancers.registry import make_planner
 from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
-from packloader.loader.distributed import RankExchange, next_instance, resolve_dp_rank, torch_rank_world
+from packloader.loader.distributed import (RankExchange, check_settings, next_instance, resolve_dp_rank,
+                                           torch_rank_world)
 from packloader.loader.nodes import ChunkLoader, ChunkNode, StepCollator, StepNode, StepReader
-from packloader.loader.state import (STATE_FORMAT, LoaderOptions, LoaderStats, check_fingerprint, fingerprint,
+from packloader.loader.state import (STATE_FORMAT, LoaderOptions, LoaderStats, check_state, fingerprint,
                                      validate_config, validate_options)
 from packloader.sources.order import split_range
 from packloader.sources.stream import DocumentStream
@@ -122,8 +133,16 @@ class _Pipeline:
         pad_id = self.options.pad_id
         if pad_id is None:
             pad_id = self.stream.eos_id if self.stream.eos_id is not None else 0
+        self.lock = threading.Lock()  # shared by the StepNodes of every graph built (they share the planner)
         self.collator = StepCollator(self.stream, layout=self.options.layout, pad_to_multiple=self.options.pad_to_multiple,
                                      pad_to_tokens=self.options.pad_to_tokens, pad_id=pad_id)
+
+    def __getstate__(self) -> dict:  # DataLoader workers receive the dataset pickled; a lock does not pickle
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
 
     def tokenizer_name(self) -> str | None:
         if self.stream.pretokenized and not self.stream.eos_appended:
@@ -131,7 +150,14 @@ class _Pipeline:
         return getattr(self.stream.tokenizer, "name", type(self.stream.tokenizer).__name__)
 
     def build(self, *, span, exchange: RankExchange | None, max_epochs: int | None, start_epoch: int = 0,
-              step_stride: int = 1, step_offset: int = 0, unbatch: bool = True):
+              step_stride: int = 1, step_offset: int = 0, start_state: dict | None = None) -> "_Graph":
+        """A fresh node graph whose StepNode starts at `start_state` (None: the start). Its items are `_Step`s.
+
+        The loader never resets a graph that has run: torchdata joins a replaced stage's threads with a timeout
+        and lets them run on, so a thread of the old graph could still draw a step from a node that was reset to a
+        saved state, and that step would be lost. Resuming builds a new graph and closes the old one instead;
+        the state is the StepNode's, not torchdata's, so it does not depend on threads, prefetching or the
+        lengths mode."""
         o = self.options
         mode = self.mode
         if mode == "gather" and exchange is None:
@@ -143,21 +169,71 @@ class _Pipeline:
         if mode == "column" or threads == 0:
             chunks = ParallelMapper(chunk_node, load, num_workers=0)
         else:
-            chunks = ParallelMapper(chunk_node, load, num_workers=threads, in_order=True, method="thread")
+            chunks = ParallelMapper(chunk_node, load, num_workers=threads, in_order=True, method="thread",
+                                    snapshot_frequency=0)
         steps = StepNode(chunk_node, chunks, self.stream, self.planner, self.config, self.dp_rank, span=span,
                          mode=mode, exchange=exchange, check_ranks=o.check_ranks, start_epoch=start_epoch,
-                         step_stride=step_stride, step_offset=step_offset)
+                         step_stride=step_stride, step_offset=step_offset, start_state=start_state, lock=self.lock)
+        node = steps
         if mode == "column" and threads > 0:
             # pre-tokenized: planning in one thread, reading this rank's tokens in another (Parquet decoding
             # releases the GIL), collating in a third (the prefetcher's)
-            steps = ParallelMapper(steps, StepReader(self.stream), num_workers=1, in_order=True, method="thread",
-                                   max_concurrent=1)
+            node = ParallelMapper(node, StepReader(self.stream), num_workers=1, in_order=True, method="thread",
+                                  max_concurrent=1, snapshot_frequency=0)
         # Collating runs in the prefetcher's thread: it is cheap next to tokenizing, and more collating threads
         # only fight over the GIL (measured: they made the pre-tokenized path slower on 2 cores).
-        node = ParallelMapper(steps, self.collator, num_workers=0)
+        node = ParallelMapper(node, _Collate(self.collator), num_workers=0)
         if threads > 0:
-            node = Prefetcher(node, prefetch_factor=o.prefetch)
-        return Unbatcher(node) if unbatch else node
+            node = Prefetcher(node, prefetch_factor=o.prefetch, snapshot_frequency=0)
+        return _Graph(node, steps)
+
+
+@dataclass
+class _Step:
+    """One planned step as this rank's collated micro-batches, with the StepNode states around it: the loader's
+    resume points (`state_before` with the number of micro-batches already yielded, or `state_after`)."""
+
+    batches: list[PackedBatch]  # empty when this rank has no micro-batch in the step
+    epoch: int
+    last_in_epoch: bool
+    state_before: dict
+    state_after: dict
+
+
+class _Collate:
+    def __init__(self, collator: StepCollator) -> None:
+        self.collator = collator
+
+    def __call__(self, work) -> _Step:
+        out = [b for b in self.collator(work) if b is not None]
+        return _Step(out, work.epoch, work.last_in_epoch, work.state_before, work.state_after)
+
+
+class _Graph:
+    """A node graph, started by the first `next`; `close` stops its threads and makes its StepNode refuse to
+    draw again (a thread that outlives the join only ever sees this graph's nodes)."""
+
+    def __init__(self, root, steps: StepNode) -> None:
+        self.root, self.steps = root, steps
+        self.started = False
+
+    def next(self) -> _Step:
+        if not self.started:
+            self.root.reset()
+            self.started = True
+        try:
+            return next(self.root)
+        except StopIteration:
+            raise
+        except Exception as e:
+            clean = _unwrap(e)
+            if clean is e:
+                raise
+            raise clean from e
+
+    def close(self) -> None:
+        self.steps.close()
+        _shutdown(self.root)
 
 
 class PackedLoader:
@@ -210,13 +286,19 @@ class PackedLoader:
         self.exchange: RankExchange | None = None
         if (o.check_ranks or self._p.mode == "gather") and torch_rank_world() is not None:
             self.exchange = RankExchange.from_torch(f"{o.name}-{next_instance()}", o.timeout)
-        n = self._p.stream.num_docs
-        self._root = self._p.build(span=lambda epoch: (0, n), exchange=self.exchange, max_epochs=None)
-        self._loader = Loader(self._root, restart_on_stop_iteration=False)
-        self._it: Iterator | None = None
+        if self.exchange is not None and o.check_ranks:
+            check_settings(self.exchange, self._settings())
+        self._graph: _Graph | None = None  # built on the first batch asked for
+        self._start: dict | None = None  # StepNode state the next graph starts from (None: the start)
+        self._skip = 0  # micro-batches of the first step that were yielded before the state was saved
+        self._cur: _Step | None = None  # the step being yielded
+        self._at = 0  # its next micro-batch
+        self._resume: tuple[dict | None, int] = (None, 0)  # where the stream stands after the last batch yielded
         self._last: PackedBatch | None = None
+        self._saved_stats: LoaderStats | None = None
         self._next_epoch = 0
-        self._pass_left: int | None = 0  # epochs left in the current pass; 0: none in progress
+        self._pass_left: int | None = 0  # epochs left in the open pass (None: endless)
+        self._pass_open = False  # a pass started and its `for` has not ended
 
     # --- facts ---------------------------------------------------------------------------------------------------
 
@@ -248,7 +330,7 @@ class PackedLoader:
     def stats(self) -> LoaderStats:
         """Counts up to the step of the last batch yielded (split documents and pieces, tokens, steps, ...)."""
         if self._last is None:
-            return LoaderStats()
+            return self._saved_stats.copy() if self._saved_stats is not None else LoaderStats()
         return self._last.extra["stats"]
 
     @property
@@ -259,33 +341,67 @@ class PackedLoader:
     # --- iteration -----------------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[PackedBatch]:
-        """One pass: `epochs` epochs from where the loader stands (the rest of the pass a saved state was in)."""
-        if self._it is None:
-            self._it = iter(self._loader)
-        left = self._pass_left if self._pass_left != 0 else self._p.options.epochs
+        """One pass: `epochs` epochs from where the loader stands (the rest of the pass a saved state was in).
+
+        A pass is open from its first batch until its `for` ends. A state saved after the pass's last batch but
+        inside the loop resumes into that same pass, which then yields nothing (as the uninterrupted loop would);
+        a state saved after the loop resumes before the next pass."""
+        if self._pass_open and self._pass_left == 0:
+            self._pass_open = False
+            return
+        if not self._pass_open:
+            self._pass_left, self._pass_open = self._p.options.epochs, True
         while True:
-            try:
-                batch = next(self._it)
-            except StopIteration:
-                return
-            except Exception as e:
-                clean = _unwrap(e)
-                if clean is e:
-                    raise
-                raise clean from e
-            end = batch is None or batch.extra["last_in_epoch"]  # None: no micro-batch here in an epoch's last step
-            if end:
-                self._next_epoch += 1
-                if left is not None:
-                    left -= 1
-            elif batch is not None:
-                self._next_epoch = batch.extra["epoch"]
-            self._pass_left = left  # set before yielding: a state saved now knows where the pass stands
-            if batch is not None:
+            if self._cur is None:
+                step = self._fetch()
+                if step is None:  # the stream ended (only a bounded span does)
+                    self._pass_open = False
+                    return
+                self._cur, self._at, self._skip = step, self._skip, 0
+            step = self._cur
+            if self._at >= len(step.batches):  # none of this rank's micro-batches (left) in this step
+                self._cur = None
+                self._advance(step, done=True)
+            else:
+                batch = step.batches[self._at]
+                self._at += 1
+                done = self._at == len(step.batches)
+                if done:
+                    self._cur = None
+                self._advance(step, done)  # before yielding: a state saved now knows where the pass stands
                 self._last = batch
-                yield batch
-            if left == 0:
+                try:
+                    yield batch
+                except GeneratorExit:  # the loop was left (break): after the last batch, that ends the pass
+                    if self._pass_left == 0:
+                        self._pass_open = False
+                    raise
+            if self._pass_left == 0:
+                self._pass_open = False
                 return
+
+    def _advance(self, step: _Step, done: bool) -> None:
+        if not done:
+            self._resume = (step.state_before, self._at)
+            self._next_epoch = step.epoch
+            return
+        self._resume = (step.state_after, 0)
+        if step.last_in_epoch:
+            self._next_epoch = step.epoch + 1
+            if self._pass_left is not None:
+                self._pass_left -= 1
+        else:
+            self._next_epoch = step.epoch
+
+    def _fetch(self) -> _Step | None:
+        if self._graph is None:
+            n = self._p.stream.num_docs
+            self._graph = self._p.build(span=lambda epoch: (0, n), exchange=self.exchange, max_epochs=None,
+                                        start_state=self._start)
+        try:
+            return self._graph.next()
+        except StopIteration:
+            return None
 
     # --- state ---------------------------------------------------------------------------------------------------
 
@@ -294,35 +410,57 @@ class PackedLoader:
         return fingerprint(config=p.config, options=p.options, source=p.source, tokenizer_name=p.tokenizer_name(),
                            dp_rank=p.dp_rank, eos_appended=p.stream.eos_appended)
 
+    def _settings(self) -> dict:
+        """What every rank must agree on before the first step (the fingerprint without the rank's own index)."""
+        out = {k: v for k, v in self._fingerprint().items() if k not in ("dp_rank", "span")}
+        out.update(append_eos=self._p.options.append_eos, lengths=self.lengths_mode,
+                   chunk_docs=self._p.options.chunk_docs)
+        return out
+
     def state_dict(self) -> dict:
-        """Where this rank's stream stands after the last batch yielded: plain Python data (torch.save/pickle)."""
+        """Where this rank's stream stands after the last batch yielded: plain Python data (torch.save/pickle).
+
+        It does not depend on `num_threads`, `prefetch`, `chunk_docs`, `lengths`, the layout or the padding:
+        a loader that differs from the saving one only in those resumes it exactly."""
+        step_state, skip = self._resume
         return {
             "format": STATE_FORMAT,
             "fingerprint": self._fingerprint(),
             "next_epoch": self._next_epoch,
             "pass_left": self._pass_left,
+            "pass_open": self._pass_open,
             "stats": msgspec.to_builtins(self.stats),
-            "loader": self._loader.state_dict(),
+            "loader": {"step_state": step_state, "skip": skip},
         }
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Resume from `state_dict()` (of this rank): the next batch is the one that followed when it was saved."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a PackedLoader state (expected format {STATE_FORMAT!r})")
-        if strict:
-            check_fingerprint(state["fingerprint"], self._fingerprint())
-        self._loader.load_state_dict(state["loader"])
-        self._it = None
+        """Resume from `state_dict()` (of this rank): the next batch is the one that followed when it was saved.
+
+        A state saved by a loader with another configuration, seed, shuffle, tokenizer, source or rank is refused,
+        with `strict=False` too: continuing it would drop and repeat tokens (`strict` is kept for the torch
+        signature only)."""
+        check_state(state, self._fingerprint())
+        self._close_graph()
+        pos = state["loader"]
+        self._start, self._skip = pos["step_state"], int(pos["skip"])
+        self._resume = (self._start, self._skip)
+        self._cur, self._at = None, 0
         self._next_epoch = int(state["next_epoch"])
         self._pass_left = state["pass_left"]
+        self._pass_open = bool(state["pass_open"])
         self._last = None
-        self._saved_stats = state.get("stats")
+        self._saved_stats = msgspec.convert(state["stats"], LoaderStats)
+
+    def _close_graph(self) -> None:
+        if self._graph is not None:
+            self._graph.close()
+            self._graph = None
 
     def close(self) -> None:
         """Stop the background threads (also done when the loader is garbage-collected)."""
         if self.exchange is not None:
             self.exchange.stop.set()
-        _shutdown(self._root)
+        self._close_graph()
 
     def __enter__(self) -> "PackedLoader":
         return self
@@ -333,38 +471,33 @@ class PackedLoader:
 
 class _StepIterator:
     """A worker's iterator over its steps, with state_dict/load_state_dict (torchdata's Stateful protocol, which
-    StatefulDataLoader uses to save and restore each worker)."""
+    StatefulDataLoader uses to save and restore each worker). The graph starts on the first step asked for, so
+    restoring a worker never starts threads only to replace them."""
 
     def __init__(self, dataset: "PackedDataset", worker: int, workers: int) -> None:
         p = dataset._p
         n = p.stream.num_docs
         self.span = split_range(0, n, workers, worker)
-        span = self.span
         self.dataset, self.worker, self.workers = dataset, worker, workers
-        start = dataset._epoch
-        max_epochs = None if p.options.epochs is None else start + p.options.epochs
-        self.root = p.build(span=lambda epoch: span, exchange=None, max_epochs=max_epochs, start_epoch=start,
-                            step_stride=workers, step_offset=worker, unbatch=False)
-        self.loader = Loader(self.root, restart_on_stop_iteration=False)
-        self.it = iter(self.loader)
+        self.start_epoch = dataset._epoch
+        self.max_epochs = None if p.options.epochs is None else self.start_epoch + p.options.epochs
+        self._graph: _Graph | None = None
+        self._position: dict | None = None  # StepNode state after the last step returned (None: the start)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> list[PackedBatch]:
+        if self._graph is None:
+            span = self.span
+            self._graph = self.dataset._p.build(span=lambda epoch: span, exchange=None, max_epochs=self.max_epochs,
+                                                start_epoch=self.start_epoch, step_stride=self.workers,
+                                                step_offset=self.worker, start_state=self._position)
         while True:
-            try:
-                batches = next(self.it)
-            except StopIteration:
-                raise
-            except Exception as e:
-                clean = _unwrap(e)
-                if clean is e:
-                    raise
-                raise clean from e
-            batches = [b for b in batches if b is not None]
-            if batches:
-                return batches
+            step = self._graph.next()
+            self._position = step.state_after
+            if step.batches:
+                return step.batches
 
     def _fingerprint(self) -> dict:
         p = self.dataset._p
@@ -372,12 +505,19 @@ class _StepIterator:
                            dp_rank=p.dp_rank, eos_appended=p.stream.eos_appended, span=self.span)
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "fingerprint": self._fingerprint(), "loader": self.loader.state_dict()}
+        return {"format": STATE_FORMAT, "fingerprint": self._fingerprint(), "next_epoch": None, "pass_left": None,
+                "pass_open": False, "stats": None, "loader": {"step_state": self._position, "skip": 0}}
 
     def load_state_dict(self, state: dict) -> None:
-        check_fingerprint(state["fingerprint"], self._fingerprint())
-        self.loader.load_state_dict(state["loader"])
-        self.it = iter(self.loader)
+        check_state(state, self._fingerprint())
+        self.close()
+        self._position = state["loader"]["step_state"]
+
+    def close(self) -> None:
+        """Stop this iterator's threads."""
+        if self._graph is not None:
+            self._graph.close()
+            self._graph = None
 
 
 class PackedDataset(IterableDataset):

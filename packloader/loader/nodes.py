@@ -9,8 +9,8 @@ ChunkNode         epoch order in chunks of `chunk_docs` positions              s
                                                     without the GIL, several row groups at once)
   -> ParallelMapper(StepCollator)                   collate this rank's micro-batches (numba, without the GIL)
   -> Prefetcher    the next steps are planned, read and collated while this one trains
-  -> Unbatcher     one micro-batch at a time                                    state: (step's state, index)
 ```
+(the loader hands out the micro-batches of each step one at a time; its state: a StepNode state and an index)
 
 How each rank learns the lengths (`lengths=`):
 - "column": a pre-tokenized source with a length column. Every rank reads the global lengths (a few bytes per
@@ -26,7 +26,9 @@ How each rank learns the lengths (`lengths=`):
 
 Resume: StepNode's state is small (the position of the first document not yet drawn, the step, the planner's
 state with its queue of delayed pieces, the lengths of those documents, the stats). On reset it restarts the
-chunk stage at that position, so nothing drawn is kept in the state: delayed pieces are re-read by id.
+chunk stage at that position, so nothing drawn is kept in the state: delayed pieces are re-read by id. Each
+StepWork carries the state before and after its step: those are the loader's resume points, so torchdata's own
+snapshots of the graph are not used, and a resume builds a new graph rather than resetting a running one.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class StepWork:
     loss_tokens: int
     last_in_epoch: bool
     stats: LoaderStats
+    # StepNode states: replaying from `state_before` plans this step again; `state_after` plans the next one
+    state_before: dict | None = None
+    state_after: dict | None = None
 
 
 class ChunkNode(BaseNode[ChunkSpec]):
@@ -178,6 +183,8 @@ class StepNode(BaseNode[StepWork]):
         start_epoch: int = 0,
         step_stride: int = 1,
         step_offset: int = 0,
+        start_state: dict | None = None,
+        lock: threading.Lock | None = None,
     ) -> None:
         super().__init__()
         self.chunk_node, self.chunks, self.stream = chunk_node, chunks, stream
@@ -185,7 +192,15 @@ class StepNode(BaseNode[StepWork]):
         self.span, self.mode, self.exchange, self.check_ranks = span, mode, exchange, check_ranks
         self.start_epoch = start_epoch
         self.step_stride, self.step_offset = step_stride, step_offset
-        self._lock = threading.Lock()  # a stale reader thread may still be inside next() when reset comes
+        self.start_state = start_state  # where reset(None) starts: a saved state_after/state_before, or the start
+        # One lock for every StepNode of a pipeline: the planner object is shared, and a thread of a graph that was
+        # replaced (torchdata joins its threads with a timeout) may still be planning when the new graph starts.
+        self._lock = lock if lock is not None else threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """Make any later next() stop: a thread left over from a replaced graph must not draw another step."""
+        self._closed = True
 
     # --- state ---------------------------------------------------------------------------------------------------
 
@@ -209,7 +224,9 @@ class StepNode(BaseNode[StepWork]):
     def reset(self, initial_state: dict | None = None) -> None:
         with self._lock:
             super().reset(initial_state)
-            st = initial_state if initial_state is not None else self.fresh_state()
+            st = initial_state if initial_state is not None else self.start_state
+            if st is None:
+                st = self.fresh_state()
             self.epoch, self.pos, self.k = int(st["epoch"]), int(st["pos"]), int(st["k"])
             self.flushing = bool(st["flushing"])
             self.pstate = msgspec.convert(st["planner"], PlannerState)
@@ -302,9 +319,13 @@ class StepNode(BaseNode[StepWork]):
 
     def next(self) -> StepWork:
         with self._lock:
+            if self._closed:
+                raise StopIteration
+            before = self.get_state()
             while True:
                 work = self._next_step()
                 if work is not None:
+                    work.state_before, work.state_after = before, self.get_state()
                     return work
 
     def _next_step(self) -> StepWork | None:
@@ -352,8 +373,7 @@ class StepNode(BaseNode[StepWork]):
         plan = msgspec.structs.replace(plan, loss_tokens=loss_tokens)
 
         if self.exchange is not None and self.check_ranks:
-            value = digest(msgspec.json.encode(plan), window.doc, window.length)
-            self.exchange.check_agreement(step, value)
+            self.exchange.check_plan(step, digest(window.doc, window.length), digest(msgspec.json.encode(plan)))
 
         # this rank's part
         mbs = plan.ranks[self.dp_rank].micro_batches

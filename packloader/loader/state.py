@@ -9,9 +9,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from packloader.contracts import PlanConfig
+from packloader.contracts import PlanConfig, PlannerState, check_plan_config
 
-STATE_FORMAT = "packloader.loader/1"
+STATE_FORMAT = "packloader.loader/2"
 LengthsMode = Literal["auto", "column", "local", "gather"]
 Layout = Literal["flat", "hf"]
 
@@ -38,11 +38,30 @@ class LoaderOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
 
 
 def validate_config(config) -> PlanConfig:
-    """A PlanConfig, validated (msgspec checks constraints when converting, not in the constructor)."""
+    """A PlanConfig, validated: each field (msgspec checks constraints when converting, not in the constructor),
+    the rules between fields (`check_plan_config`), and that `model` names a preset or a cost profile (the `fixed`
+    strategy never loads it, so a typo would otherwise pass unnoticed)."""
     raw = msgspec.to_builtins(config) if isinstance(config, PlanConfig) else config
     if not isinstance(raw, dict):
         raise TypeError(f"config must be a PlanConfig or a dict, got {type(config).__name__}")
-    return msgspec.convert(raw, PlanConfig)
+    cfg = msgspec.convert(raw, PlanConfig)
+    check_plan_config(cfg)
+    check_model(cfg)
+    return cfg
+
+
+def check_model(config: PlanConfig) -> None:
+    from packloader.balancers.assemble import cost_model_for
+    from packloader.balancers.presets import preset_names
+
+    try:
+        cost_model_for(config)
+    except (KeyError, ValueError, OSError, msgspec.DecodeError) as e:
+        why = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        raise ValueError(
+            f"PlanConfig.model={config.model!r} is not usable ({why}); expected a model preset "
+            f"({', '.join(preset_names())}) or the path of a cost profile JSON (`packloader calibrate` writes one)"
+        ) from e
 
 
 def validate_options(**kwargs) -> LoaderOptions:
@@ -97,11 +116,64 @@ def fingerprint(*, config: PlanConfig, options: LoaderOptions, source, tokenizer
     }
 
 
+class _StepState(msgspec.Struct):
+    """The StepNode state a saved loader state resumes from (checked on load, used as the plain dict)."""
+
+    epoch: int
+    pos: int
+    k: int
+    flushing: bool
+    planner: PlannerState
+    queued_lengths: list[tuple[int, int]]
+    stats: LoaderStats
+
+
+class _Position(msgspec.Struct):
+    step_state: _StepState | None  # None: the start
+    skip: Annotated[int, msgspec.Meta(ge=0)]  # micro-batches of the step from step_state already yielded
+
+
+class _SavedState(msgspec.Struct):
+    format: str
+    fingerprint: dict
+    next_epoch: int | None
+    pass_left: int | None
+    pass_open: bool
+    stats: LoaderStats | None
+    loader: _Position
+
+
+def check_state(state, current_fingerprint: dict) -> None:
+    """Refuse, naming the field, a state that is not a complete `state_dict()` of a loader configured like this one."""
+    if not isinstance(state, dict):
+        raise TypeError(f"a PackedLoader state is the dict state_dict() returned, got {type(state).__name__}")
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"not a PackedLoader state of this version: its 'format' is {state.get('format')!r}, "
+                         f"expected {STATE_FORMAT!r}")
+    try:
+        msgspec.convert(state, _SavedState)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"this PackedLoader state is incomplete or damaged: {e}") from e
+    check_fingerprint(state["fingerprint"], current_fingerprint)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Nested dicts as one dict with dotted keys (`config.parallel.dp`), to name the field that differs."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def check_fingerprint(saved: dict, current: dict) -> None:
+    saved, current = flatten(saved), flatten(current)
     diff = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
     if diff:
         parts = "; ".join(f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in diff)
         raise ValueError(
-            f"this state was saved by a differently configured loader ({parts}); resuming would not continue the "
-            "same stream. Pass strict=False to load it anyway."
+            f"this state was saved by a differently configured loader ({parts}); resuming it would not continue the "
+            "same stream (tokens would be lost and repeated), so it is refused"
         )

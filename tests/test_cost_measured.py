@@ -75,7 +75,8 @@ def test_shipped_profile_is_a_fresh_build_of_the_csvs():
 
 def test_short_documents_cost_what_the_measurements_say():
     """Per (query, key) pair a 256-token document costs ~3.9x a 32K one and a 1K one ~1.7x: the measured
-    profile keeps that (checked against the CSV's own ratios), the analytic one does not."""
+    profile keeps that (checked against the CSV's own ratios); the analytic one, whose per-token term is only
+    the HBM traffic of the rows, gives part of it."""
     att = {int(r["doc_len"]): r for r in rows("h100-attention.csv")}
 
     def per_pair(time_ms, docs, l):
@@ -90,7 +91,7 @@ def test_short_documents_cost_what_the_measurements_say():
         got = (fm[0] / (l * (l + 1) / 2)) / (fm[1] / (32768 * 32769 / 2))
         assert got == pytest.approx(want, rel=0.05)
         fa, _ = analytic.segment_times(np.array([l, 32768]), np.zeros(2, np.int64))
-        assert (fa[0] / (l * (l + 1) / 2)) / (fa[1] / (32768 * 32769 / 2)) < 1.05
+        assert 1.2 < (fa[0] / (l * (l + 1) / 2)) / (fa[1] / (32768 * 32769 / 2)) < 0.9 * want
 
 
 def test_scaling_by_hand():

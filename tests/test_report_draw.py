@@ -117,8 +117,10 @@ def test_merged_model_is_a_g_way_split_with_the_floor_kept():
         mb = MicroBatch(segments=[Segment(0, 0, 3000, 0), Segment(1, 0, 700, 0)])
         f, b = m.microbatch_times(mb)
         tile = pr.tile
-        attn_f = sum(pr.attn_fwd.a * (math.ceil(q / tile) * tile) ** 2 for q in (3000, 700))
-        attn_b = sum(pr.attn_bwd.a * (math.ceil(q / tile) * tile) ** 2 for q in (3000, 700))
+        qts = [math.ceil(q / tile) * tile for q in (3000, 700)]
+        attn_f = sum(pr.attn_fwd.a * qt**2 + pr.attn_fwd.b * qt for qt in qts)
+        attn_b = sum(pr.attn_bwd.a * qt**2 + pr.attn_bwd.b * qt for qt in qts)
+        assert pr.attn_fwd.c == pr.attn_bwd.c == 0.0
         assert f == pytest.approx(attn_f / g + pr.lin_fwd.b * 3700 / g + pr.lin_fwd.c, rel=1e-12)
         assert b == pytest.approx(attn_b / g + pr.lin_bwd.b * 3700 / g + pr.lin_bwd.c, rel=1e-12)
         # the analytic preset at cp x g gives the same polynomials (ideal sharding, floors not divided)

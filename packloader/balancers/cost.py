@@ -90,14 +90,15 @@ def lin_time(c, n, bwd):
     k = int(c[LIN_KNOTS])
     if k > 0:
         t = LIN_TBWD if bwd else LIN_TFWD
-        if x <= c[LIN_TOK]:
-            return c[t]
-        for i in range(1, k):
-            x1 = c[LIN_TOK + i]
-            if x <= x1:
-                x0 = c[LIN_TOK + i - 1]
-                return c[t + i - 1] + (c[t + i] - c[t + i - 1]) * (x - x0) / (x1 - x0)
-        return c[t + k - 1] * x / c[LIN_TOK + k - 1]
+        if x >= c[LIN_TOK + k - 1]:
+            return c[t + k - 1] * x / c[LIN_TOK + k - 1]
+        # from the top: planners mostly ask about micro-batches near the cap
+        for i in range(k - 2, -1, -1):
+            x0 = c[LIN_TOK + i]
+            if x >= x0:
+                x1 = c[LIN_TOK + i + 1]
+                return c[t + i] + (c[t + i + 1] - c[t + i]) * (x - x0) / (x1 - x0)
+        return c[t]
     o = LIN_BWD if bwd else LIN_FWD
     return c[o] * x * x + c[o + 1] * x + c[o + 2]
 

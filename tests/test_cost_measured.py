@@ -15,7 +15,7 @@ import pytest
 from packloader.balancers import presets
 from packloader.balancers.assemble import cost_model_for
 from packloader.balancers.cost import CostModel, load_cost_model, load_profile
-from packloader.balancers.measured import build_profile, measured_profile
+from packloader.balancers.measured import build_profile, measured_profile, measured_stage_profiles
 from packloader.contracts import CostProfile, LinTable, ParallelConfig, PlanConfig, Poly
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,3 +160,31 @@ def test_calibrated_profile_loads_in_place_of_the_shipped_one(tmp_path):
         for rank in plan.ranks:
             for mb in rank.micro_batches:
                 assert (mb.fwd_cost, mb.bwd_cost) == pytest.approx(model.microbatch_times(mb), rel=1e-9)
+
+
+def test_stage_profiles_split_the_layers_and_put_the_head_last():
+    shape, par = presets.get_shape("llama2-13b"), ParallelConfig(pp=3, tp=2)  # 40 layers: 14, 13, 13
+    stages = measured_stage_profiles(shape, par)
+    one = measured_profile(shape, ParallelConfig(tp=2), layers=1, include_head=False)
+    assert [s.attn_fwd.a / one.attn_fwd.a for s in stages] == pytest.approx([14, 13, 13])
+    q = np.array([4096])
+    t = [sum(CostModel(s).microbatch_time_of(q)) for s in stages]
+    assert t[2] > t[1] and t[0] > t[1]  # the last stage carries the LM head, the first one more layer
+
+
+def test_report_on_h200_says_it_prices_with_the_analytic_model(tmp_path, capsys):
+    import json
+
+    from packloader.cli.main import main
+
+    np.save(tmp_path / "l.npy", np.random.default_rng(1).integers(50, 4000, 400))
+    args = ["report", "--lengths", str(tmp_path / "l.npy"), "--dp", "2", "--tp", "1", "--model", "tiny", "--max-tokens", "4096",
+            "--steps", "2", "--strategies", "fixed,wlb", "--no-plots", "--no-advice", "--no-progress"]
+    assert main([*args, "--device", "h200", "--out", str(tmp_path / "a")]) == 0
+    rep = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert "h200" in rep["settings"]["cost_profile"]
+    assert any("analytic cost model" in n and "no measured H200 profile" in n for n in rep["notes"])
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0  # H100: the measured profile, no such note
+    rep = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert "h100-measured" in rep["settings"]["cost_profile"]
+    assert not any("analytic cost model" in n for n in rep["notes"])

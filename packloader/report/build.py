@@ -81,6 +81,8 @@ def build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions | 
     memory = memory_model_for(config.model, config, opt.device)
     draw: Draw = draw_steps(lengths.lengths, config.tokens_per_step, config.context, opt.steps)
     notes = list(opt.notes)
+    if model.profile.source.startswith("analytic: no measured"):
+        notes.append(f"times use the analytic cost model: {model.profile.source.removeprefix('analytic: ')}")
     if draw.steps < opt.steps:
         notes.append(f"the input holds only {draw.steps} complete steps of {config.tokens_per_step:,} tokens; the report covers those")
     if lengths.empty:

@@ -404,4 +404,8 @@ def format_fit(profile: CostProfile) -> str:
         lines.append(f"  {part:8s} a={p.a:.4e} b={p.b:.4e} c={p.c:.4e}   held-out MAPE "
                      f"{profile.fit_error.get(part + '_heldout_mape_pct', float('nan')):6.2f}%   "
                      f"in-sample max rel err {profile.fit_error.get(part, float('nan')) * 100:6.2f}%")
+    if profile.lin_table is not None:
+        lines.append(f"  linear part: the measured table at {len(profile.lin_table.tokens)} token counts "
+                     f"({profile.lin_table.tokens[0]:g}..{profile.lin_table.tokens[-1]:g}); lin_* above summarise it "
+                     f"(per-token rate b, floor c) for the planners")
     return "\n".join(lines)

@@ -36,8 +36,8 @@ numba compilation is not counted); plans are checked with `verify.verify_plan` (
 cap, equal micro-batch counts) and scored with `metrics.score_plans`. A strategy that raises is reported as
 skipped with its error. Figures per strategy: imbalance degree (WLB-LLM, worst rank per step, mean over
 steps), DP spread (slowest rank / mean rank, simulated), simulated efficiency (perfect-balance bound / simulated
-step time, summed over the run), simulated tokens per second over `fixed`'s, mean delay in steps and
-delayed token share, share of tokens in slices, and planning time per step (mean, median and max, wall clock;
+step time, summed over the run), simulated tokens per second over `fixed`'s, delay in steps (mean over all
+tokens and max: `metrics.token_delay`, the report's definition), share of tokens in slices, and planning time per step (mean, median and max, wall clock;
 after the warm-up the process heap is frozen with `gc.freeze()`, so a full garbage collection of the modules
 imported so far, torch's included, is not counted as planning: it took 120-180 ms on the benchmark machine, and
 it is a pause of the whole process, not of the planner; trainers that mind such pauses control collection
@@ -236,6 +236,7 @@ class Row(msgspec.Struct):
     step_time: float = 0.0
     tokens: int = 0
     delay_mean: float = 0.0
+    delay_max: int = 0
     delay_share: float = 0.0
     split_share: float = 0.0
     packing: float = 0.0
@@ -322,7 +323,7 @@ def _run_one(dataset: str, setup: Setup, strategy: str, windows: list[Window], m
             f"{len(plans)} of {setup.steps} steps (time budget)" if len(plans) < setup.steps else "") if x),
         imbalance=run.imbalance_mean, imbalance_fwd=run.imbalance_fwd_mean, dp_spread=run.dp_spread_mean,
         dp_spread_max=run.dp_spread_max, efficiency=run.efficiency, step_time=run.step_time_total, tokens=run.tokens,
-        delay_mean=run.delay_mean, delay_share=run.delay_share, split_share=run.split_share,
+        delay_mean=run.delay_mean, delay_max=run.delay_max, delay_share=run.delay_share, split_share=run.split_share,
         packing=run.packing_efficiency, plan_ms=1e3 * float(np.mean(times)), plan_ms_p50=1e3 * float(np.median(times)), plan_ms_max=1e3 * float(np.max(times)),
         micro_batches=float(np.mean([s.micro_batches for s in per])),
     ), plans, state, windows
@@ -385,7 +386,7 @@ def _fmt_row(r: Row) -> str:
     else:
         alt = wrong = cross = "-"
     return (f"| {r.strategy} | {r.imbalance:.3f} | {r.dp_spread:.4f} | {r.efficiency:.3f} | {sp} | {r.delay_mean:.2f} / "
-            f"{100 * r.delay_share:.1f}% | {100 * r.split_share:.1f}% | {r.micro_batches:.1f} | {r.plan_ms:.1f} / {r.plan_ms_p50:.1f} / {r.plan_ms_max:.1f} "
+            f"{r.delay_max} | {100 * r.split_share:.1f}% | {r.micro_batches:.1f} | {r.plan_ms:.1f} / {r.plan_ms_p50:.1f} / {r.plan_ms_max:.1f} "
             f"| {alt} | {wrong} | {cross} |" + (f" {r.note}" if r.note else ""))
 
 
@@ -452,8 +453,9 @@ def report(rows: list[Row], stats: dict, args, argv: list[str]) -> str:
         "Strategies: `fixed` (BFD into fixed 64K bins, the baseline), `wlb`, `hydraulis`, `slimpack`, `auto` "
         "(packloader's planners, issue 3), and re-implementations of what users run today "
         "(`packloader/balancers/baselines.py`): `concat` = Megatron-LM's concatenate-and-chunk samples "
-        "(document-masked), `multipack` = Axolotl's multipack sampler (FFD rounds over DP ranks), "
-        "`karmarkar_karp` = verl's Karmarkar-Karp balancing over DP ranks then micro-batches. "
+        "(document-masked), `multipack` = Axolotl's multipack sampler (first-fit bins dealt round-robin to DP "
+        "ranks), `karmarkar_karp` = verl's Karmarkar-Karp balancing of workload over DP ranks (equal-size groups) "
+        "then micro-batches. "
         "`auto (no slicing)` is `auto` with `allow_slicing=False`. Every plan passed `verify_plan` (each drawn "
         "token exactly once, cap, equal micro-batch counts) before it was scored; \"N pieces still queued\" is "
         "what a delaying strategy still held after the last step (not lost). Planning times are wall clock on a "
@@ -475,7 +477,7 @@ def report(rows: list[Row], stats: dict, args, argv: list[str]) -> str:
         "target's figure at PP 4; at PP 1 the micro-batches of a rank run one after another, their sizes do not change "
         "the step time, and the balance that counts there is across ranks, the spread); spread = simulated slowest rank / mean rank (mean over steps); eff = perfect-balance bound / "
         "simulated step time over the run; vs fixed = simulated tokens per second over those of `fixed` (tokens planned / simulated step time, summed over the run; a strategy that delays plans fewer tokens in the same steps); delay = mean "
-        "delay in steps over all tokens / share of tokens delayed; split = tokens in slices; mbs = micro-batches per rank "
+        "delay in steps over all tokens / max (metrics.token_delay, as in the report); split = tokens in slices; mbs = micro-batches per rank "
         "(mean); plan = planning wall time per step, mean / median / max, in ms on this machine. "
         f"Sensitivity: {alt} model = the same strategy planned and scored under the {alt} cost model (imbalance / "
         f"spread / eff); wrong profile = tokens per second lost, scored under the {args.cost} model, when the strategy "

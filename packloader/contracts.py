@@ -97,7 +97,8 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     vpp: PosInt = 1  # virtual pipeline stages per rank (interleaved 1F1B)
 
 
-Strategy = Literal["fixed", "wlb", "hydraulis", "slimpack", "auto", "concat", "multipack", "karmarkar_karp"]
+Strategy = Literal["fixed", "wlb", "hydraulis", "slimpack", "auto", "concat", "multipack", "karmarkar_karp",
+                   "multipack_openchat2023", "karmarkar_karp_verl_legacy"]
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
 
 
@@ -119,6 +120,8 @@ class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     # "measured": the shipped H100 timings (packloader/profiles/); "analytic": the FLOP-rate model of presets.py.
     cost: Literal["measured", "analytic"] = "measured"
     seed: NonNegInt = 0
+    # GPU memory the memory check allows, in GiB; None = the device's own (80 GiB H100, 141 GiB H200)
+    memory_gib: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
 
 
 class Poly(msgspec.Struct, frozen=True, array_like=True):

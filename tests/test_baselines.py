@@ -1,4 +1,4 @@
-"""Today's baselines (concat, multipack, karmarkar_karp): the planner contract checked by an independent token
+"""Today's baselines (concat, multipack, karmarkar_karp) and the historical ones kept under their names: the planner contract checked by an independent token
 interval count, and each algorithm against brute force, hand-worked cases and an independent reference."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from packloader.balancers.assemble import flush_state
 from packloader.balancers.baselines import ffd_pack, kk_partitions, multipack_allocate, verl_order, verl_positions
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
-BASELINES = ["concat", "multipack", "karmarkar_karp"]
+BASELINES = ["concat", "multipack", "karmarkar_karp", "multipack_openchat2023", "karmarkar_karp_verl_legacy"]
 
 
 def run_steps(strategy, windows, dp, cap, pp=1, flush_last=True):
@@ -281,3 +281,118 @@ def test_concat_chunks_at_multiples_of_cap_over_the_run_stream(dp):
                 assert hi[-1] == min((chunk + 1) * cap, total)
                 chunk += 1
     assert chunk == -(-total // cap)
+
+
+# ------------------------------------------------------------------------------- today's multipack (Axolotl)
+
+
+def first_fit_reference(values, cap, max_items):
+    """Plain-Python first fit in the given order with a per-bin item limit: bin of each value, bin count."""
+    bins = []  # [free, count]
+    out = []
+    for v in values:
+        for b, (free, count) in enumerate(bins):
+            if free >= v and count < max_items:
+                bins[b] = [free - v, count + 1]
+                out.append(b)
+                break
+        else:
+            bins.append([cap - v, 1])
+            out.append(len(bins) - 1)
+    return out, len(bins)
+
+
+def test_first_fit_hand_worked():
+    from packloader.balancers.baselines import first_fit_pack
+
+    # cap 10, in order: 6 -> bin 0 (4 left); 5 -> bin 1 (5 left); 4 -> bin 0 (0 left); 5 -> bin 1; 3 -> bin 2
+    a, n = first_fit_pack(np.array([6, 5, 4, 5, 3]), 10, 200)
+    assert a.tolist() == [0, 1, 0, 1, 2] and n == 3
+    # no sorting: in order 4, 4, 6, 6 takes 3 bins (4+4, 6, 6) where first-fit decreasing takes 2 (6+4 twice)
+    a, n = first_fit_pack(np.array([4, 4, 6, 6]), 10, 200)
+    assert a.tolist() == [0, 0, 1, 2] and n == 3
+    assert ffd_pack(np.array([4, 4, 6, 6]), 10)[1] == 2
+    # item limit: at most 2 per bin
+    a, n = first_fit_pack(np.array([1, 1, 1, 1, 1]), 10, 2)
+    assert a.tolist() == [0, 0, 1, 1, 2] and n == 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 100), min_size=0, max_size=60), st.integers(1, 5))
+def test_first_fit_matches_reference(values, max_items):
+    from packloader.balancers.baselines import axolotl_bins, first_fit_pack
+
+    a, n = first_fit_pack(np.array(values, np.int64), 100, max_items)
+    assert (a.tolist(), n) == first_fit_reference(values, 100, max_items)
+    # groups are packed independently, bins numbered group after group
+    a2, n2 = axolotl_bins(np.array(values, np.int64), 100, group_size=7, bin_size=max_items)
+    ref, off = [], 0
+    for g in range(0, len(values), 7):
+        b, k = first_fit_reference(values[g:g + 7], 100, max_items)
+        ref += [x + off for x in b]
+        off += k
+    assert (a2.tolist(), n2) == (ref, off)
+
+
+def test_multipack_deals_bins_round_robin():
+    # cap 10, dp 2: first fit of 6,5,4,5,3 opens bins 0,1,2 -> rank 0 gets bins 0 and 2, rank 1 bin 1 and an empty one
+    plans, _ = run_steps("multipack", [Window.from_lengths(np.array([6, 5, 4, 5, 3]))], 2, 10)
+    docs = [[sorted(s.doc for s in mb.segments) for mb in r.micro_batches] for r in plans[0].ranks]
+    assert docs == [[[0, 2], [4]], [[1, 3], []]]
+
+
+def long_tail_lists(count=16, n=3000):
+    """Seeded long-tail length lists: a lognormal body with a Pareto tail, capped at the 16K bin capacity."""
+    out = []
+    for seed in range(count):
+        rng = np.random.default_rng(seed)
+        body = rng.lognormal(np.log(700), 1.4, n)
+        tail = 4096 * (1 + rng.pareto(1.3, n))
+        out.append(np.clip(np.rint(np.where(rng.random(n) < 0.03, tail, body)), 1, 16384).astype(np.int64))
+    return out
+
+
+def test_todays_multipack_needs_fewer_bins_than_the_2023_allocator():
+    """Over 16 long-tail lists at DP 8, today's first fit opens no more bins than OpenChat's 2023 rounds of DP
+    FFD bins (which count whole rounds) and never fewer than the bound ceil(tokens / cap); every bin holds at
+    most cap tokens."""
+    from packloader.balancers.baselines import axolotl_bins
+
+    cap, dp = 16384, 8
+    today = old = bound = 0
+    for lengths in long_tail_lists():
+        binof, n = axolotl_bins(lengths, cap)
+        assert np.bincount(binof, weights=lengths).max() <= cap
+        assert sorted(set(binof.tolist())) == list(range(n))
+        _, _, rounds = multipack_allocate(lengths, cap, dp)
+        today += n
+        old += rounds * dp
+        bound += -(-int(lengths.sum()) // cap)
+    assert bound <= today < old
+
+
+# --------------------------------------------------------------------------------- today's karmarkar_karp (verl)
+
+
+def test_karmarkar_karp_balances_workload_with_equal_counts():
+    """DP level: LDM with equal_size over verl's workload 24576 l + l^2; checked against the reference kernel
+    call on the padded values, and every rank gets the same number of pieces (within the one pad item)."""
+    from packloader.balancers.baselines import verl_workload
+
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 4000, 43)
+    dp = 4
+    plans, _ = run_steps("karmarkar_karp", [Window.from_lengths(lengths)], dp, 1 << 16)
+    per_rank = [sorted(s.doc for mb in r.micro_batches for s in mb.segments) for r in plans[0].ranks]
+    assert max(map(len, per_rank)) - min(map(len, per_rank)) <= 1
+    work = verl_workload(lengths)
+    got = sorted(int(work[d].sum()) for d in per_rank)
+    padded = np.concatenate([work, np.zeros(-len(work) % dp, np.int64)])
+    want = sorted(int(padded[p].sum()) for p in kk_partitions(padded, dp, equal_size=True))
+    assert got == want
+    # hand-worked: workloads of 1..8 tokens at dp 2 with equal sizes -> 4 pieces each
+    plans, _ = run_steps("karmarkar_karp", [Window.from_lengths(np.arange(1, 9))], 2, 1 << 16)
+    assert [sum(len(mb.segments) for mb in r.micro_batches) for r in plans[0].ranks] == [4, 4]
+    # the historical variant balances tokens without equal sizes: one 100-token piece against ten of 10
+    plans, _ = run_steps("karmarkar_karp_verl_legacy", [Window.from_lengths(np.array([100] + [10] * 10))], 2, 1 << 16)
+    assert sorted(sum(len(mb.segments) for mb in r.micro_batches) for r in plans[0].ranks) == [1, 10]

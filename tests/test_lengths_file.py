@@ -33,8 +33,10 @@ def test_empty_policies(tmp_path):
     with pytest.raises(LengthsError, match=r"entry 1 is 0, expected a positive length \(array element 1\)"):
         read_lengths(tmp_path / "a.npy", empty="error")
     assert read_lengths(tmp_path / "a.npy").lengths.tolist() == [4, 2]
+    kept = read_lengths(path, empty="keep")  # plan's policy: positions kept, empties counted
+    assert kept.lengths.tolist() == [5, 0, 7] and kept.empty == 1
     with pytest.raises(ValueError, match="empty must be"):
-        read_lengths(path, empty="keep")
+        read_lengths(path, empty="skip")
 
 
 def test_missing_file_is_both_error_kinds(tmp_path):
@@ -52,7 +54,7 @@ def test_missing_column_names_the_callers_option(tmp_path, capsys):
     assert "pass --column" in capsys.readouterr().err
 
 
-def test_plan_reads_comments_and_rejects_an_empty_document(tmp_path, capsys):
+def test_plan_reads_comments_and_skips_empty_documents(tmp_path, capsys):
     (tmp_path / "ok.txt").write_text("# two documents\n100\n200\n")
     out = tmp_path / "p.jsonl"
     assert main(["plan", "--lengths", str(tmp_path / "ok.txt"), "--tokens-per-step", "300", "--steps", "1",
@@ -61,6 +63,11 @@ def test_plan_reads_comments_and_rejects_an_empty_document(tmp_path, capsys):
                    for mb in rank for seg in mb})
     assert docs == [0, 1]
     (tmp_path / "z.txt").write_text("100\n0\n200\n")
-    assert main(["plan", "--lengths", str(tmp_path / "z.txt"), "--quiet"]) == 2
+    assert main(["plan", "--lengths", str(tmp_path / "z.txt"), "--max-tokens", "1024", "--out", str(out), "--quiet"]) == 0
+    docs = sorted({seg[0] for line in out.read_text().splitlines() for rank in json.loads(line)["ranks"]
+                   for mb in rank for seg in mb})
+    assert docs == [0, 2]
+    (tmp_path / "zz.txt").write_text("0\n0\n")
+    assert main(["plan", "--lengths", str(tmp_path / "zz.txt"), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "z.txt" in err and "line 2" in err and "positive" in err
+    assert "zz.txt" in err and "no non-empty" in err

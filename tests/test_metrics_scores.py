@@ -76,7 +76,6 @@ def test_delays_from_a_mapping_and_from_planner_state():
     assert s.tokens_delayed == 6
     assert s.delay_share == pytest.approx(0.5)
     assert s.delay_mean == pytest.approx((4 * 2 + 2 * 1) / 12)
-    assert s.delay_mean_delayed == pytest.approx(10 / 6)
     assert s.delay_max == 2
     st = PlannerState(queued=[QueuedDoc(doc=0, offset=0, length=4, drawn_step=1)])
     s2 = score_plan(two_rank_plan(step=2), LINEAR, ParallelConfig(dp=2), drawn=st)

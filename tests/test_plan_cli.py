@@ -148,7 +148,8 @@ def _bad(tmp_path, capsys, args, *needles):
 
 def test_bad_inputs_exit_2_naming_the_problem(tmp_path, capsys):
     np.save(tmp_path / "ok.npy", np.array([10, 20, 30]))
-    np.save(tmp_path / "neg.npy", np.array([10, 0, 30]))
+    np.save(tmp_path / "neg.npy", np.array([10, -4, 30]))
+    np.save(tmp_path / "frac.npy", np.array([10.0, 2.5, 30.0]))
     np.save(tmp_path / "twod.npy", np.ones((2, 2), np.int64))
     (tmp_path / "bad.txt").write_text("12\nabc\n")
     (tmp_path / "zero.txt").write_text("12\n-3\n")
@@ -157,10 +158,11 @@ def test_bad_inputs_exit_2_naming_the_problem(tmp_path, capsys):
 
     pq.write_table(pa.table({"len": [1, 2]}), tmp_path / "p.parquet")
     _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "missing.npy")], "missing.npy", "no such")
-    _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "neg.npy")], "neg.npy", "element 1", "positive")
+    _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "neg.npy")], "neg.npy", "entry 1", "element 1")
+    _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "frac.npy")], "frac.npy", "entry 1", "whole number")
     _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "twod.npy")], "twod.npy", "1-D")
     _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "bad.txt")], "bad.txt", "line 2")
-    _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "zero.txt")], "zero.txt", "line 2", "positive")
+    _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "zero.txt")], "zero.txt", "line 2", "negative")
     _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "p.parquet")], "p.parquet", "'length'", "len")
     _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "ok.npy"), "--dp", "0"], "--dp")
     _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "ok.npy"), "--max-tokens", "-5"], "--max-tokens")
@@ -169,3 +171,43 @@ def test_bad_inputs_exit_2_naming_the_problem(tmp_path, capsys):
     _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "ok.npy"), "--no-slicing", "--context", "9000",
                             "--max-tokens", "8192"], "--context", "--no-slicing")
     _bad(tmp_path, capsys, ["--lengths", str(tmp_path / "ok.npy"), "--steps", "0"], "--steps")
+
+
+def test_auto_names_the_candidates_its_memory_check_drops(tmp_path, capsys):
+    """Llama-3-8B at TP 1 with 32K micro-batches does not fit an 80 GiB H100: the summary names the dropped
+    candidates with peaks above the limit, 80 GiB x 0.92 usable - 2 GiB reserve = 71.6 GiB (memory.py's
+    constants, worked by hand); --memory-gib moves the limit, and with room for everything nothing is dropped."""
+    import re
+
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "l.npy", np.minimum(32768, (rng.pareto(1.2, 1500) * 800 + 50).astype(np.int64)))
+    base = ["plan", "--lengths", str(tmp_path / "l.npy"), "--dp", "4", "--pp", "2", "--max-tokens", "32768",
+            "--tokens-per-step", "262144", "--steps", "2", "--out", str(tmp_path / "p.jsonl")]
+    for gib, limit in ((None, 71.6), (60.0, 60 * 0.92 - 2)):
+        assert main(base + ([] if gib is None else ["--memory-gib", str(gib)])) == 0
+        err = capsys.readouterr().err
+        assert "auto dropped" in err, err
+        assert f"against {limit:.1f} GiB usable of the {gib or 80:g} GiB H100" in err, err
+        peaks = [float(x) for x in re.findall(r"\(peak ([0-9.]+) GiB", err)]
+        assert peaks and all(p > limit for p in peaks), err
+        assert all(name in ("wlb", "hydraulis", "slimpack", "fixed")
+                   for name in re.findall(r"(\w+) at (?:its default|\d+) micro-batches", err)), err
+    assert main(base + ["--memory-gib", "100000"]) == 0
+    assert "auto dropped" not in capsys.readouterr().err
+
+
+def test_empty_documents_are_skipped_keeping_ids_and_counted(tmp_path, capsys):
+    lengths = [5, 0, 7, 0, 0, 9, 3]
+    (tmp_path / "l.txt").write_text("\n".join(map(str, lengths)) + "\n")
+    out = tmp_path / "p.jsonl"
+    assert main(["plan", "--lengths", str(tmp_path / "l.txt"), "--dp", "2", "--max-tokens", "16", "--context", "16",
+                 "--tokens-per-step", "12", "--steps", "5", "--strategy", "fixed", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "holds 3 empty documents (length 0), skipped" in err, err
+    tokens: dict[int, int] = {}
+    for line in out.read_text().splitlines():
+        for rank in json.loads(line)["ranks"]:
+            for mb in rank:
+                for doc, start, end, _ in mb:
+                    tokens[doc] = tokens.get(doc, 0) + end - start
+    assert tokens == {0: 5, 2: 7, 5: 9, 6: 3}  # ids are positions in the file, every token once

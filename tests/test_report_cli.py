@@ -349,7 +349,6 @@ def test_report_on_pretokenized_parquet_uses_length_column(tmp_path, capsys):
         (None, [], "exactly one of"),
         ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--tokens-per-step", "100000000"], "fewer than one step"),
         ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--model", "gpt-17"], "unknown model preset"),
-        ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--dp", "0"], "--dp must be >= 1"),
         ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--global-batch", "4", "--tokens-per-step", "9"], "not both"),
         ("parquet_nolen", ["--lengths", "{tmp}/x.parquet"], "no column 'length'"),
         ("ok_npy", ["--lengths", "{tmp}/ok.npy", "--strategies", "nosuch"], "no strategy could plan"),
@@ -456,3 +455,19 @@ def test_report_json_decodes_as_the_report_struct(lengths_report):
     typed = msgspec.json.decode((out / "report.json").read_bytes(), type=Report)
     assert typed.settings.dp == 2 and len(typed.strategies) == len(rep["strategies"])
     assert typed.advice is not None and typed.advice.strategy == rep["advice"]["strategy"]
+
+
+def test_report_notes_the_candidates_auto_drops_for_memory(tmp_path, capsys):
+    """Llama-3-8B at TP 1 with 32K micro-batches: slicing candidates peak over the 80 GiB H100's limit, and the
+    report's notes name them with their peaks, above 80 x 0.92 - 2 = 71.6 GiB (worked by hand)."""
+    import re
+
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "l.npy", np.minimum(32768, (rng.pareto(1.2, 1500) * 800 + 50).astype(np.int64)))
+    code, out, err = run_cli(["--lengths", str(tmp_path / "l.npy"), "--dp", "4", "--pp", "2", "--max-tokens", "32768",
+                              "--steps", "2", "--strategies", "auto", "--out", str(tmp_path / "o"), "--no-advice",
+                              "--no-plots"], capsys)
+    assert code == 0, err
+    assert "auto dropped" in out and "against 71.6 GiB usable of the 80 GiB H100" in out, out
+    peaks = [float(x) for x in re.findall(r"\(peak ([0-9.]+) GiB", out)]
+    assert peaks and min(peaks) > 71.6

@@ -53,6 +53,14 @@ backward costs no extra drain. Before that rule a run broken mid-step cost one m
 2x slimpack candidate lost about 8 % on those steps, and a wlb candidate with micro-batches up to 2x the mean
 (imbalance degree 1.3-2.0) won by under 1 %, which pushed the mean imbalance on `stdlib` to 1.08.
 
+Delay bound: a candidate that holds pieces back (wlb's outlier delay) is eligible only while the run's delay
+stays within DELAY_MEAN_MAX steps, mean over all tokens (metrics.token_delay: tokens trained when drawn count
+0), counting what it holds as trained next step, and it holds at most QUEUE_MAX_SHARE of a step's tokens
+(config.tokens_per_step). The run's trained tokens and token-steps of delay so far are carried in
+PlannerState.extra["auto_delay"], so a resumed run applies the same bound. When no eligible candidate is left,
+wlb plans everything (as on a flush). Without this, wlb won steps where its queue kept growing: the report's
+demo delayed 44 % of its tokens by 1.5 steps on average, with 604K tokens still queued after 8 steps of 524K.
+
 State: the winner's queue is the new state (only wlb queues); a flush plans everything (every candidate then
 plans all pieces).
 """
@@ -81,6 +89,9 @@ PLANNERS = ("wlb", "hydraulis", "slimpack", "fixed")
 SMALL_WORK = 400_000  # pieces x DP ranks below which every candidate runs
 FIXED_MAX_WORK = 2_000_000  # fixed's BFD is O(pieces x bins): dropped above this
 TOLERANCE = 0.005  # simulated step times this close count as equal (the cost model is no finer than that)
+DELAY_MEAN_MAX = 0.5  # steps: the run's mean delay over all tokens, what is queued counted as trained next step
+QUEUE_MAX_SHARE = 0.5  # of config.tokens_per_step: the most tokens held back after a step
+DELAY_KEY = "auto_delay"  # PlannerState.extra: [tokens trained so far, token-steps of delay so far]
 
 
 @dataclass(frozen=True)
@@ -139,12 +150,17 @@ class AutoPlanner:
         self.kind = 0 if kind == 2 and config.parallel.vpp == 1 else kind
         # the device the cost model describes (H100 unless its profile says H200); None for a profile JSON
         device = "h200" if "h200" in self.model.profile.device.lower() else "h100"
-        self.memory: MemoryModel | None = memory_model_for(config.model, config.parallel, config.schedule, device)
+        self.memory: MemoryModel | None = memory_model_for(config.model, config.parallel, config.schedule, device,
+                                                                  config.memory_gib)
         self.mem_limit = memory_limit_bytes(self.memory)
         self.mem_stages = stage_bytes(self.memory, config.parallel.pp) if self.memory is not None else None
         self.last_choice: Candidate | None = None
         self.last_scores: list[tuple[Candidate, float]] = []
         self.last_peaks: list[tuple[Candidate, float]] = []  # bytes, of the candidates checked last step
+        self.device = device
+        # candidates the memory check dropped over the run: candidate -> (steps dropped, highest peak bytes)
+        self.memory_drops: dict[Candidate, tuple[int, float]] = {}
+        self.memory_over_steps = 0  # steps where no candidate fit (the lowest peak was taken)
 
     # --- candidates ------------------------------------------------------------------------------------------
 
@@ -246,6 +262,8 @@ class AutoPlanner:
     def plan(self, window: Window, state: PlannerState, step: int) -> tuple[StepPlan, PlannerState]:
         pieces = Pieces.of(window, state, step)
         flush = wants_flush(state)
+        run_tokens, run_delay = (state.extra.get(DELAY_KEY) or [0, 0])[:2]
+        piece_delay = int(((step - pieces.drawn) * pieces.length).sum())
         f, b = doc_time_split(self.model.coeffs, pieces.length)
         piece_work = f + b
         total_work = float(piece_work.sum())
@@ -263,6 +281,7 @@ class AutoPlanner:
         # whose forward and backward pass through every stage one after the other: pp x its time at least
         pp = self.config.parallel.pp
         whole_bound = pp * (float(piece_work.max()) + floor) / total_work if len(pieces) and total_work > 0 else 0.0
+        over_bound = 0
         for idx, cand in cands:
             if idx in later and any(r.cand.planner == "slimpack" and self.fits(r) for r in results):
                 continue  # slimpack at 2x planned and fits: the deferred candidates would not win
@@ -282,7 +301,17 @@ class AutoPlanner:
                 hf, hb = doc_time_split(self.model.coeffs, np.array([q.length for q in packing.queued], np.int64))
                 work -= float(hf.sum() + hb.sum())
             score = t / work if work > 0 else (0.0 if t == 0 else math.inf)
+            if packing.queued and not self.delay_ok(packing, pieces, step, run_tokens, run_delay, piece_delay):
+                over_bound += 1
+                continue  # holding these back would break the delay bound
             results.append(_Result(score, idx, packing, cand, edges))
+        if not results and over_bound:  # every candidate that could plan queued past the bound: wlb plans everything
+            cand = Candidate("wlb", None)
+            packing = self.wlb.solve(pieces, step, True, None)
+            packing.costs(self.model)
+            edges = slice_edges_prefix(packing)
+            results.append(_Result(self.step_time(packing, edges) / total_work if total_work > 0 else 0.0,
+                                   len(listed), packing, cand, edges))
         if not results:
             raise ValueError("auto: no candidate planner can plan this step: " + "; ".join(errors))
         fastest = self.fastest_fitting(results)
@@ -296,17 +325,57 @@ class AutoPlanner:
                 self.fits(r)
             best = min(results, key=lambda r: (r.peak, r.score, r.idx))
             over = best.peak / self.mem_limit if best.peak > self.mem_limit else 0.0
+            self.memory_over_steps += over > 0
         self.last_choice = best.cand
         self.last_scores = [(r.cand, r.score) for r in results]
         self.last_peaks = [(r.cand, r.peak) for r in results if r.peak is not None]
+        if self.mem_limit is not None:
+            for r in results:
+                if r.peak is not None and r.peak > self.mem_limit and r is not best:
+                    n, top = self.memory_drops.get(r.cand, (0, 0.0))
+                    self.memory_drops[r.cand] = (n + 1, max(top, r.peak))
         packing = best.packing
         packing.extra = carried_extra(state)
+        q_tokens = sum(q.length for q in packing.queued)
+        q_delay = sum((step - q.drawn_step) * q.length for q in packing.queued)
+        packing.extra[DELAY_KEY] = [int(run_tokens + pieces.total_tokens - q_tokens), int(run_delay + piece_delay - q_delay)]
         plan = packing.to_step_plan(step)
         plan.extra["auto_candidate"] = float(best.idx)
         plan.extra["auto_planner"] = float(PLANNERS.index(best.cand.planner))
         if over:
             plan.extra["memory_over"] = over
         return plan, packing.state()
+
+    def delay_ok(self, packing: Packing, pieces: Pieces, step: int, run_tokens: int, run_delay: int,
+                 piece_delay: int) -> bool:
+        """Whether a candidate's queue keeps the delay bound (module docstring): at most QUEUE_MAX_SHARE of a
+        step's tokens held, and the run's mean delay, with what it holds trained next step, <= DELAY_MEAN_MAX."""
+        q_tokens = sum(q.length for q in packing.queued)
+        if q_tokens > QUEUE_MAX_SHARE * self.config.tokens_per_step:
+            return False
+        q_now = sum((step - q.drawn_step) * q.length for q in packing.queued)
+        delay = run_delay + piece_delay - q_now + sum((step + 1 - q.drawn_step) * q.length for q in packing.queued)
+        tokens = run_tokens + pieces.total_tokens
+        return delay <= DELAY_MEAN_MAX * tokens
+
+    def memory_summary(self) -> str:
+        """The candidates the memory check dropped over the run, each with its highest simulated peak against
+        the device's limit; empty when none was dropped."""
+        if not self.memory_drops or self.memory is None:
+            return ""
+        from packloader.balancers.memory import GiB
+
+        parts = []
+        for cand, (n, peak) in sorted(self.memory_drops.items(), key=lambda kv: -kv[1][1]):
+            mbs = "its default micro-batches" if cand.micro_batches is None else f"{cand.micro_batches} micro-batches"
+            parts.append(f"{cand.planner} at {mbs} (peak {peak / GiB:.1f} GiB, {n} step{'s' * (n != 1)})")
+        text = (f"auto dropped {len(parts)} candidates that do not fit in memory, against "
+                f"{self.mem_limit / GiB:.1f} GiB usable of the {self.memory.memory_gib:g} GiB "
+                f"{self.device.upper()}: " + "; ".join(parts))
+        if self.memory_over_steps:
+            text += (f"; in {self.memory_over_steps} steps no candidate fit and the lowest peak was taken "
+                     f"(StepPlan.extra['memory_over'])")
+        return text
 
     def fits(self, r: "_Result") -> bool:
         """Whether a scored candidate's simulated peak memory fits the device (simulated once, on demand)."""

@@ -10,20 +10,34 @@
   (Megatron with ``reset_attention_mask``); the second chunk does not see the first. Megatron's extra label
   token per sample (``seq_length + 1`` tokens, one shared with the next sample) is not repeated: labels are
   made per document by the collator, so every token appears exactly once.
-* ``multipack`` (Axolotl's / OpenChat's ``MultipackBatchSampler``): rounds over the pieces in draw order; each
-  round takes the longest prefix of the remaining pieces that first-fit-decreasing packs into ``dp`` bins of
-  ``max_tokens`` (binary search on the prefix length, bounded by ``dp x max_tokens`` tokens; ``ffd_check``),
-  packs it with FFD (``ffd_with_result``) and gives bin r to rank r (``allocate``). The original drops the
-  last round when it fills fewer than ``dp`` bins; here ranks without a bin get an empty micro-batch instead,
-  so no token is lost and every rank runs the same count.
-* ``karmarkar_karp`` (verl's ``get_seqlen_balanced_partitions``): the largest differencing method (LDM)
-  partitions the pieces over DP ranks by token count (verl's ``_balance_batch``; ``equal_size=False``
-  because a packed rank needs no fixed number of sequences), then each rank's pieces over micro-batches by
-  verl's workload ``24576 l + l^2`` (``rearrange_micro_batches``): the micro-batch count is
-  ``min(pieces, ceil(tokens / max_tokens))`` all-reduced to the maximum over ranks and rounded up to a
-  multiple of ``vpp``; micro-batches are then ordered heaviest-in-the-middle (``use_dynamic_bsz_balance``).
-  LDM does not bound a partition's tokens; where a micro-batch would exceed ``max_tokens`` every rank gets one
-  more micro-batch and the ranks are partitioned again (verl has no such check; the contract needs it).
+* ``multipack`` (Axolotl's ``MultipackBatchSampler`` since its PR 2631, May 2025, ``pack_parallel`` /
+  ``pack_group`` in src/axolotl/utils/samplers/multipack.py; per-bin item limit from the config since PR 3307):
+  the step's pieces, in draw order and in groups of ``AXOLOTL_GROUP_SIZE`` pieces, are packed first-fit (no
+  sorting, despite the function's "first-fit decreasing" docstring): each piece goes to the first open bin of
+  ``max_tokens`` with room and fewer than ``AXOLOTL_BIN_SIZE`` pieces (``sample_packing_bin_size``), else opens a
+  bin. Bins are dealt round-robin to DP ranks (bin b to rank ``b % dp`` as its micro-batch ``b // dp``), as
+  accelerate's batch-sampler sharding hands consecutive batches (of one bin each, micro-batch size 1) to
+  consecutive ranks. Axolotl drops the last incomplete batch (``drop_last``); here ranks without a bin get an
+  empty micro-batch, so no token is lost.
+* ``multipack_openchat2023`` (historical: OpenChat's 2023 allocator, which Axolotl ran until PR 2631; ``allocate``
+  as in Axolotl commit 03508c68): rounds over the pieces in draw order; each round takes the longest prefix of the
+  remaining pieces that first-fit-decreasing packs into ``dp`` bins of ``max_tokens`` (binary search on the prefix
+  length, bounded by ``dp x max_tokens`` tokens; ``ffd_check``), packs it with FFD (``ffd_with_result``) and gives
+  bin r to rank r. The original drops the last round when it fills fewer than ``dp`` bins; here ranks without a
+  bin get an empty micro-batch instead. Rounds of exactly ``dp`` bins cost bins: over 16 long-tail lists it opens
+  more bins than today's first-fit (see tests/test_baselines.py).
+* ``karmarkar_karp`` (verl's ``RayPPOTrainer._balance_batch`` since verl PR 3605, "DP workload balance", September
+  2025): the largest differencing method (LDM, ``get_seqlen_balanced_partitions``) partitions the pieces over DP
+  ranks by verl's estimated workload ``calculate_workload`` = ``24576 l + l^2`` (a 7B model's
+  ``12 h^2 l + 2 h l^2`` over ``2h``, h = 4096) with ``equal_size=True`` (every rank the same number of sequences; the piece count
+  is padded to a multiple of DP with empty items, which verl avoids by sizing its batch). Each rank's pieces are
+  then split over micro-batches by the same workload (``rearrange_micro_batches``): the micro-batch count is
+  ``min(pieces, ceil(tokens / max_tokens))`` all-reduced to the maximum over ranks and rounded up to a multiple of
+  ``vpp``; micro-batches are ordered heaviest-in-the-middle (``use_dynamic_bsz_balance``). LDM does not bound a
+  partition's tokens; where a micro-batch would exceed ``max_tokens`` every rank gets one more micro-batch and the
+  ranks are partitioned again (verl has no such check; the contract needs it).
+* ``karmarkar_karp_verl_legacy`` (historical: packloader's first verl baseline): the same, but the DP level
+  balances token counts with ``equal_size=False`` (verl before PR 3605 balanced token counts, with equal sizes).
 
 The hot loops (LDM on thousands of items and up to thousands of partitions, FFD checks) are numba kernels.
 """
@@ -39,6 +53,8 @@ from packloader.balancers.registry import Planner, Window, register_planner
 from packloader.contracts import PlanConfig, PlannerState, QueuedDoc, StepPlan
 
 VERL_WORKLOAD_LINEAR = 24576  # verl's calculate_workload: 12 h^2 l + 2 h l^2 with h = 4096, divided by 2h
+AXOLOTL_GROUP_SIZE = 100_000  # pieces packed together by one pack_group call (Axolotl's group_size default)
+AXOLOTL_BIN_SIZE = 200  # most pieces in one bin (Axolotl's sample_packing_bin_size default)
 
 # ------------------------------------------------------------------------------------- Karmarkar-Karp (LDM)
 
@@ -429,6 +445,44 @@ def ffd_pack(lengths, cap):
 
 
 @njit(cache=True)
+def first_fit_pack(lengths, cap, max_items):
+    """Axolotl's pack_group: items in the given order, each into the first open bin with `cap - used >= size`
+    and fewer than `max_items` items, else into a new bin. Returns (bin of each item, number of bins)."""
+    n = lengths.shape[0]
+    free = np.empty(n, np.int64)
+    count = np.empty(n, np.int64)
+    assign = np.empty(n, np.int64)
+    nb = 0
+    for i in range(n):
+        size = lengths[i]
+        b = 0
+        while b < nb and (free[b] < size or count[b] >= max_items):
+            b += 1
+        if b == nb:
+            free[nb] = cap
+            count[nb] = 0
+            nb += 1
+        free[b] -= size
+        count[b] += 1
+        assign[i] = b
+    return assign, nb
+
+
+def axolotl_bins(lengths: np.ndarray, cap: int, group_size: int = AXOLOTL_GROUP_SIZE,
+                 bin_size: int = AXOLOTL_BIN_SIZE) -> tuple[np.ndarray, int]:
+    """Axolotl's pack_parallel: first-fit over consecutive groups of `group_size` items, bins numbered group
+    after group. Returns (bin of each item, number of bins)."""
+    lengths = np.ascontiguousarray(lengths, np.int64)
+    assign = np.empty(len(lengths), np.int64)
+    nb = 0
+    for g in range(0, len(lengths), group_size):
+        a, k = first_fit_pack(lengths[g:g + group_size], cap, bin_size)
+        assign[g:g + group_size] = a + nb
+        nb += k
+    return assign, nb
+
+
+@njit(cache=True)
 def multipack_allocate(lengths, cap, nbins):
     """Axolotl's allocate over the whole sequence: rounds of at most `nbins` bins. Returns (round of each
     item, bin within its round, number of rounds). Each round takes the longest prefix of the remaining items
@@ -468,17 +522,29 @@ def multipack_allocate(lengths, cap, nbins):
 
 
 class KarmarkarKarpPlanner:
-    """verl's two-level Karmarkar-Karp balancing (see the module docstring)."""
+    """verl's two-level Karmarkar-Karp balancing as since verl PR 3605 (see the module docstring): DP ranks by
+    workload with equal-size groups, then micro-batches by workload."""
 
     name = "karmarkar_karp"
 
-    def __init__(self, config: PlanConfig, *, dp_balance: str = "tokens", workload_linear: int = VERL_WORKLOAD_LINEAR) -> None:
+    def __init__(self, config: PlanConfig, *, dp_balance: str = "workload", equal_size: bool = True,
+                 workload_linear: int = VERL_WORKLOAD_LINEAR) -> None:
         if dp_balance not in ("tokens", "workload"):
             raise ValueError(f"karmarkar_karp: dp_balance must be 'tokens' or 'workload', got {dp_balance!r}")
         self.config = config
         self.dp_balance = dp_balance
+        self.equal_size = equal_size
         self.workload_linear = workload_linear
         self.model = cost_model_for(config)
+
+    def rank_of(self, lengths: np.ndarray, work: np.ndarray, dp: int) -> np.ndarray:
+        """The DP rank of each piece: LDM over `dp` partitions, padded with empty items for equal sizes."""
+        values = lengths if self.dp_balance == "tokens" else work
+        if not self.equal_size or dp <= 1:
+            return karmarkar_karp(values, dp, False)
+        pad = -len(values) % dp
+        padded = np.concatenate([values, np.zeros(pad, values.dtype)]) if pad else values
+        return karmarkar_karp(padded, dp, True)[:len(values)]
 
     def solve(self, pieces: Pieces) -> Packing:
         cfg = self.config
@@ -486,7 +552,7 @@ class KarmarkarKarpPlanner:
         check_cap(pieces, cap, self.name)
         lengths = pieces.length
         work = verl_workload(lengths, self.workload_linear)
-        rank_of = karmarkar_karp(lengths if self.dp_balance == "tokens" else work, dp, False)
+        rank_of = self.rank_of(lengths, work, dp)
         counts = np.bincount(rank_of, minlength=dp)
         tokens = np.bincount(rank_of, weights=lengths, minlength=dp).astype(np.int64)
         m = int(np.minimum(counts, -(-tokens // cap)).max()) if len(lengths) else 1
@@ -507,10 +573,44 @@ class KarmarkarKarpPlanner:
         return packing.costs(self.model).to_step_plan(step), packing.state()
 
 
+class KarmarkarKarpLegacyPlanner(KarmarkarKarpPlanner):
+    """Historical: DP ranks balanced by token count without equal sizes (see the module docstring)."""
+
+    name = "karmarkar_karp_verl_legacy"
+
+    def __init__(self, config: PlanConfig) -> None:
+        super().__init__(config, dp_balance="tokens", equal_size=False)
+
+
 class MultipackPlanner:
-    """Axolotl's multipack sampler over one step's pieces (see the module docstring)."""
+    """Axolotl's multipack sampler since its PR 2631 (May 2025): first-fit bins dealt round-robin to DP ranks
+    (see the module docstring)."""
 
     name = "multipack"
+
+    def __init__(self, config: PlanConfig) -> None:
+        self.config = config
+        self.model = cost_model_for(config)
+
+    def solve(self, pieces: Pieces) -> Packing:
+        cfg = self.config
+        dp, cap = cfg.parallel.dp, cfg.max_tokens
+        check_cap(pieces, cap, self.name)
+        binof, nbins = axolotl_bins(pieces.length, cap)
+        m = max(-(-nbins // dp), 1, cfg.num_micro_batches or 1)
+        rank_mbs = (np.arange(m)[None, :] * dp + np.arange(dp)[:, None]).astype(np.int64)  # bin b: rank b % dp
+        return whole_pieces_packing(pieces, binof, rank_mbs, strategy=self.name)
+
+    def plan(self, window: Window, state: PlannerState, step: int) -> tuple[StepPlan, PlannerState]:
+        packing = self.solve(Pieces.of(window, state, step))
+        packing.extra = carried_extra(state)
+        return packing.costs(self.model).to_step_plan(step), packing.state()
+
+
+class MultipackOpenChat2023Planner:
+    """Historical: OpenChat's 2023 multipack allocator, FFD rounds of DP bins (see the module docstring)."""
+
+    name = "multipack_openchat2023"
 
     def __init__(self, config: PlanConfig) -> None:
         self.config = config
@@ -597,6 +697,16 @@ def _make_kk(config: PlanConfig) -> Planner:
 @register_planner("multipack")
 def _make_multipack(config: PlanConfig) -> Planner:
     return MultipackPlanner(config)
+
+
+@register_planner("karmarkar_karp_verl_legacy")
+def _make_kk_legacy(config: PlanConfig) -> Planner:
+    return KarmarkarKarpLegacyPlanner(config)
+
+
+@register_planner("multipack_openchat2023")
+def _make_multipack_2023(config: PlanConfig) -> Planner:
+    return MultipackOpenChat2023Planner(config)
 
 
 @register_planner("concat")

@@ -171,9 +171,11 @@ def device_spec(device: str):
     return dev
 
 
-def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, schedule: str = "1f1b", device: str = "h100") -> "MemoryModel | None":
-    """The memory model of a preset name on `device` (default recompute), or None when `model_spec` is a
-    calibration profile (a JSON path or a bundled profile), whose model shape and so memory are unknown."""
+def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, schedule: str = "1f1b", device: str = "h100",
+                     memory_gib: float | None = None) -> "MemoryModel | None":
+    """The memory model of a preset name on `device` (default recompute; `memory_gib` overrides the device's
+    memory, PlanConfig.memory_gib), or None when `model_spec` is a calibration profile (a JSON path or a
+    bundled profile), whose model shape and so memory are unknown."""
     from pathlib import Path
 
     from packloader.balancers.cost import PROFILES_DIR
@@ -186,7 +188,7 @@ def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, sc
     except KeyError:
         return None
     dev = device_spec(device)
-    return MemoryModel(shape, parallel or ParallelConfig(), memory_gib=dev.memory_gib, schedule=schedule)
+    return MemoryModel(shape, parallel or ParallelConfig(), memory_gib=memory_gib or dev.memory_gib, schedule=schedule)
 
 
 def memory_limit_bytes(memory: "MemoryModel | None") -> float | None:

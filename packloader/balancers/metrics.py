@@ -18,9 +18,10 @@ Definitions (per step; `RunScores` aggregates a run):
 * bubble share: idle share of all dp x pp GPUs over the step (pipeline bubbles and DP waiting).
 * packing efficiency: tokens / (micro-batch slots x max_tokens), a DP-Merge micro-batch counting n/g tokens
   on each of its g ranks' slots.
-* delay: a token is delayed when trained at a later step than its document was drawn; `delay_share` = delayed
-  tokens / tokens, `delay_mean` = mean delay in steps over all tokens, `delay_mean_delayed` over the delayed
-  ones, `delay_max` the largest. Needs the draw step of each document (`drawn`: a mapping or array doc ->
+* delay (`token_delay`, the one definition the report, the benchmark and `auto`'s bound use): a token's delay
+  is the number of steps between its document's draw and the step that trains it; `delay_mean` is the mean
+  over all trained tokens (a token trained when drawn counts 0), `delay_max` the largest, `delay_share` the
+  share of tokens with a delay above 0. Needs the draw step of each document (`drawn`: a mapping or array doc ->
   step, or the PlannerState the step was planned from, whose queue records draw steps); unknown documents
   count as drawn at the step that trains them.
 * tokens split: tokens in slices (segments with attend_from < start) and the documents they belong to.
@@ -61,7 +62,6 @@ class PlanScores(msgspec.Struct, kw_only=True):
     tokens_delayed: int
     delay_share: float
     delay_mean: float
-    delay_mean_delayed: float
     delay_max: int
     delay_known: bool
     peak_bytes: float = 0.0
@@ -90,7 +90,6 @@ class RunScores(msgspec.Struct, kw_only=True):
     tokens_delayed: int
     delay_share: float
     delay_mean: float
-    delay_mean_delayed: float
     delay_max: int
     peak_bytes: float = 0.0
     tokens_dropped: int = 0
@@ -262,9 +261,7 @@ def score_plan(
     work_bound = total / dp if dp else 0.0
     bound = work_bound * _bound_fill(m, pp, vpp, schedule)
     cap = max_tokens or (models[0].max_tokens() if models else None) or largest or 1
-    d_tokens = sum(k for d, k in delays if d > 0)
-    d_sum = sum(d * k for d, k in delays)
-    d_tot = sum(k for _, k in delays)
+    delay = token_delay(delays)
     return PlanScores(
         step=plan.step,
         dp=dp,
@@ -284,16 +281,46 @@ def score_plan(
         packing_efficiency=tokens_slots / (slots * cap) if slots else 0.0,
         tokens_split=tokens_split,
         docs_split=len(split_docs),
-        tokens_delayed=d_tokens,
-        delay_share=d_tokens / d_tot if d_tot else 0.0,
-        delay_mean=d_sum / d_tot if d_tot else 0.0,
-        delay_mean_delayed=sum(d * k for d, k in delays if d > 0) / d_tokens if d_tokens else 0.0,
-        delay_max=max((d for d, k in delays if k > 0), default=0),
+        tokens_delayed=delay.tokens_delayed,
+        delay_share=delay.share,
+        delay_mean=delay.mean,
+        delay_max=delay.max,
         delay_known=look is not None,
         peak_bytes=peak,
         imbalance_ranks=per_rank_imb,
         rank_times=[float(t) for t in rank_times],
     )
+
+
+class TokenDelay(msgspec.Struct, frozen=True):
+    """Delay in steps of trained tokens: mean over all of them (undelayed ones count 0) and max."""
+
+    tokens: int
+    tokens_delayed: int
+    total: int  # sum over tokens of their delay, in token-steps
+    max: int
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.tokens if self.tokens else 0.0
+
+    @property
+    def share(self) -> float:
+        return self.tokens_delayed / self.tokens if self.tokens else 0.0
+
+
+def token_delay(pairs: Iterable[tuple[int, int]]) -> TokenDelay:
+    """The delay of (delay in steps, tokens) pairs, one per trained segment."""
+    tokens = delayed = total = top = 0
+    for d, k in pairs:
+        if k <= 0:
+            continue
+        tokens += k
+        total += d * k
+        if d > 0:
+            delayed += k
+            top = max(top, d)
+    return TokenDelay(tokens, delayed, total, top)
 
 
 def aggregate(scores: Sequence[PlanScores], cov=None) -> RunScores:
@@ -327,7 +354,6 @@ def aggregate(scores: Sequence[PlanScores], cov=None) -> RunScores:
         tokens_delayed=delayed,
         delay_share=delayed / tok if tok else 0.0,
         delay_mean=sum(s.delay_mean * s.tokens for s in scores) / tok if tok else 0.0,
-        delay_mean_delayed=sum(s.delay_mean_delayed * s.tokens_delayed for s in scores) / delayed if delayed else 0.0,
         delay_max=max(s.delay_max for s in scores),
         peak_bytes=max(s.peak_bytes for s in scores),
         tokens_dropped=cov.missing_tokens if cov is not None else 0,

@@ -1,6 +1,7 @@
 """Planning a whole run from a lengths array, as a loader would draw it: the library side of `packloader plan`.
 
-Documents are taken in the order given (doc id = position in the array). Each step draws the next documents
+Documents are taken in the order given (doc id = position in the array); empty documents (length 0) are
+skipped, the ids of the others unchanged. Each step draws the next documents
 until `tokens_per_step` tokens are reached (the document that crosses the mark included); documents longer
 than `context` are cut into independent pieces of `context` tokens (the last one shorter). The last step
 (after `steps` steps, or when the documents run out) is planned with a flush, so every token of every drawn
@@ -32,9 +33,11 @@ def cut_window(ids: np.ndarray, lengths: np.ndarray, context: int) -> Window:
 
 
 def draw_windows(lengths: np.ndarray, config: PlanConfig, steps: int) -> list[Window]:
-    """The pieces each step draws: the next documents until tokens_per_step is reached, at most `steps` steps
-    (fewer when the documents run out)."""
+    """The pieces each step draws: the next non-empty documents until tokens_per_step is reached, at most `steps`
+    steps (fewer when the documents run out)."""
     lengths = np.asarray(lengths, np.int64)
+    ids = np.flatnonzero(lengths > 0)
+    lengths = lengths[ids]
     cum = np.cumsum(lengths)
     out: list[Window] = []
     start, base = 0, 0
@@ -43,7 +46,7 @@ def draw_windows(lengths: np.ndarray, config: PlanConfig, steps: int) -> list[Wi
             break
         end = int(np.searchsorted(cum, base + config.tokens_per_step, side="left")) + 1
         end = min(max(end, start + 1), len(lengths))
-        out.append(cut_window(np.arange(start, end, dtype=np.int64), lengths[start:end], config.context))
+        out.append(cut_window(ids[start:end], lengths[start:end], config.context))
         base = int(cum[end - 1])
         start = end
     return out

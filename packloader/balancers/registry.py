@@ -64,6 +64,8 @@ _MODULES = {
     "concat": "packloader.balancers.baselines",
     "multipack": "packloader.balancers.baselines",
     "karmarkar_karp": "packloader.balancers.baselines",
+    "multipack_openchat2023": "packloader.balancers.baselines",
+    "karmarkar_karp_verl_legacy": "packloader.balancers.baselines",
 }
 
 

@@ -23,7 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text)
         if name == chosen:  # import only the command being run
             importlib.import_module(module).add_arguments(p)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a bad flag (argparse printed why) or --help: the status, for callers of main()
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
 
 

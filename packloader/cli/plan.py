@@ -5,9 +5,10 @@
 
 One line per step: {"step": s, "ranks": [[micro-batch, ...] per DP rank], "costs": ..., ...}, a micro-batch
 being a list of [doc, start, end, attend_from] (doc = index in the lengths file, offsets within the document).
+Empty documents (length 0) are skipped, keeping the other documents' ids, and counted in the summary.
 Every token of every drawn document appears exactly once (the last step flushes what was delayed); no
 micro-batch holds more than --max-tokens tokens. A short score summary goes to stderr. Bad input (missing file,
-wrong column, non-positive lengths, invalid configuration) exits with status 2 and a message naming it.
+wrong column, negative or non-integer lengths, invalid configuration) exits with status 2 and a message naming it.
 The work is `packloader.balancers.offline`; this module only parses arguments and prints.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from packloader.cli.layout_options import add_layout_arguments, config_from_args, positive_int
+
 EXIT_BAD_INPUT = 2
 
 
@@ -23,20 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", required=True, help="document lengths: .npy (1-D integers), .parquet (see --column) "
                    "or a text file with one length per line")
     p.add_argument("--column", default="length", help="the Parquet column holding the lengths (default: length)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per rank (with --schedule interleaved)")
-    p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b", help="pipeline schedule")
-    p.add_argument("--max-tokens", type=int, default=8192, help="most tokens one micro-batch may hold")
-    p.add_argument("--context", type=int, default=None, help="documents longer than this are cut into independent "
-                   "pieces (default: --max-tokens)")
-    p.add_argument("--tokens-per-step", type=int, default=65536, help="tokens drawn per optimizer step, all ranks")
-    p.add_argument("--steps", type=int, default=1, help="steps to plan (fewer if the documents run out)")
+    p.add_argument("--steps", type=positive_int("steps"), default=1, help="steps to plan (fewer if the documents run out)")
     p.add_argument("--strategy", default="auto", help="planner: auto (default), fixed, wlb, hydraulis, slimpack, ...")
-    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per rank (default: the planner's choice)")
-    p.add_argument("--model", default="llama3-8b", help="cost model: a preset name or a calibration profile JSON")
-    p.add_argument("--no-slicing", action="store_true", help="never slice a document across micro-batches")
-    p.add_argument("--seed", type=int, default=0, help="seed of the planners' random trials")
+    add_layout_arguments(p.add_argument_group("layout and model"))
     p.add_argument("--out", default="-", help="where to write the JSON lines (default: stdout)")
     p.add_argument("--quiet", action="store_true", help="no summary on stderr")
 
@@ -47,31 +39,8 @@ def _fail(msg: str) -> int:
 
 
 def build_config(args: argparse.Namespace):
-    """The PlanConfig from the arguments; msgspec validates it and names the offending field."""
-    import msgspec
-
-    from packloader.contracts import PlanConfig
-
-    raw = {
-        "strategy": args.strategy,
-        "parallel": {"dp": args.dp, "pp": args.pp, "vpp": args.vpp},
-        "max_tokens": args.max_tokens,
-        "context": args.context if args.context is not None else args.max_tokens,
-        "tokens_per_step": args.tokens_per_step,
-        "num_micro_batches": args.micro_batches,
-        "allow_slicing": not args.no_slicing,
-        "schedule": args.schedule,
-        "model": args.model,
-        "seed": args.seed,
-    }
-    try:
-        return msgspec.convert(raw, PlanConfig)
-    except msgspec.ValidationError as e:
-        field = str(e).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(e) else ""
-        flag = {"parallel.dp": "--dp", "parallel.pp": "--pp", "parallel.vpp": "--vpp", "max_tokens": "--max-tokens",
-                "context": "--context", "tokens_per_step": "--tokens-per-step", "num_micro_batches": "--micro-batches",
-                "strategy": "--strategy", "seed": "--seed"}.get(field, field)
-        raise ValueError(f"invalid configuration{f' ({flag})' if flag else ''}: {e}") from None
+    """The PlanConfig from the arguments; msgspec validates it and names the offending flag."""
+    return config_from_args(args, strategy=args.strategy)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,10 +49,9 @@ def run(args: argparse.Namespace) -> int:
     from packloader.balancers.assemble import cost_model_for
     from packloader.balancers.metrics import drawn_steps, score_plans
     from packloader.balancers.offline import plan_record, plan_run
+    from packloader.balancers.registry import make_planner
     from packloader.sources.lengths_file import LengthsError, read_lengths
 
-    if args.steps < 1:
-        return _fail(f"--steps must be at least 1, got {args.steps}")
     try:
         config = build_config(args)
     except ValueError as e:
@@ -94,14 +62,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = cost_model_for(config)
     except (ValueError, FileNotFoundError, KeyError) as e:
-        return _fail(f"--model {args.model!r}: {e}")
+        return _fail(f"--model {config.model!r}: {e}")
     try:
-        # document ids are positions in the file: an empty document is an error, not silently dropped
-        lengths = read_lengths(args.lengths, args.column, empty="error", column_flag="--column").lengths
+        # document ids are positions in the file: empty documents stay in place (skipped when drawn) and counted
+        read = read_lengths(args.lengths, args.column, empty="keep", column_flag="--column")
+        lengths = read.lengths
     except LengthsError as e:
         return _fail(str(e))
     try:
-        result = plan_run(lengths, config, args.steps)
+        planner = make_planner(config)
+        result = plan_run(lengths, config, args.steps, planner)
     except ValueError as e:  # e.g. a piece over the cap for a strategy that cannot slice
         return _fail(f"strategy {config.strategy!r}: {e}")
 
@@ -129,8 +99,13 @@ def run(args: argparse.Namespace) -> int:
             f"packloader plan: {s.steps} steps, {docs} documents, {s.tokens} tokens, strategy {config.strategy}; "
             f"imbalance {s.imbalance_mean:.3f} (max {s.imbalance_max:.3f}), DP spread {s.dp_spread_mean:.4f}, "
             f"simulated efficiency {s.efficiency:.3f}, packing {s.packing_efficiency:.3f}, "
-            f"delay mean {s.delay_mean:.3f} steps (share {s.delay_share:.3f}), split {s.split_share:.3f}, "
+            f"delay mean {s.delay_mean:.3f} / max {s.delay_max} steps (share {s.delay_share:.3f}), split {s.split_share:.3f}, "
             f"dropped {s.tokens_dropped}, duplicated {s.tokens_duplicated}",
             file=sys.stderr,
         )
+        if read.empty:
+            print(f"packloader plan: {args.lengths} holds {read.empty} empty documents (length 0), skipped", file=sys.stderr)
+        dropped = getattr(planner, "memory_summary", lambda: "")()
+        if dropped:
+            print(f"packloader plan: {dropped}", file=sys.stderr)
     return 0

@@ -7,10 +7,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from packloader.cli.layout_options import add_layout_arguments, config_from_args, layout_fields, positive_int
+
 # --demo: the Python standard library's .py files, tokenized with the default tokenizer, on a layout where a
-# 32K-token micro-batch of Llama-3-8B fits an H100 (tp=2, pp=2), 4 DP ranks: 16 GPUs.
-DEMO = dict(dp=4, pp=2, cp=1, tp=2, max_tokens=32768, context=32768, tokens_per_step=4 * 4 * 32768, steps=8, model="llama3-8b")
-DEFAULTS = dict(dp=8, pp=1, cp=1, tp=2, max_tokens=8192, context=None, tokens_per_step=None, steps=8, model="llama3-8b")
+# 32K-token micro-batch of Llama-3-8B fits an H100 (tp=2, pp=2), 4 DP ranks: 16 GPUs. These override the
+# layout flags' defaults (the PlanConfig's, shared with `packloader plan`) for flags not given with --demo.
+DEMO = dict(dp=4, pp=2, cp=1, tp=2, max_tokens=32768, context=32768, tokens_per_step=4 * 4 * 32768, model="llama3-8b")
+DEMO_STEPS = 8
+# The report's own derived default when --tokens-per-step is not given: dp x max-tokens x max(4, 2 pp), enough
+# micro-batches per rank for a pipeline's fill and drain to show.
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,21 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default=None, choices=["parquet", "jsonl", "mds", "directory"], help="input format (default: detected)")
     p.add_argument("--tokenizer", default="tekken", help="tekken (default), cl100k, bytes or hf:PATH/tokenizer.json")
     p.add_argument("--no-shuffle", action="store_true", help="read the source in file order instead of the loader's shuffled epoch order")
-    g = p.add_argument_group("layout and batch")
-    for name, what in (("dp", "data-parallel ranks"), ("pp", "pipeline stages"), ("cp", "context-parallel ranks"), ("tp", "tensor-parallel ranks")):
-        g.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default {DEFAULTS[name]}; demo {DEMO[name]})")
-    g.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per rank (with --schedule interleaved)")
-    g.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"], help="pipeline schedule (default 1f1b)")
-    g.add_argument("--tokens-per-step", type=int, default=None,
-                   help="global tokens drawn per optimizer step (default dp x max-tokens x max(4, 2 pp))")
-    g.add_argument("--global-batch", type=int, default=None,
+    g = p.add_argument_group("layout and model (the same flags and defaults as `packloader plan`; demo: " +
+                             ", ".join(f"{k} {v}" for k, v in DEMO.items()) + ")")
+    add_layout_arguments(g, defaults=DEMO, mode="demo")
+    g.add_argument("--global-batch", type=positive_int("global_batch"), default=None,
                    help="instead of --tokens-per-step: sequences of --max-tokens tokens per step (Megatron's global batch size)")
-    g.add_argument("--max-tokens", type=int, default=None, help=f"tokens one micro-batch may hold per DP rank (default {DEFAULTS['max_tokens']})")
-    g.add_argument("--context", type=int, default=None, help="documents longer than this are cut into pieces (default: max-tokens)")
-    g.add_argument("--model", default=None, help="model preset (llama3-8b, llama2-7b, llama3-70b, ...) or a cost profile JSON from `packloader calibrate`")
-    g.add_argument("--device", default="h100", choices=["h100", "h200"], help="device of the analytic cost and memory model")
-    g.add_argument("--steps", type=int, default=None, help="optimizer steps to draw and plan (default 8)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the loader's order and of the planners")
+    if not any(f.name == "device" for f in layout_fields()):
+        g.add_argument("--device", default="h100", choices=["h100", "h200"], help="device of the analytic cost and memory model")
+    g.add_argument("--steps", type=positive_int("steps"), default=None, help=f"optimizer steps to draw and plan (default {DEMO_STEPS})")
     o = p.add_argument_group("output")
     o.add_argument("--strategies", default=None,
                    help="comma-separated strategies (default: concat,fixed,multipack,karmarkar_karp,wlb,hydraulis,slimpack,auto)")
@@ -61,32 +59,23 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _settings(args: argparse.Namespace) -> dict:
-    base = DEMO if args.demo else DEFAULTS
-    out = {k: getattr(args, k) if getattr(args, k, None) is not None else base[k]
-           for k in ("dp", "pp", "cp", "tp", "max_tokens", "context", "tokens_per_step", "steps", "model")}
-    for k in ("dp", "pp", "cp", "tp", "max_tokens", "steps"):
-        if out[k] < 1:
-            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {out[k]}")
-    if out["context"] is None:
-        out["context"] = out["max_tokens"]
+def _config(args: argparse.Namespace):
+    """The PlanConfig of the flags (demo defaults under --demo); tokens per step derived when not given."""
+    defaults = DEMO if args.demo else {}
+    config = config_from_args(args, strategy="fixed", defaults=defaults)
+    given = "layout_tokens_per_step" in args.layout_given or (args.demo and "tokens_per_step" in defaults)
     if args.global_batch is not None:
-        if args.tokens_per_step is not None:
+        if "layout_tokens_per_step" in args.layout_given:
             raise ValueError("give --tokens-per-step or --global-batch, not both")
-        if args.global_batch < 1:
-            raise ValueError(f"--global-batch must be >= 1, got {args.global_batch}")
-        out["tokens_per_step"] = args.global_batch * out["max_tokens"]
-    if out["tokens_per_step"] is None:
-        out["tokens_per_step"] = out["dp"] * out["max_tokens"] * max(4, 2 * out["pp"])
-    if out["context"] < 1 or out["tokens_per_step"] < 1:
-        raise ValueError("--context and --tokens-per-step must be >= 1")
-    return out
+        tps = args.global_batch * config.max_tokens
+    elif given:
+        tps = config.tokens_per_step
+    else:
+        tps = config.parallel.dp * config.max_tokens * max(4, 2 * config.parallel.pp)
+    return config_from_args(args, strategy="fixed", defaults=defaults, tokens_per_step=tps)
 
 
 def _run(args: argparse.Namespace) -> int:
-    import msgspec
-
-    from packloader.contracts import ParallelConfig, PlanConfig
     from packloader.report.build import ReportOptions, build_report
     from packloader.report.draw import StepCounter
     from packloader.report.lengths import read_lengths, source_lengths
@@ -96,20 +85,12 @@ def _run(args: argparse.Namespace) -> int:
     given = [bool(args.inputs), bool(args.lengths), bool(args.demo)]
     if sum(given) != 1:
         raise ValueError("give exactly one of: INPUT paths, --lengths FILE, or --demo")
-    s = _settings(args)
-    try:
-        config = PlanConfig(
-            strategy="fixed",
-            parallel=ParallelConfig(dp=s["dp"], pp=s["pp"], cp=s["cp"], tp=s["tp"], vpp=args.vpp),
-            max_tokens=s["max_tokens"], context=s["context"], tokens_per_step=s["tokens_per_step"],
-            schedule=args.schedule, model=s["model"], seed=args.seed,
-        )
-        config = msgspec.convert(msgspec.to_builtins(config), PlanConfig)  # validates every field
-    except msgspec.ValidationError as e:
-        raise ValueError(f"bad setting: {e}") from None
+    config = _config(args)
+    steps = args.steps or DEMO_STEPS
+    device = getattr(config, "device", None) or args.device
     from packloader.balancers.cost import load_cost_model
 
-    load_cost_model(config.model, config.parallel, device=args.device)  # a bad --model fails here, before tokenizing
+    load_cost_model(config.model, config.parallel, device=device)  # a bad --model fails here, before tokenizing
     strategies = tuple(x.strip() for x in args.strategies.split(",") if x.strip()) if args.strategies else BASELINES + PACKLOADER
     if not strategies:
         raise ValueError("--strategies names no strategy")
@@ -131,9 +112,9 @@ def _run(args: argparse.Namespace) -> int:
             from packloader.sources.open import open_source
 
             source = open_source(args.inputs, column=args.column, format=args.format)
-        stream = DocumentStream(source, args.tokenizer, seed=args.seed, shuffle=not args.no_shuffle)
+        stream = DocumentStream(source, args.tokenizer, seed=config.seed, shuffle=not args.no_shuffle)
         tokenizer = None if stream.pretokenized else args.tokenizer
-        lengths = source_lengths(stream, StepCounter(config.tokens_per_step, s["steps"]), progress=progress)
+        lengths = source_lengths(stream, StepCounter(config.tokens_per_step, steps), progress=progress)
         if not args.demo:
             label = lengths.origin
         skipped = getattr(source, "skipped", None)
@@ -141,7 +122,7 @@ def _run(args: argparse.Namespace) -> int:
             notes.append(f"the source skipped {skipped.summary()}")
         label += f", {'pre-tokenized' if tokenizer is None else 'tokenized with ' + tokenizer}"
     opts = ReportOptions(
-        steps=s["steps"], strategies=strategies, device=args.device, out_dir=args.out, plots=not args.no_plots,
+        steps=steps, strategies=strategies, device=device, out_dir=args.out, plots=not args.no_plots,
         advice=not args.no_advice, progress=progress, plans_dir=f"{args.out}/plans" if args.plans else None,
         input=label, tokenizer=tokenizer, notes=notes,
     )

@@ -255,7 +255,7 @@ def _recommend(figs, config, draw, model, memory, grid_steps, grouping, tick, co
     if base:
         reason += f", {sp:.2f}x the fastest baseline ({base.name}) at your settings"
     if fig.delay_share > 0:
-        reason += f"; at your settings it trains {fig.delay_share:.1%} of tokens later than drawn (mean {fig.delay_mean_delayed:.1f} steps)"
+        reason += f"; at your settings it trains {fig.delay_share:.1%} of tokens later than drawn (delay mean {fig.delay_mean:.2f} steps over all tokens, max {fig.delay_max})"
     if fig.tokens_split:
         reason += f"; it slices {fig.split_share:.1%} of tokens (needs the sliced runtime)"
     advice = Advice(strategy=strategy, reason=reason, num_micro_batches=m, max_tokens=cap, speedup_vs_baseline=sp,

@@ -45,7 +45,7 @@ def memory_model_for(model_spec: str, config: PlanConfig, device: str):
     `auto` planner checks its plans against."""
     from packloader.balancers.memory import memory_model_for as _for
 
-    return _for(model_spec, config.parallel, config.schedule, device)
+    return _for(model_spec, config.parallel, config.schedule, device, config.memory_gib)
 
 
 def _reference(figs: list[StrategyFigures]) -> StrategyFigures | None:
@@ -115,6 +115,8 @@ def build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions | 
             run = run_strategy(name, config, draw, tick=bar.update)
             bar.update(before + draw.steps - bar.n)
             runs[name] = run
+            if run.memory_summary:
+                notes.append(run.memory_summary)
             try:
                 figs.append(strategy_figures(run, draw, model, config, memory))
             except Exception as e:  # e.g. a schedule the plan's micro-batch count cannot run: report, don't die

@@ -24,7 +24,9 @@ DESCRIPTIONS = {
     "concat": "concatenate and chunk (Megatron GPT dataset)",
     "fixed": "best-fit-decreasing by tokens (NeMo, TRL)",
     "multipack": "multipack across ranks (Axolotl)",
-    "karmarkar_karp": "Karmarkar-Karp by tokens (verl)",
+    "karmarkar_karp": "Karmarkar-Karp by workload (verl)",
+    "multipack_openchat2023": "multipack, 2023 allocator (OpenChat)",
+    "karmarkar_karp_verl_legacy": "Karmarkar-Karp by tokens (verl, legacy)",
     "wlb": "WLB-LLM: workload packing + outlier delay",
     "hydraulis": "Hydraulis: cost-aware dispatch + packing",
     "slimpack": "SlimPack: slices + asymmetric balance",
@@ -47,6 +49,7 @@ class StrategyRun:
     drain_steps: int = 0  # extra flushed steps (no new documents) that trained what was still queued
     error: str | None = None  # one line: why the strategy was skipped
     traceback: str = ""
+    memory_summary: str = ""  # auto: the candidates its memory check dropped, with their peaks
 
     @property
     def ok(self) -> bool:
@@ -94,6 +97,7 @@ def run_planner(
             if tick is not None:
                 tick()
         run.queued_at_end = sum(q.length for q in state.queued)
+        run.memory_summary = getattr(planner, "memory_summary", lambda: "")()
         empty = Window(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
         k = len(windows)
         while drain and state.queued and run.drain_steps < max_drain_steps:

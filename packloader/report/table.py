@@ -32,7 +32,7 @@ def rows_for(report: Report) -> list[Row]:
         ("micro-batches per rank", lambda f: f"{f.micro_batches_mean:.1f}"),
         ("packing efficiency", lambda f: f"{f.packing_efficiency:.0%}"),
         ("tokens delayed (share)", lambda f: f"{f.delay_share:.1%}"),
-        ("delay mean / max (steps)", lambda f: f"{f.delay_mean_delayed:.1f}/{f.delay_max}"),
+        ("delay mean / max (steps)", lambda f: f"{f.delay_mean:.2f}/{f.delay_max}"),
         ("queued after last step (tokens)", lambda f: f"{f.tokens_queued_at_end:,}"),
         ("extra steps to train them", lambda f: f"{f.drain_steps}"),
         ("tokens split into slices", lambda f: f"{f.split_share:.1%}"),

@@ -9,7 +9,8 @@ A lengths file is one of:
 * anything else: UTF-8 text, one integer per line (blank lines and ``#`` comments ignored).
 
 Empty documents (length 0): `empty="drop"` leaves them out and counts them (the loader's behaviour, what the
-report wants); `empty="error"` rejects the first one (for `packloader plan`, whose document ids are positions
+report wants); `empty="keep"` keeps them in place and counts them (for `packloader plan`, whose document ids
+are positions in the file: the planner skips them, the ids of the rest stay); `empty="error"` rejects the first one (for `packloader plan`, whose document ids are positions
 in the file, so dropping one would renumber the rest). Negative lengths are always an error. Every error is a
 LengthsError naming the file and the place (array element, line, or column and row); a missing file raises
 LengthsFileMissing, which is both a LengthsError and a FileNotFoundError.
@@ -38,7 +39,7 @@ class LengthsFileMissing(LengthsError, FileNotFoundError):
 class Lengths:
     """Document lengths in draw order, and what was left out on the way."""
 
-    lengths: np.ndarray  # int64, every entry >= 1
+    lengths: np.ndarray  # int64, every entry >= 1 (>= 0 with empty="keep")
     origin: str  # the file or source they came from, for the report
     empty: int = 0  # documents of length 0 left out
     exhausted: bool = True  # True when every document of the input was read
@@ -120,8 +121,8 @@ def read_lengths(path: str | os.PathLike, column: str | None = None, *, empty: s
     """Lengths from a .npy, Parquet or text file (see the module docstring). `empty` is "drop" or "error";
     `column_flag` is the calling command's option for the Parquet column, named in the error for a missing
     one."""
-    if empty not in ("drop", "error"):
-        raise ValueError(f"empty must be 'drop' or 'error', got {empty!r}")
+    if empty not in ("drop", "keep", "error"):
+        raise ValueError(f"empty must be 'drop', 'keep' or 'error', got {empty!r}")
     text = os.fspath(path)
     if not os.path.exists(text):
         raise LengthsFileMissing(f"{text}: no such lengths file")
@@ -150,7 +151,8 @@ def read_lengths(path: str | os.PathLike, column: str | None = None, *, empty: s
         if place is None:
             raise LengthsError(f"{text}, line {lines[i]}: entry {i} is 0, expected a positive length")
         raise LengthsError(f"{where}: entry {i} is 0, expected a positive length{place(i)}")
-    values = values[values > 0]
-    if len(values) == 0:
+    if len(zeros) == len(values):
         raise LengthsError(f"{text}: holds no non-empty document lengths")
+    if empty == "drop":
+        values = values[values > 0]
     return Lengths(np.ascontiguousarray(values, dtype=np.int64), text, empty=len(zeros))

@@ -18,7 +18,14 @@ independent context-window pieces, as the loader does):
   decompressed) and the English man pages under /usr/share/man/man*, if present, texts up to 1 MB; shuffled
   epochs.
 
-Configurations (analytic cost model of `--model`, 1F1B schedule):
+Cost model (`--cost`): `measured` (default) is the H100 profile fitted to timings measured on one H100
+(`packloader/balancers/measured.py`) scaled to `--model` at TP `--tp`; `analytic` the FLOP-rate model of
+`packloader/balancers/presets.py`. Every strategy plans and is scored under `--cost`; it is also planned and
+scored under the other model (the sensitivity columns), and its plans under the other model are scored under
+`--cost` ("wrong profile": what planning with the wrong cost model costs, as tokens per second lost against
+planning with the right one). `--no-cross` skips the second planning.
+
+Configurations (1F1B schedule):
 
 * ``dp8-pp4``: DP 8, PP 4, 64K-token cap and context, 4M tokens per step (the `packloader plan` example);
 * ``dp8-pp1``: the same at PP 1, for the "slowest rank within 0.5 % of the mean" target;
@@ -68,8 +75,8 @@ SECTION = "planner"
 TARGETS = {
     "imbalance": 1.05,  # auto, WLB-LLM's figure
     "delay_mean": 0.5,  # steps
-    "efficiency": 0.85,  # dp8-pp4 with slicing
-    "dp_spread": 1.005,  # PP 1: slowest rank within 0.5 % of the mean
+    "efficiency": 0.92,  # dp8-pp4 with slicing (issue 12; 0.85 in issue 3)
+    "dp_spread": 1.001,  # PP 1: slowest rank within 0.1 % of the mean (issue 12; 0.5 % in issue 3)
     "plan_ms_dp8": 10.0,
     "plan_ms_dp1024": 100.0,
 }
@@ -198,11 +205,11 @@ def windows_for(stream: np.ndarray, setup: Setup, context: int) -> list[Window]:
     return out
 
 
-def describe(lengths: np.ndarray, context: int, model: str) -> dict:
+def describe(lengths: np.ndarray, context: int, model: str, cost: str = "measured") -> dict:
     from packloader.balancers.cost import load_cost_model
 
     l = np.sort(lengths.astype(np.float64))
-    work = load_cost_model(model, ParallelConfig(dp=8, pp=4)).doc_time(np.sort(lengths).astype(np.int64))
+    work = load_cost_model(model, ParallelConfig(dp=8, pp=4), cost=cost).doc_time(np.sort(lengths).astype(np.int64))
     top = max(1, len(l) // 100)
     return {
         "docs": len(l), "median": float(np.median(l)), "mean": float(l.mean()), "max": int(l[-1]),
@@ -237,13 +244,48 @@ class Row(msgspec.Struct):
     plan_ms_p50: float = 0.0
     plan_ms_max: float = 0.0
     micro_batches: float = 0.0
+    # planned and scored under the other cost model (sensitivity)
+    alt_imbalance: float = 0.0
+    alt_dp_spread: float = 0.0
+    alt_efficiency: float = 0.0
+    # planned under the other model, scored under this one: tokens/s lost against planning with this one
+    wrong_loss: float | None = None
+    # this run's plans scored under the other model
+    cross_efficiency: float = 0.0
+
+
+def other_cost(cost: str) -> str:
+    return "analytic" if cost == "measured" else "measured"
 
 
 def run_one(dataset: str, setup: Setup, strategy: str, windows: list[Window], model: str, slicing: bool = True,
-            budget_s: float = float("inf"), tp: int = 8) -> Row:
+            budget_s: float = float("inf"), tp: int = 8, cost: str = "measured", cross: bool = True) -> Row:
+    row, plans, state, windows_done = _run_one(dataset, setup, strategy, windows, model, slicing, budget_s, tp, cost)
+    if not row.ok or not cross:
+        return row
+    alt = other_cost(cost)
     cfg = PlanConfig(strategy=strategy, parallel=ParallelConfig(dp=setup.dp, pp=setup.pp, tp=tp), max_tokens=setup.cap,
-                     context=setup.cap, tokens_per_step=setup.tokens_per_step, allow_slicing=slicing, model=model)
+                     context=setup.cap, tokens_per_step=setup.tokens_per_step, allow_slicing=slicing, model=model, cost=cost)
+    alt_cfg = msgspec.structs.replace(cfg, cost=alt)
+    # this run's plans under the other model
+    _, cr = score_plans(plans, cost_model_for(alt_cfg), cfg.parallel, max_tokens=setup.cap, drawn=drawn_steps(windows_done))
+    row.cross_efficiency = cr.efficiency
+    # planned under the other model: its own figures there (sensitivity), and its plans under this model
+    arow, aplans, _, awin = _run_one(dataset, setup, strategy, windows[:len(windows_done)], model, slicing, budget_s, tp, alt)
+    if arow.ok:
+        row.alt_imbalance, row.alt_dp_spread, row.alt_efficiency = arow.imbalance, arow.dp_spread, arow.efficiency
+        _, wr = score_plans(aplans, cost_model_for(cfg), cfg.parallel, max_tokens=setup.cap, drawn=drawn_steps(awin))
+        if wr.step_time_total > 0 and row.step_time > 0 and row.tokens:
+            row.wrong_loss = 1.0 - (wr.tokens / wr.step_time_total) / (row.tokens / row.step_time)
+    return row
+
+
+def _run_one(dataset: str, setup: Setup, strategy: str, windows: list[Window], model: str, slicing: bool,
+             budget_s: float, tp: int, cost: str):
+    cfg = PlanConfig(strategy=strategy, parallel=ParallelConfig(dp=setup.dp, pp=setup.pp, tp=tp), max_tokens=setup.cap,
+                     context=setup.cap, tokens_per_step=setup.tokens_per_step, allow_slicing=slicing, model=model, cost=cost)
     label = strategy if slicing else f"{strategy} (no slicing)"
+    plans, state = [], PlannerState()
     try:
         started = time.perf_counter()
         planner = make_planner(cfg)
@@ -270,9 +312,10 @@ def run_one(dataset: str, setup: Setup, strategy: str, windows: list[Window], mo
     except Exception as e:  # a strategy that is not ready: skipped with a note
         gc.unfreeze()
         msg = f"{type(e).__name__}: {e}".replace("\n", " ")
-        return Row(dataset, setup.name, label, False, note=msg[:160])
+        return Row(dataset, setup.name, label, False, note=msg[:160]), plans, state, windows
     if run.tokens_dropped or run.tokens_duplicated:
-        return Row(dataset, setup.name, label, False, note=f"{run.tokens_dropped} tokens dropped, {run.tokens_duplicated} duplicated")
+        return (Row(dataset, setup.name, label, False, note=f"{run.tokens_dropped} tokens dropped, {run.tokens_duplicated} duplicated"),
+                plans, state, windows)
     return Row(
         dataset, setup.name, label, True,
         note="; ".join(x for x in (
@@ -283,7 +326,7 @@ def run_one(dataset: str, setup: Setup, strategy: str, windows: list[Window], mo
         delay_mean=run.delay_mean, delay_max=run.delay_max, delay_share=run.delay_share, split_share=run.split_share,
         packing=run.packing_efficiency, plan_ms=1e3 * float(np.mean(times)), plan_ms_p50=1e3 * float(np.median(times)), plan_ms_max=1e3 * float(np.max(times)),
         micro_batches=float(np.mean([s.micro_batches for s in per])),
-    )
+    ), plans, state, windows
 
 
 def run_all(args) -> tuple[list[Row], dict]:
@@ -305,7 +348,7 @@ def run_all(args) -> tuple[list[Row], dict]:
         if lengths is None:
             print(f"[{d}] not present on this machine, skipped", flush=True)
             continue
-        stats[d] = describe(lengths, 65536, args.model)
+        stats[d] = describe(lengths, 65536, args.model, args.cost)
         for setup in sets:
             if setup.name not in args.setups and not args.quick:
                 continue
@@ -315,11 +358,13 @@ def run_all(args) -> tuple[list[Row], dict]:
             if setup.pp > 1 and "auto" in args.strategies:
                 runs.append(("auto", False))
             for s, slicing in runs:
-                row = run_one(d, setup, s, windows, args.model, slicing, args.budget_s, args.tp)
+                cross = not args.no_cross and setup.name != "dp1024"  # DP 1024 is there for planning time
+                row = run_one(d, setup, s, windows, args.model, slicing, args.budget_s, args.tp, args.cost, cross)
                 rows.append(row)
                 print(f"[{d} {setup.name}] {row.strategy:22s} " + (
                     f"imb {row.imbalance:.3f} spread {row.dp_spread:.4f} eff {row.efficiency:.3f} "
-                    f"delay {row.delay_mean:.2f} plan {row.plan_ms:.1f} ms" if row.ok else f"skipped: {row.note}"), flush=True)
+                    f"delay {row.delay_mean:.2f} plan {row.plan_ms:.1f} ms | other model: eff {row.alt_efficiency:.3f}, "
+                    f"wrong-profile loss {100 * (row.wrong_loss or 0):.1f}%" if row.ok else f"skipped: {row.note}"), flush=True)
     for r in rows:  # simulated tokens per second over fixed's, same dataset and setup (delays plan fewer tokens)
         base = next((b for b in rows if b.dataset == r.dataset and b.setup == r.setup and b.strategy == "fixed" and b.ok), None)
         if r.ok and base is not None and r.step_time > 0 and base.tokens:
@@ -332,11 +377,17 @@ def run_all(args) -> tuple[list[Row], dict]:
 
 def _fmt_row(r: Row) -> str:
     if not r.ok:
-        return f"| {r.strategy} | skipped: {r.note.replace('|', '/')} |" + " |" * 7
+        return f"| {r.strategy} | skipped: {r.note.replace('|', '/')} |" + " |" * 10
     sp = f"{r.speedup:.2f}x" if r.speedup else "-"
+    if r.alt_efficiency:
+        alt = f"{r.alt_imbalance:.3f} / {r.alt_dp_spread:.4f} / {r.alt_efficiency:.3f}"
+        wrong = f"{100 * r.wrong_loss:+.1f}%" if r.wrong_loss is not None else "-"
+        cross = f"{r.cross_efficiency:.3f}"
+    else:
+        alt = wrong = cross = "-"
     return (f"| {r.strategy} | {r.imbalance:.3f} | {r.dp_spread:.4f} | {r.efficiency:.3f} | {sp} | {r.delay_mean:.2f} / "
-            f"{r.delay_max} | {100 * r.split_share:.1f}% | {r.micro_batches:.1f} | {r.plan_ms:.1f} / {r.plan_ms_p50:.1f} / {r.plan_ms_max:.1f} |"
-            + (f" {r.note}" if r.note else ""))
+            f"{r.delay_max} | {100 * r.split_share:.1f}% | {r.micro_batches:.1f} | {r.plan_ms:.1f} / {r.plan_ms_p50:.1f} / {r.plan_ms_max:.1f} "
+            f"| {alt} | {wrong} | {cross} |" + (f" {r.note}" if r.note else ""))
 
 
 def targets(rows: list[Row]) -> list[str]:
@@ -362,8 +413,18 @@ def targets(rows: list[Row]) -> list[str]:
          lambda r: f"{r.imbalance:.3f}/{r.delay_mean:.2f}")
     line(f"DP 8 / PP 4 / 64K: simulated 1F1B efficiency >= {TARGETS['efficiency']} with slicing (`auto`)",
          a, lambda r: r.efficiency >= TARGETS["efficiency"], lambda r: f"{r.efficiency:.3f}")
-    line("PP 1: slowest rank within 0.5% of the mean (`auto`, mean over steps of DP spread)",
+    line(f"PP 1: DP spread <= {TARGETS['dp_spread']} (`auto`, mean over steps of slowest rank / mean rank)",
          auto("dp8-pp1"), lambda r: r.dp_spread <= TARGETS["dp_spread"], lambda r: f"{r.dp_spread:.4f}")
+
+    def verl(r):  # today's verl: its own row if the benchmark has one, else its Karmarkar-Karp re-implementation
+        same = [b for b in rows if b.dataset == r.dataset and b.setup == r.setup and b.ok]
+        return next((b for b in same if b.strategy.startswith("verl")), None) or next(
+            (b for b in same if b.strategy == "karmarkar_karp"), None)
+
+    line("PP 1: `auto` ahead of today's verl in simulated tokens per second (shown auto / verl, over `fixed`)",
+         [r for r in auto("dp8-pp1") if verl(r) is not None] or auto("dp8-pp1"),
+         lambda r: verl(r) is not None and r.speedup > verl(r).speedup,
+         lambda r: f"{r.speedup:.3f}/{verl(r).speedup:.3f} ({verl(r).strategy})" if verl(r) else "no verl row")
     ms = lambda r: f"{r.plan_ms:.1f}/{r.plan_ms_p50:.1f} ms"  # noqa: E731
     for stat, key in (("mean", "plan_ms"), ("median", "plan_ms_p50")):
         line(f"planning <= {TARGETS['plan_ms_dp8']:g} ms per step at DP 8 (`auto`, {stat} over steps; shown mean/median)",
@@ -377,11 +438,13 @@ def report(rows: list[Row], stats: dict, args, argv: list[str]) -> str:
     import numba
 
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    alt = other_cost(args.cost)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     lines = [
         f"Measured {now} on {platform.machine()} with {cpus} CPUs usable ({os.cpu_count()} online), load average "
         f"{os.getloadavg()[0]:.1f} at the end; Python {platform.python_version()}, numba {numba.__version__}; "
-        f"cost model `{args.model}` (analytic, TP {args.tp}), 1F1B:",
+        f"cost model `{args.model}`, {args.cost} ({'H100 timings, packloader/balancers/measured.py' if args.cost == 'measured' else 'presets.py'}), "
+        f"TP {args.tp}, 1F1B:",
         "",
         "```",
         "$ " + " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/planner.py", *argv]),
@@ -415,7 +478,11 @@ def report(rows: list[Row], stats: dict, args, argv: list[str]) -> str:
         "the step time, and the balance that counts there is across ranks, the spread); spread = simulated slowest rank / mean rank (mean over steps); eff = perfect-balance bound / "
         "simulated step time over the run; vs fixed = simulated tokens per second over those of `fixed` (tokens planned / simulated step time, summed over the run; a strategy that delays plans fewer tokens in the same steps); delay = mean "
         "delay in steps over all tokens / max (metrics.token_delay, as in the report); split = tokens in slices; mbs = micro-batches per rank "
-        "(mean); plan = planning wall time per step, mean / median / max, in ms on this machine.",
+        "(mean); plan = planning wall time per step, mean / median / max, in ms on this machine. "
+        f"Sensitivity: {alt} model = the same strategy planned and scored under the {alt} cost model (imbalance / "
+        f"spread / eff); wrong profile = tokens per second lost, scored under the {args.cost} model, when the strategy "
+        f"plans with the {alt} model instead (negative: the wrong model happened to plan faster); plans under {alt} = "
+        f"eff of this row's plans scored under the {alt} model (what the other model would have predicted).",
         "",
     ]
     for setup in dict.fromkeys(r.setup for r in rows):
@@ -424,12 +491,13 @@ def report(rows: list[Row], stats: dict, args, argv: list[str]) -> str:
             lines += [
                 f"**{d}, {setup}** (DP {s.dp}, PP {s.pp}, cap {s.cap}, {s.tokens_per_step} tokens per step, {s.steps} steps)",
                 "",
-                "| strategy | imbalance | spread | eff | vs fixed | delay | split | mbs | plan ms |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+                f"| strategy | imbalance | spread | eff | vs fixed | delay | split | mbs | plan ms | {alt} model: imb / spread / eff "
+                f"| wrong profile | plans under {alt} |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             ]
             lines += [_fmt_row(r) for r in rows if r.setup == setup and r.dataset == d]
             lines.append("")
-    lines += ["Targets (issue 3):", ""] + targets(rows)
+    lines += [f"Targets (issues 3 and 12), under the {args.cost} cost model:", ""] + targets(rows)
     return "\n".join(lines) + "\n"
 
 
@@ -451,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setups", nargs="+", default=["dp8-pp4", "dp8-pp1", "dp1024"])
     ap.add_argument("--strategies", nargs="+", default=STRATEGIES)
     ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--cost", choices=["measured", "analytic"], default="measured",
+                    help="cost model the strategies plan and are scored with (the other one is the sensitivity column)")
+    ap.add_argument("--no-cross", action="store_true", help="skip planning under the other cost model")
     ap.add_argument("--tp", type=int, default=8,
                     help="tensor parallelism of the cost and memory model: Llama-3-8B with 64K-token micro-batches fits "
                          "an 80 GB H100 only with TP 8, and auto keeps only plans that fit")

@@ -125,6 +125,11 @@ class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     allow_slicing: bool = True  # only where the runtime that runs the plan supports slices
     schedule: Schedule = "1f1b"
     model: str = "llama3-8b"  # a preset name or a calibration profile path
+    # The GPU the plan is for. A preset is priced with the measured H100 profile scaled to it on an H100; on
+    # an H200 (no measurements shipped) with the analytic model, unless `model` is a profile path.
+    device: Literal["h100", "h200"] = "h100"
+    # "measured": the shipped H100 timings (packloader/profiles/); "analytic": the FLOP-rate model of presets.py.
+    cost: Literal["measured", "analytic"] = "measured"
     seed: Annotated[int, msgspec.Meta(ge=0, le=SEED_MAX)] = 0
     # GPU memory the memory check allows, in GiB; None = the device's own (80 GiB H100, 141 GiB H200)
     memory_gib: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
@@ -161,14 +166,44 @@ class Poly(msgspec.Struct, frozen=True, array_like=True):
     c: float = 0.0
 
 
+class LinTable(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Measured linear-part time of a micro-batch at a few token counts (seconds, ascending `tokens`).
+
+    lin(n) is the first time for n up to the first count (the per-micro-batch floor: small GEMMs are bound by
+    reading the weights, not by tokens), linear between counts, and the last count's per-token rate beyond it.
+    Measured GEMM times are not smooth in n (cuBLAS picks a different kernel per shape), which no per-token
+    rate plus floor matches within a few percent; the table does, and stays per-token-plus-floor in spirit.
+    """
+
+    tokens: list[float]
+    fwd: list[float]
+    bwd: list[float]
+
+    def __post_init__(self) -> None:
+        k = len(self.tokens)
+        if not 1 <= k <= MAX_LIN_KNOTS or len(self.fwd) != k or len(self.bwd) != k:
+            raise ValueError(f"lin_table: 1..{MAX_LIN_KNOTS} token counts with one fwd and one bwd time each, got "
+                             f"{k}, {len(self.fwd)}, {len(self.bwd)}")
+        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])) or self.tokens[0] <= 0:
+            raise ValueError(f"lin_table.tokens must be positive and strictly increasing, got {self.tokens}")
+        if min(self.fwd) < 0 or min(self.bwd) < 0:
+            raise ValueError("lin_table times must be >= 0")
+
+
+MAX_LIN_KNOTS = 16
+
+
 class CostProfile(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Per-pipeline-stage time of a micro-batch, forward and backward separately.
 
     Attention of a segment with q query tokens and p earlier keys (p = start - attend_from), q rounded up to
-    the kernel's tile: attn(q, p) = a*(q^2 + 2*q*p) + b*q + c (for p = 0 this is a*l^2 + b*l + c, the Hydraulis
-    fit). Linear part of a micro-batch of n tokens: lin(n) = a*n^2 + b*n + c, whose c is the per-micro-batch
-    floor. A micro-batch's time is the sum of its segments' attention plus lin(n). As flat float64 for numba:
-    COEFF_LAYOUT below.
+    the kernel's tile: attn(q, p) = a*(q^2 + 2*q*p) + b*q + c. For p = 0 this is a*l^2 + b*l + c per document
+    (Hydraulis' form: b and c carry what short documents cost beyond their (query, key) pairs); a slice's q*p
+    extra pairs cost the same per pair as the document's own (2a per pair, as l^2/2 pairs cost a*l^2).
+    Linear part of a micro-batch of n tokens: lin(n) = a*n^2 + b*n + c, whose c is the per-micro-batch floor,
+    or `lin_table` where one was measured (the polynomials then summarise it for the planners' per-document
+    workload: their b is the per-token rate, c the floor). A micro-batch's time is the sum of its segments'
+    attention plus lin(n). As flat float64 for numba: COEFF_LAYOUT below.
     """
 
     name: str
@@ -181,6 +216,9 @@ class CostProfile(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     # Max tokens a micro-batch may hold on one rank given memory (Hydraulis MaxLen); None = no memory cap known.
     max_tokens: int | None = None
     fit_error: dict[str, float] = {}
+    lin_table: LinTable | None = None
+    # Where the numbers come from (measurement, scaling applied), for reports.
+    source: str = ""
 
 
 COEFF_LAYOUT = (
@@ -189,6 +227,10 @@ COEFF_LAYOUT = (
     "attn_bwd.a", "attn_bwd.b", "attn_bwd.c",
     "lin_fwd.a", "lin_fwd.b", "lin_fwd.c",
     "lin_bwd.a", "lin_bwd.b", "lin_bwd.c",
+    "lin_table.knots",
+    *(f"lin_table.tokens[{i}]" for i in range(MAX_LIN_KNOTS)),
+    *(f"lin_table.fwd[{i}]" for i in range(MAX_LIN_KNOTS)),
+    *(f"lin_table.bwd[{i}]" for i in range(MAX_LIN_KNOTS)),
 )
 
 

@@ -109,14 +109,22 @@ def test_fit_poly_recovers_coefficients_and_profile_from_table():
     # a slightly concave table cannot give a negative quadratic term
     poly2, _ = fit_poly(x, 3e-9 * x + 1e-5 - 1e-15 * x * x)
     assert poly2.a >= 0 and poly2.b > 0
-    truth = load_cost_model("llama2-7b")
+    truth = load_cost_model("llama2-7b", cost="analytic")  # polynomial, tile 128: what the fit recovers
     lens = np.array([100, 1000, 4000, 16000, 32768])
     fa, ba = truth.segment_times(lens, np.zeros_like(lens))
     toks = np.array([1024, 4096, 16384, 65536])
     lf = np.array([lin_time(truth.coeffs, n, False) for n in toks])
     lb = np.array([lin_time(truth.coeffs, n, True) for n in toks])
-    prof = profile_from_table("fitted", attn_lengths=lens, attn_fwd=fa, attn_bwd=ba, lin_tokens=toks, lin_fwd=lf, lin_bwd=lb)
+    prof = profile_from_table("fitted", attn_lengths=lens, attn_fwd=fa, attn_bwd=ba, lin_tokens=toks, lin_fwd=lf, lin_bwd=lb,
+                              lin_table=False)
     m = CostModel(prof)
     for n in (300, 5000, 20000):
         assert sum(m.microbatch_time_of([n])) == pytest.approx(sum(truth.microbatch_time_of([n])), rel=1e-3)
     assert max(prof.fit_error.values()) < 1e-3
+    # as a measured table, the linear part interpolates between the counts (exact for a linear truth) and
+    # keeps the first count's time below it (the floor)
+    tab = CostModel(profile_from_table("table", attn_lengths=lens, attn_fwd=fa, attn_bwd=ba, lin_tokens=toks,
+                                       lin_fwd=lf, lin_bwd=lb))
+    for n in (5000, 20000):
+        assert sum(tab.microbatch_time_of([n])) == pytest.approx(sum(truth.microbatch_time_of([n])), rel=1e-3)
+    assert tab.lin_time(300) == tab.lin_time(1) == pytest.approx(lf[0])

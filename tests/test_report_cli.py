@@ -46,8 +46,17 @@ def poly(p, x):
     return p[0] * x * x + p[1] * x + p[2]
 
 
+def lin(profile, part, x):
+    """The linear part: the polynomial, or the measured table (floor, interpolated, per token past its end)."""
+    t = profile["lin_table"]
+    if t is None:
+        return poly(profile[part], x)
+    times = t.fwd if part == "lin_fwd" else t.bwd
+    return float(np.interp(x, t.tokens, times)) if x <= t.tokens[-1] else times[-1] * x / t.tokens[-1]
+
+
 def mb_cost(profile, mb):
-    """forward + backward of a micro-batch on one stage, straight from the CostProfile polynomials."""
+    """forward + backward of a micro-batch on one stage, straight from the CostProfile formula."""
     tile = profile["tile"]
     g = len(mb.dp_group) if mb.dp_group else 1
     f = b = 0.0
@@ -65,7 +74,7 @@ def mb_cost(profile, mb):
         n += q
     if g > 1:
         f, b = f / g, b / g
-    return f + poly(profile["lin_fwd"], n / g) + b + poly(profile["lin_bwd"], n / g)
+    return f + lin(profile, "lin_fwd", n / g) + b + lin(profile, "lin_bwd", n / g)
 
 
 def read_plans(path):
@@ -76,7 +85,7 @@ def profile_dict(model, parallel):
     from packloader.balancers.cost import load_cost_model
 
     pr = load_cost_model(model, parallel).profile
-    return {"tile": pr.tile, **{k: (getattr(pr, k).a, getattr(pr, k).b, getattr(pr, k).c) for k in ("attn_fwd", "attn_bwd", "lin_fwd", "lin_bwd")}}
+    return {"tile": pr.tile, "lin_table": pr.lin_table, **{k: (getattr(pr, k).a, getattr(pr, k).b, getattr(pr, k).c) for k in ("attn_fwd", "attn_bwd", "lin_fwd", "lin_bwd")}}
 
 
 def longtail(n, seed=0, scale=200, cap=30000):

@@ -110,20 +110,26 @@ def test_read_lengths_errors_name_the_place(tmp_path, name, content, message):
 
 
 def test_merged_model_is_a_g_way_split_with_the_floor_kept():
-    base = load_cost_model("llama3-8b", ParallelConfig(tp=2))
+    base = load_cost_model("llama3-8b", ParallelConfig(tp=2), cost="analytic")  # the polynomial form, by hand below
     pr = base.profile
     for g in (2, 4):
         m = merged_model(base, g)
         mb = MicroBatch(segments=[Segment(0, 0, 3000, 0), Segment(1, 0, 700, 0)])
         f, b = m.microbatch_times(mb)
         tile = pr.tile
-        attn_f = sum(pr.attn_fwd.a * (math.ceil(q / tile) * tile) ** 2 for q in (3000, 700))
-        attn_b = sum(pr.attn_bwd.a * (math.ceil(q / tile) * tile) ** 2 for q in (3000, 700))
+        qts = [math.ceil(q / tile) * tile for q in (3000, 700)]
+        attn_f = sum(pr.attn_fwd.a * qt**2 + pr.attn_fwd.b * qt for qt in qts)
+        attn_b = sum(pr.attn_bwd.a * qt**2 + pr.attn_bwd.b * qt for qt in qts)
+        assert pr.attn_fwd.c == pr.attn_bwd.c == 0.0
         assert f == pytest.approx(attn_f / g + pr.lin_fwd.b * 3700 / g + pr.lin_fwd.c, rel=1e-12)
         assert b == pytest.approx(attn_b / g + pr.lin_bwd.b * 3700 / g + pr.lin_bwd.c, rel=1e-12)
         # the analytic preset at cp x g gives the same polynomials (ideal sharding, floors not divided)
-        cp = load_cost_model("llama3-8b", ParallelConfig(tp=2, cp=g))
+        cp = load_cost_model("llama3-8b", ParallelConfig(tp=2, cp=g), cost="analytic")
         assert cp.microbatch_times(mb) == pytest.approx((f, b), rel=1e-9)
+        # so does the measured profile (its per-document attention term and linear floor kept per CP rank)
+        measured = load_cost_model("llama3-8b", ParallelConfig(tp=2))
+        measured_cp = load_cost_model("llama3-8b", ParallelConfig(tp=2, cp=g))
+        assert merged_model(measured, g).microbatch_times(mb) == pytest.approx(measured_cp.microbatch_times(mb), rel=1e-9)
 
 
 def test_read_lengths_can_reject_empty_documents(tmp_path):

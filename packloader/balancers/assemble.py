@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost import (
-    LIN_BWD, LIN_FWD, CostModel, load_cost_model, microbatch_times_by_id, microbatch_times_csr, segment_times_kernel,
+    CostModel, lin_times, load_cost_model, microbatch_times_by_id, microbatch_times_csr, segment_times_kernel,
 )
 from packloader.balancers.registry import Window
 from packloader.contracts import MicroBatch, PlanConfig, PlannerState, QueuedDoc, RankPlan, Segment, StepPlan
@@ -44,11 +44,12 @@ _MODELS: dict[tuple, CostModel] = {}
 
 
 def cost_model_for(config: PlanConfig) -> CostModel:
-    """The config's cost model (preset name or profile path), loaded once per process."""
-    key = (config.model, config.parallel)
+    """The config's cost model (preset name or profile path, on `config.device`, `config.cost`), loaded once per
+    process."""
+    key = (config.model, config.parallel, config.device, config.cost)
     model = _MODELS.get(key)
     if model is None:
-        model = _MODELS[key] = load_cost_model(config.model, config.parallel)
+        model = _MODELS[key] = load_cost_model(config.model, config.parallel, device=config.device, cost=config.cost)
     return model
 
 
@@ -142,8 +143,8 @@ class Packing:
             ids = np.fromiter(self.groups.keys(), np.int64, len(self.groups))
             g = np.fromiter((len(v) for v in self.groups.values()), np.float64, len(self.groups))
             n = np.bincount(seg_mb, weights=q, minlength=nmb)[ids] / g
-            for arr, attn, o in ((f, af, LIN_FWD), (b, ab, LIN_BWD)):
-                arr[ids] = np.bincount(seg_mb, weights=attn, minlength=nmb)[ids] / g + c[o] * n * n + c[o + 1] * n + c[o + 2]
+            for arr, attn, bwd in ((f, af, False), (b, ab, True)):
+                arr[ids] = np.bincount(seg_mb, weights=attn, minlength=nmb)[ids] / g + lin_times(c, n, bwd)
         self.mb_fwd, self.mb_bwd = f, b
         return self
 

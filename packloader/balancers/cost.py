@@ -7,13 +7,15 @@ The formula is the one `contracts.CostProfile` documents. With ``qt = ceil(q / t
     lin(n)     = a * n^2 + b * n + c                      # a micro-batch of n tokens; c is its floor
     time(mb)   = sum over segments of attn(q_i, p_i) + lin(sum q_i)
 
-``p = start - attend_from`` (0 for a whole document or an independent piece). The coefficients travel as a flat
-float64[13] array in `contracts.COEFF_LAYOUT` order so the numba kernels (here and in the planners) take them
-without Python objects.
+``p = start - attend_from`` (0 for a whole document or an independent piece). Where the profile carries a
+measured `LinTable`, lin(n) interpolates it instead (floor below its first count, the last per-token rate past
+its last). The coefficients travel as a flat float64[NUM_COEFFS] array in `contracts.COEFF_LAYOUT` order so the
+numba kernels (here and in the planners) take them without Python objects.
 
-Two sources of profiles: an analytic one from a model shape (`presets.analytic_profile`, presets by name) and a
-profiled one from a calibration JSON (a msgspec `CostProfile`, written by `packloader calibrate`).
-`load_cost_model` takes either.
+Three sources of profiles: the measured H100 profile shipped in packloader/profiles/ scaled to a preset's
+shape and layout (`measured.measured_profile`, the default for a preset), the analytic one from device
+constants (`presets.analytic_profile`, ``cost="analytic"``), and a calibration JSON (a msgspec `CostProfile`,
+written by `packloader calibrate`). `load_cost_model` takes any of them.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 import msgspec
 import numpy as np
 from numba import njit
 
-from packloader.contracts import COEFF_LAYOUT, CostProfile, MicroBatch, ParallelConfig, Poly, StepPlan
+from packloader.contracts import COEFF_LAYOUT, MAX_LIN_KNOTS, CostProfile, LinTable, MicroBatch, ParallelConfig, Poly, StepPlan
 
 # Offsets into the coefficient array (COEFF_LAYOUT).
 TILE = 0
@@ -35,15 +37,28 @@ ATTN_FWD = 1
 ATTN_BWD = 4
 LIN_FWD = 7
 LIN_BWD = 10
-NUM_COEFFS = 13
+LIN_KNOTS = 13  # number of LinTable knots (0: the lin polynomials are the linear part)
+LIN_TOK = 14
+LIN_TFWD = LIN_TOK + MAX_LIN_KNOTS
+LIN_TBWD = LIN_TOK + 2 * MAX_LIN_KNOTS
+NUM_COEFFS = LIN_TOK + 3 * MAX_LIN_KNOTS
+
+Cost = Literal["measured", "analytic"]
 
 
 def profile_coeffs(profile: CostProfile) -> np.ndarray:
-    """The profile as float64[13] in `COEFF_LAYOUT` order."""
-    out = np.empty(NUM_COEFFS, dtype=np.float64)
+    """The profile as float64[NUM_COEFFS] in `COEFF_LAYOUT` order."""
+    out = np.zeros(NUM_COEFFS, dtype=np.float64)
     out[TILE] = float(profile.tile)
     for off, poly in ((ATTN_FWD, profile.attn_fwd), (ATTN_BWD, profile.attn_bwd), (LIN_FWD, profile.lin_fwd), (LIN_BWD, profile.lin_bwd)):
         out[off], out[off + 1], out[off + 2] = poly.a, poly.b, poly.c
+    t = profile.lin_table
+    if t is not None:
+        k = len(t.tokens)
+        out[LIN_KNOTS] = k
+        out[LIN_TOK:LIN_TOK + k] = t.tokens
+        out[LIN_TFWD:LIN_TFWD + k] = t.fwd
+        out[LIN_TBWD:LIN_TBWD + k] = t.bwd
     assert len(COEFF_LAYOUT) == NUM_COEFFS
     return out
 
@@ -70,10 +85,40 @@ def attn_time(c, q, p, bwd):
 
 @njit(cache=True)
 def lin_time(c, n, bwd):
-    """Linear (GEMM + element-wise) time of a micro-batch of n tokens, including its floor c."""
+    """Linear (GEMM + element-wise) time of a micro-batch of n tokens, including its floor."""
+    x = float(n)
+    k = int(c[LIN_KNOTS])
+    if k > 0:
+        t = LIN_TBWD if bwd else LIN_TFWD
+        if x >= c[LIN_TOK + k - 1]:
+            return c[t + k - 1] * x / c[LIN_TOK + k - 1]
+        # from the top: planners mostly ask about micro-batches near the cap
+        for i in range(k - 2, -1, -1):
+            x0 = c[LIN_TOK + i]
+            if x >= x0:
+                x1 = c[LIN_TOK + i + 1]
+                return c[t + i] + (c[t + i + 1] - c[t + i]) * (x - x0) / (x1 - x0)
+        return c[t]
+    o = LIN_BWD if bwd else LIN_FWD
+    return c[o] * x * x + c[o + 1] * x + c[o + 2]
+
+
+@njit(cache=True)
+def lin_share(c, n, bwd):
+    """A document's share of the linear part: the smooth polynomial without the floor (the per-token rate), so
+    the shares of a micro-batch's documents add up to about its linear time less the floor."""
     o = LIN_BWD if bwd else LIN_FWD
     x = float(n)
-    return c[o] * x * x + c[o + 1] * x + c[o + 2]
+    return c[o] * x * x + c[o + 1] * x
+
+
+@njit(cache=True)
+def lin_times(c, n, bwd):
+    """lin_time of each of the (possibly fractional) token counts n."""
+    out = np.empty(n.shape[0], dtype=np.float64)
+    for i in range(n.shape[0]):
+        out[i] = lin_time(c, n[i], bwd)
+    return out
 
 
 @njit(cache=True)
@@ -104,14 +149,14 @@ def segment_times_kernel(c, q, p):
 @njit(cache=True)
 def doc_time_split(c, lengths):
     """Forward and backward workload of each length as a whole document: its attention plus its share of the
-    linear part (lin(l) without the floor). What a balancer sums over the documents of a micro-batch."""
+    linear part (`lin_share`: no floor). What a balancer sums over the documents of a micro-batch."""
     m = lengths.shape[0]
     f = np.empty(m, dtype=np.float64)
     b = np.empty(m, dtype=np.float64)
     for i in range(m):
         l = lengths[i]
-        f[i] = attn_time(c, l, 0, False) + lin_time(c, l, False) - c[LIN_FWD + 2]
-        b[i] = attn_time(c, l, 0, True) + lin_time(c, l, True) - c[LIN_BWD + 2]
+        f[i] = attn_time(c, l, 0, False) + lin_share(c, l, False)
+        b[i] = attn_time(c, l, 0, True) + lin_share(c, l, True)
     return f, b
 
 
@@ -228,7 +273,8 @@ class CostModel:
         return doc_time_split(self.coeffs, np.ascontiguousarray(lengths, dtype=np.int64))
 
     def floor(self) -> tuple[float, float]:
-        """The per-micro-batch floor (forward, backward)."""
+        """The per-micro-batch floor (forward, backward): the polynomials' c (for a measured table, the floor
+        its polynomial summary puts under the per-token rate)."""
         return float(self.coeffs[LIN_FWD + 2]), float(self.coeffs[LIN_BWD + 2])
 
     def max_tokens(self) -> int | None:
@@ -244,12 +290,18 @@ class CostModel:
             return Poly(poly.a * factor, poly.b * factor, poly.c * factor)
 
         pr = self.profile
+        t = pr.lin_table
+        table = None if t is None else LinTable(tokens=t.tokens, fwd=[x * factor for x in t.fwd], bwd=[x * factor for x in t.bwd])
         return CostModel(
             msgspec.structs.replace(
                 pr, name=f"{pr.name}x{factor:g}", attn_fwd=s(pr.attn_fwd), attn_bwd=s(pr.attn_bwd),
-                lin_fwd=s(pr.lin_fwd), lin_bwd=s(pr.lin_bwd),
+                lin_fwd=s(pr.lin_fwd), lin_bwd=s(pr.lin_bwd), lin_table=table,
             )
         )
+
+    def lin_time(self, n: float, bwd: bool = False) -> float:
+        """Linear-part time of a micro-batch of n tokens (floor included)."""
+        return float(lin_time(self.coeffs, float(n), bwd))
 
 
 def fit_poly(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tuple[Poly, float]:
@@ -289,19 +341,45 @@ def profile_from_table(
     tile: int = 128,
     device: str = "measured",
     max_tokens: int | None = None,
+    lin_table: bool = True,
+    source: str = "",
 ) -> CostProfile:
     """A CostProfile fitted to a measured table: attention time of one causal document per length (lengths
-    rounded up to the tile before fitting, as the model evaluates them) and linear time of a micro-batch per
-    token count, forward and backward. `fit_error` records each part's largest relative error."""
+    rounded up to the tile before fitting, as the model evaluates them; a*l^2 + b*l + c) and linear time of a
+    micro-batch per token count, forward and backward. With `lin_table` (and at most MAX_LIN_KNOTS counts) the
+    measured linear times become the profile's `LinTable` and the polynomials their smooth summary for the
+    planners. `fit_error` records each part's largest relative error over the rows, as the model evaluates
+    them (for a table: 0 at its own rows)."""
     qt = np.ceil(np.asarray(attn_lengths, dtype=np.float64) / tile) * tile
     af, ef_a = fit_poly(qt, attn_fwd)
     ab, eb_a = fit_poly(qt, attn_bwd)
-    lf, ef_l = fit_poly(np.asarray(lin_tokens, dtype=np.float64), lin_fwd)
-    lb, eb_l = fit_poly(np.asarray(lin_tokens, dtype=np.float64), lin_bwd)
+    n = np.asarray(lin_tokens, dtype=np.float64)
+    lf, ef_l = fit_poly(n, lin_fwd)
+    lb, eb_l = fit_poly(n, lin_bwd)
+    table = None
+    if lin_table and 1 <= len(n) <= MAX_LIN_KNOTS:
+        order = np.argsort(n, kind="stable")
+        n = n[order]
+        tf, tb = np.asarray(lin_fwd, np.float64)[order], np.asarray(lin_bwd, np.float64)[order]
+        table = LinTable(tokens=n.tolist(), fwd=tf.tolist(), bwd=tb.tolist())
+        lf, lb = _table_summary(n, tf), _table_summary(n, tb)
+        ef_l = eb_l = 0.0
     return CostProfile(
         name=name, tile=tile, attn_fwd=af, attn_bwd=ab, lin_fwd=lf, lin_bwd=lb, device=device, max_tokens=max_tokens,
-        fit_error={"attn_fwd": ef_a, "attn_bwd": eb_a, "lin_fwd": ef_l, "lin_bwd": eb_l},
+        fit_error={"attn_fwd": ef_a, "attn_bwd": eb_a, "lin_fwd": ef_l, "lin_bwd": eb_l}, lin_table=table, source=source,
     )
+
+
+def _table_summary(n: np.ndarray, t: np.ndarray) -> Poly:
+    """Per-token rate plus floor summarising a measured linear table for the planners: the median slope between
+    consecutive counts of the larger half (where GEMMs run at their flat per-token rate; the median because
+    single measurements jump), and the floor that matches the first count. Exact for a table of b*n + c."""
+    if len(n) < 2:
+        return Poly(0.0, 0.0, float(t[0]))
+    slopes = np.diff(t) / np.diff(n)
+    upper = slopes[len(slopes) // 2:]
+    rate = float(max(0.0, np.median(upper)))
+    return Poly(0.0, rate, float(max(0.0, t[0] - rate * n[0])))
 
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
@@ -327,16 +405,19 @@ def load_cost_model(
     parallel: ParallelConfig | None = None,
     *,
     device: str = "h100",
+    cost: Cost = "measured",
     memory_cap: bool = False,
     recompute: str = "selective",
 ) -> CostModel:
-    """A CostModel from a preset name (analytic, for `parallel`), a profile JSON path, or a profile name under
-    packloader/profiles/.
+    """A CostModel from a preset name, a profile JSON path, or a profile name under packloader/profiles/.
 
-    A JSON profile is taken as measured (it is already per stage for the configuration it was measured on;
-    `parallel` does not rescale it). With `memory_cap`, a preset's profile carries the memory model's token cap
-    (Hydraulis MaxLen) for `parallel` on `device` (see memory.py); by default presets carry no cap and the
-    planner's `max_tokens` is the only cap.
+    A preset is priced, with ``cost="measured"`` (the default) on an H100, by the measured H100 profile scaled
+    to the preset's shape and `parallel` (`measured.measured_profile`); on an H200, for which no measurement
+    ships, and with ``cost="analytic"``, by the analytic model (`presets.analytic_profile`); the profile's
+    `source` says which. A JSON profile is taken as measured (it is already per stage for the configuration
+    it was measured on; `parallel`, `device` and `cost` do not change it). With `memory_cap`, a preset's
+    profile carries the memory model's token cap (Hydraulis MaxLen) for `parallel` on `device` (see
+    memory.py); by default presets carry no cap and the planner's `max_tokens` is the only cap.
     """
     if isinstance(spec, CostModel):
         return spec
@@ -344,6 +425,8 @@ def load_cost_model(
         return CostModel(spec)
     from packloader.balancers import presets
 
+    if cost not in ("measured", "analytic"):
+        raise ValueError(f"unknown cost model {cost!r}; expected 'measured' or 'analytic'")
     text = os.fspath(spec)
     path = Path(text)
     if path.suffix == ".json" or path.exists():
@@ -367,7 +450,16 @@ def load_cost_model(
                 f"{shape.name} does not fit on {dev.name} ({dev.memory_gib:g} GiB) under {parallel or ParallelConfig()}: "
                 f"no room for a micro-batch of {dev.tile} tokens; use more tp/pp/dp or recompute='full'"
             )
-    return CostModel(presets.analytic_profile(shape, parallel, dev, max_tokens=cap))
+    if cost == "measured" and device.lower() == "h100":
+        from packloader.balancers.measured import measured_profile
+
+        return CostModel(measured_profile(shape, parallel, max_tokens=cap))
+    prof = presets.analytic_profile(shape, parallel, dev, max_tokens=cap)
+    if cost == "measured":
+        prof = msgspec.structs.replace(
+            prof, source=f"analytic: no measured {device.upper()} profile ships; calibrate one with `packloader calibrate` "
+                         f"and pass it as the model")
+    return CostModel(prof)
 
 
 def annotate_costs(plan: StepPlan, model: CostModel | Sequence[CostModel]) -> StepPlan:

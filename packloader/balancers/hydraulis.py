@@ -14,7 +14,7 @@ model's linear part reaches 85 % of its asymptotic efficiency (floor / slope). T
 for one V on every DP rank, so the enumeration scores each V by its slowest rank.
 
 Heterogeneous ranks: `HydraulisPlanner(config, models=[...], caps=[...])` takes one cost model and token cap
-per DP rank (Hydraulis' heterogeneous pipelines); the kernels take the profiles as a (K, 13) array.
+per DP rank (Hydraulis' heterogeneous pipelines); the kernels take the profiles as a (K, NUM_COEFFS) array.
 Nothing is delayed; queued pieces from another planner's state are planned first like any other.
 """
 

@@ -1,6 +1,6 @@
 """Numba kernels shared by the planners (wlb, hydraulis, slimpack, auto).
 
-Everything here takes flat typed arrays (lengths as int64, the cost coefficients as float64[13] in
+Everything here takes flat typed arrays (lengths as int64, the cost coefficients as float64[NUM_COEFFS] in
 `contracts.COEFF_LAYOUT` order) and returns arrays; no Python objects inside the loops. Costs come from the
 kernels of `cost.py` (`attn_time`, `lin_time`, `doc_time_split`), so a planner balances exactly what the cost
 model and the simulator later measure.
@@ -256,7 +256,7 @@ def hydraulis_dispatch(coeffs, rank_profile, caps, lengths, pp, trials, seed):
     others random permutations from `seed`. Ties go to the rank whose own bound stays lowest, then the lowest
     index.
 
-    coeffs: (K, 13) cost profiles; rank_profile: (D,) profile index of each rank; caps: (D,) token caps
+    coeffs: (K, NUM_COEFFS) cost profiles; rank_profile: (D,) profile index of each rank; caps: (D,) token caps
     (MaxLen) of each rank. Returns (rank of each piece, best objective); rank -1 everywhere if some piece fits
     no rank.
     """

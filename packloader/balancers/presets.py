@@ -7,6 +7,12 @@ The analytic profile (`analytic_profile`) turns a model shape into the per-pipel
   causal (query, key) pairs; each pair costs ``4 * heads * head_dim`` FLOPs forward (Q.K^T and P.V, two
   multiply-adds of head_dim per head) and ``2.5x`` that backward (flash attention recomputes the scores and
   does five matmuls instead of two). So ``attn.a = 2 * heads * head_dim * layers_per_stage / (tp * cp) / rate``.
+* attention also moves each token's rows through HBM once per pass, whatever the document's length: forward
+  reads Q, K, V and writes O; backward reads Q, O, dO, K, V, reads O and dO once more for the softmax
+  correction, writes dK, dV and accumulates dQ in fp32 (counted twice). ``attn.b`` is those bytes at HBM
+  bandwidth: the per-document ``b*l`` that makes short documents dearer per (query, key) pair than long ones
+  (about 4x at 256 tokens on a measured H100, of which this term gives about three quarters). ``attn.c``
+  (a per-document latency) is 0: varlen kernels run every document of a micro-batch in one launch.
 * linear work is ``2 * (linear parameters of a layer)`` FLOPs per token forward (``2x`` that backward), plus
   the memory-bound element-wise work (norms, rotary, SwiGLU, residual adds) at HBM bandwidth, plus the LM
   head spread evenly over the pipeline stages (``include_head``). ``lin.a = 0`` analytically.
@@ -164,6 +170,12 @@ def analytic_profile(
     attn_flops_per_unit = 0.5 * 4.0 * shape.heads * shape.head_dim * L / shard
     a_fwd = attn_flops_per_unit / (device.attn_fwd_tflops * 1e12)
     a_bwd = attn_flops_per_unit * device.attn_bwd_flops_ratio / (device.attn_bwd_tflops * 1e12)
+    # per token: the rows each pass reads and writes once (bf16; dQ accumulated in fp32)
+    qd, kvd = shape.heads * shape.head_dim, shape.kv_dim
+    bytes_fwd = 2 * (2 * qd + 2 * kvd)  # Q, K, V read, O written
+    bytes_bwd = 2 * (5 * qd + 4 * kvd + 2 * qd)  # Q, O, dO, O, dO read (qd x5), K, V read + dK, dV written, dQ fp32
+    b_attn_fwd = bytes_fwd * L / shard / (device.hbm_tbps * 1e12)
+    b_attn_bwd = bytes_bwd * L / shard / (device.hbm_tbps * 1e12)
     # linear: 2 FLOPs per weight per token forward, 4 backward
     lin_params = shape.linear_params_per_layer() * L
     if head_fraction is not None:
@@ -180,8 +192,8 @@ def analytic_profile(
     return CostProfile(
         name=f"{shape.name}@{device.name}/{par}",
         tile=device.tile,
-        attn_fwd=Poly(a_fwd, 0.0, 0.0),
-        attn_bwd=Poly(a_bwd, 0.0, 0.0),
+        attn_fwd=Poly(a_fwd, b_attn_fwd, 0.0),
+        attn_bwd=Poly(a_bwd, b_attn_bwd, 0.0),
         lin_fwd=Poly(0.0, b_fwd, c_fwd),
         lin_bwd=Poly(0.0, b_bwd, c_bwd),
         device="analytic:" + device.name,

@@ -574,9 +574,10 @@ def simulate_rank(
     stage_models: Sequence | None = None,
 ) -> SimResult:
     """Simulate one DP rank's pipeline. `model` is a CostModel (per-stage times; the same on every stage);
-    `stage_models` one CostModel per pipeline stage instead (e.g. `presets.analytic_stage_profiles`: the
-    embedding and LM head on the first and last stage); `memory` an optional memory.MemoryModel for
-    activation/KV/static bytes; `use_plan_costs` takes the micro-batches' fwd_cost/bwd_cost as they are."""
+    `stage_models` one CostModel per pipeline stage instead (e.g. `measured.measured_stage_profiles` or
+    `presets.analytic_stage_profiles`: the embedding and LM head on the first and last stage); `memory` an
+    optional memory.MemoryModel for activation/KV/static bytes; `use_plan_costs` takes the micro-batches'
+    fwd_cost/bwd_cost as they are."""
     parallel = parallel or ParallelConfig()
     mbs = rank.micro_batches if isinstance(rank, RankPlan) else list(rank)
     bo = rank.backward_order if isinstance(rank, RankPlan) else None

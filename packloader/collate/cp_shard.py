@@ -207,8 +207,8 @@ _DEFAULT: list[Any] = []
 
 
 def default_cost_model() -> Any:
-    """The estimate used when none is given: the analytic llama3-8b preset of packloader.balancers.cost, or a unit
-    tile-aware estimate if that cannot be loaded."""
+    """The estimate used when none is given: the llama3-8b preset of packloader.balancers.cost (the measured H100
+    profile), or a unit tile-aware estimate if that cannot be loaded."""
     if not _DEFAULT:
         try:
             from packloader.balancers.cost import load_cost_model
@@ -392,8 +392,9 @@ def plan_cp_shards(
 
     `mode`: "sequence", "document", "hierarchical" or "adaptive" (the lowest estimated max per-rank latency among
     `modes`). `cost_model`: a `packloader.balancers.cost.CostModel`, a preset name / profile path, or None (the
-    llama3-8b analytic preset). `position_offsets`: each segment's first position id (start - attend_from: 0 for a
-    document or an independent piece, which restart their positions); default 0. `remapped`: the linear layers run in a separately balanced layout
+    llama3-8b preset, measured H100 profile). `position_offsets`: each segment's first position id (start -
+    attend_from: 0 for a document or an independent piece, which restart their positions); default 0. `remapped`:
+    the linear layers run in a separately balanced layout
     (runtime.remap), so only attention counts in the estimate. `hierarchical_threshold`: shard exactly the
     segments at least this long instead of searching over the `max_sharded` longest.
     """

@@ -47,9 +47,11 @@ def merged_model(model: CostModel, g: int) -> CostModel:
     def s(p: Poly) -> Poly:
         return Poly(p.a / g, p.b / g, p.c)
 
+    t = pr.lin_table  # a measured linear table: each member runs n/g tokens of it
+    table = None if t is None else msgspec.structs.replace(t, tokens=[n * g for n in t.tokens])
     return CostModel(msgspec.structs.replace(
         pr, name=f"{pr.name}/cpx{g}", attn_fwd=s(pr.attn_fwd), attn_bwd=s(pr.attn_bwd),
-        lin_fwd=s(pr.lin_fwd), lin_bwd=s(pr.lin_bwd),
+        lin_fwd=s(pr.lin_fwd), lin_bwd=s(pr.lin_bwd), lin_table=table,
         max_tokens=pr.max_tokens * g if pr.max_tokens else None,
     ))
 

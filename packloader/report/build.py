@@ -75,10 +75,14 @@ def build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions | 
     from tqdm.auto import tqdm
 
     opt = options or ReportOptions()
-    model = load_cost_model(config.model, config.parallel, device=opt.device)
+    if config.device != opt.device:  # the planners price the device the report is for
+        config = msgspec.structs.replace(config, device=opt.device)
+    model = load_cost_model(config.model, config.parallel, device=opt.device, cost=config.cost)
     memory = memory_model_for(config.model, config, opt.device)
     draw: Draw = draw_steps(lengths.lengths, config.tokens_per_step, config.context, opt.steps)
     notes = list(opt.notes)
+    if model.profile.source.startswith("analytic: no measured"):
+        notes.append(f"times use the analytic cost model: {model.profile.source.removeprefix('analytic: ')}")
     if draw.steps < opt.steps:
         notes.append(f"the input holds only {draw.steps} complete steps of {config.tokens_per_step:,} tokens; the report covers those")
     if lengths.empty:

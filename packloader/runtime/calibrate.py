@@ -13,9 +13,11 @@ What is measured (one layer of the given shape, then scaled to a pipeline stage)
 
 Timing: warmup runs, then the median of several repeats; on CUDA with events after `torch.cuda.synchronize`.
 
-The fit (`fit_profile`): `a*l^2 + b*l + c` per part and pass, by least squares with non-negative coefficients and
-residuals relative to the time (`packloader.balancers.cost.fit_poly`), attention lengths rounded up to the tile
-first, as the cost model evaluates them. The tile is the candidate (1, 16, 32, 64, 128, 256 unless given) whose
+The fit (`fit_profile`), the form of the shipped H100 profile: attention per document `a*l^2 + b*l + c` per
+pass, by least squares with non-negative coefficients and residuals relative to the time
+(`packloader.balancers.cost.fit_poly`), lengths rounded up to the tile first, as the cost model evaluates them;
+the linear part as the measured table (`contracts.LinTable`: floor, interpolation, per-token rate past the
+largest count) with a per-token rate plus floor summarising it for the planners. The tile is the candidate (1, 16, 32, 64, 128, 256 unless given) whose
 fit is best. Every other measured length is held out of the fit (the shortest and longest stay in) and the fit's
 mean absolute percentage error on those is reported in the profile's `fit_error` (`<part>_heldout_mape_pct`)
 next to the in-sample largest relative error (`<part>`, a fraction).
@@ -162,13 +164,18 @@ def fit_profile(
         lin_tokens=ll[~hl], lin_fwd=table["lin_fwd"][~hl], lin_bwd=table["lin_bwd"][~hl], tile=int(tile),
         device=device,
     )
+    from packloader.balancers.cost import CostModel
+
+    model = CostModel(prof)
     errors = dict(prof.fit_error)
     for part, y in table.items():
         if part.startswith("attn"):
-            x, mask = _tiled(al, tile), ha
-        else:
-            x, mask = ll.astype(np.float64), hl
-        errors[f"{part}_heldout_mape_pct"] = mape_pct(_poly_eval(getattr(prof, part), x[mask]), y[mask])
+            pred = _poly_eval(getattr(prof, part), _tiled(al, tile)[ha])
+            mask = ha
+        else:  # the measured table, interpolated at the held-out counts
+            pred = np.array([model.lin_time(n, part == "lin_bwd") for n in ll[hl]])
+            mask = hl
+        errors[f"{part}_heldout_mape_pct"] = mape_pct(pred, y[mask])
     return msgspec.structs.replace(prof, fit_error=errors)
 
 
@@ -397,4 +404,8 @@ def format_fit(profile: CostProfile) -> str:
         lines.append(f"  {part:8s} a={p.a:.4e} b={p.b:.4e} c={p.c:.4e}   held-out MAPE "
                      f"{profile.fit_error.get(part + '_heldout_mape_pct', float('nan')):6.2f}%   "
                      f"in-sample max rel err {profile.fit_error.get(part, float('nan')) * 100:6.2f}%")
+    if profile.lin_table is not None:
+        lines.append(f"  linear part: the measured table at {len(profile.lin_table.tokens)} token counts "
+                     f"({profile.lin_table.tokens[0]:g}..{profile.lin_table.tokens[-1]:g}); lin_* above summarise it "
+                     f"(per-token rate b, floor c) for the planners")
     return "\n".join(lines)

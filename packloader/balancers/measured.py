@@ -1,0 +1,181 @@
+"""The measured H100 cost profile, fitted from timings and scaled to a model shape and a parallel layout.
+
+The timings (packloader/profiles/measured/*.csv) were taken on one NVIDIA H100 80GB HBM3 (SXM), torch 2.11 with
+CUDA 13.0, bf16, on 2026-11-22: `torch.nn.attention.varlen.varlen_attn` causal with 32 heads x 128 (Llama-7B,
+MHA), 32K-token packs of equal documents from 64 to 32K tokens; and one Llama-7B layer's GEMMs (QKV, O, gate+up,
+down; hidden 4096, FFN 11008) plus SwiGLU at 256 to 64K tokens. `scripts/build_h100_profile.py` fits them into
+packloader/profiles/h100-llama2-7b-layer.json (one layer, no LM head) with `build_profile`:
+
+* attention per document: ``a*l^2 + b*l + c``, forward and backward separately (Hydraulis' form), fitted
+  with residuals relative to the time; the per-pair rate of a 256-token document is about 3.9x that of a 32K
+  one, which the b and c terms carry (a tile floor alone does not);
+* linear part: the measured times as a `LinTable` (floor below 256 tokens, interpolated between, per-token
+  past 64K), summarised by a per-token rate plus floor for the planners.
+
+`measured_profile` scales it to a preset's pipeline stage: attention by heads x head_dim over 32 x 128 and the
+layers per stage, the (query, key) and per-token terms by TP x CP (each CP rank holds 1/cp of every document),
+the per-document term by TP only (every CP rank still runs every document); the linear table's times by the
+layer's GEMM weights over Llama-7B's (FLOPs per token, and the weight reads the small-batch floor is made of)
+divided by TP, its token counts by CP; plus, per token, what the measurement left out: the norms, rotary and
+residual adds at HBM bandwidth (as `presets.analytic_profile` prices them) and the LM head's GEMM spread over
+the stages at the measured GEMM rate.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import os
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from packloader.balancers import presets
+from packloader.balancers.cost import PROFILES_DIR, load_profile
+from packloader.contracts import CostProfile, LinTable, ParallelConfig, Poly
+
+PROFILE_NAME = "h100-llama2-7b-layer"
+MEASURED_DIR = PROFILES_DIR / "measured"
+ATTENTION_CSV = MEASURED_DIR / "h100-attention.csv"
+LINEAR_CSV = MEASURED_DIR / "h100-linear.csv"
+# What was measured: attention 32 heads x 128 (MHA), GEMMs of hidden 4096 / FFN 11008, one layer.
+MEASURED_SHAPE = presets.MODEL_SHAPES["llama2-7b"]
+SOURCE = ("one NVIDIA H100 80GB HBM3 (SXM), torch 2.11 + CUDA 13.0, bf16, 2026-11-22: varlen_attn causal 32 heads x 128 "
+          "in 32K-token packs; one Llama-7B layer's GEMMs (hidden 4096, FFN 11008) + SwiGLU")
+MAX_FIT_ERROR = 0.03  # the largest relative error allowed on any measured row
+
+
+def read_csv(path: str | os.PathLike, columns: tuple[str, ...]) -> np.ndarray:
+    """The named columns of a measurement CSV as float64 rows; a missing column or a bad cell names the file and row."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in columns if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path}: missing column(s) {missing}; header is {reader.fieldnames}")
+        rows = []
+        for i, row in enumerate(reader, start=2):
+            try:
+                vals = [float(row[c]) for c in columns]
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}, line {i}: expected numbers in {columns}, got {row}") from None
+            if min(vals) <= 0:
+                raise ValueError(f"{path}, line {i}: every value must be positive, got {row}")
+            rows.append(vals)
+    if len(rows) < 3:
+        raise ValueError(f"{path}: at least 3 rows are needed, got {len(rows)}")
+    return np.asarray(rows, dtype=np.float64)
+
+
+def build_profile(attention_csv: str | os.PathLike = ATTENTION_CSV, linear_csv: str | os.PathLike = LINEAR_CSV) -> CostProfile:
+    """The one-layer profile fitted to the two CSVs (times in ms there, seconds in the profile)."""
+    from packloader.balancers.cost import profile_from_table
+    from packloader.runtime.calibrate import choose_tile
+
+    att = read_csv(attention_csv, ("docs", "doc_len", "fwd_ms", "bwd_ms"))
+    lin = read_csv(linear_csv, ("tokens", "fwd_ms", "bwd_ms"))
+    lengths = att[:, 1].astype(np.int64)
+    per_doc_f, per_doc_b = att[:, 2] / att[:, 0] * 1e-3, att[:, 3] / att[:, 0] * 1e-3
+    tile = choose_tile(lengths, per_doc_f, per_doc_b)
+    prof = profile_from_table(
+        PROFILE_NAME, attn_lengths=lengths, attn_fwd=per_doc_f, attn_bwd=per_doc_b, lin_tokens=lin[:, 0].astype(np.int64),
+        lin_fwd=lin[:, 1] * 1e-3, lin_bwd=lin[:, 2] * 1e-3, tile=tile, device="measured:h100-sxm-80gb/bf16", source=SOURCE,
+    )
+    errors = row_errors(prof, attention_csv, linear_csv)
+    return msgspec.structs.replace(prof, fit_error={part: float(max(abs(e) for e in errs)) for part, errs in errors.items()})
+
+
+def row_errors(profile: CostProfile, attention_csv: str | os.PathLike = ATTENTION_CSV,
+               linear_csv: str | os.PathLike = LINEAR_CSV) -> dict[str, list[float]]:
+    """Relative error (model / measured - 1) of `profile` on every row of the CSVs, per part."""
+    from packloader.balancers.cost import CostModel
+
+    m = CostModel(profile)
+    att = read_csv(attention_csv, ("docs", "doc_len", "fwd_ms", "bwd_ms"))
+    lin = read_csv(linear_csv, ("tokens", "fwd_ms", "bwd_ms"))
+    q = att[:, 1].astype(np.int64)
+    f, b = m.segment_times(q, np.zeros_like(q))
+    out = {
+        "attn_fwd": (f * att[:, 0] / (att[:, 2] * 1e-3) - 1).tolist(),
+        "attn_bwd": (b * att[:, 0] / (att[:, 3] * 1e-3) - 1).tolist(),
+        "lin_fwd": [float(m.lin_time(n, False) / (t * 1e-3) - 1) for n, t in zip(lin[:, 0], lin[:, 1])],
+        "lin_bwd": [float(m.lin_time(n, True) / (t * 1e-3) - 1) for n, t in zip(lin[:, 0], lin[:, 2])],
+    }
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def base_profile(path: str | None = None) -> CostProfile:
+    """The shipped one-layer H100 profile (or the one at `path`)."""
+    return load_profile(path or PROFILES_DIR / f"{PROFILE_NAME}.json")
+
+
+def _scale(p: Poly, k: float) -> Poly:
+    return Poly(p.a * k, p.b * k, p.c * k)
+
+
+def measured_profile(
+    shape: presets.ModelShape,
+    parallel: ParallelConfig | None = None,
+    *,
+    base: CostProfile | None = None,
+    include_head: bool = True,
+    layers: float | None = None,
+    head_fraction: float | None = None,
+    max_tokens: int | None = None,
+) -> CostProfile:
+    """Per-pipeline-stage profile of `shape` under `parallel`, from the measured one-layer profile (see the
+    module docstring for each scale factor). `layers`, `include_head` and `head_fraction` as in
+    `presets.analytic_profile`."""
+    parallel = parallel or ParallelConfig()
+    base = base or base_profile()
+    ref = MEASURED_SHAPE
+    L = presets.layers_per_stage(shape, parallel) if layers is None else float(layers)
+    tp, cp = parallel.tp, parallel.cp
+    fa = shape.heads * shape.head_dim / (ref.heads * ref.head_dim) * L / tp
+
+    def attn(p: Poly) -> Poly:
+        return Poly(p.a * fa / cp, p.b * fa / cp, p.c * fa)
+
+    fl = shape.linear_params_per_layer() / ref.linear_params_per_layer() * L / tp
+    # per token of this rank (n / cp of a micro-batch of n): element-wise kernels the GEMM timing left out, and
+    # the LM head at the measured GEMM rate per weight
+    dev = presets.H100
+    swiglu = (3 if shape.gated_mlp else 2) * shape.ffn * 2
+    ew = (shape.elementwise_bytes_per_token_per_layer() - swiglu) * L / tp / (dev.hbm_tbps * 1e12)
+    head_params = shape.vocab * shape.hidden * (head_fraction if head_fraction is not None else (1.0 / parallel.pp if include_head else 0.0)) / tp
+    rate_f = base.lin_fwd.b / ref.linear_params_per_layer()
+    rate_b = base.lin_bwd.b / ref.linear_params_per_layer()
+    extra_f = ew + head_params * rate_f
+    extra_b = 2.0 * ew + head_params * rate_b
+
+    def lin(p: Poly, extra: float) -> Poly:
+        return Poly(p.a * fl / (cp * cp), (p.b * fl + extra) / cp, p.c * fl)
+
+    table = None
+    if base.lin_table is not None:
+        t = base.lin_table
+        table = LinTable(tokens=[n * cp for n in t.tokens], fwd=[fl * x + extra_f * n for n, x in zip(t.tokens, t.fwd)],
+                         bwd=[fl * x + extra_b * n for n, x in zip(t.tokens, t.bwd)])
+    par = f"tp{tp}-cp{cp}-pp{parallel.pp}"
+    return CostProfile(
+        name=f"{shape.name}@h100-measured/{par}", tile=base.tile, attn_fwd=attn(base.attn_fwd), attn_bwd=attn(base.attn_bwd),
+        lin_fwd=lin(base.lin_fwd, extra_f), lin_bwd=lin(base.lin_bwd, extra_b), device=base.device, max_tokens=max_tokens,
+        fit_error=dict(base.fit_error), lin_table=table,
+        source=f"measured ({base.source}); scaled to {shape.name} {par}: attention x{fa:.4g}, linear x{fl:.4g}",
+    )
+
+
+def measured_stage_profiles(shape: presets.ModelShape, parallel: ParallelConfig | None = None) -> list[CostProfile]:
+    """One measured profile per pipeline stage (its own layer count, the LM head on the last stage), as
+    `presets.analytic_stage_profiles`."""
+    parallel = parallel or ParallelConfig()
+    out = []
+    for s, n in enumerate(presets.stage_layers(shape, parallel.pp)):
+        pr = measured_profile(shape, parallel, layers=n, head_fraction=1.0 if s == parallel.pp - 1 else 0.0)
+        out.append(msgspec.structs.replace(pr, name=f"{pr.name}/stage{s}"))
+    return out
+
+
+def profile_path() -> Path:
+    return PROFILES_DIR / f"{PROFILE_NAME}.json"

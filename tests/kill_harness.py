@@ -319,8 +319,10 @@ def _launch(spec: dict, fork: bool) -> int:
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.Popen([sys.executable, str(Path(__file__)), "child", str(spec_path)], env=env,
-                            start_new_session=True, stderr=open(Path(spec["workdir"]) / "stderr.txt", "ab"))
+    with open(Path(spec["workdir"]) / "stderr.txt", "ab") as err:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__)), "child", str(spec_path)], env=env,
+                                start_new_session=True, stderr=err)
+    proc.returncode = 0  # waited for with os.waitpid (_wait); keeps Popen from warning that it still runs
     return proc.pid
 
 
@@ -500,6 +502,10 @@ class Harness:
             result.kinds[kind] = result.kinds.get(kind, 0) + 1
             common = set.intersection(*(saved_counts(wd, t) for t in self.tags))
             resume = max(common) if common else None
+            for t in self.tags:  # a rank's later states belong to the abandoned run, as a trainer's would
+                for c in saved_counts(wd, t):
+                    if resume is None or c > resume:
+                        state_path(wd, t, c).unlink()
         result.seconds = time.monotonic() - start
         got = self._read_logs(wd)
         self.verify(got, result)

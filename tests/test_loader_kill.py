@@ -68,7 +68,7 @@ def test_killed_and_resumed_equals_one_uninterrupted_epoch(suite, name):
     got = suite[name]
     assert got["rounds"] >= 12  # enough rounds for the kill points to be distinct
     for run in got["runs"]:
-        planned = [k for k in run["kill_plan"]]
+        planned = run["kill_plan"]
         assert run["problems"] == []
         assert run["kills"] == len(planned), (run["kills"], planned)
         assert run["tokens"] > 0
@@ -99,3 +99,20 @@ def test_the_harness_sees_a_lost_and_a_repeated_micro_batch(tmp_path):
     extra = kh.RunResult("x")
     h.verify(ref + [[0, 9, 0, 1, 1, [[n + 5, 0, 4]], "", "", None]], extra)
     assert extra.extra_epoch_tokens == 4 and extra.repeated == 4
+
+
+def test_the_benchmark_writes_only_its_section(tmp_path):
+    """benchmarks/kill.py at two points (its edge run): it runs, and rewrites only its own section."""
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# B\n\n<!-- SECTION:loader -->\nkeep me\n<!-- END:loader -->\n\n"
+                   "<!-- SECTION:kill -->\n(pending)\n<!-- END:kill -->\n\ntail\n")
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "kill.py"), "--points", "2", "--only",
+                           "jsonl.gz wlb no-slicing dp1 workers2", "--write", str(doc)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = doc.read_text()
+    assert "keep me" in text and text.endswith("\ntail\n") and "(pending)" not in text
+    assert "- 2 kill points in 1 configurations: 0 tokens lost, 0 repeated." in text
+    assert "| jsonl.gz wlb no-slicing dp1 workers2 |" in text

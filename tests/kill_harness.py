@@ -304,6 +304,8 @@ def _launch(spec: dict, fork: bool) -> int:
             code = 0
             try:
                 os.setpgid(0, 0)
+                # the store's complaints of a rank whose peer was just killed go to the run's file, not the parent's
+                os.dup2(os.open(Path(spec["workdir"]) / "stderr.txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
                 child_main(spec)
             except BaseException:  # noqa: BLE001 - reported to the parent through the error file
                 Path(spec["workdir"], f"error-{spec.get('rank', 'all')}.txt").write_text(traceback.format_exc())

@@ -148,3 +148,130 @@ def test_pipeline_matches_whole_documents(pp):
     _check(results, cases, pp)
     # the carried KV held something and was back to zero after every step
     assert all(results[r][0]["peak"] > 0 for r in range(pp))
+
+
+# DP-Merge inside the pipeline: 2 DP ranks x 2 stages. DP rank 0 runs a sliced document (0) and whole ones, DP
+# rank 1 a sliced one (6); both share micro-batch 3, a DP-Merge micro-batch of two whole documents run as
+# context parallelism over the two ranks of each stage.
+MERGED = MicroBatch(segments=[Segment(3, 0, 50, 0), Segment(4, 0, 10, 0)], dp_group=[0, 1])
+DP_PLAN_LENGTHS = {0: 45, 1: 9, 2: 12, 3: 50, 4: 10, 5: 16, 6: 30, 7: 7}
+
+
+def dp_plan():
+    from packloader.contracts import StepPlan
+
+    return StepPlan(step=0, ranks=[
+        RankPlan(micro_batches=[_mb((0, 0, 20, 0), (1, 0, 9, 0)), _mb((0, 20, 45, 0)), _mb((2, 0, 12, 0)), MERGED]),
+        RankPlan(micro_batches=[_mb((5, 0, 16, 0)), _mb((6, 0, 15, 0), (7, 0, 7, 0)), _mb((6, 15, 30, 0)), MERGED]),
+    ])
+
+
+def _run_dp_rank(rank, world, plan, lengths, pp):
+    import torch.distributed as dist
+
+    from packloader.runtime.groups import ProcessGroupCache, prepare_dp_merge_groups
+    from packloader.runtime.pipeline import PlanPipelineSchedule, SlicedPipelineStage
+
+    torch.set_num_threads(1)
+    dp = world // pp
+    dp_rank, s = divmod(rank, pp)
+    pipes = [dist.new_group([d * pp + t for t in range(pp)]) for d in range(dp)]
+    maps = [[d * pp + t for d in range(dp)] for t in range(pp)]
+    groups = prepare_dp_merge_groups(dp, [plan], rank_maps=maps, groups=ProcessGroupCache())
+    model = Llama(LAYERS)
+    docs = documents(lengths)
+    n_loss = loss_tokens(docs)
+    lo, hi = stage_layers(LAYERS, pp)[s]
+    first, last = s == 0, s == pp - 1
+    stage = SlicedPipelineStage(
+        StageModule(model, lo, hi, first, last), s, pp, "cpu", group=pipes[dp_rank],
+        input_example=torch.zeros(1, dtype=torch.long) if first else torch.zeros(1, H, dtype=torch.float64),
+        output_example=torch.zeros(1, VOCAB if last else H, dtype=torch.float64))
+    sched = PlanPipelineSchedule([stage], loss_fn, dp_rank=dp_rank, rank_map=maps[s], groups=groups)
+    rp = plan.ranks[dp_rank]
+    from packloader.runtime.groups import dp_merge_shard
+
+    inputs = []
+    for mb in rp.micro_batches:
+        ids, pos, lab = micro_batch_inputs(mb, docs)
+        if mb.dp_group:
+            sh = dp_merge_shard(mb, dp_rank=dp_rank, rank_map=maps[s])
+            idx = torch.from_numpy(sh.token_index)
+            assert torch.equal(pos[idx], torch.from_numpy(sh.position_ids))
+            ids, pos, lab = ids[idx], pos[idx], lab[idx]
+        inputs.append((ids, pos, lab))
+    losses: list = []
+    sched.step_plan(rp, step_plan=plan, arg_mbs=[(i,) for i, _, _ in inputs],
+                    kwarg_mbs=[{"positions": p} for _, p, _ in inputs],
+                    target_mbs=[(lab, n_loss) for _, _, lab in inputs], losses=losses)
+    grads = {k: p.grad.numpy().copy() for k, p in model.named_parameters() if p.grad is not None}
+    return dict(grads=grads, loss=sum(float(l.detach()) for l in losses) if last else None, left=len(stage.cache))
+
+
+def test_pipeline_with_dp_merge_matches_whole_documents():
+    pp, plan = 2, dp_plan()
+    results = run_ranks(_run_dp_rank, 4, plan, DP_PLAN_LENGTHS, pp)
+    ref_loss, ref_grads = _reference(DP_PLAN_LENGTHS)
+    got: dict = {}
+    for res in results:  # the DP all-reduce (sum) of each stage's gradients
+        assert res["left"] == 0
+        for k, g in res["grads"].items():
+            got[k] = got.get(k, 0) + torch.from_numpy(g)
+    assert set(got) == set(ref_grads)
+    for k in ref_grads:
+        torch.testing.assert_close(got[k], ref_grads[k], rtol=RTOL, atol=RTOL * float(ref_grads[k].abs().max()),
+                                   msg=lambda m, k=k: f"{k}: {m}")
+    total = sum(results[d * pp + pp - 1]["loss"] for d in range(2))
+    assert total == pytest.approx(ref_loss, rel=RTOL)
+
+
+# ------------------------------------------------------------------------------ plan checks (no processes)
+
+
+def test_backward_order_that_breaks_a_slice_chain_is_refused():
+    from packloader.runtime.pipeline import simulated_actions
+
+    with pytest.raises(ValueError, match="before 1, but 1 holds a later slice"):
+        simulated_actions(HAND.micro_batches, 2, backward_order=list(range(8)))
+
+
+def test_interleaved_needs_a_multiple_of_pp():
+    from packloader.runtime.pipeline import simulated_actions
+
+    with pytest.raises(ValueError, match="multiple of pp"):
+        simulated_actions(HAND.micro_batches[:6], 4, vpp=2, schedule="interleaved")
+
+
+def test_actions_follow_the_simulator_chunk_mapping():
+    from packloader.runtime.pipeline import simulated_actions
+
+    acts = simulated_actions(HAND.micro_batches, 2, vpp=2, schedule="interleaved")
+    sim = simulate_rank(HAND, None, ParallelConfig(pp=2, vpp=2), schedule="interleaved", use_plan_costs=True)
+    for r in range(2):
+        assert {a.stage_index % 2 for a in acts[r]} == {r}  # stage c*pp + r lives on rank r
+        assert [("B" if a.computation_type.value == "B" else "F", a.microbatch_index, a.stage_index // 2)
+                for a in acts[r]] == sim.order(r)
+
+
+def test_dp_merge_micro_batch_with_a_slice_is_refused():
+    from packloader.runtime.pipeline import _tokens_and_shards
+    from packloader.runtime.slices import SlicesNotSupported
+
+    mb = MicroBatch(segments=[Segment(3, 10, 50, 0)], dp_group=[0, 1])
+    with pytest.raises(SlicesNotSupported, match="DP-Merge micro-batch .* document 3"):
+        _tokens_and_shards([mb], 0, None)
+
+
+def test_dp_merge_members_must_share_the_order():
+    from packloader.contracts import StepPlan
+    from packloader.runtime.pipeline import check_dp_merge_order
+
+    a = MicroBatch(segments=[Segment(10, 0, 8, 0)], dp_group=[0, 1])
+    b = MicroBatch(segments=[Segment(11, 0, 8, 0)], dp_group=[0, 1])
+    ok = StepPlan(step=3, ranks=[RankPlan(micro_batches=[a, b, _mb((1, 0, 4, 0))]),
+                                 RankPlan(micro_batches=[a, b, _mb((2, 0, 4, 0))])])
+    check_dp_merge_order(ok, 2)
+    bad = StepPlan(step=3, ranks=[RankPlan(micro_batches=[a, b, _mb((1, 0, 4, 0))]),
+                                  RankPlan(micro_batches=[b, a, _mb((2, 0, 4, 0))])])
+    with pytest.raises(ValueError, match="step 3: DP-Merge group \\[0, 1\\] runs its shared micro-batches in different"):
+        check_dp_merge_order(bad, 2)

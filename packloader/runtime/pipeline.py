@@ -357,7 +357,9 @@ class SlicedPipelineStage(PipelineStage):
             mb = st.micro_batches[j]
             if j in st.shards:
                 attend = self._dp_merge
-                ctx = _MergedContext(mb, st.shards[j], lambda q, k, v, mb=mb, **kw: attend(mb, q, k, v, **kw),
+                shard = st.shards[j]
+                ctx = _MergedContext(mb, shard, lambda q, k, v, mb=mb, shard=shard, **kw: attend(mb, q, k, v, shard=shard,
+                                                                                                 **kw),
                                      self.attention_options)
             else:
                 ctx = PipelineSliceContext(mb.segments, self.cache, store=st.kept[j], **self.attention_options)
@@ -465,11 +467,16 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
             st._dp_merge = self._dp_merge_attention
         self._actions: dict[int, list[_Action]] = {}
 
-    def _dp_merge_attention(self, mb: MicroBatch, q, k, v, **opts):
+    def _dp_merge_attention(self, mb: MicroBatch, q, k, v, *, shard=None, **opts):
         from packloader.runtime.groups import dp_merge_attention
 
-        return dp_merge_attention(q, k, v, mb, dp_rank=self.dp_rank, rank_map=self.rank_map, groups=self.groups,
-                                  **opts)
+        return dp_merge_attention(q, k, v, mb, dp_rank=self.dp_rank, shard=shard, rank_map=self.rank_map,
+                                  groups=self.groups, **opts)
+
+    def shard(self, j: int):
+        """This rank's CP shard of DP-Merge micro-batch j of the current step (its rows' `token_index` and
+        `position_ids` say which tokens the caller feeds), or None for an ordinary micro-batch."""
+        return self._stages[0]._step.shards.get(j) if self._stages[0]._step else None
 
     def actions(self, rank: int | None = None) -> list[_Action]:
         """The compute actions of the last step on pipeline rank `rank` (default: this one)."""
@@ -552,9 +559,11 @@ def check_dp_merge_order(plan: StepPlan, pp: int, *, vpp: int = 1, schedule: str
     for g, per_rank in shared.items():
         seqs = {}
         for r in g:
-            mine = set(per_rank.get(r, []))
+            mbs = plan.ranks[r].micro_batches
+            mine = set(per_rank.get(r, []))  # identified by their segments: positions may differ
             for s in range(pp):
-                seqs.setdefault(s, {})[r] = [(a.computation_type.value, a.stage_index, a.microbatch_index)
+                seqs.setdefault(s, {})[r] = [(a.computation_type.value, a.stage_index,
+                                              tuple((x.doc, x.start, x.end, x.attend_from) for x in mbs[a.microbatch_index].segments))
                                              for a in orders[r][s] if a.microbatch_index in mine]
         for s, by_rank in seqs.items():
             first = by_rank[g[0]]
@@ -562,5 +571,5 @@ def check_dp_merge_order(plan: StepPlan, pp: int, *, vpp: int = 1, schedule: str
                 if by_rank[r] != first:
                     raise ValueError(
                         f"step {plan.step}: DP-Merge group {list(g)} runs its shared micro-batches in different orders "
-                        f"on pipeline rank {s} (DP rank {g[0]}: {first}, DP rank {r}: {by_rank[r]}); their attention "
-                        f"collectives would not pair up")
+                        f"on pipeline rank {s} (at positions {per_rank.get(g[0])} of DP rank {g[0]}'s list and "
+                        f"{per_rank.get(r)} of DP rank {r}'s); their attention collectives would not pair up")

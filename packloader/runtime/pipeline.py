@@ -67,7 +67,13 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
 )
 
-from packloader.balancers.simulator import SCHEDULES, build_ops, check_backward_order, default_backward_order, slice_edges_of
+from packloader.balancers.simulator import (
+    SCHEDULES,
+    build_ops,
+    check_backward_order,
+    default_backward_order,
+    slice_edges_of,
+)
 from packloader.contracts import MicroBatch, RankPlan, Segment, StepPlan
 from packloader.runtime.slices import SliceContext, SliceKVCache, SlicesNotSupported, _Entry, analyse_chain
 
@@ -358,9 +364,11 @@ class SlicedPipelineStage(PipelineStage):
             if j in st.shards:
                 attend = self._dp_merge
                 shard = st.shards[j]
-                ctx = _MergedContext(mb, shard, lambda q, k, v, mb=mb, shard=shard, **kw: attend(mb, q, k, v, shard=shard,
-                                                                                                 **kw),
-                                     self.attention_options)
+
+                def merged(q, k, v, mb=mb, shard=shard, **kw):
+                    return attend(mb, q, k, v, shard=shard, **kw)
+
+                ctx = _MergedContext(mb, shard, merged, self.attention_options)
             else:
                 ctx = PipelineSliceContext(mb.segments, self.cache, store=st.kept[j], **self.attention_options)
             self._contexts[j] = ctx
@@ -452,8 +460,8 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
         self.pp = self.pp_group_size
         self.vpp = len(stages)
         if self._num_stages != self.pp * self.vpp:
-            raise ValueError(f"{self._num_stages} stages over {self.pp} pipeline ranks with {self.vpp} stage(s) on this "
-                             f"rank: every rank must hold num_stages / pp stages")
+            raise ValueError(f"{self._num_stages} stages over {self.pp} pipeline ranks with {self.vpp} stage(s) on "
+                             f"this rank: every rank must hold num_stages / pp stages")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
         if self.vpp > 1 and schedule != "interleaved":
@@ -562,9 +570,10 @@ def check_dp_merge_order(plan: StepPlan, pp: int, *, vpp: int = 1, schedule: str
             mbs = plan.ranks[r].micro_batches
             mine = set(per_rank.get(r, []))  # identified by their segments: positions may differ
             for s in range(pp):
-                seqs.setdefault(s, {})[r] = [(a.computation_type.value, a.stage_index,
-                                              tuple((x.doc, x.start, x.end, x.attend_from) for x in mbs[a.microbatch_index].segments))
-                                             for a in orders[r][s] if a.microbatch_index in mine]
+                seqs.setdefault(s, {})[r] = [
+                    (a.computation_type.value, a.stage_index,
+                     tuple((x.doc, x.start, x.end, x.attend_from) for x in mbs[a.microbatch_index].segments))
+                    for a in orders[r][s] if a.microbatch_index in mine]
         for s, by_rank in seqs.items():
             first = by_rank[g[0]]
             for r in g[1:]:

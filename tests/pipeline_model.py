@@ -102,7 +102,8 @@ def documents(lengths: dict[int, int], seed: int = 1) -> dict[int, torch.Tensor]
 
 def micro_batch_inputs(mb: MicroBatch, docs: dict[int, torch.Tensor]):
     """(token ids, position ids, labels) of a micro-batch in packed order; a document's last token has no label."""
-    ids, pos, lab = [], [], []
+    none = torch.zeros(0, dtype=torch.long)  # an empty micro-batch has empty inputs
+    ids, pos, lab = [none], [none], [none]
     for s in mb.segments:
         d = docs[s.doc]
         ids.append(d[s.start:s.end])

@@ -48,6 +48,9 @@ HAND = RankPlan(micro_batches=[
     _mb((5 + 200, 0, 5, 0)),
 ])
 HAND_LENGTHS.update({106: 3, 205: 5})
+# planners leave a micro-batch empty now and then (slimpack when a rank has too few pieces)
+WITH_EMPTY = RankPlan(micro_batches=HAND.micro_batches[:6] + [MicroBatch(segments=[]), HAND.micro_batches[7]])
+WITH_EMPTY_LENGTHS = {d: n for d, n in HAND_LENGTHS.items() if d != 106}
 
 
 def planner_plan(pp: int, strategy: str = "slimpack"):
@@ -142,8 +145,8 @@ def _cases(pp):
     sp, sp_len = planner_plan(pp)
     assert any(s.attend_from < s.start for mb in sp.micro_batches for s in mb.segments)  # the planner sliced
     cases = [(HAND, HAND_LENGTHS, 1, "1f1b"), (sp, sp_len, 1, "1f1b")]
-    if pp == 2:  # interleaved: 2 chunks per rank, one layer each
-        cases.append((HAND, HAND_LENGTHS, 2, "interleaved"))
+    if pp == 2:  # interleaved: 2 chunks per rank, one layer each; an empty micro-batch
+        cases += [(HAND, HAND_LENGTHS, 2, "interleaved"), (WITH_EMPTY, WITH_EMPTY_LENGTHS, 1, "1f1b")]
     return cases
 
 

@@ -28,8 +28,9 @@ What runs, and why it matches the simulator:
   are freed when its backward ends; the last of them when the document's first slice (its last backward) ends.
   There is no recomputation (unlike `SliceExecutor`, which has no pipeline to keep activations in flight).
 * DP-Merge micro-batches (no slices in them) run their attention through `groups.dp_merge_attention`: this rank
-  holds its CP shard's tokens; the group's stage-s ranks must run the shared micro-batches in the same order,
-  which `step_plan` checks on the whole StepPlan when it is given one.
+  feeds the rows of its CP shard (`groups.dp_merge_shard(mb, dp_rank=..., rank_map=...)`: `token_index` into the
+  packed micro-batch, `position_ids`); the group's stage-s ranks must run the shared micro-batches in the same
+  order, which `step_plan` checks on the whole StepPlan when it is given one.
 
 What the engine could not express, and what was added at its seams (subclasses, no engine of our own):
 
@@ -483,11 +484,6 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
 
         return dp_merge_attention(q, k, v, mb, dp_rank=self.dp_rank, shard=shard, rank_map=self.rank_map,
                                   groups=self.groups, **opts)
-
-    def shard(self, j: int):
-        """This rank's CP shard of DP-Merge micro-batch j of the current step (its rows' `token_index` and
-        `position_ids` say which tokens the caller feeds), or None for an ordinary micro-batch."""
-        return self._stages[0]._step.shards.get(j) if self._stages[0]._step else None
 
     def actions(self, rank: int | None = None) -> list[_Action]:
         """The compute actions of the last step on pipeline rank `rank` (default: this one)."""

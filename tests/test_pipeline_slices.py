@@ -11,6 +11,8 @@ import torch
 from distributed import run_ranks
 from pipeline_model import (
     H,
+    HD,
+    HKV,
     VOCAB,
     Llama,
     StageModule,
@@ -118,6 +120,22 @@ def _reference(lengths):
     return _REF[key]
 
 
+def _expected_carried_bytes(plan, actions, layers):
+    """Bytes of carried keys/values a stage should hold after each of its actions, from the plan alone: a
+    micro-batch's segments that a later micro-batch's slice reads are held from its forward to its backward."""
+    mbs = plan.micro_batches
+    read = []
+    for u, mb in enumerate(mbs):
+        read.append(sum(t.end - t.start for t in mb.segments
+                        if any(s.doc == t.doc and s.attend_from < t.end and t.start < s.start
+                               for later in mbs[u + 1:] for s in later.segments)))
+    live, out = set(), []
+    for kind, u, _ in actions:
+        (live.add if kind == "F" else live.discard)(u)
+        out.append(sum(read[j] for j in live) * 2 * HKV * HD * 8 * layers)  # k and v, float64
+    return out
+
+
 def _check(results, cases, pp):
     for ci, (rank_plan, lengths, vpp, schedule) in enumerate(cases):
         ref_loss, ref_grads = _reference(lengths)
@@ -133,6 +151,10 @@ def _check(results, cases, pp):
                                 use_plan_costs=True)
             assert res["orders"][0] == sim.order(r), f"case {ci} rank {r}"
             assert res["orders"][1] == sim.order(r)
+            if vpp == 1:  # carried K/V freed exactly at the storing micro-batch's backward
+                acts = [a for a, _, _ in res["trace"][0]]
+                assert [kv for _, kv, _ in res["trace"][0]] == _expected_carried_bytes(rank_plan, acts, LAYERS // pp)
+                assert res["trace"][0][-1][1:] == (0, 0)
         assert set(got) == set(ref_grads)
         for k in ref_grads:
             torch.testing.assert_close(got[k], ref_grads[k], rtol=RTOL, atol=RTOL * float(ref_grads[k].abs().max()),

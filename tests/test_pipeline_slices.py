@@ -164,7 +164,7 @@ def _check(results, cases, pp):
 
 
 def _cases(pp):
-    sp, sp_len = planner_plan(pp)
+    sp, sp_len = planner_plan(pp, "slimpack" if pp == 2 else "auto")
     assert any(s.attend_from < s.start for mb in sp.micro_batches for s in mb.segments)  # the planner sliced
     cases = [(HAND, HAND_LENGTHS, 1, "1f1b"), (sp, sp_len, 1, "1f1b")]
     if pp == 2:  # interleaved: 2 chunks per rank, one layer each; an empty micro-batch

@@ -460,6 +460,8 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
         stages = list(stages)
         if not stages or not all(isinstance(s, SlicedPipelineStage) for s in stages):
             raise TypeError("PlanPipelineSchedule needs this rank's SlicedPipelineStage objects")
+        if loss_fn is None:  # a forward-only pass would never free the carried KV (backwards free it)
+            raise TypeError("PlanPipelineSchedule trains: it needs a loss_fn(output, target)")
         super().__init__(stages, 1, loss_fn=loss_fn, scale_grads=False)
         self.pp = self.pp_group_size
         self.vpp = len(stages)

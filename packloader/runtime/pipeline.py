@@ -1,16 +1,24 @@
 """Sliced plans inside pipeline stages: a `torch.distributed.pipelining` schedule that runs a packloader step
 plan, slices (SlimPack) and DP-Merge micro-batches included.
 
-Entry point (one pipeline rank of one DP rank; `stages` are this rank's `SlicedPipelineStage`s):
+Entry point (this process is pipeline rank `pp_rank` of DP rank `dp_rank`; one stage per model chunk it holds):
 
-    stages = [SlicedPipelineStage(chunk_module, stage_index, num_stages, device,
-                                  input_example=..., output_example=...)]
-    sched = PlanPipelineSchedule(stages, loss_fn, schedule="1f1b")          # or "interleaved" (vpp stages/rank)
-    losses = sched.step_plan(step_plan.ranks[dp_rank], arg_mbs=..., kwarg_mbs=..., target_mbs=...)
+    stages = [SlicedPipelineStage(chunk_module, stage_index=c * pp + pp_rank, num_stages=pp * vpp, device=dev,
+                                  input_example=..., output_example=..., group=pipeline_group)
+              for c, chunk_module in enumerate(my_chunks)]
+    sched = PlanPipelineSchedule(stages, loss_fn, schedule="1f1b")     # "interleaved" when vpp > 1
+    for step_plan in plans:                                            # every rank holds the whole StepPlan
+        mbs = step_plan.ranks[dp_rank].micro_batches
+        losses = sched.step_plan(step_plan.ranks[dp_rank],
+                                 arg_mbs=[(token_ids(mb),) for mb in mbs],          # first stage's inputs
+                                 kwarg_mbs=[{"position_ids": pos(mb)} for mb in mbs],  # given to every stage
+                                 target_mbs=[(labels(mb), step_plan.loss_tokens) for mb in mbs], losses=[])
+        # DP all-reduce of gradients (DDP/FSDP around chunk_module, or by hand), then optimizer.step()
 
 Every attention layer of a stage module calls `current_slice_context().attention(q, k, v)` (the context of the
-micro-batch the stage is running); activations between stages are token-major (`[tokens, ...]`, or the token
-dimension given by `token_dim`), so each micro-batch's own token count sets the shapes.
+micro-batch the stage is running); activations between stages are token-major (`[tokens, ...]` as Megatron's
+`[s, b, h]`, or the token dimension given by `token_dim`), so each micro-batch's own token count sets the
+shapes. tests/pipeline_model.py is a complete small example (a Llama-like model split into stage modules).
 
 What runs, and why it matches the simulator:
 

@@ -55,6 +55,8 @@ _EXPORTS: dict[str, str] = {
     "cp_attention": "packloader.runtime.cp_attention",
     "require_no_slices": "packloader.runtime.slices",
     "SliceExecutor": "packloader.runtime.slices",
+    "SlicedPipelineStage": "packloader.runtime.pipeline",
+    "PlanPipelineSchedule": "packloader.runtime.pipeline",
     "build_report": "packloader.report.build",
     "ReportOptions": "packloader.report.build",
 }

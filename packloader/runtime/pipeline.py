@@ -1,0 +1,590 @@
+"""Sliced plans inside pipeline stages: a `torch.distributed.pipelining` schedule that runs a packloader step
+plan, slices (SlimPack) and DP-Merge micro-batches included.
+
+Entry point (this process is pipeline rank `pp_rank` of DP rank `dp_rank`; one stage per model chunk it holds):
+
+    stages = [SlicedPipelineStage(chunk_module, stage_index=c * pp + pp_rank, num_stages=pp * vpp, device=dev,
+                                  input_example=..., output_example=..., group=pipeline_group)
+              for c, chunk_module in enumerate(my_chunks)]
+    sched = PlanPipelineSchedule(stages, loss_fn, schedule="1f1b")     # "interleaved" when vpp > 1
+    for step_plan in plans:                                            # every rank holds the whole StepPlan
+        mbs = step_plan.ranks[dp_rank].micro_batches
+        losses = sched.step_plan(step_plan.ranks[dp_rank],
+                                 arg_mbs=[(token_ids(mb),) for mb in mbs],          # first stage's inputs
+                                 kwarg_mbs=[{"position_ids": pos(mb)} for mb in mbs],  # given to every stage
+                                 target_mbs=[(labels(mb), step_plan.loss_tokens) for mb in mbs], losses=[])
+        # DP all-reduce of gradients (DDP/FSDP around chunk_module, or by hand), then optimizer.step()
+
+Every attention layer of a stage module calls `current_slice_context().attention(q, k, v)` (the context of the
+micro-batch the stage is running); activations between stages are token-major (`[tokens, ...]` as Megatron's
+`[s, b, h]`, or the token dimension given by `token_dim`), so each micro-batch's own token count sets the
+shapes. tests/pipeline_model.py is a complete small example (a Llama-like model split into stage modules).
+
+What runs, and why it matches the simulator:
+
+* The action lists are the simulator's (`balancers.simulator.build_ops`, the order `SimResult.order(rank)`
+  scores), turned into the engine's `_Action`s (virtual stage c*pp + s on rank s, the engine's loop mapping)
+  and lowered with the engine's own `_add_send_recv`. Forwards go in micro-batch order; backwards in the plan's
+  `backward_order` or the simulator's default (a sliced document's micro-batches last slice first), so on every
+  stage the backward of a later slice runs before that of the slice whose keys it read.
+* Slices: each stage has a KV cache (`SliceKVCache`, keyed by layer, document and token range). A micro-batch
+  whose segment a later micro-batch of this step reads stores that segment's keys/values at each layer as
+  views of the tensors its own forward holds anyway (no copy: they live until its backward, as the activations
+  do). A later slice reads them as autograd leaves; the gradient that reaches a leaf is added to the entry's
+  accumulator (a post-accumulate hook), and when the earlier micro-batch's backward runs, an identity autograd
+  node on its keys/values adds the accumulated gradient. The entries of a micro-batch, accumulators included,
+  are freed when its backward ends; the last of them when the document's first slice (its last backward) ends.
+  There is no recomputation (unlike `SliceExecutor`, which has no pipeline to keep activations in flight).
+* DP-Merge micro-batches (no slices in them) run their attention through `groups.dp_merge_attention`: this rank
+  feeds the rows of its CP shard (`groups.dp_merge_shard(mb, dp_rank=..., rank_map=...)`: `token_index` into the
+  packed micro-batch, `position_ids`); the group's stage-s ranks must run the shared micro-batches in the same
+  order, which `step_plan` checks on the whole StepPlan when it is given one.
+
+What the engine could not express, and what was added at its seams (subclasses, no engine of our own):
+
+* Variable shapes: `PipelineStage` allocates one receive buffer per micro-batch from one static shape. The
+  stage here is built in static mode with one example per input/output (any token count) and, before each
+  step, resizes every micro-batch's activation and gradient receive buffers to that micro-batch's tokens
+  (`SlicedPipelineStage.size_buffers`). The number of micro-batches may change from step to step.
+* The slice context: `forward_one_chunk` is wrapped so the micro-batch's `SliceContext` is active while the
+  stage module runs, and `backward_one_chunk` so the cache entries are dropped after the micro-batch's backward
+  (and the order checked: a micro-batch whose keys a later one read must not run backward first).
+* The schedule: `_PipelineScheduleRuntime` with the simulator's compute actions loaded through
+  `_prepare_schedule_with_comms` (the engine's custom-schedule path, as its CSV loader uses); the step takes
+  pre-split micro-batches (`arg_mbs`, `kwarg_mbs`, `target_mbs`), since the engine's splitter cuts a batch into
+  equal chunks. Gradients are not rescaled (`scale_grads=False`): the loss function scales, as packloader's
+  losses are normalised by the step's loss tokens.
+
+Full backward only (no split input/weight backward, zero-bubble schedules are out of scope); the key/value
+gradient of a sliced document crosses micro-batches on the same stage only, so no extra communication.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    FORWARD,
+    FULL_BACKWARD,
+    _Action,
+    _PipelineScheduleRuntime,
+)
+
+from packloader.balancers.simulator import (
+    SCHEDULES,
+    build_ops,
+    check_backward_order,
+    default_backward_order,
+    slice_edges_of,
+)
+from packloader.contracts import MicroBatch, RankPlan, Segment, StepPlan
+from packloader.runtime.slices import SliceContext, SliceKVCache, SlicesNotSupported, _Entry, analyse_chain
+
+__all__ = [
+    "simulated_actions",
+    "rank_backward_order",
+    "SlicedPipelineStage",
+    "PlanPipelineSchedule",
+    "PipelineSliceContext",
+    "CarriedKVCache",
+    "KVSample",
+]
+
+
+# ----------------------------------------------------------------------------------------------- actions
+
+
+def rank_backward_order(micro_batches: Sequence[MicroBatch], backward_order: Sequence[int] | None = None) -> np.ndarray:
+    """The backward order of a rank's micro-batches: the plan's (checked against the slice edges) or the
+    simulator's default (a sliced document's micro-batches last slice first)."""
+    m = len(micro_batches)
+    edges, _ = slice_edges_of(micro_batches)
+    order = default_backward_order(m, edges) if backward_order is None else np.asarray(backward_order, dtype=np.int64)
+    check_backward_order(order, m, edges)
+    return order
+
+
+def simulated_actions(micro_batches: Sequence[MicroBatch], pp: int, *, vpp: int = 1, schedule: str = "1f1b",
+                      backward_order: Sequence[int] | None = None) -> dict[int, list[_Action]]:
+    """Per pipeline rank, the compute actions (forward / full backward per stage and micro-batch) in the order
+    the simulator scores (`simulator.build_ops`): stage c*pp + s of model chunk c runs on rank s."""
+    kind = SCHEDULES.get(schedule)
+    if kind is None:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
+    if vpp > 1 and schedule != "interleaved":
+        raise ValueError(f"vpp={vpp} needs schedule='interleaved'")
+    if schedule == "interleaved" and vpp > 1 and len(micro_batches) % pp:
+        raise ValueError(f"interleaved 1F1B needs the micro-batch count to be a multiple of pp "
+                         f"({len(micro_batches)} % {pp} != 0), as Megatron does")
+    m = len(micro_batches)
+    order = rank_backward_order(micro_batches, backward_order)
+    ops = build_ops(pp, vpp, m, kind, order)
+    out: dict[int, list[_Action]] = {}
+    for s in range(pp):
+        acts = []
+        for t in ops[s]:
+            vu, isb = divmod(int(t), 2)
+            vs, u = divmod(vu, m)
+            acts.append(_Action(vs, FULL_BACKWARD if isb else FORWARD, u))
+        out[s] = acts
+    return out
+
+
+def _order_of(actions: Iterable[_Action], pp: int) -> list[tuple[str, int, int]]:
+    return [("B" if a.computation_type == FULL_BACKWARD else "F", int(a.microbatch_index), a.stage_index // pp)
+            for a in actions]
+
+
+# --------------------------------------------------------------------------------------------- KV carry
+
+
+class CarriedKVCache(SliceKVCache):
+    """A stage's keys/values of earlier slices. Stored as views of the storing micro-batch's own key/value
+    tensors, which its forward keeps alive until its backward anyway; only the gradient accumulators are new
+    memory. `kv_nbytes`/`grad_nbytes` split what `nbytes` counts."""
+
+    def put(self, layer: Hashable, doc: int, start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> _Entry:
+        entries = self._store.setdefault((layer, doc), [])
+        for e in entries:
+            if e.start < end and start < e.end:
+                raise ValueError(f"KV cache already holds tokens {e.start}..{e.end - 1} of document {doc} at layer "
+                                 f"{layer!r}; cannot store {start}..{end - 1} again")
+        e = _Entry(start, end, k.detach(), v.detach())
+        entries.append(e)
+        entries.sort(key=lambda x: x.start)
+        return e
+
+    def kv_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for es in self._store.values() for e in es for t in (e.k, e.v))
+
+    def grad_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for es in self._store.values() for e in es for t in (e.gk, e.gv)
+                   if t is not None)
+
+
+class _AddCarriedGrad(torch.autograd.Function):
+    """Identity on a micro-batch's keys and values; its backward adds the gradients later slices accumulated
+    for the rows they read (complete by then: the readers' backwards ran first)."""
+
+    @staticmethod
+    def forward(ctx, k, v, spans):  # noqa: D401 - autograd API
+        ctx.spans = spans
+        return k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, gk, gv):
+        spans = ctx.spans
+        if any(e.gk is not None for _, _, e in spans):
+            gk = gk.clone()
+            for lo, hi, e in spans:
+                if e.gk is not None:
+                    gk[lo:hi] += e.gk.to(gk.dtype)
+        if any(e.gv is not None for _, _, e in spans):
+            gv = gv.clone()
+            for lo, hi, e in spans:
+                if e.gv is not None:
+                    gv[lo:hi] += e.gv.to(gv.dtype)
+        return gk, gv, None
+
+
+class PipelineSliceContext(SliceContext):
+    """The SliceContext of one micro-batch on one pipeline stage: stores the segments later micro-batches read
+    (views, with a gradient tap), reads cached prefixes as leaves whose gradients go to the cache."""
+
+    def __init__(self, segments: Sequence[Segment], cache: CarriedKVCache, *, store: Iterable[int] = (), **opts: Any):
+        super().__init__(segments, cache, track_prefix=True, **opts)
+        self._carry = frozenset(store)
+
+    def _cached(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
+        if not torch.is_grad_enabled():
+            return e.k, e.v
+        got = self._leaves.get(id(e))
+        if got is None:
+            kl, vl = e.k.detach().requires_grad_(), e.v.detach().requires_grad_()
+            kl.register_post_accumulate_grad_hook(lambda t, e=e: _hand_over(t, e, True))
+            vl.register_post_accumulate_grad_hook(lambda t, e=e: _hand_over(t, e, False))
+            got = self._leaves[id(e)] = (e, kl, vl)
+        return got[1], got[2]
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Hashable | None = None,
+                  **kwargs: Any) -> torch.Tensor:
+        if layer is None:
+            layer = self._calls
+        if self.num_tokens == 0 and q.shape[0] == 0:  # an empty micro-batch (a planner's padding): keep the graph
+            self._calls += 1
+            return q.new_zeros((0, q.shape[1], v.shape[-1])) + 0 * (q.sum() + k.sum() + v.sum())
+        if self._carry:
+            spans = []
+            for i in sorted(self._carry):
+                s = self.segments[i]
+                lo, hi = int(self._offsets[i]), int(self._offsets[i + 1])
+                e = self.cache.put(layer, s.doc, s.start, s.end, k[lo:hi], v[lo:hi])
+                spans.append((lo, hi, e))
+            if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+                k, v = _AddCarriedGrad.apply(k, v, spans)
+        return super().attention(q, k, v, layer, **kwargs)
+
+
+def _hand_over(t: torch.Tensor, e: _Entry, is_k: bool) -> None:
+    if t.grad is not None:
+        e.add_grad(t.grad, None) if is_k else e.add_grad(None, t.grad)
+        t.grad = None
+
+
+class _MergedContext:
+    """Attention of a DP-Merge micro-batch: this rank's CP shard, over the micro-batch's group."""
+
+    def __init__(self, mb: MicroBatch, shard: Any, attend: Callable[..., torch.Tensor], opts: dict) -> None:
+        self.segments = list(mb.segments)
+        self.shard = shard
+        self._attend = attend
+        self._opts = {k: v for k, v in opts.items() if v is not None}
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shard.num_tokens
+
+    def attention(self, q, k, v, layer=None, **kwargs):
+        opts = dict(self._opts)
+        opts.update(kwargs)
+        return self._attend(q, k, v, **opts)
+
+    __call__ = attention
+
+    def active(self):
+        return SliceContext.active(self)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------ stage
+
+
+@dataclass
+class KVSample:
+    """Bytes a stage's KV cache holds right after one of its compute actions."""
+
+    action: tuple[str, int, int]  # ("F" or "B", micro-batch, model chunk)
+    kv_bytes: int  # carried keys/values (views of tensors the forward holds anyway)
+    grad_bytes: int  # their gradient accumulators
+
+
+@dataclass
+class _StepInfo:
+    micro_batches: list[MicroBatch]
+    tokens: list[int]
+    kept: list[frozenset[int]]
+    readers: dict[int, set[int]]  # micro-batch -> later micro-batches that read its keys
+    shards: dict[int, Any] = field(default_factory=dict)
+
+
+class SlicedPipelineStage(PipelineStage):
+    """A `PipelineStage` that runs packloader micro-batches: variable token counts per micro-batch, the slice
+    KV carry of its own layers, and the micro-batch's attention context active while its module runs.
+
+    `input_example` / `output_example`: one tensor (or tuple) per stage input/output with the right dtype and
+    trailing dimensions; their token dimension (`token_dim`) is replaced by each micro-batch's token count.
+    The first stage's inputs are the caller's (`arg_mbs`), so its `input_example` only fixes their number.
+    Attention options (causal, window, softmax_scale, backend) go to every micro-batch's context.
+    """
+
+    def __init__(self, submodule: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device | str, *,
+                 input_example: torch.Tensor | tuple[torch.Tensor, ...],
+                 output_example: torch.Tensor | tuple[torch.Tensor, ...],
+                 group: dist.ProcessGroup | None = None, token_dim: int = 0, causal: bool = True,
+                 window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+                 backend: str | None = None) -> None:
+        dev = torch.device(device)
+        ins = input_example if isinstance(input_example, tuple) else (input_example,)
+        outs = output_example if isinstance(output_example, tuple) else (output_example,)
+        if stage_index > 0:  # received activations are leaves that need gradients; outputs send gradients back
+            ins = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in ins)
+        outs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outs)
+        super().__init__(submodule, stage_index, num_stages, dev, input_args=ins, output_args=outs, group=group)
+        self._in_examples = ins
+        self._out_examples = outs
+        self.token_dim = token_dim
+        self.attention_options = dict(causal=causal, window=window, softmax_scale=softmax_scale, backend=backend)
+        self.cache = CarriedKVCache()
+        self.chunk = 0  # model chunk (set by the schedule: stage_index // pp)
+        self.kv_trace: list[KVSample] = []
+        self.order: list[tuple[str, int, int]] | None = None  # the rank's executed order (shared by its stages)
+        self._step: _StepInfo | None = None
+        self._contexts: dict[int, Any] = {}
+        self._backwarded: set[int] = set()
+        self._dp_merge: Callable[[MicroBatch, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    # -- per step --------------------------------------------------------------------------------------
+
+    def _shape(self, t: torch.Tensor, n: int) -> tuple[int, ...]:
+        shape = list(t.shape)
+        if not shape:
+            raise ValueError(f"stage {self.stage_index}: a 0-d example tensor has no token dimension")
+        shape[self.token_dim] = n
+        return tuple(shape)
+
+    def size_buffers(self, tokens: Sequence[int]) -> None:
+        """Give micro-batch j's activation and gradient receive buffers tokens[j] tokens (called per step,
+        after the engine has built its buffers from the examples)."""
+        m = len(tokens)
+        self.chunks = m
+        if self.args_recv_info:
+            proto = self.args_recv_info[0]
+            for j in range(m):
+                infos = self.args_recv_info.get(j) or tuple(copy.copy(i) for i in proto)
+                if len(infos) != len(self._in_examples):
+                    raise RuntimeError(f"stage {self.stage_index}: {len(infos)} receive infos for "
+                                       f"{len(self._in_examples)} input examples")
+                for info, ex in zip(infos, self._in_examples):
+                    if not info.is_root_arg:
+                        info.buffer = torch.empty(self._shape(ex, tokens[j]), dtype=ex.dtype, device=self.device)
+                self.args_recv_info[j] = infos
+            for j in [j for j in self.args_recv_info if j >= m]:
+                del self.args_recv_info[j]
+        if self.has_backward and not self.is_last and self.grad_recv_info:
+            proto = self.grad_recv_info[0]
+            for j in range(m):
+                infos = self.grad_recv_info.get(j) or tuple(copy.copy(i) for i in proto)
+                for info, ex in zip(infos, self._out_examples):
+                    if info.buffer is not None:
+                        info.buffer = torch.empty(self._shape(ex, tokens[j]), dtype=ex.dtype, device=self.device)
+                self.grad_recv_info[j] = infos
+            for j in [j for j in self.grad_recv_info if j >= m]:
+                del self.grad_recv_info[j]
+
+    def begin_step(self, info: _StepInfo) -> None:
+        if len(self.cache):
+            raise RuntimeError(f"stage {self.stage_index}: the KV cache still holds {len(self.cache)} entries from "
+                               f"the previous step")
+        self._step = info
+        self._contexts.clear()
+        self._backwarded.clear()
+        self.kv_trace = []
+
+    def _context(self, j: int):
+        ctx = self._contexts.get(j)
+        if ctx is None:
+            st = self._step
+            if st is None:
+                raise RuntimeError("SlicedPipelineStage runs under PlanPipelineSchedule.step_plan, which sets the "
+                                   "step's micro-batches")
+            mb = st.micro_batches[j]
+            if j in st.shards:
+                attend = self._dp_merge
+                shard = st.shards[j]
+
+                def merged(q, k, v, mb=mb, shard=shard, **kw):
+                    return attend(mb, q, k, v, shard=shard, **kw)
+
+                ctx = _MergedContext(mb, shard, merged, self.attention_options)
+            else:
+                ctx = PipelineSliceContext(mb.segments, self.cache, store=st.kept[j], **self.attention_options)
+            self._contexts[j] = ctx
+        return ctx
+
+    def _sample(self, kind: str, j: int) -> None:
+        self.kv_trace.append(KVSample((kind, j, self.chunk), self.cache.kv_nbytes(), self.cache.grad_nbytes()))
+        if self.order is not None:
+            self.order.append((kind, j, self.chunk))
+
+    # -- the engine's calls ----------------------------------------------------------------------------
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                          save_forward_output: bool = True):
+        ctx = self._context(fwd_chunk_id)
+        with SliceContext.active(ctx):  # type: ignore[arg-type]
+            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if isinstance(ctx, PipelineSliceContext) and ctx._calls == 0 and self._step.kept[fwd_chunk_id]:
+            raise RuntimeError(f"stage {self.stage_index}: micro-batch {fwd_chunk_id} holds keys later slices read, "
+                               f"but the stage module never called current_slice_context().attention")
+        self._sample("F", fwd_chunk_id)
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        if not full_backward:
+            raise NotImplementedError("SlicedPipelineStage runs full backwards only (no split input/weight backward)")
+        st = self._step
+        if st is not None:
+            missing = st.readers.get(bwd_chunk_id, set()) - self._backwarded
+            if missing:
+                raise RuntimeError(
+                    f"stage {self.stage_index}: backward of micro-batch {bwd_chunk_id} before that of micro-batch(es) "
+                    f"{sorted(missing)}, which read its keys: their key/value gradients are not ready (a sliced "
+                    f"document's micro-batches go backward last slice first)")
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
+        self._backwarded.add(bwd_chunk_id)
+        ctx = self._contexts.pop(bwd_chunk_id, None)
+        if st is not None and isinstance(ctx, PipelineSliceContext):
+            ctx._leaves.clear()
+            for i in st.kept[bwd_chunk_id]:
+                s = st.micro_batches[bwd_chunk_id].segments[i]
+                self.cache.drop(s.doc, s.start, s.end)
+        self._sample("B", bwd_chunk_id)
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+
+
+def _tokens_and_shards(mbs: Sequence[MicroBatch], dp_rank: int | None, rank_map: Sequence[int] | None):
+    from packloader.runtime.groups import dp_merge_shard
+
+    tokens, shards = [], {}
+    for j, mb in enumerate(mbs):
+        if mb.dp_group and len(mb.dp_group) > 1:
+            sliced = [s for s in mb.segments if s.attend_from < s.start]
+            if sliced:
+                raise SlicesNotSupported(
+                    f"micro-batch {j} is a DP-Merge micro-batch (dp_group {list(mb.dp_group)}) holding a slice of "
+                    f"document {sliced[0].doc}: context-parallel attention over a KV cache is not supported; plan "
+                    f"with allow_slicing=False for DP-Merge")
+            if dp_rank is None:
+                raise ValueError(f"micro-batch {j} is a DP-Merge micro-batch (dp_group {list(mb.dp_group)}): "
+                                 f"step_plan needs dp_rank (and the groups, prepared with prepare_dp_merge_groups)")
+            shards[j] = dp_merge_shard(mb, dp_rank=dp_rank, rank_map=rank_map)
+            tokens.append(shards[j].num_tokens)
+        else:
+            tokens.append(mb.num_tokens)
+    return tokens, shards
+
+
+class PlanPipelineSchedule(_PipelineScheduleRuntime):
+    """Runs one DP rank's micro-batches of a packloader plan through its pipeline, in the simulator's order.
+
+    `stages`: this pipeline rank's SlicedPipelineStages (one per model chunk: stage c*pp + rank). `loss_fn
+    (output, target)` runs on the last stage per micro-batch and should return the micro-batch's loss already
+    scaled as the step wants it summed (e.g. token loss sum / the step's loss tokens); gradients accumulate into
+    `.grad` unscaled. `schedule`: "1f1b", "gpipe" or "interleaved" (then vpp = stages per rank).
+    For DP-Merge micro-batches give `dp_rank`, `rank_map` (DP rank -> global rank of this pipeline stage; see
+    groups.py) and `groups` (a ProcessGroupCache prepared on every rank).
+    """
+
+    def __init__(self, stages: Sequence[SlicedPipelineStage], loss_fn: Callable[..., torch.Tensor], *,
+                 schedule: str = "1f1b", dp_rank: int | None = None, rank_map: Sequence[int] | None = None,
+                 groups: Any = None) -> None:
+        stages = list(stages)
+        if not stages or not all(isinstance(s, SlicedPipelineStage) for s in stages):
+            raise TypeError("PlanPipelineSchedule needs this rank's SlicedPipelineStage objects")
+        if loss_fn is None:  # a forward-only pass would never free the carried KV (backwards free it)
+            raise TypeError("PlanPipelineSchedule trains: it needs a loss_fn(output, target)")
+        super().__init__(stages, 1, loss_fn=loss_fn, scale_grads=False)
+        self.pp = self.pp_group_size
+        self.vpp = len(stages)
+        if self._num_stages != self.pp * self.vpp:
+            raise ValueError(f"{self._num_stages} stages over {self.pp} pipeline ranks with {self.vpp} stage(s) on "
+                             f"this rank: every rank must hold num_stages / pp stages")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
+        if self.vpp > 1 and schedule != "interleaved":
+            raise ValueError(f"{self.vpp} stages per rank need schedule='interleaved'")
+        self.schedule = schedule
+        self.dp_rank, self.rank_map, self.groups = dp_rank, rank_map, groups
+        self.order: list[tuple[str, int, int]] = []
+        for st in stages:
+            st.chunk = st.stage_index // self.pp
+            st.order = self.order
+            st._dp_merge = self._dp_merge_attention
+        self._actions: dict[int, list[_Action]] = {}
+
+    def _dp_merge_attention(self, mb: MicroBatch, q, k, v, *, shard=None, **opts):
+        from packloader.runtime.groups import dp_merge_attention
+
+        return dp_merge_attention(q, k, v, mb, dp_rank=self.dp_rank, shard=shard, rank_map=self.rank_map,
+                                  groups=self.groups, **opts)
+
+    def actions(self, rank: int | None = None) -> list[_Action]:
+        """The compute actions of the last step on pipeline rank `rank` (default: this one)."""
+        return list(self._actions[self.rank if rank is None else rank])
+
+    def step_plan(self, rank_plan: RankPlan | Sequence[MicroBatch], *, arg_mbs: list | None = None,
+                  kwarg_mbs: list | None = None, target_mbs: list | None = None, losses: list | None = None,
+                  step_plan: StepPlan | None = None, return_outputs: bool = False) -> list | None:
+        """Run one step of this DP rank's micro-batches (forward and backward of every stage this rank holds).
+
+        `arg_mbs[j]`: the first stage's positional inputs of micro-batch j (e.g. `(token_ids,)`); `kwarg_mbs[j]`
+        keyword inputs passed to every stage's module (e.g. position ids); `target_mbs[j]`: the last stage's
+        loss target. Returns the per-micro-batch losses on the last stage (else None). `step_plan`, when given,
+        is checked for DP-Merge order consistency across the groups' members."""
+        if isinstance(rank_plan, RankPlan):
+            mbs, bo = list(rank_plan.micro_batches), rank_plan.backward_order
+        else:
+            mbs, bo = list(rank_plan), None
+        m = len(mbs)
+        if m == 0:
+            raise ValueError("a step needs at least one micro-batch on this rank")
+        kept = analyse_chain(mbs, rank=self.dp_rank)
+        readers: dict[int, set[int]] = {}
+        edges, _ = slice_edges_of(mbs)
+        for a, b in edges:
+            readers.setdefault(int(a), set()).add(int(b))
+        # prefixes further back than the previous slice: every earlier micro-batch a slice reads
+        for u, mb in enumerate(mbs):
+            for s in mb.segments:
+                if s.attend_from < s.start:
+                    for j in range(u):
+                        if any(t.doc == s.doc and t.start < s.start and t.end > s.attend_from for t in mbs[j].segments):
+                            readers.setdefault(j, set()).add(u)
+        tokens, shards = _tokens_and_shards(mbs, self.dp_rank, self.rank_map)
+        if step_plan is not None:
+            check_dp_merge_order(step_plan, self.pp, vpp=self.vpp, schedule=self.schedule)
+        actions = simulated_actions(mbs, self.pp, vpp=self.vpp, schedule=self.schedule, backward_order=bo)
+        self._n_microbatches = m
+        self._actions = {r: list(a) for r, a in actions.items()}
+        self._prepare_schedule_with_comms({r: list(a) for r, a in actions.items()})
+        info = _StepInfo(mbs, tokens, kept, readers, shards)
+        if arg_mbs is None:
+            arg_mbs = [()] * m
+        if kwarg_mbs is None:
+            kwarg_mbs = [{}] * m
+        # the engine builds its buffers from the examples on the first step; then every step resizes them
+        for st in self._stages:
+            st.has_backward = self._has_backward
+        self._initialize_stages(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs else None)
+        for st in self._stages:
+            st.begin_step(info)
+            st.size_buffers(tokens)
+        self.order.clear()
+        out = self.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses,
+                        return_outputs=return_outputs)
+        for st in self._stages:
+            if len(st.cache):
+                raise RuntimeError(f"stage {st.stage_index}: {len(st.cache)} KV cache entries left after the step")
+        if any(st.is_last for st in self._stages) and losses is not None:
+            return losses
+        return out
+
+
+def check_dp_merge_order(plan: StepPlan, pp: int, *, vpp: int = 1, schedule: str = "1f1b") -> None:
+    """Every DP-Merge group's members must run their shared micro-batches in the same order on each pipeline
+    rank (the attention collectives pair up in that order); raise naming the group and the orders if not."""
+    shared: dict[tuple[int, ...], dict[int, list[int]]] = {}
+    for r, rp in enumerate(plan.ranks):
+        for j, mb in enumerate(rp.micro_batches):
+            if mb.dp_group and len(mb.dp_group) > 1:
+                shared.setdefault(tuple(sorted(mb.dp_group)), {}).setdefault(r, []).append(j)
+    if not shared:
+        return
+    orders = {r: simulated_actions(rp.micro_batches, pp, vpp=vpp, schedule=schedule,
+                                   backward_order=rp.backward_order) for r, rp in enumerate(plan.ranks)
+              if any(r in g for g in shared)}
+    for g, per_rank in shared.items():
+        seqs = {}
+        for r in g:
+            mbs = plan.ranks[r].micro_batches
+            mine = set(per_rank.get(r, []))  # identified by their segments: positions may differ
+            for s in range(pp):
+                seqs.setdefault(s, {})[r] = [
+                    (a.computation_type.value, a.stage_index,
+                     tuple((x.doc, x.start, x.end, x.attend_from) for x in mbs[a.microbatch_index].segments))
+                    for a in orders[r][s] if a.microbatch_index in mine]
+        for s, by_rank in seqs.items():
+            first = by_rank[g[0]]
+            for r in g[1:]:
+                if by_rank[r] != first:
+                    raise ValueError(
+                        f"step {plan.step}: DP-Merge group {list(g)} runs its shared micro-batches in different orders "
+                        f"on pipeline rank {s} (at positions {per_rank.get(g[0])} of DP rank {g[0]}'s list and "
+                        f"{per_rank.get(r)} of DP rank {r}'s); their attention collectives would not pair up")

@@ -23,13 +23,13 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 # Kill points as fractions of the epoch's rounds (a round: one item from every rank), or -1 for the last round.
-# Saves every third round and at a few more points, never at the last round: a state saved after the pass's last
-# micro-batch resumes into a second epoch (benchmarks/kill.py covers that case and reports it).
+# Saves every third round, at a few more points and at the last round: a state saved after the pass's last
+# micro-batch resumes into that ended pass (no second epoch), and the LATE kill at the last round resumes from it.
 EARLY = [{"at": 1, "phase": "log"}, {"at": 0.3, "phase": "save"}, {"at": 0.55, "phase": "saved"},
          {"at": 0.8, "phase": "log"}]
 LATE = [{"at": 0.2, "phase": "saved"}, {"at": 0.45, "phase": "log"}, {"at": 0.7, "phase": "save"},
-        {"at": -1, "phase": "log"}]
-SAVES = [0.3, 0.55, 0.7] + [k / 30 for k in range(1, 29, 3)]
+        {"at": -1, "phase": "log"}, {"at": -1, "phase": "saved"}]
+SAVES = [0.3, 0.55, 0.7, -1] + [k / 30 for k in range(1, 29, 3)]
 
 
 def case(fork=True, kills=(EARLY,), **config) -> dict:

@@ -162,5 +162,11 @@ def cp_attention(
     else:
         k_sel = all_gather_kv(k, shard.max_local, group).index_select(0, rows)
         v_sel = all_gather_kv(v, shard.max_local, group).index_select(0, rows)
-    return varlen_attention(q, k_sel, v_sel, cu_q, cu_k, shard.max_seqlen_q, max_k, causal=causal, window=window,
-                            softmax_scale=softmax_scale, return_lse=return_lse, backend=backend)
+    res = varlen_attention(q, k_sel, v_sel, cu_q, cu_k, shard.max_seqlen_q, max_k, causal=causal, window=window,
+                           softmax_scale=softmax_scale, return_lse=return_lse, backend=backend)
+    if world > 1 and n == 0:
+        # a rank that owns no token of this micro-batch must still run the gathers' backward (the other ranks
+        # wait on it): tie its empty output to the gathered keys and values with a zero
+        anchor = k_sel.sum() * 0 + v_sel.sum() * 0
+        res = (res[0] + anchor, res[1]) if return_lse else res + anchor
+    return res

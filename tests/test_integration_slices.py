@@ -113,3 +113,135 @@ def test_hf_batch_alone_still_refuses_slices():
     b = next(b for b in first_step(sliced_loader(corpus(), epochs=1)) if any(s.attend_from < s.start for s in b.segments))
     with pytest.raises(ValueError, match="allow_slicing=False"):
         phf.hf_batch(b)
+
+
+# ------------------------------------------------------------------------------------------------ Megatron
+
+
+def _dense_core_attention_cls():
+    """The reference's core attention: causal softmax attention of one whole document by an explicit mask."""
+
+    class Dense(torch.nn.Module):
+        def __init__(self, config, layer_number, *a, softmax_scale=None, **k):
+            super().__init__()
+            self.scale = (config.hidden_size // config.num_attention_heads) ** -0.5
+
+        def forward(self, q, k, v, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, **kw):
+            q, k, v = (t.squeeze(1) if t.dim() == 4 else t for t in (q, k, v))
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            n = q.shape[0]
+            s = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v).reshape(n, -1)
+
+    return Dense
+
+
+def _rank_megatron_sliced(rank, world):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from packloader_integrations import megatron as pm
+
+    ps.initialize_model_parallel(1, 1)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=64, use_cpu_initialization=True, calculate_per_token_loss=True,
+                            hidden_dropout=0.0, attention_dropout=0.0)
+
+    def gpt(core):
+        spec = get_gpt_layer_local_spec()
+        spec.submodules.self_attention.submodules.core_attention = core
+        torch.manual_seed(0)
+        # position embeddings read position_ids (Megatron's THD RoPE restarts each segment at 0: see the adapter)
+        return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=512,
+                        position_embedding_type="learned_absolute").double()
+
+    model, ref = gpt(pm.PackloaderCoreAttention), gpt(_dense_core_attention_cls())
+    ref.load_state_dict(model.state_dict())
+    docs = corpus()
+
+    # reference: every document whole, on its own; the summed token loss and its gradients
+    ref_loss = 0.0
+    for d in docs:
+        x = torch.from_numpy(d).long().unsqueeze(0)
+        n = x.shape[1]
+        cu = torch.tensor([0, n], dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+        labels = torch.cat([x[:, 1:], torch.zeros(1, 1, dtype=torch.long)], 1)
+        per_tok = ref(x, torch.arange(n).unsqueeze(0), None, labels=labels, packed_seq_params=params)
+        loss = per_tok[0, :-1].sum()
+        loss.backward()
+        ref_loss += float(loss.detach())
+    ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
+
+    it = pm.MegatronDataIterator(sliced_loader(docs, epochs=1), num_microbatches=MB, slices=True)
+    store = pm.sliced_forward_backward(forward_step_func=pm.forward_step, data_iterator=it, model=model,
+                                       num_microbatches=MB, seq_length=0, micro_batch_size=1)
+    got_loss = sum(float(r["lm loss"][0]) for r in store)
+    got_tokens = sum(int(r["lm loss"][1]) for r in store)
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    sliced = any(s.attend_from < s.start for b in sliced_loader(docs, epochs=1) for s in b.segments)
+    return ref_loss, got_loss, got_tokens, {k: g.numpy() for k, g in ref_grads.items()}, \
+        {k: g.numpy() for k, g in grads.items()}, sliced
+
+
+def test_megatron_sliced_forward_backward_equals_whole_documents():
+    """Megatron-core's GPTModel (local layer spec, CPU, float64) on a sliced slimpack step through
+    sliced_forward_backward, megatron's forward_step_calc_loss included: summed loss, token count and every
+    parameter gradient equal the same model run on each whole document with dense causal attention."""
+    pytest.importorskip("megatron.core")
+    from distributed import run_ranks
+
+    ref_loss, loss, tokens, ref_grads, grads, sliced = run_ranks(_rank_megatron_sliced, 1)[0]
+    assert sliced
+    assert tokens == sum(n - 1 for n in LENGTHS)
+    # the model runs in float64, the adapter's loss_func sums in float32 (as Megatron's pretrain_gpt does)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert set(grads) == set(ref_grads)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(torch.from_numpy(grads[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)
+
+
+def test_megatron_refuses_slices_at_pp_above_1_and_without_the_sliced_schedule():
+    pytest.importorskip("megatron.core")
+    from packloader_integrations import megatron as pm
+
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2.*allow_slicing=False"):
+        pm.MegatronDataIterator(sliced_loader(corpus(), epochs=1), slices=True, pipeline_parallel_size=2)
+    it = pm.MegatronDataIterator(sliced_loader(corpus(), epochs=1), pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2.*step 0, micro-batch \d: document \d+.*"
+                                         r"allow_slicing=False"):
+        for _ in range(MB):
+            next(it)
+    it = pm.MegatronDataIterator(sliced_loader(corpus(), epochs=1))
+    with pytest.raises(ValueError, match=r"slices=True.*sliced_forward_backward.*allow_slicing=False"):
+        for _ in range(MB):
+            next(it)
+
+
+# ------------------------------------------------------------------------------------------------ DeepSpeed
+
+
+def test_deepspeed_refuses_sliced_batches_naming_the_setting_and_the_alternative():
+    """DeepSpeed's engine loop, pipeline engine and Ulysses run each micro-batch on its own: a sliced batch is
+    refused with the step, micro-batch and document, PlanConfig(allow_slicing=False) and the trainers that do run
+    slices."""
+    from packloader.runtime.slices import SlicesNotSupported
+    from packloader_integrations import deepspeed as pds
+
+    step0 = first_step(sliced_loader(corpus(), epochs=1))
+    b = next(b for b in step0 if any(s.attend_from < s.start for s in b.segments))
+    doc = next(s.doc for s in b.segments if s.attend_from < s.start)
+    expected = (rf"step 0, micro-batch {b.index_in_step} holds a slice of document {doc} .*"
+                r"PlanConfig\(allow_slicing=False\).*PackedTrainer.*sliced_forward_backward")
+    for call in (lambda: pds.deepspeed_batch(b), lambda: pds.ulysses_batch(b, 2, 0),
+                 lambda: pds.ulysses_hf_batch(b, 2),
+                 lambda: next(pds.PipelineBatches(iter([b]), gradient_accumulation_steps=b.micro_batches_in_step,
+                                                  dp_world_size=1))):
+        with pytest.raises(SlicesNotSupported, match=expected):
+            call()

@@ -107,11 +107,13 @@ def packloader_attention_forward(module, query, key, value, attention_mask, scal
     ``key/value [1, Hkv, T, D]`` -> ``([1, T, H, D], None)``. Segments from ``cu_seq_lens_q/k`` when given, else from
     ``position_ids`` (a new segment wherever positions do not increase by one). Inside a ``SliceExecutor`` step
     (``current_slice_context()`` set) the executor's context runs it instead, with the earlier slices' keys and
-    values, the layer identified by ``module.layer_idx``."""
+    values, the layer identified by ``module.layer_idx``; inside a ``packloader.runtime.zeppelin.ZeppelinContext``
+    the rows are this rank's linear-layout tokens and the context runs Zeppelin's remapped CP attention."""
     from packloader.runtime.attention import varlen_attention
     from packloader.runtime.slices import current_slice_context
+    from packloader.runtime.zeppelin import current_zeppelin_context
 
-    ctx = current_slice_context()
+    ctx = current_slice_context() or current_zeppelin_context()
     if ctx is not None:
         if query.shape[0] != 1:
             raise ValueError(f"packed attention takes batch size 1 ([1, T] inputs), got {query.shape[0]}")

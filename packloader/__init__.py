@@ -53,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "cp_attention": "packloader.runtime.cp_attention",
     "require_no_slices": "packloader.runtime.slices",
     "SliceExecutor": "packloader.runtime.slices",
+    "ZeppelinContext": "packloader.runtime.zeppelin",
     "build_report": "packloader.report.build",
     "ReportOptions": "packloader.report.build",
 }

@@ -6,8 +6,8 @@ Every rank of the CP group gets the same packed micro-batch. ``ZeppelinContext(s
 hierarchical sharding for attention, short documents whole on one rank and long ones in 2 x CP chunks) and this
 rank's ``Remapper``. The rank runs the model on its linear-layout tokens only (``ctx.local(tensor)``: input ids,
 position ids, labels), and each attention layer calls ``ctx.attention(q, k, v)`` on its local rows: queries, keys and
-values move to the attention layout (all-to-all), ``cp_attention`` runs this rank's shard (keys of sharded
-documents all-gathered), and the output moves back. Both moves and the all-gather are autograd operations, so each
+values move to the attention layout (all-to-all), this rank's shard runs as in ``cp_attention`` (keys and values of
+sharded documents all-gathered, each query run's keys selected), and the output moves back. Both moves and the all-gather are autograd operations, so each
 rank's backward gives its share of the gradient; ``reduce_gradients`` sums those shares over the group (the ranks
 hold different tokens of one micro-batch, so their gradients add, not average).
 
@@ -65,12 +65,26 @@ class ZeppelinContext:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any = None,
                   softmax_scale: float | None = None, **kwargs: Any) -> torch.Tensor:
         """Causal attention of this rank's local rows (`q [n, Hq, D]`, `k/v [n, Hkv, D]`, linear layout)."""
-        from packloader.runtime.cp_attention import cp_attention
+        from packloader.runtime.attention import varlen_attention
+        from packloader.runtime.cp_attention import _device_layout, all_gather_kv
 
         rm = self.remapper
-        group = self.group if self.layout.world_size > 1 else None
-        out = cp_attention(rm.to_attention(q), rm.to_attention(k), rm.to_attention(v), self.shard, group,
-                           softmax_scale=softmax_scale, backend=self.backend, **kwargs)
+        qa, ka, va = rm.to_attention(q), rm.to_attention(k), rm.to_attention(v)
+        shard = self.shard
+        rows, cu_q, cu_k, max_k = _device_layout(shard, q.device, True, (-1, -1))
+        if self.layout.world_size == 1:
+            ks, vs, anchor = ka.index_select(0, rows), va.index_select(0, rows), None
+        else:
+            kv = all_gather_kv(torch.cat([ka, va], dim=-1), shard.max_local, self.group)
+            sel = kv.index_select(0, rows)
+            ks, vs = sel[..., : k.shape[-1]], sel[..., k.shape[-1]:]
+            # a rank whose attention shard is empty (a micro-batch of short documents all kept whole elsewhere)
+            # must still run the collectives' backward: tie the output to their results with a zero
+            anchor = kv.sum() * 0 + qa.sum() * 0
+        out = varlen_attention(qa, ks.contiguous(), vs.contiguous(), cu_q, cu_k, shard.max_seqlen_q, max_k,
+                               causal=True, softmax_scale=softmax_scale, backend=self.backend, **kwargs)
+        if anchor is not None:
+            out = out + anchor
         return rm.to_linear(out)
 
     @contextlib.contextmanager

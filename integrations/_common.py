@@ -9,6 +9,16 @@ import torch
 from packloader.collate.batch import IGNORE_INDEX, PackedBatch
 
 
+def pipeline_alternative() -> str:
+    """The packloader schedule that runs sliced plans across pipeline stages, where this install has it."""
+    import importlib.util
+
+    if importlib.util.find_spec("packloader.runtime.pipeline") is None:
+        return ""
+    return ("; across pipeline stages: packloader.runtime.pipeline.PlanPipelineSchedule (torch.distributed.pipelining "
+            "with a per-stage KV cache of the earlier slices)")
+
+
 def refuse_slices(batch: PackedBatch, consumer: str) -> None:
     """Trainers that run each micro-batch on its own cannot run SlimPack slices (they need an earlier micro-batch's
     keys and values). Raises ``SlicesNotSupported`` (a ValueError) naming the setting and the alternatives."""
@@ -22,6 +32,7 @@ def refuse_slices(batch: PackedBatch, consumer: str) -> None:
                 "attention needs the keys and values of earlier micro-batches. Plan with "
                 "PlanConfig(allow_slicing=False); trainers that run slices (without pipeline stages): "
                 "packloader_integrations.hf.PackedTrainer and packloader_integrations.megatron.sliced_forward_backward"
+                + pipeline_alternative()
             )
 
 

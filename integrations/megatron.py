@@ -69,7 +69,7 @@ import torch
 
 from packloader.collate.batch import IGNORE_INDEX, PackedBatch
 
-from ._common import check_micro_batches, flat, refuse_slices
+from ._common import check_micro_batches, flat, pipeline_alternative, refuse_slices
 from ._lazy import require
 
 SLICES_PP_ALTERNATIVE = "plan with PlanConfig(allow_slicing=False)"
@@ -302,7 +302,8 @@ def _pp_slices_message(pp: int, batch: PackedBatch | None) -> str:
                  f"{s.start}..{s.end - 1} attend from {s.attend_from})")
     return (f"pipeline_model_parallel_size={pp}: Megatron's pipeline schedules run every micro-batch on its own, "
             f"without the earlier slices' keys and values, so they cannot run sliced plans{where}; "
-            f"{SLICES_PP_ALTERNATIVE} (slices run through sliced_forward_backward at pipeline_model_parallel_size=1)")
+            f"{SLICES_PP_ALTERNATIVE} (slices run through sliced_forward_backward at pipeline_model_parallel_size=1)"
+            f"{pipeline_alternative()}")
 
 
 def _parallel_ranks() -> dict[str, int]:

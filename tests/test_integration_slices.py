@@ -245,3 +245,23 @@ def test_deepspeed_refuses_sliced_batches_naming_the_setting_and_the_alternative
                                                   dp_world_size=1))):
         with pytest.raises(SlicesNotSupported, match=expected):
             call()
+
+
+def test_refusals_point_to_the_pipeline_schedule_where_it_is_installed(monkeypatch):
+    import importlib.util
+
+    pytest.importorskip("megatron.core")
+    from packloader_integrations import deepspeed as pds
+    from packloader_integrations import megatron as pm
+
+    real = importlib.util.find_spec
+    for present in (False, True):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: (object() if present else None) if name == "packloader.runtime.pipeline"
+                            else real(name, *a))
+        b = next(b for b in first_step(sliced_loader(corpus(), epochs=1)) if any(s.attend_from < s.start for s in b.segments))
+        for call in (lambda: pds.deepspeed_batch(b),
+                     lambda: pm.MegatronDataIterator(iter([b]), slices=True, pipeline_parallel_size=2)):
+            with pytest.raises(ValueError) as e:
+                call()
+            assert ("packloader.runtime.pipeline.PlanPipelineSchedule" in str(e.value)) == present, str(e.value)

@@ -48,6 +48,7 @@ from ._common import check_micro_batches, flat, refuse_slices, unshifted_labels
 from ._lazy import require
 
 SEGMENTS_KEY = "segments"  # in META_KEY: the segments of a micro-batch of a sliced step (for SliceExecutor)
+ALL_SEGMENTS_KEY = "all_segments"  # in META_KEY: the segments of a micro-batch of a step without slices
 
 ATTENTION_MODES = ("position_ids", "varlen")
 META_KEY = "packloader_meta"
@@ -195,8 +196,12 @@ class HFBatches:
     def _convert(self, step: list[PackedBatch]) -> Iterator[dict[str, Any]]:
         if self.slices and any(_has_slices(b) for b in step):
             yield from (_sliced_step_batch(b) for b in step)
-        else:
-            yield from (hf_batch(b, attention=self.attention, include_meta=self.include_meta) for b in step)
+            return
+        for b in step:
+            d = hf_batch(b, attention=self.attention, include_meta=self.include_meta)
+            if self.slices and self.include_meta:  # another DP rank's step may hold slices: see PackedTrainer
+                d[META_KEY][ALL_SEGMENTS_KEY] = list(b.segments)
+            yield d
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if not self.slices:
@@ -262,6 +267,15 @@ class _PackedTrainerMixin:
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._pl_window, self._pl_window_losses = samples, None  # a sliced step runs whole at its first micro-batch
+        if self.accelerator.num_processes > 1 and samples:
+            # every DP rank must take the same path (the sliced one syncs gradients itself, DDP's at the window's
+            # end): if any rank's step holds slices, all run the step through SliceExecutor
+            sliced = any(s.get(META_KEY, {}).get(SEGMENTS_KEY) is not None for s in samples)
+            flag = torch.tensor([int(sliced)], device=device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            if int(flag) and not sliced:
+                for s in samples:
+                    s[META_KEY][SEGMENTS_KEY] = s[META_KEY][ALL_SEGMENTS_KEY]
         return samples, num_items
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -307,11 +321,11 @@ class _PackedTrainerMixin:
         if self._pl_window_losses is None:
             if idx != 0:
                 raise RuntimeError("PackedTrainer: a sliced step must start at its first micro-batch")
-            self._pl_check_sliced_setup(model)
+            net = self.accelerator.unwrap_model(model)
+            self._pl_check_sliced_setup(net)
             metas = [w[META_KEY] for w in window]
             check_micro_batches(metas[0]["step"], metas[0]["micro_batches_in_step"], len(window),
                                 "Trainer(gradient_accumulation_steps)")
-            net = self.accelerator.unwrap_model(model)
             net.train()
             if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
                 self.optimizer.train()

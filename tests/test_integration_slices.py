@@ -115,6 +115,63 @@ def test_hf_batch_alone_still_refuses_slices():
         phf.hf_batch(b)
 
 
+# ------------------------------------------------------------------------------------------- HF under DDP
+
+
+MB2 = 4  # micro-batches per step and DP rank
+
+
+def _dp2_loader(ds, dp_rank, epochs):
+    from packloader.contracts import ParallelConfig
+
+    cfg = PlanConfig(strategy="slimpack", max_tokens=64, context=256, tokens_per_step=400, num_micro_batches=MB2,
+                     parallel=ParallelConfig(dp=2))
+    return PackedLoader(IterableSource(ds), config=cfg, num_threads=0, append_eos=False, dp_rank=dp_rank,
+                        epochs=epochs)
+
+
+def _rank_ddp_trainer(rank, world, out_dir):
+    from packloader_integrations import hf as phf
+
+    docs = corpus()
+    segs = [(s.doc, s.start, s.end, s.attend_from) for b in _dp2_loader(docs, rank, 1) if b.step == 0 for s in b.segments]
+    model = tiny_llama(phf.register_packloader_attention())
+    grads = {}
+
+    class Grab(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            if not grads:
+                grads.update({n: p.grad.clone().numpy() for n, p in model.named_parameters()})
+
+    args = transformers.TrainingArguments(output_dir=out_dir, max_steps=1, gradient_accumulation_steps=MB2,
+                                          learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
+                                          logging_strategy="no", max_grad_norm=0.0, dataloader_num_workers=0,
+                                          ddp_backend="gloo")
+    tr = phf.PackedTrainer(model=model, args=args, packed_loader=_dp2_loader(docs, rank, None), callbacks=[Grab()])
+    tr.train()
+    return segs, grads
+
+
+def test_packed_trainer_runs_a_sliced_plan_under_ddp(tmp_path):
+    """2 DP ranks (gloo, DDP): one rank's step holds the slices, the other's does not, so both take the
+    SliceExecutor path (a collective flag) and the gradients are averaged once; each rank's gradient equals the
+    per-token mean gradient of all the documents run whole."""
+    pytest.importorskip("accelerate")
+    from distributed import run_ranks
+
+    docs = corpus()
+    ref = tiny_llama("eager")
+    ref.train()
+    _, ref_grads = whole_document_reference(ref, docs)
+    res = run_ranks(_rank_ddp_trainer, 2, str(tmp_path))
+    allsegs = res[0][0] + res[1][0]
+    assert [any(a < s for _, s, _, a in r[0]) for r in res].count(True) == 1  # one rank's step holds the slices
+    assert sum(e - s for _, s, e, _ in allsegs) == sum(LENGTHS)
+    for _, grads in res:
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(torch.from_numpy(grads[n]), g, rtol=1e-5, atol=1e-8, msg=n)
+
+
 # ------------------------------------------------------------------------------------------------ Megatron
 
 

@@ -3,6 +3,7 @@ seed, and compare held-out loss against the `fixed` baseline.
 
     python examples/train_llama.py --out runs/llama --seeds 0,1,2          # fixed, auto, wlb: ~40 s a run on 2 cores
     python examples/train_llama.py --out /tmp/tiny --tiny                  # CI size, well under a minute
+    python examples/train_llama.py --out /tmp/cp --tiny --planners fixed --cp 2   # Zeppelin CP over 2 gloo ranks
 
 Data: the Python standard library's source files (no download), cut into top-level definitions (a long-tailed
 mix of short and long documents), tokenized with packloader's default tokenizer (tekken) by
@@ -23,6 +24,14 @@ run starts from the same init and draws the same documents in the same order; on
 outlier delay, which also changes how many steps the epoch takes) differs. Outputs in ``--out``: ``curves.json``
 (per run: per-step loss and tokens, held-out loss; per planner: mean and spread over seeds and the paired
 difference to `fixed`), ``curves.png``, and the shards.
+
+``--cp N`` trains with Zeppelin's hierarchical context parallelism over N gloo processes (started with
+``torch.distributed.run``): every rank reads the same micro-batches, runs the linear layers on its equal share of
+the tokens and attention in the hierarchical layout (``packloader.runtime.zeppelin``: short documents whole on one
+rank, long ones sharded, activations remapped by all-to-all), and the ranks' gradient shares are summed before
+each optimizer step; ``--cp-mode`` picks the attention layout (hierarchical, document, sequence) and
+``--cp-threshold`` the length from which hierarchical shards a document. Same data, init and LR schedule as the
+single-process run, so the loss curves agree up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -135,6 +144,21 @@ def micro_batch_loss_sum(model, batch, table: torch.Tensor) -> tuple[torch.Tenso
     return loss, int((labels != -100).sum())
 
 
+def cp_micro_batch_loss_sum(model, batch, table: torch.Tensor, args) -> tuple[torch.Tensor, int]:
+    """This CP rank's share of a micro-batch's summed loss under Zeppelin's layout remapping: its linear-layout
+    tokens through the model, attention remapped (packloader's transformers attention runs the context)."""
+    from packloader.runtime.zeppelin import ZeppelinContext
+
+    opts = {"hierarchical_threshold": args.cp_threshold} if args.cp_mode == "hierarchical" and args.cp_threshold else {}
+    ctx = ZeppelinContext(batch.segments, mode=args.cp_mode, **opts)
+    ids = remap(ctx.local(batch.input_ids), table)
+    labels = remap(ctx.local(batch.labels), table)
+    with ctx.active():
+        logits = model(input_ids=ids[None], position_ids=ctx.local(batch.position_ids)[None], use_cache=False).logits[0]
+    loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    return loss, int((labels != -100).sum())
+
+
 def make_loader(paths, args, strategy: str, epochs):
     from packloader import PackedLoader, PlanConfig
 
@@ -203,9 +227,19 @@ def train(args, strategy: str, train_paths, valid_paths, table) -> dict:
         for b in micro_batches:
             if b.num_tokens == 0:  # a planner may leave a micro-batch slot empty: nothing to run
                 continue
-            loss, _ = micro_batch_loss_sum(model, b, table)
+            if args.cp > 1:
+                loss, _ = cp_micro_batch_loss_sum(model, b, table, args)
+            else:
+                loss, _ = micro_batch_loss_sum(model, b, table)
             (loss / n_step).backward()
             total += float(loss.detach())
+        if args.cp > 1:  # each CP rank holds its tokens' share of the gradient and of the loss
+            from packloader.runtime.zeppelin import reduce_gradients
+
+            reduce_gradients(model.parameters())
+            t = torch.tensor([total], dtype=torch.float64)
+            torch.distributed.all_reduce(t)
+            total = float(t)
         trained += step_tokens
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -314,6 +348,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--valid-fraction", type=float, default=0.05)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--quiet", dest="verbose", action="store_false")
+    p.add_argument("--cp", type=int, default=1, help="Zeppelin context parallelism over this many gloo processes")
+    p.add_argument("--cp-mode", default="hierarchical", choices=["hierarchical", "document", "sequence"],
+                   help="attention layout under --cp")
+    p.add_argument("--cp-threshold", type=int, default=None,
+                   help="hierarchical: shard documents of at least this many tokens (default: by cost estimate)")
     args = p.parse_args(argv)
     if args.tiny:
         args.files, args.epochs, args.tokens_per_step = 12, 1, 1024
@@ -324,12 +363,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def launch_cp(args, argv) -> dict:
+    """Run this script on `args.cp` gloo processes (torch.distributed.run) and return rank 0's result."""
+    import subprocess
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.cp}",
+           str(Path(__file__).resolve()), *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    subprocess.run(cmd, check=True, env=env)
+    return json.loads((args.out / "curves.json").read_text())
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     train_paths, valid_paths = write_shards(args.out, args.files, args.valid_fraction, args.data_seed)
+    if args.cp > 1 and "RANK" not in os.environ:
+        return launch_cp(args, argv)
+    rank = 0
+    if args.cp > 1:
+        torch.distributed.init_process_group("gloo")
+        if torch.distributed.get_world_size() != args.cp:
+            raise ValueError(f"--cp {args.cp} but the process group has {torch.distributed.get_world_size()} ranks")
+        rank = torch.distributed.get_rank()
+        args.verbose = args.verbose and rank == 0
     table = torch.from_numpy(vocab_map(train_paths, args.vocab))
     runs = []
     for seed in [int(x) for x in args.seeds.split(",") if x.strip()]:
@@ -344,6 +404,10 @@ def main(argv=None) -> dict:
         "comparison": compare(runs),
         "runs": runs,
     }
+    if args.cp > 1:
+        torch.distributed.destroy_process_group()
+        if rank != 0:
+            return result
     (args.out / "curves.json").write_text(json.dumps(result, indent=1))
     plot(runs, args.out / "curves.png")
     if args.verbose:

@@ -12,15 +12,30 @@ from packloader.collate.batch import IGNORE_INDEX, PackedBatch
 from packloader.contracts import Segment
 
 
+def pipeline_alternative() -> str:
+    """The packloader schedule that runs sliced plans across pipeline stages, where this install has it."""
+    import importlib.util
+
+    if importlib.util.find_spec("packloader.runtime.pipeline") is None:
+        return ""
+    return ("; across pipeline stages: packloader.runtime.pipeline.PlanPipelineSchedule (torch.distributed.pipelining "
+            "with a per-stage KV cache of the earlier slices)")
+
+
 def refuse_slices(batch: PackedBatch, consumer: str) -> None:
     """Trainers that run each micro-batch on its own cannot run SlimPack slices (they need an earlier micro-batch's
-    keys and values)."""
+    keys and values). Raises ``SlicesNotSupported`` (a ValueError) naming the setting and the alternatives."""
+    from packloader.runtime.slices import SlicesNotSupported
+
     for s in batch.segments:
         if s.attend_from != s.start:
-            raise ValueError(
+            raise SlicesNotSupported(
                 f"{consumer} cannot run sliced documents: step {batch.step}, micro-batch {batch.index_in_step} holds "
-                f"a slice of document {s.doc} (tokens {s.start}..{s.end}, attending from {s.attend_from}). Plan with "
-                "PlanConfig(allow_slicing=False)"
+                f"a slice of document {s.doc} (tokens {s.start}..{s.end}, attending from {s.attend_from}), whose "
+                "attention needs the keys and values of earlier micro-batches. Plan with "
+                "PlanConfig(allow_slicing=False); trainers that run slices (without pipeline stages): "
+                "packloader_integrations.hf.PackedTrainer and packloader_integrations.megatron.sliced_forward_backward"
+                + pipeline_alternative()
             )
 
 

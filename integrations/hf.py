@@ -35,6 +35,16 @@ pieces than the fullest one gets empty slots. ``hf_batch`` turns one into a one-
 target, which PackedTrainer runs like any other: zero loss and zero gradient, but a real forward and backward, so
 under DDP this rank still joins the gradient all-reduce at the end of the accumulation window (skipping it would
 leave the other ranks waiting in that all-reduce).
+
+Sliced plans (SlimPack: a document longer than a micro-batch cut into slices whose later slices attend to the
+earlier ones' keys and values, ``Segment.attend_from < start``): ``PackedTrainer`` runs a step holding slices
+through ``packloader.runtime.slices.SliceExecutor`` (forward in order with a KV cache of the earlier slices,
+backward in reverse with recomputation), so the step's gradient is that of the documents run whole. The model's
+attention must be ``register_packloader_attention()``'s (``packloader_attention_forward`` routes every layer's
+attention through the executor's ``SliceContext``); the check names the setting otherwise. Single process or DDP
+(the executor's gradients are averaged over ranks once per step, as DDP would); not with FSDP, DeepSpeed or fp16
+loss scaling, which are refused with the setting to change. ``hf_batch`` alone still refuses slices: a model
+called on one micro-batch cannot see another micro-batch's keys.
 """
 
 from __future__ import annotations
@@ -47,6 +57,9 @@ from packloader.collate.batch import PackedBatch
 
 from ._common import check_micro_batches, flat, placeholder_batch, refuse_slices, unshifted_labels
 from ._lazy import require
+
+SEGMENTS_KEY = "segments"  # in META_KEY: the segments of a micro-batch of a sliced step (for SliceExecutor)
+ALL_SEGMENTS_KEY = "all_segments"  # in META_KEY: the segments of a micro-batch of a step without slices
 
 ATTENTION_MODES = ("position_ids", "varlen")
 META_KEY = "packloader_meta"
@@ -114,8 +127,21 @@ def hf_batch(batch: PackedBatch, *, attention: str = "position_ids", include_met
 def packloader_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """A transformers attention function running packloader's ``varlen_attention``: ``query [1, H, T, D]``,
     ``key/value [1, Hkv, T, D]`` -> ``([1, T, H, D], None)``. Segments from ``cu_seq_lens_q/k`` when given, else from
-    ``position_ids`` (a new segment wherever positions do not increase by one)."""
+    ``position_ids`` (a new segment wherever positions do not increase by one). Inside a ``SliceExecutor`` step
+    (``current_slice_context()`` set) the executor's context runs it instead, with the earlier slices' keys and
+    values, the layer identified by ``module.layer_idx``; inside a ``packloader.runtime.zeppelin.ZeppelinContext``
+    the rows are this rank's linear-layout tokens and the context runs Zeppelin's remapped CP attention."""
     from packloader.runtime.attention import varlen_attention
+    from packloader.runtime.slices import current_slice_context
+    from packloader.runtime.zeppelin import current_zeppelin_context
+
+    ctx = current_slice_context() or current_zeppelin_context()
+    if ctx is not None:
+        if query.shape[0] != 1:
+            raise ValueError(f"packed attention takes batch size 1 ([1, T] inputs), got {query.shape[0]}")
+        out = ctx.attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                            getattr(module, "layer_idx", None), softmax_scale=scaling)
+        return out.unsqueeze(0), None
 
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes batch size 1 ([1, T] inputs), got {query.shape[0]}")
@@ -153,19 +179,67 @@ def register_packloader_attention(name: str = ATTN_NAME) -> str:
     return name
 
 
+def _has_slices(batch: PackedBatch) -> bool:
+    return any(s.attend_from < s.start for s in batch.segments)
+
+
+def _sliced_step_batch(batch: PackedBatch) -> dict[str, Any]:
+    """A micro-batch of a step that holds slices, for PackedTrainer's SliceExecutor path: the tokens, positions
+    and labels of ``hf_batch`` (no attention metadata: the executor's SliceContext supplies the segments) and the
+    metadata with the segments."""
+    out: dict[str, Any] = {
+        "input_ids": flat(batch.input_ids).unsqueeze(0),
+        "position_ids": flat(batch.position_ids).unsqueeze(0),
+        "labels": unshifted_labels(batch).unsqueeze(0),
+        "shift_labels": flat(batch.labels).unsqueeze(0),
+        "use_cache": False,
+    }
+    out[META_KEY] = {"step": batch.step, "index_in_step": batch.index_in_step,
+                     "micro_batches_in_step": batch.micro_batches_in_step,
+                     "loss_tokens_in_step": batch.loss_tokens_in_step, "num_loss_tokens": batch.num_loss_tokens,
+                     SEGMENTS_KEY: list(batch.segments)}
+    return out
+
+
 class HFBatches:
     """A loader's micro-batches as ``hf_batch`` dicts (metadata included for PackedTrainer); iterable once per
-    pass like the loader, with ``state_dict``/``load_state_dict`` passed through."""
+    pass like the loader, with ``state_dict``/``load_state_dict`` passed through. With ``slices=True`` (what
+    PackedTrainer uses) every micro-batch of a step that holds a slice carries its segments in the metadata for
+    the trainer's SliceExecutor instead of being refused (a step is read whole before it is yielded)."""
 
     def __init__(self, loader: Iterable[PackedBatch], *, attention: str = "position_ids",
-                 include_meta: bool = True) -> None:
+                 include_meta: bool = True, slices: bool = False) -> None:
         self.loader = loader
         self.attention = attention
         self.include_meta = include_meta
+        self.slices = slices
+
+    def _convert(self, step: list[PackedBatch]) -> Iterator[dict[str, Any]]:
+        if self.slices and any(_has_slices(b) for b in step):
+            yield from (_sliced_step_batch(b) for b in step)
+            return
+        for b in step:
+            d = hf_batch(b, attention=self.attention, include_meta=self.include_meta)
+            if self.slices and self.include_meta:  # another DP rank's step may hold slices: see PackedTrainer
+                d[META_KEY][ALL_SEGMENTS_KEY] = list(b.segments)
+            yield d
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self.slices:
+            for b in self.loader:
+                yield hf_batch(b, attention=self.attention, include_meta=self.include_meta)
+            return
+        step: list[PackedBatch] = []
         for b in self.loader:
-            yield hf_batch(b, attention=self.attention, include_meta=self.include_meta)
+            if step and b.step != step[0].step:
+                yield from self._convert(step)
+                step = []
+            step.append(b)
+            if len(step) == b.micro_batches_in_step:
+                yield from self._convert(step)
+                step = []
+        if step:
+            yield from self._convert(step)
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()
@@ -183,7 +257,7 @@ class _PackedTrainerMixin:
 
     def _pl_init(self, packed_loader, attention: str) -> None:
         self.packed_loader = packed_loader
-        self.packed_batches = HFBatches(packed_loader, attention=attention, include_meta=True)
+        self.packed_batches = HFBatches(packed_loader, attention=attention, include_meta=True, slices=True)
         if self.args.max_steps is None or self.args.max_steps <= 0:
             raise ValueError("PackedTrainer needs TrainingArguments(max_steps=N): the packloader loader has no length")
         if not self.args.average_tokens_across_devices:
@@ -210,6 +284,93 @@ class _PackedTrainerMixin:
                              "; expected all micro-batches of one packloader step, in order")
         # a step without loss tokens has only empty micro-batches (zero losses): avoid dividing by 0
         return torch.tensor(max(1, first["loss_tokens_in_step"]), device=device)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._pl_window, self._pl_window_losses = samples, None  # a sliced step runs whole at its first micro-batch
+        if self.accelerator.num_processes > 1 and samples:
+            # every DP rank must take the same path (the sliced one syncs gradients itself, DDP's at the window's
+            # end): if any rank's step holds slices, all run the step through SliceExecutor
+            sliced = any(s.get(META_KEY, {}).get(SEGMENTS_KEY) is not None for s in samples)
+            flag = torch.tensor([int(sliced)], device=device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            if int(flag) and not sliced:
+                for s in samples:
+                    s[META_KEY][SEGMENTS_KEY] = s[META_KEY][ALL_SEGMENTS_KEY]
+        return samples, num_items
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if inputs.get(META_KEY, {}).get(SEGMENTS_KEY) is not None:
+            return self._pl_sliced_training_step(model, inputs, num_items_in_batch)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _pl_check_sliced_setup(self, model) -> None:
+        from accelerate.utils import DistributedType
+
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        fn = require("transformers.modeling_utils").ALL_ATTENTION_FUNCTIONS.get(impl) if impl else None
+        if fn is not packloader_attention_forward:
+            raise ValueError(
+                f"this packloader step holds sliced documents (PlanConfig(allow_slicing=True)), which PackedTrainer runs "
+                f"through SliceExecutor; the model's attention implementation is {impl!r}, which cannot read the "
+                "earlier slices' keys. Build the model with attn_implementation=register_packloader_attention() (or "
+                "call model.set_attn_implementation(register_packloader_attention())), or plan with "
+                "PlanConfig(allow_slicing=False)")
+        dt = self.accelerator.distributed_type
+        if dt not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU) or \
+                self.accelerator.scaler is not None:
+            raise ValueError(
+                f"PackedTrainer runs sliced plans single-process or under DDP without fp16 loss scaling; this run uses "
+                f"{dt.value}{' with fp16 loss scaling' if self.accelerator.scaler is not None else ''}. Plan with "
+                "PlanConfig(allow_slicing=False), or use bf16 / DDP")
+
+    def _pl_sliced_training_step(self, model, inputs, num_items_in_batch=None):
+        """One micro-batch of a step holding slices: the first runs the whole step (window) through SliceExecutor,
+        gradients included; every micro-batch returns its own loss, as ``training_step`` would."""
+        import types
+
+        from packloader.runtime.slices import SliceExecutor
+
+        window = getattr(self, "_pl_window", None) or []
+        idx = next((i for i, w in enumerate(window) if w is inputs), None)
+        if idx is None:
+            raise RuntimeError("PackedTrainer: a micro-batch of a sliced step arrived outside its accumulation window")
+        if self._pl_window_losses is None:
+            if idx != 0:
+                raise RuntimeError("PackedTrainer: a sliced step must start at its first micro-batch")
+            net = self.accelerator.unwrap_model(model)
+            self._pl_check_sliced_setup(net)
+            metas = [w[META_KEY] for w in window]
+            check_micro_batches(metas[0]["step"], metas[0]["micro_batches_in_step"], len(window),
+                                "Trainer(gradient_accumulation_steps)")
+            net.train()
+            if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+                self.optimizer.train()
+            losses = [torch.zeros((), device=self.args.device) for _ in window]
+            run = [types.SimpleNamespace(segments=m[SEGMENTS_KEY], i=i, inputs=w)
+                   for i, (m, w) in enumerate(zip(metas, window)) if m[SEGMENTS_KEY]]  # empty slots: nothing to run
+
+            def step_fn(mb, ctx):
+                batch = self._prepare_inputs(mb.inputs)
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(net, batch, num_items_in_batch=num_items_in_batch)
+                losses[mb.i] = loss.detach()
+                # what accelerator.backward divides by (Trainer keeps it 1 and accumulates itself)
+                return loss / self.accelerator.gradient_accumulation_steps
+
+            SliceExecutor(rank=self.args.process_index).run(run, step_fn, step=metas[0]["step"])
+            if self.accelerator.num_processes > 1:
+                # the executor ran the unwrapped module (several forwards per backward, which DDP's reducer does not
+                # allow), so average the gradients over ranks once here, as DDP's all-reduce would
+                world = self.accelerator.num_processes
+                for p in net.parameters():
+                    if p.requires_grad:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        torch.distributed.all_reduce(p.grad)
+                        p.grad.div_(world)
+            self._pl_window_losses = losses
+        return self._pl_window_losses[idx]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = {k: v for k, v in inputs.items() if k != META_KEY}

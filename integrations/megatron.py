@@ -46,10 +46,27 @@ the per-token normaliser (``loss_func`` counts 0 tokens for it).
 
 Tensor parallelism: every TP rank builds the same loader (same dp_rank) and gets the same batches, since plans are
 deterministic; no broadcast from TP rank 0 (``get_batch_on_this_tp_rank``) is needed.
+
+Sliced plans (SlimPack: ``Segment.attend_from < start``, a later slice attends to the keys and values of its
+document's earlier slices in earlier micro-batches of the same step):
+
+* PP 1: ``MegatronDataIterator(..., slices=True)`` (or ``make_datasets_provider(..., slices=True)``) passes sliced
+  batches on, with their segments in ``batch["segments"]``; ``sliced_forward_backward`` replaces
+  ``forward_backward_no_pipelining`` (same keyword arguments, same return value) and runs each step through
+  ``packloader.runtime.slices.SliceExecutor``; the layer spec's ``core_attention`` must be
+  ``PackloaderCoreAttention``, which runs the executor's slice context (``varlen_attention`` with the earlier
+  slices' keys). Per-token loss, ``finalize_model_grads_func`` and DDP's gradient sync as Megatron's own schedule.
+  Position embeddings must read ``position_ids`` (a slice continues its piece's positions): Megatron's THD RoPE
+  restarts every packed segment at position 0, right for whole documents and pieces, wrong for a slice.
+* PP > 1: Megatron's pipeline schedules run each micro-batch once per stage with no KV cache between
+  micro-batches, so they cannot run slices; the iterator refuses them at construction (``slices=True``) or at the
+  first sliced batch, naming ``pipeline_model_parallel_size`` and ``PlanConfig(allow_slicing=False)``.
+* CP > 1 with slices is refused too (``packloader.collate.cp_shard`` does not shard slices).
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator
 
@@ -58,8 +75,10 @@ import torch
 
 from packloader.collate.batch import IGNORE_INDEX, PackedBatch
 
-from ._common import check_micro_batches, flat, placeholder_batch, refuse_slices
+from ._common import check_micro_batches, flat, pipeline_alternative, placeholder_batch, refuse_slices
 from ._lazy import require
+
+SLICES_PP_ALTERNATIVE = "plan with PlanConfig(allow_slicing=False)"
 
 CP_LAYOUTS = ("packloader", "te")
 
@@ -73,6 +92,8 @@ __all__ = [
     "make_datasets_provider",
     "check_megatron_config",
     "te_partition_index",
+    "PackloaderCoreAttention",
+    "sliced_forward_backward",
 ]
 
 
@@ -111,13 +132,22 @@ def megatron_batch(
     cost_model: Any = None,
     label_pad: int = 0,
     device: Any = None,
+    slices: bool = False,
 ) -> dict[str, Any]:
-    """One PackedBatch -> the dict Megatron's GPT ``get_batch`` returns, for this CP rank (see the module)."""
+    """One PackedBatch -> the dict Megatron's GPT ``get_batch`` returns, for this CP rank (see the module). With
+    ``slices=True`` a sliced batch (CP 1 only) is passed on for ``sliced_forward_backward``: its
+    ``PackedSeqParams`` count this batch's own rows (``cu_seqlens_kv == cu_seqlens_q``; the earlier slices' keys come
+    from the executor's cache) and ``batch["segments"]`` holds the segments."""
     if cp_layout not in CP_LAYOUTS:
         raise ValueError(f"cp_layout must be one of {CP_LAYOUTS}, got {cp_layout!r}")
     if not (0 <= cp_rank < cp_size):
         raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
-    refuse_slices(batch, "Megatron-core's THD attention")
+    sliced = slices and any(s.attend_from < s.start for s in batch.segments)
+    if sliced and cp_size > 1:
+        raise ValueError(f"step {batch.step}, micro-batch {batch.index_in_step} holds slices and CP={cp_size}: context "
+                         f"parallelism cannot shard slices; {SLICES_PP_ALTERNATIVE} when CP > 1")
+    if not sliced:
+        refuse_slices(batch, "Megatron-core's THD attention")
     if batch.num_tokens == 0:  # an empty slot: 2 x CP padding tokens (each CP rank two), no loss target
         batch = placeholder_batch(batch, 2 * cp_size)
     PackedSeqParams = _packed_seq_params_cls()
@@ -135,11 +165,11 @@ def megatron_batch(
         params = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=batch.cu_seqlens,
-            cu_seqlens_kv=batch.cu_seqlens_k,
+            cu_seqlens_kv=batch.cu_seqlens if sliced else batch.cu_seqlens_k,
             cu_seqlens_q_padded=padded,
             cu_seqlens_kv_padded=padded,
             max_seqlen_q=int(batch.max_seqlen),
-            max_seqlen_kv=int(batch.max_seqlen_k),
+            max_seqlen_kv=int(batch.max_seqlen if sliced else batch.max_seqlen_k),
         )
     else:
         from packloader.collate.cp_shard import plan_cp_shards
@@ -184,6 +214,7 @@ def megatron_batch(
             out[k] = out[k].to(device, non_blocking=True)
     out["cp_shard"] = shard
     out["num_loss_tokens_in_step"] = int(batch.loss_tokens_in_step)
+    out["segments"] = list(batch.segments)
     return out
 
 
@@ -194,11 +225,16 @@ class MegatronDataIterator:
 
     def __init__(self, loader: Iterable[PackedBatch], *, num_microbatches: int | None = None, cp_size: int = 1,
                  cp_rank: int = 0, cp_layout: str = "packloader", cp_mode: str = "document", cost_model: Any = None,
-                 label_pad: int = 0, device: Any = None) -> None:
+                 label_pad: int = 0, device: Any = None, slices: bool = False,
+                 pipeline_parallel_size: int | None = None) -> None:
         self.loader = loader
         self.num_microbatches = num_microbatches
+        self.pipeline_parallel_size = _pp_size() if pipeline_parallel_size is None else int(pipeline_parallel_size)
+        if slices and self.pipeline_parallel_size > 1:
+            raise ValueError(_pp_slices_message(self.pipeline_parallel_size, None))
+        self.slices = slices
         self._kw = dict(cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout, cp_mode=cp_mode,
-                        cost_model=cost_model, label_pad=label_pad, device=device)
+                        cost_model=cost_model, label_pad=label_pad, device=device, slices=slices)
         self._it: Iterator[PackedBatch] | None = None
 
     def __iter__(self) -> "MegatronDataIterator":
@@ -209,6 +245,16 @@ class MegatronDataIterator:
             self._it = iter(self.loader)
         batch = next(self._it)
         check_micro_batches(batch.step, batch.micro_batches_in_step, self.num_microbatches, "Megatron's schedule")
+        if any(s.attend_from < s.start for s in batch.segments):
+            if self.pipeline_parallel_size > 1:
+                raise ValueError(_pp_slices_message(self.pipeline_parallel_size, batch))
+            if not self.slices:
+                s = next(s for s in batch.segments if s.attend_from < s.start)
+                raise ValueError(
+                    f"step {batch.step}, micro-batch {batch.index_in_step} holds a slice of document {s.doc} (tokens "
+                    f"{s.start}..{s.end - 1} attend from {s.attend_from}), which Megatron's own schedules cannot run. "
+                    "At PP 1 build the iterator with slices=True and train with sliced_forward_backward (core "
+                    f"attention PackloaderCoreAttention); or {SLICES_PP_ALTERNATIVE}")
         return megatron_batch(batch, **self._kw)
 
     def state_dict(self) -> dict:
@@ -245,6 +291,27 @@ def forward_step(data_iterator, model):
     tokens, labels, loss_mask, attention_mask, position_ids, params = get_batch(data_iterator)
     output = model(tokens, position_ids, attention_mask, labels=labels, packed_seq_params=params)
     return output, partial(loss_func, loss_mask)
+
+
+def _pp_size() -> int:
+    """Pipeline-parallel size from megatron.core.parallel_state when it is initialised, else 1."""
+    try:
+        ps = require("megatron.core.parallel_state")
+    except ImportError:
+        return 1
+    return ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
+def _pp_slices_message(pp: int, batch: PackedBatch | None) -> str:
+    where = ""
+    if batch is not None:
+        s = next(s for s in batch.segments if s.attend_from < s.start)
+        where = (f" (step {batch.step}, micro-batch {batch.index_in_step}: document {s.doc}, tokens "
+                 f"{s.start}..{s.end - 1} attend from {s.attend_from})")
+    return (f"pipeline_model_parallel_size={pp}: Megatron's pipeline schedules run every micro-batch on its own, "
+            f"without the earlier slices' keys and values, so they cannot run sliced plans{where}; "
+            f"{SLICES_PP_ALTERNATIVE} (slices run through sliced_forward_backward at pipeline_model_parallel_size=1)"
+            f"{pipeline_alternative()}")
 
 
 def _parallel_ranks() -> dict[str, int]:
@@ -301,3 +368,107 @@ def check_megatron_config(config: Any, *, pipeline_parallel_size: int | None = N
     if pp > 1 and not fixed_token_count and not getattr(config, "variable_seq_lengths", False):
         raise ValueError(f"pipeline_model_parallel_size={pp} with packed micro-batches of varying token counts needs "
                          "variable_seq_lengths=True (or PackedLoader(pad_to_tokens=...) for one fixed size)")
+
+
+class PackloaderCoreAttention(torch.nn.Module):
+    """A ``core_attention`` for Megatron's layer spec (``ModuleSpec(module=SelfAttention, submodules=
+    SelfAttentionSubmodules(core_attention=PackloaderCoreAttention, ...))``) on the THD path: packloader's
+    ``varlen_attention`` over ``packed_seq_params``' segments, any device (CPU reference backend included), and
+    inside ``sliced_forward_backward`` the slice context's attention (the earlier slices' keys and values).
+    Causal, no dropout; no parameters, so it swaps with TransformerEngine's or the local core attention."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any = None, attention_type: str = "self",
+                 softmax_scale: float | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        kv = getattr(config, "kv_channels", None) or config.hidden_size // config.num_attention_heads
+        self.softmax_scale = softmax_scale if softmax_scale is not None else kv ** -0.5
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        from packloader.runtime.attention import varlen_attention
+        from packloader.runtime.slices import current_slice_context
+
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            raise ValueError("PackloaderCoreAttention runs packed THD batches: pass packed_seq_params (qkv_format='thd')")
+        if query.dim() == 4:  # [t, 1, h, d]
+            query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+        ctx = current_slice_context()
+        if ctx is not None:
+            out = ctx.attention(query, key, value, self.layer_number, softmax_scale=self.softmax_scale)
+        else:
+            p = packed_seq_params
+            out = varlen_attention(query, key, value, p.cu_seqlens_q.to(torch.int32), p.cu_seqlens_kv.to(torch.int32),
+                                   int(p.max_seqlen_q), int(p.max_seqlen_kv), causal=True,
+                                   softmax_scale=self.softmax_scale)
+        return out.reshape(out.shape[0], -1)
+
+
+def sliced_forward_backward(*, forward_step_func, data_iterator, model, num_microbatches: int,
+                            seq_length: int | None = None, micro_batch_size: int | None = None,
+                            decoder_seq_length: int | None = None, forward_only: bool = False,
+                            collect_non_loss_data: bool = False, first_val_step: bool | None = None, **unused: Any):
+    """Drop-in for ``megatron.core.pipeline_parallel.schedules.forward_backward_no_pipelining`` (PP 1) that runs
+    one step's micro-batches, slices included, through ``SliceExecutor``.
+
+    Reads the step's ``num_microbatches`` batches from ``data_iterator`` first (a kept micro-batch runs its forward
+    twice: once without a graph, once recomputed for its backward), then calls ``forward_step_func`` on a one-batch
+    iterator each time; the loss goes through Megatron's own ``forward_step_calc_loss`` (per-token loss with
+    ``calculate_per_token_loss=True``), gradients accumulate under the model's ``no_sync`` and
+    ``config.finalize_model_grads_func`` runs once with the step's token count, as in Megatron's schedule.
+    The attention of ``model`` must be ``PackloaderCoreAttention``. Returns the forward data store (the loss
+    reports, one per micro-batch, in order)."""
+    from packloader.runtime.slices import SliceExecutor
+
+    sched = require("megatron.core.pipeline_parallel.schedules")
+    utils = require("megatron.core.utils")
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError("sliced_forward_backward runs without virtual pipeline stages: pass one model chunk")
+        model = model[0]
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    config = utils.get_model_config(model)
+    batches = [next(data_iterator) for _ in range(num_microbatches)]
+    for i, b in enumerate(batches):
+        if "segments" not in b:
+            raise ValueError(f"micro-batch {i} has no 'segments': build the batches with megatron_batch / "
+                             "MegatronDataIterator(slices=True)")
+    stores: list[list] = [[] for _ in batches]
+    num_tokens = [torch.zeros((), dtype=torch.int) for _ in batches]
+    cp_size = 1
+
+    def step_fn(mb, ctx):
+        store: list = []
+        out = forward_step_func(iter([mb.batch]), model)
+        output_tensor, loss_func = out if isinstance(out, tuple) else (out, None)
+        loss, n = sched.forward_step_calc_loss(model, output_tensor, loss_func, config, None, collect_non_loss_data,
+                                               num_microbatches, store, cp_group_size=cp_size, is_last_stage=True)
+        stores[mb.i], num_tokens[mb.i] = store, n
+        return loss
+
+    class _MB:
+        def __init__(self, i, batch):
+            self.i, self.batch, self.segments = i, batch, batch["segments"]
+
+    mbs = [_MB(i, b) for i, b in enumerate(batches)]
+    if forward_only:
+        from packloader.runtime.slices import SliceContext, SliceKVCache, analyse_chain
+
+        kept = analyse_chain(mbs)
+        cache = SliceKVCache()
+        with torch.no_grad():
+            for j, mb in enumerate(mbs):
+                with SliceContext(mb.segments, cache, store=kept[j]).active() as ctx:
+                    step_fn(mb, ctx)
+    else:
+        no_sync = config.no_sync_func if config.no_sync_func is not None else contextlib.nullcontext
+        with no_sync():
+            SliceExecutor().run(mbs, step_fn)
+    total = sum(int(n) for n in num_tokens)
+    if config.finalize_model_grads_func is not None and not forward_only:
+        device = next(model.parameters()).device
+        config.finalize_model_grads_func([model], torch.tensor(total, dtype=torch.int, device=device)
+                                         if config.calculate_per_token_loss else None)
+    return [r for s in stores for r in s]

@@ -57,6 +57,7 @@ _EXPORTS: dict[str, str] = {
     "SliceExecutor": "packloader.runtime.slices",
     "SlicedPipelineStage": "packloader.runtime.pipeline",
     "PlanPipelineSchedule": "packloader.runtime.pipeline",
+    "ZeppelinContext": "packloader.runtime.zeppelin",
     "build_report": "packloader.report.build",
     "ReportOptions": "packloader.report.build",
 }

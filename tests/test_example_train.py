@@ -73,3 +73,19 @@ def test_compare_hand_worked():
     assert c["wlb"]["within_noise"] is True  # 0.02 below fixed's seed std 0.1 and below 2 standard errors
     runs[3:] = [{"strategy": "wlb", "seed": k, "held_out_loss": v} for k, v in enumerate([5.3, 5.5, 5.4])]
     assert ex.compare(runs)["wlb"]["within_noise"] is False  # +0.3 every seed
+
+
+def test_zeppelin_cp_run_matches_the_single_process_run(tmp_path):
+    """--cp 2 (Zeppelin's hierarchical CP with layout remapping over 2 gloo processes, documents of 128 tokens or
+    more sharded) trains the same steps as the single-process run: per-step loss and held-out loss agree up to
+    float32 summation order."""
+    ex = load_example()
+    common = ["--out", str(tmp_path), "--tiny", "--planners", "fixed", "--steps", "3", "--quiet", "--threads", "1"]
+    one = ex.main(common)["runs"][0]
+    res = ex.main(common + ["--cp", "2", "--cp-threshold", "128"])
+    assert res["config"]["cp"] == 2 and res["config"]["cp_mode"] == "hierarchical"
+    two = res["runs"][0]
+    assert [c["tokens"] for c in two["curve"]] == [c["tokens"] for c in one["curve"]]
+    for a, b in zip(one["curve"], two["curve"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
+    assert two["held_out_loss"] == pytest.approx(one["held_out_loss"], rel=1e-4)

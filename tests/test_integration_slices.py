@@ -1,0 +1,325 @@
+"""Sliced plans in the adapters. PackedTrainer runs a SlimPack plan (documents cut into slices over micro-batches)
+through SliceExecutor with a real transformers Llama (float64, CPU): the step's loss and every parameter gradient
+equal those of the same documents run whole, one at a time. Megatron (PP > 1) and DeepSpeed refuse sliced
+batches with the setting to change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from packloader.contracts import PlanConfig  # noqa: E402
+from packloader.loader.loader import PackedLoader  # noqa: E402
+from packloader.sources.base import IterableSource  # noqa: E402
+from packloader_integrations import hf as phf  # noqa: E402
+
+VOCAB = 61
+LENGTHS = [150, 20, 30, 12, 45, 8, 60, 25, 33, 9]
+MB = 7  # micro-batches per step: what slimpack picks for these documents at 64 tokens per micro-batch
+
+
+def corpus():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, VOCAB, size=n).astype(np.int32) for n in LENGTHS]
+
+
+def sliced_loader(ds, **kw):
+    cfg = PlanConfig(strategy="slimpack", max_tokens=64, context=256, tokens_per_step=400, num_micro_batches=MB)
+    return PackedLoader(IterableSource(ds), config=cfg, num_threads=0, append_eos=False, **kw)
+
+
+def tiny_llama(attn, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   use_cache=False)
+    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.float64)
+
+
+def first_step(ld):
+    out = []
+    for b in ld:
+        if b.step > 0:
+            break
+        out.append(b)
+    return out
+
+
+def whole_document_reference(model, docs):
+    """Loss (per-token mean over all documents) and gradients, every document run whole on its own."""
+    model.zero_grad()
+    total = sum(len(d) - 1 for d in docs)
+    loss = 0.0
+    for d in docs:
+        x = torch.from_numpy(d).long().unsqueeze(0)
+        lg = model(input_ids=x).logits[0].float()  # transformers' causal-LM loss upcasts logits to float32 too
+        loss = loss + torch.nn.functional.cross_entropy(lg[:-1], x[0, 1:], reduction="sum")
+    (loss / total).backward()
+    return float(loss) / total, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_packed_trainer_runs_a_sliced_plan_like_whole_documents(tmp_path):
+    pytest.importorskip("accelerate")
+    docs = corpus()
+    step0 = first_step(sliced_loader(docs, epochs=1))
+    # the plan really slices: a document over several micro-batches, later slices attending to earlier ones
+    assert len(step0) == MB
+    assert any(s.attend_from < s.start for b in step0 for s in b.segments)
+    assert sum(b.num_tokens for b in step0) == sum(LENGTHS)  # one step holds every document
+
+    name = phf.register_packloader_attention()
+    model = tiny_llama(name)
+    ref = tiny_llama("eager")
+    ref.load_state_dict(model.state_dict())
+    ref.train()
+    ref_loss, ref_grads = whole_document_reference(ref, docs)
+
+    grads, losses = {}, []
+
+    class Grab(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            if not grads:
+                grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, gradient_accumulation_steps=MB,
+                                          learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
+                                          logging_strategy="no", max_grad_norm=0.0, dataloader_num_workers=0)
+    trainer = phf.PackedTrainer(model=model, args=args, packed_loader=sliced_loader(docs, epochs=None),
+                                callbacks=[Grab()])
+    step = trainer.training_step
+    trainer.training_step = lambda *a, **k: losses.append(float(step(*a, **k))) or torch.tensor(losses[-1])
+    trainer.train()
+    assert len(losses) == MB
+    # the model runs in float64; transformers' loss (and so its gradient's first step) in float32, as here
+    assert sum(losses) == pytest.approx(ref_loss, rel=1e-6)
+    assert set(grads) == set(ref_grads)
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-8, msg=n)
+
+
+def test_packed_trainer_names_the_attention_setting_for_a_sliced_plan(tmp_path):
+    pytest.importorskip("accelerate")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, gradient_accumulation_steps=MB,
+                                          use_cpu=True, report_to=[], save_strategy="no")
+    trainer = phf.PackedTrainer(model=tiny_llama("sdpa"), args=args, packed_loader=sliced_loader(corpus(), epochs=None))
+    with pytest.raises(ValueError, match=r"attn_implementation=register_packloader_attention\(\).*allow_slicing=False"):
+        trainer.train()
+
+
+def test_hf_batch_alone_still_refuses_slices():
+    b = next(b for b in first_step(sliced_loader(corpus(), epochs=1)) if any(s.attend_from < s.start for s in b.segments))
+    with pytest.raises(ValueError, match="allow_slicing=False"):
+        phf.hf_batch(b)
+
+
+# ------------------------------------------------------------------------------------------- HF under DDP
+
+
+MB2 = 4  # micro-batches per step and DP rank
+
+
+def _dp2_loader(ds, dp_rank, epochs):
+    from packloader.contracts import ParallelConfig
+
+    # the analytic model's plan: one rank's step holds slices and the other's does not (the case under test)
+    cfg = PlanConfig(strategy="slimpack", max_tokens=64, context=256, tokens_per_step=400, num_micro_batches=MB2,
+                     parallel=ParallelConfig(dp=2), cost="analytic")
+    return PackedLoader(IterableSource(ds), config=cfg, num_threads=0, append_eos=False, dp_rank=dp_rank,
+                        epochs=epochs)
+
+
+def _rank_ddp_trainer(rank, world, out_dir):
+    from packloader_integrations import hf as phf
+
+    docs = corpus()
+    segs = [(s.doc, s.start, s.end, s.attend_from) for b in _dp2_loader(docs, rank, 1) if b.step == 0 for s in b.segments]
+    model = tiny_llama(phf.register_packloader_attention())
+    grads = {}
+
+    class Grab(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            if not grads:
+                grads.update({n: p.grad.clone().numpy() for n, p in model.named_parameters()})
+
+    args = transformers.TrainingArguments(output_dir=out_dir, max_steps=1, gradient_accumulation_steps=MB2,
+                                          learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
+                                          logging_strategy="no", max_grad_norm=0.0, dataloader_num_workers=0,
+                                          ddp_backend="gloo")
+    tr = phf.PackedTrainer(model=model, args=args, packed_loader=_dp2_loader(docs, rank, None), callbacks=[Grab()])
+    tr.train()
+    return segs, grads
+
+
+def test_packed_trainer_runs_a_sliced_plan_under_ddp(tmp_path):
+    """2 DP ranks (gloo, DDP): one rank's step holds the slices, the other's does not, so both take the
+    SliceExecutor path (a collective flag) and the gradients are averaged once; each rank's gradient equals the
+    per-token mean gradient of all the documents run whole."""
+    pytest.importorskip("accelerate")
+    from distributed import run_ranks
+
+    docs = corpus()
+    ref = tiny_llama("eager")
+    ref.train()
+    _, ref_grads = whole_document_reference(ref, docs)
+    res = run_ranks(_rank_ddp_trainer, 2, str(tmp_path))
+    allsegs = res[0][0] + res[1][0]
+    assert [any(a < s for _, s, _, a in r[0]) for r in res].count(True) == 1  # one rank's step holds the slices
+    assert sum(e - s for _, s, e, _ in allsegs) == sum(LENGTHS)
+    for _, grads in res:
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(torch.from_numpy(grads[n]), g, rtol=1e-5, atol=1e-8, msg=n)
+
+
+# ------------------------------------------------------------------------------------------------ Megatron
+
+
+def _dense_core_attention_cls():
+    """The reference's core attention: causal softmax attention of one whole document by an explicit mask."""
+
+    class Dense(torch.nn.Module):
+        def __init__(self, config, layer_number, *a, softmax_scale=None, **k):
+            super().__init__()
+            self.scale = (config.hidden_size // config.num_attention_heads) ** -0.5
+
+        def forward(self, q, k, v, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, **kw):
+            q, k, v = (t.squeeze(1) if t.dim() == 4 else t for t in (q, k, v))
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            n = q.shape[0]
+            s = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v).reshape(n, -1)
+
+    return Dense
+
+
+def _rank_megatron_sliced(rank, world):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from packloader_integrations import megatron as pm
+
+    ps.initialize_model_parallel(1, 1)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=64, use_cpu_initialization=True, calculate_per_token_loss=True,
+                            hidden_dropout=0.0, attention_dropout=0.0)
+
+    def gpt(core):
+        spec = get_gpt_layer_local_spec()
+        spec.submodules.self_attention.submodules.core_attention = core
+        torch.manual_seed(0)
+        # position embeddings read position_ids (Megatron's THD RoPE restarts each segment at 0: see the adapter)
+        return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=512,
+                        position_embedding_type="learned_absolute").double()
+
+    model, ref = gpt(pm.PackloaderCoreAttention), gpt(_dense_core_attention_cls())
+    ref.load_state_dict(model.state_dict())
+    docs = corpus()
+
+    # reference: every document whole, on its own; the summed token loss and its gradients
+    ref_loss = 0.0
+    for d in docs:
+        x = torch.from_numpy(d).long().unsqueeze(0)
+        n = x.shape[1]
+        cu = torch.tensor([0, n], dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+        labels = torch.cat([x[:, 1:], torch.zeros(1, 1, dtype=torch.long)], 1)
+        per_tok = ref(x, torch.arange(n).unsqueeze(0), None, labels=labels, packed_seq_params=params)
+        loss = per_tok[0, :-1].sum()
+        loss.backward()
+        ref_loss += float(loss.detach())
+    ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
+
+    it = pm.MegatronDataIterator(sliced_loader(docs, epochs=1), num_microbatches=MB, slices=True)
+    store = pm.sliced_forward_backward(forward_step_func=pm.forward_step, data_iterator=it, model=model,
+                                       num_microbatches=MB, seq_length=0, micro_batch_size=1)
+    got_loss = sum(float(r["lm loss"][0]) for r in store)
+    got_tokens = sum(int(r["lm loss"][1]) for r in store)
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    sliced = any(s.attend_from < s.start for b in sliced_loader(docs, epochs=1) for s in b.segments)
+    return ref_loss, got_loss, got_tokens, {k: g.numpy() for k, g in ref_grads.items()}, \
+        {k: g.numpy() for k, g in grads.items()}, sliced
+
+
+def test_megatron_sliced_forward_backward_equals_whole_documents():
+    """Megatron-core's GPTModel (local layer spec, CPU, float64) on a sliced slimpack step through
+    sliced_forward_backward, megatron's forward_step_calc_loss included: summed loss, token count and every
+    parameter gradient equal the same model run on each whole document with dense causal attention."""
+    pytest.importorskip("megatron.core")
+    from distributed import run_ranks
+
+    ref_loss, loss, tokens, ref_grads, grads, sliced = run_ranks(_rank_megatron_sliced, 1)[0]
+    assert sliced
+    assert tokens == sum(n - 1 for n in LENGTHS)
+    # the model runs in float64, the adapter's loss_func sums in float32 (as Megatron's pretrain_gpt does)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert set(grads) == set(ref_grads)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(torch.from_numpy(grads[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)
+
+
+def test_megatron_refuses_slices_at_pp_above_1_and_without_the_sliced_schedule():
+    pytest.importorskip("megatron.core")
+    from packloader_integrations import megatron as pm
+
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2.*allow_slicing=False"):
+        pm.MegatronDataIterator(sliced_loader(corpus(), epochs=1), slices=True, pipeline_parallel_size=2)
+    it = pm.MegatronDataIterator(sliced_loader(corpus(), epochs=1), pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2.*step 0, micro-batch \d: document \d+.*"
+                                         r"allow_slicing=False"):
+        for _ in range(MB):
+            next(it)
+    it = pm.MegatronDataIterator(sliced_loader(corpus(), epochs=1))
+    with pytest.raises(ValueError, match=r"slices=True.*sliced_forward_backward.*allow_slicing=False"):
+        for _ in range(MB):
+            next(it)
+
+
+# ------------------------------------------------------------------------------------------------ DeepSpeed
+
+
+def test_deepspeed_refuses_sliced_batches_naming_the_setting_and_the_alternative():
+    """DeepSpeed's engine loop, pipeline engine and Ulysses run each micro-batch on its own: a sliced batch is
+    refused with the step, micro-batch and document, PlanConfig(allow_slicing=False) and the trainers that do run
+    slices."""
+    from packloader.runtime.slices import SlicesNotSupported
+    from packloader_integrations import deepspeed as pds
+
+    step0 = first_step(sliced_loader(corpus(), epochs=1))
+    b = next(b for b in step0 if any(s.attend_from < s.start for s in b.segments))
+    doc = next(s.doc for s in b.segments if s.attend_from < s.start)
+    expected = (rf"step 0, micro-batch {b.index_in_step} holds a slice of document {doc} .*"
+                r"PlanConfig\(allow_slicing=False\).*PackedTrainer.*sliced_forward_backward")
+    for call in (lambda: pds.deepspeed_batch(b), lambda: pds.ulysses_batch(b, 2, 0),
+                 lambda: pds.ulysses_hf_batch(b, 2),
+                 lambda: next(pds.PipelineBatches(iter([b]), gradient_accumulation_steps=b.micro_batches_in_step,
+                                                  dp_world_size=1))):
+        with pytest.raises(SlicesNotSupported, match=expected):
+            call()
+
+
+def test_refusals_point_to_the_pipeline_schedule_where_it_is_installed(monkeypatch):
+    import importlib.util
+
+    pytest.importorskip("megatron.core")
+    from packloader_integrations import deepspeed as pds
+    from packloader_integrations import megatron as pm
+
+    real = importlib.util.find_spec
+    for present in (False, True):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: (object() if present else None) if name == "packloader.runtime.pipeline"
+                            else real(name, *a))
+        b = next(b for b in first_step(sliced_loader(corpus(), epochs=1)) if any(s.attend_from < s.start for s in b.segments))
+        for call in (lambda: pds.deepspeed_batch(b),
+                     lambda: pm.MegatronDataIterator(iter([b]), slices=True, pipeline_parallel_size=2)):
+            with pytest.raises(ValueError) as e:
+                call()
+            assert ("packloader.runtime.pipeline.PlanPipelineSchedule" in str(e.value)) == present, str(e.value)

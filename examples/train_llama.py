@@ -4,6 +4,7 @@ seed, and compare held-out loss against the `fixed` baseline.
     python examples/train_llama.py --out runs/llama --seeds 0,1,2          # fixed, auto, wlb: ~40 s a run on 2 cores
     python examples/train_llama.py --out /tmp/tiny --tiny                  # CI size, well under a minute
     python examples/train_llama.py --out /tmp/cp --tiny --planners fixed --cp 2   # Zeppelin CP over 2 gloo ranks
+    python examples/train_llama.py --out /tmp/pp --tiny --pp 2                    # 2 pipeline stages, sliced plans
 
 Data: the Python standard library's source files (no download), cut into top-level definitions (a long-tailed
 mix of short and long documents), tokenized with packloader's default tokenizer (tekken) by
@@ -32,6 +33,16 @@ rank, long ones sharded, activations remapped by all-to-all), and the ranks' gra
 each optimizer step; ``--cp-mode`` picks the attention layout (hierarchical, document, sequence) and
 ``--cp-threshold`` the length from which hierarchical shards a document. Same data, init and LR schedule as the
 single-process run, so the loss curves agree up to float32 summation order.
+
+``--pp N`` trains through N pipeline stages on N gloo processes (``packloader.runtime.pipeline``): the loader plans
+with ``ParallelConfig(pp=N)`` and slicing allowed (default planner ``slimpack``), the decoder layers are split
+evenly over the stages (embedding on the first, norm and LM head on the last), each stage's attention runs the
+micro-batch's slice context (a later slice reads the earlier slices' keys from the stage's carried KV), and a step's
+micro-batches run through ``PlanPipelineSchedule``; the loss is normalised over the step's loss tokens, and each
+stage takes one AdamW step per packloader step (tied embedding gradient summed between the first and last stage,
+gradient-norm clip over all stages). Every rank builds the whole model from the seed and keeps its stage, so the
+init is the single-process run's. ``--pp N --pp-whole`` is the unsliced run it must match: one process, the same
+plans, each step's documents rejoined from their slices and run whole through the unsplit model.
 """
 
 from __future__ import annotations

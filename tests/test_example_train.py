@@ -1,7 +1,8 @@
 """examples/train_llama.py at CI size: Parquet shards written by tokenize_to_parquet, a random Llama trained
 through packloader with the runtime's varlen attention for one whole epoch with `fixed`, `auto` and `wlb`; every
 run trains exactly the shards' tokens (counted here from the Parquet files), the loss starts at the
-uniform-prediction value ln(vocab) and falls; the comparison helpers on hand-worked numbers."""
+uniform-prediction value ln(vocab) and falls; the comparison helpers on hand-worked numbers; --cp 2 and --pp 2
+(sliced plans through pipeline stages) against single-process runs."""
 
 from __future__ import annotations
 

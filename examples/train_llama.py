@@ -4,6 +4,7 @@ seed, and compare held-out loss against the `fixed` baseline.
     python examples/train_llama.py --out runs/llama --seeds 0,1,2          # fixed, auto, wlb: ~40 s a run on 2 cores
     python examples/train_llama.py --out /tmp/tiny --tiny                  # CI size, well under a minute
     python examples/train_llama.py --out /tmp/cp --tiny --planners fixed --cp 2   # Zeppelin CP over 2 gloo ranks
+    python examples/train_llama.py --out /tmp/pp --tiny --pp 2                    # 2 pipeline stages, sliced plans
 
 Data: the Python standard library's source files (no download), cut into top-level definitions (a long-tailed
 mix of short and long documents), tokenized with packloader's default tokenizer (tekken) by
@@ -32,6 +33,16 @@ rank, long ones sharded, activations remapped by all-to-all), and the ranks' gra
 each optimizer step; ``--cp-mode`` picks the attention layout (hierarchical, document, sequence) and
 ``--cp-threshold`` the length from which hierarchical shards a document. Same data, init and LR schedule as the
 single-process run, so the loss curves agree up to float32 summation order.
+
+``--pp N`` trains through N pipeline stages on N gloo processes (``packloader.runtime.pipeline``): the loader plans
+with ``ParallelConfig(pp=N)`` and slicing allowed (default planner ``slimpack``), the decoder layers are split
+evenly over the stages (embedding on the first, norm and LM head on the last), each stage's attention runs the
+micro-batch's slice context (a later slice reads the earlier slices' keys from the stage's carried KV), and a step's
+micro-batches run through ``PlanPipelineSchedule``; the loss is normalised over the step's loss tokens, and each
+stage takes one AdamW step per packloader step (tied embedding gradient summed between the first and last stage,
+gradient-norm clip over all stages). Every rank builds the whole model from the seed and keeps its stage, so the
+init is the single-process run's. ``--pp N --pp-whole`` is the unsliced run it must match: one process, the same
+plans, each step's documents rejoined from their slices and run whole through the unsplit model.
 """
 
 from __future__ import annotations
@@ -159,12 +170,175 @@ def cp_micro_batch_loss_sum(model, batch, table: torch.Tensor, args) -> tuple[to
     return loss, int((labels != -100).sum())
 
 
-def make_loader(paths, args, strategy: str, epochs):
-    from packloader import PackedLoader, PlanConfig
+class LlamaStage(torch.nn.Module):
+    """Decoder layers lo..hi-1 of a transformers Llama as one pipeline stage, token-major (`[T, hidden]` between
+    stages): the embedding on the first stage, norm and LM head on the last. The modules are the full model's
+    own (same parameters); attention goes through packloader's transformers attention, which runs the
+    micro-batch's slice context (`SlicedPipelineStage` activates it) with the layer's global index as the key."""
 
+    def __init__(self, model, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        inner = model.model
+        self.first, self.last = first, last
+        self.embed = inner.embed_tokens if first else None
+        self.layers = torch.nn.ModuleList(inner.layers[lo:hi])
+        self.rotary = inner.rotary_emb
+        self.norm = inner.norm if last else None
+        self.head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.embed(x)
+        h, pos = x[None], position_ids[None]
+        pe = self.rotary(h, pos)
+        for layer in self.layers:
+            h = layer(h, position_ids=pos, position_embeddings=pe, use_cache=False)
+            h = h[0] if isinstance(h, tuple) else h
+        h = h[0]
+        return self.head(self.norm(h)) if self.last else h
+
+
+def stage_cuts(layers: int, pp: int) -> list[tuple[int, int]]:
+    """Decoder layers per stage, as even as possible; every stage needs one (its slices' keys live there)."""
+    if layers < pp:
+        raise ValueError(f"--pp {pp} needs at least {pp} decoder layers (--layers {layers}): every stage runs "
+                         f"attention")
+    cuts = np.linspace(0, layers, pp + 1).round().astype(int)
+    return [(int(cuts[i]), int(cuts[i + 1])) for i in range(pp)]
+
+
+def whole_documents(micro_batches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A step's micro-batches with every sliced document rejoined: (input ids, labels, position ids, cu_seqlens,
+    max length) of one packed sequence of whole documents (and context pieces), in order of first appearance. A
+    slice belongs to the piece it attends from (`(doc, attend_from)`); its pieces must tile it without gaps."""
+    parts: dict[tuple[int, int], list] = {}
+    for b in micro_batches:
+        cu = b.cu_seqlens.long().tolist()
+        for i, s in enumerate(b.segments):
+            sl = slice(cu[i], cu[i + 1])
+            parts.setdefault((s.doc, s.attend_from), []).append(
+                (s.start, s.end, b.input_ids[sl], b.labels[sl], b.position_ids[sl]))
+    ids, labels, pos, lens = [], [], [], []
+    for (doc, attend_from), ps in parts.items():
+        ps.sort(key=lambda p: p[0])
+        at = attend_from
+        for start, end, *_ in ps:
+            if start != at:
+                raise ValueError(f"document {doc}: its slices in this step leave tokens {at}..{start - 1} out")
+            at = end
+        ids += [p[2] for p in ps]
+        labels += [p[3] for p in ps]
+        pos += [p[4] for p in ps]
+        lens.append(at - attend_from)
+    cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32)
+    return torch.cat(ids), torch.cat(labels), torch.cat(pos), cu, max(lens)
+
+
+def whole_step_loss_sum(model, micro_batches, table: torch.Tensor) -> torch.Tensor:
+    """Summed next-token loss of a step's documents run whole (slices rejoined) through the unsplit model: plain
+    varlen attention, no KV carry, no pipeline."""
+    ids, labels, pos, cu, longest = whole_documents(micro_batches)
+    logits = model(input_ids=remap(ids, table)[None], position_ids=pos[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                   max_length_q=longest, max_length_k=longest, use_cache=False).logits[0]
+    return torch.nn.functional.cross_entropy(logits, remap(labels, table), ignore_index=-100, reduction="sum")
+
+
+class PipelineRun:
+    """This process's pipeline stage of the `--pp` run: its share of the full model (built whole with the seed on
+    every rank, so each stage's parameters are exactly the single-process run's), the engine stage and the
+    plan schedule. The tied embedding / LM head weight lives on the first and last stage; its two gradient
+    shares are summed between them (as Megatron's embedding group does), so both keep the same weight."""
+
+    def __init__(self, model, args):
+        import torch.distributed as dist
+
+        from packloader.runtime.pipeline import PlanPipelineSchedule, SlicedPipelineStage
+
+        self.model, self.pp, self.rank = model, args.pp, dist.get_rank()
+        cuts = stage_cuts(args.layers, args.pp)
+        first, last = self.rank == 0, self.rank == args.pp - 1
+        self.module = LlamaStage(model, *cuts[self.rank], first, last)
+        hidden = model.config.hidden_size
+        out = model.config.vocab_size if last else hidden
+        self.stage = SlicedPipelineStage(
+            self.module, self.rank, args.pp, "cpu",
+            input_example=torch.zeros(1, dtype=torch.long) if first else torch.zeros(1, hidden),
+            output_example=torch.zeros(1, out))
+        self.schedule = PlanPipelineSchedule([self.stage], self._loss)
+        self.params = list(dict.fromkeys(self.module.parameters()))
+        self.tied = model.lm_head.weight if model.config.tie_word_embeddings else None
+        self.tied_group = dist.new_group([0, args.pp - 1]) if self.tied is not None else None
+        # owner of every parameter of the full model (the tied weight: the first stage), for gather()
+        self.owner = {}
+        for r, (lo, hi) in enumerate(cuts):
+            for i in range(lo, hi):
+                for q in model.model.layers[i].parameters():
+                    self.owner[q] = r
+        for q in model.model.norm.parameters():
+            self.owner[q] = args.pp - 1
+        for q in model.lm_head.parameters():
+            self.owner[q] = args.pp - 1
+        for q in model.model.embed_tokens.parameters():
+            self.owner[q] = 0
+        self.sliced_steps = 0
+
+    @staticmethod
+    def _loss(logits, target):
+        labels, n_step = target
+        return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / n_step
+
+    def step(self, micro_batches, table: torch.Tensor, n_step: int) -> float:
+        """Forward and backward of one packloader step through the pipeline (the plan's micro-batches in the
+        simulator's 1F1B order, slices carrying their keys per stage); the step's summed loss / `n_step`, on
+        every rank."""
+        import torch.distributed as dist
+
+        from packloader.contracts import MicroBatch
+
+        mbs = [b for b in micro_batches if b.num_tokens]  # an empty slot has nothing to run on any stage
+        self.sliced_steps += any(s.attend_from < s.start for b in mbs for s in b.segments)
+        losses: list = []
+        self.schedule.step_plan([MicroBatch(segments=list(b.segments)) for b in mbs],
+                                arg_mbs=[(remap(b.input_ids, table),) for b in mbs],
+                                kwarg_mbs=[{"position_ids": b.position_ids} for b in mbs],
+                                target_mbs=[(remap(b.labels, table), n_step) for b in mbs], losses=losses)
+        if self.tied is not None and self.pp > 1:
+            if self.tied.grad is None:
+                self.tied.grad = torch.zeros_like(self.tied)
+            dist.all_reduce(self.tied.grad, group=self.tied_group)
+        t = torch.tensor([sum(float(l.detach()) for l in losses)], dtype=torch.float64)
+        dist.all_reduce(t)  # only the last stage holds losses
+        return float(t)
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """`torch.nn.utils.clip_grad_norm_` over the whole model: every stage's squared norm summed, the tied
+        weight counted once."""
+        import torch.distributed as dist
+
+        own = [q for q in self.params if q.grad is not None and self.owner[q] == self.rank]
+        sq = torch.tensor([sum(float(q.grad.double().pow(2).sum()) for q in own)], dtype=torch.float64)
+        dist.all_reduce(sq)
+        coef = min(1.0, max_norm / (math.sqrt(float(sq)) + 1e-6))
+        for q in self.params:
+            if q.grad is not None:
+                q.grad.mul_(coef)
+
+    def gather(self) -> None:
+        """Every rank's copy of the full model gets each stage's trained parameters (for the held-out loss)."""
+        import torch.distributed as dist
+
+        for q in dict.fromkeys(self.model.parameters()):
+            dist.broadcast(q.data, src=self.owner[q])
+
+
+def make_loader(paths, args, strategy: str, epochs, *, train: bool = True):
+    from packloader import PackedLoader, PlanConfig
+    from packloader.contracts import ParallelConfig
+
+    pp = args.pp if train else 1
     cfg = PlanConfig(strategy=strategy, max_tokens=args.max_tokens, context=args.context,
-                     tokens_per_step=args.tokens_per_step, allow_slicing=False, model=args.cost_model,
-                     seed=args.seed)
+                     tokens_per_step=args.tokens_per_step, allow_slicing=pp > 1, parallel=ParallelConfig(pp=pp),
+                     model=args.cost_model, seed=args.seed)
     return PackedLoader(paths, config=cfg, epochs=epochs, num_threads=0, seed=args.seed)
 
 
@@ -172,7 +346,7 @@ def evaluate(model, paths, args, table) -> float:
     model.eval()
     total, n = 0.0, 0
     with torch.no_grad():
-        for b in make_loader(paths, args, "fixed", epochs=1):
+        for b in make_loader(paths, args, "fixed", epochs=1, train=False):
             if b.num_tokens == 0:
                 continue
             loss, k = micro_batch_loss_sum(model, b, table)
@@ -204,11 +378,13 @@ def train(args, strategy: str, train_paths, valid_paths, table) -> dict:
     from packloader_integrations.deepspeed import steps
 
     model = build_model(args, args.vocab)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    pipe = PipelineRun(model, args) if args.pp > 1 and not args.pp_whole else None
+    params = pipe.params if pipe else list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     total_tokens = args.epochs * shard_tokens(train_paths)
     loader = make_loader(train_paths, args, strategy, epochs=args.epochs)
     curve = []
-    skipped = empty_mbs = trained = 0
+    skipped = empty_mbs = trained = sliced_steps = 0
     t0 = time.perf_counter()
     for step, micro_batches in enumerate(steps(loader)):
         if args.steps and step >= args.steps:
@@ -224,15 +400,23 @@ def train(args, strategy: str, train_paths, valid_paths, table) -> dict:
             g["lr"] = args.lr * lr_factor(args, (trained + step_tokens / 2) / total_tokens)
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for b in micro_batches:
-            if b.num_tokens == 0:  # a planner may leave a micro-batch slot empty: nothing to run
-                continue
-            if args.cp > 1:
-                loss, _ = cp_micro_batch_loss_sum(model, b, table, args)
-            else:
-                loss, _ = micro_batch_loss_sum(model, b, table)
+        if pipe is not None:  # the step through the pipeline stages, slices included
+            total = pipe.step(micro_batches, table, n_step) * n_step
+        elif args.pp_whole:  # the unsliced reference: the step's documents whole, one process
+            sliced_steps += any(s.attend_from < s.start for b in micro_batches for s in b.segments)
+            loss = whole_step_loss_sum(model, micro_batches, table)
             (loss / n_step).backward()
-            total += float(loss.detach())
+            total = float(loss.detach())
+        else:
+            for b in micro_batches:
+                if b.num_tokens == 0:  # a planner may leave a micro-batch slot empty: nothing to run
+                    continue
+                if args.cp > 1:
+                    loss, _ = cp_micro_batch_loss_sum(model, b, table, args)
+                else:
+                    loss, _ = micro_batch_loss_sum(model, b, table)
+                (loss / n_step).backward()
+                total += float(loss.detach())
         if args.cp > 1:  # each CP rank holds its tokens' share of the gradient and of the loss
             from packloader.runtime.zeppelin import reduce_gradients
 
@@ -241,7 +425,10 @@ def train(args, strategy: str, train_paths, valid_paths, table) -> dict:
             torch.distributed.all_reduce(t)
             total = float(t)
         trained += step_tokens
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if pipe is not None:
+            pipe.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         curve.append({"step": step, "loss": total / n_step, "tokens": step_tokens, "trained": trained,
                       "micro_batches": len(micro_batches), "seconds": time.perf_counter() - t0})
@@ -249,8 +436,13 @@ def train(args, strategy: str, train_paths, valid_paths, table) -> dict:
             print(f"[{strategy} seed {args.seed}] step {step:4d} loss {total / n_step:.4f} tokens {trained}/{total_tokens} "
                   f"({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
     loader.close()
+    if pipe is not None:
+        pipe.gather()
+        sliced_steps = pipe.sliced_steps
+    # every rank evaluates its gathered full model (the loader's start is collective over the process group)
     held_out = evaluate(model, valid_paths, args, table) if valid_paths else float("nan")
     return {"strategy": strategy, "seed": args.seed, "curve": curve, "held_out_loss": held_out,
+            "sliced_steps": sliced_steps,
             "skipped_empty_steps": skipped, "empty_micro_batches": empty_mbs, "tokens_trained": trained,
             "epoch_tokens": total_tokens // args.epochs, "seconds": time.perf_counter() - t0}
 
@@ -328,7 +520,8 @@ def plot(runs: list[dict], path: Path) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output directory (shards, curves.json, curves.png)")
-    p.add_argument("--planners", default="fixed,auto,wlb", help="comma-separated strategies, e.g. fixed,auto,wlb")
+    p.add_argument("--planners", default=None,
+                   help="comma-separated strategies (default: fixed,auto,wlb; slimpack with --pp, which slices)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (model init and document order), e.g. 0,1,2")
     p.add_argument("--tiny", action="store_true", help="CI size: few files, a tiny model, one short epoch")
     p.add_argument("--files", type=int, default=40, help="stdlib files to read")
@@ -353,22 +546,32 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="attention layout under --cp")
     p.add_argument("--cp-threshold", type=int, default=None,
                    help="hierarchical: shard documents of at least this many tokens (default: by cost estimate)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline parallelism over this many gloo processes (plans pipeline-aware, slices allowed)")
+    p.add_argument("--pp-whole", action="store_true",
+                   help="with --pp N: one process, the same plans, each step's documents rejoined and run whole "
+                        "through the unsplit model (the unsliced run --pp N must match)")
     args = p.parse_args(argv)
+    if args.planners is None:
+        args.planners = "slimpack" if args.pp > 1 else "fixed,auto,wlb"
+    if args.pp > 1 and args.cp > 1:
+        raise SystemExit("--pp and --cp together are not supported by this example")
     if args.tiny:
         args.files, args.epochs, args.tokens_per_step = 12, 1, 1024
         args.max_tokens = args.context = 512
         args.vocab, args.hidden, args.layers, args.heads, args.warmup_frac = 512, 32, 1, 2, 0.2
         args.lr = 1e-2
         args.valid_fraction = 0.1
+        args.layers = max(args.layers, args.pp)  # one decoder layer per stage
     return args
 
 
-def launch_cp(args, argv) -> dict:
-    """Run this script on `args.cp` gloo processes (torch.distributed.run) and return rank 0's result."""
+def launch(args, argv, nproc: int) -> dict:
+    """Run this script on `nproc` gloo processes (torch.distributed.run) and return rank 0's result."""
     import subprocess
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.cp}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(Path(__file__).resolve()), *argv]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     subprocess.run(cmd, check=True, env=env)
@@ -381,13 +584,15 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     train_paths, valid_paths = write_shards(args.out, args.files, args.valid_fraction, args.data_seed)
-    if args.cp > 1 and "RANK" not in os.environ:
-        return launch_cp(args, argv)
+    nproc = args.cp if args.cp > 1 else (args.pp if args.pp > 1 and not args.pp_whole else 1)
+    if nproc > 1 and "RANK" not in os.environ:
+        return launch(args, argv, nproc)
     rank = 0
-    if args.cp > 1:
+    if nproc > 1:
         torch.distributed.init_process_group("gloo")
-        if torch.distributed.get_world_size() != args.cp:
-            raise ValueError(f"--cp {args.cp} but the process group has {torch.distributed.get_world_size()} ranks")
+        if torch.distributed.get_world_size() != nproc:
+            flag = f"--cp {args.cp}" if args.cp > 1 else f"--pp {args.pp}"
+            raise ValueError(f"{flag} but the process group has {torch.distributed.get_world_size()} ranks")
         rank = torch.distributed.get_rank()
         args.verbose = args.verbose and rank == 0
     table = torch.from_numpy(vocab_map(train_paths, args.vocab))
@@ -404,7 +609,7 @@ def main(argv=None) -> dict:
         "comparison": compare(runs),
         "runs": runs,
     }
-    if args.cp > 1:
+    if nproc > 1:
         torch.distributed.destroy_process_group()
         if rank != 0:
             return result

@@ -1,7 +1,8 @@
 """examples/train_llama.py at CI size: Parquet shards written by tokenize_to_parquet, a random Llama trained
 through packloader with the runtime's varlen attention for one whole epoch with `fixed`, `auto` and `wlb`; every
 run trains exactly the shards' tokens (counted here from the Parquet files), the loss starts at the
-uniform-prediction value ln(vocab) and falls; the comparison helpers on hand-worked numbers."""
+uniform-prediction value ln(vocab) and falls; the comparison helpers on hand-worked numbers; --cp 2 and --pp 2
+(sliced plans through pipeline stages) against single-process runs."""
 
 from __future__ import annotations
 
@@ -89,3 +90,52 @@ def test_zeppelin_cp_run_matches_the_single_process_run(tmp_path):
     for a, b in zip(one["curve"], two["curve"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
     assert two["held_out_loss"] == pytest.approx(one["held_out_loss"], rel=1e-4)
+
+
+def test_pipeline_pp_run_matches_the_whole_document_run(tmp_path):
+    """--pp 2 (two gloo processes, one decoder layer per stage, slimpack plans with slices: a sliced document's
+    later slices read the earlier slices' keys from each stage's carried KV) trains the same steps as the unsliced
+    run: one process, the same plans, each step's documents rejoined and run whole through the unsplit model with
+    plain varlen attention. Per-step loss and held-out loss agree up to float32 summation order."""
+    ex = load_example()
+    common = ["--out", str(tmp_path), "--tiny", "--pp", "2", "--steps", "3", "--quiet", "--threads", "1"]
+    res_whole = ex.main(common + ["--pp-whole"])
+    whole = res_whole["runs"][0]
+    res = ex.main(common)
+    assert res["config"]["pp"] == 2 and res["config"]["layers"] == 2 and res["config"]["planners"] == "slimpack"
+    pp = res["runs"][0]
+    assert len(pp["curve"]) == len(whole["curve"]) == 3
+    # the plans held slices on every step (else the pipeline's KV carry is not exercised)
+    assert pp["sliced_steps"] == whole["sliced_steps"] == 3
+    assert [c["tokens"] for c in pp["curve"]] == [c["tokens"] for c in whole["curve"]]
+    for a, b in zip(whole["curve"], pp["curve"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
+    assert pp["held_out_loss"] == pytest.approx(whole["held_out_loss"], rel=1e-4)
+    # training moved the model: the steps' losses differ, so equal curves are not equal inits alone
+    assert whole["curve"][2]["loss"] < whole["curve"][0]["loss"] - 0.05
+
+
+def test_whole_documents_rejoins_slices_hand_worked():
+    import torch
+    from types import SimpleNamespace
+
+    from packloader.contracts import Segment
+
+    def mb(segs, ids):
+        lens = [s.end - s.start for s in segs]
+        cu = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32)
+        t = torch.tensor(ids)
+        return SimpleNamespace(segments=segs, cu_seqlens=cu, input_ids=t, labels=t + 100, position_ids=t + 1000)
+
+    # document 7: tokens 0..5 in slices 0..2 (micro-batch 0) and 2..5 (micro-batch 1); document 3 whole; a piece
+    # of document 9 starting at 4 (positions continue from the piece start)
+    ex = load_example()
+    a = mb([Segment(7, 0, 2, 0), Segment(3, 0, 2, 0)], [70, 71, 30, 31])
+    b = mb([Segment(9, 4, 6, 4), Segment(7, 2, 5, 0)], [94, 95, 72, 73, 74])
+    ids, labels, pos, cu, longest = ex.whole_documents([a, b])
+    assert ids.tolist() == [70, 71, 72, 73, 74, 30, 31, 94, 95]
+    assert labels.tolist() == [i + 100 for i in ids.tolist()] and pos.tolist() == [i + 1000 for i in ids.tolist()]
+    assert cu.tolist() == [0, 5, 7, 9] and longest == 5
+    gap = mb([Segment(7, 3, 5, 0)], [73, 74])
+    with pytest.raises(ValueError, match="document 7: its slices in this step leave tokens 0..2 out"):
+        ex.whole_documents([gap])

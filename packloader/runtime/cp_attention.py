@@ -165,8 +165,8 @@ def cp_attention(
     res = varlen_attention(q, k_sel, v_sel, cu_q, cu_k, shard.max_seqlen_q, max_k, causal=causal, window=window,
                            softmax_scale=softmax_scale, return_lse=return_lse, backend=backend)
     if world > 1 and n == 0:
-        # a rank that owns no token of this micro-batch must still run the gathers' backward (the other ranks
-        # wait on it): tie its empty output to the gathered keys and values with a zero
-        anchor = k_sel.sum() * 0 + v_sel.sum() * 0
+        # a rank that owns no token of this micro-batch must still run the backward of the collectives its inputs
+        # came through (the gathers here, a layout remap before them): tie its empty output to q, k and v with a zero
+        anchor = q.sum() * 0 + k_sel.sum() * 0 + v_sel.sum() * 0
         res = (res[0] + anchor, res[1]) if return_lse else res + anchor
     return res

@@ -65,26 +65,11 @@ class ZeppelinContext:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any = None,
                   softmax_scale: float | None = None, **kwargs: Any) -> torch.Tensor:
         """Causal attention of this rank's local rows (`q [n, Hq, D]`, `k/v [n, Hkv, D]`, linear layout)."""
-        from packloader.runtime.attention import varlen_attention
-        from packloader.runtime.cp_attention import _device_layout, all_gather_kv
+        from packloader.runtime.cp_attention import cp_attention
 
         rm = self.remapper
-        qa, ka, va = rm.to_attention(q), rm.to_attention(k), rm.to_attention(v)
-        shard = self.shard
-        rows, cu_q, cu_k, max_k = _device_layout(shard, q.device, True, (-1, -1))
-        if self.layout.world_size == 1:
-            ks, vs, anchor = ka.index_select(0, rows), va.index_select(0, rows), None
-        else:
-            kv = all_gather_kv(torch.cat([ka, va], dim=-1), shard.max_local, self.group)
-            sel = kv.index_select(0, rows)
-            ks, vs = sel[..., : k.shape[-1]], sel[..., k.shape[-1]:]
-            # a rank whose attention shard is empty (a micro-batch of short documents all kept whole elsewhere)
-            # must still run the collectives' backward: tie the output to their results with a zero
-            anchor = kv.sum() * 0 + qa.sum() * 0
-        out = varlen_attention(qa, ks.contiguous(), vs.contiguous(), cu_q, cu_k, shard.max_seqlen_q, max_k,
-                               causal=True, softmax_scale=softmax_scale, backend=self.backend, **kwargs)
-        if anchor is not None:
-            out = out + anchor
+        out = cp_attention(rm.to_attention(q), rm.to_attention(k), rm.to_attention(v), self.shard, self.group,
+                           causal=True, softmax_scale=softmax_scale, backend=self.backend, **kwargs)
         return rm.to_linear(out)
 
     @contextlib.contextmanager

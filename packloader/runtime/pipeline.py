@@ -149,16 +149,9 @@ class CarriedKVCache(SliceKVCache):
     tensors, which its forward keeps alive until its backward anyway; only the gradient accumulators are new
     memory. `kv_nbytes`/`grad_nbytes` split what `nbytes` counts."""
 
-    def put(self, layer: Hashable, doc: int, start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> _Entry:
-        entries = self._store.setdefault((layer, doc), [])
-        for e in entries:
-            if e.start < end and start < e.end:
-                raise ValueError(f"KV cache already holds tokens {e.start}..{e.end - 1} of document {doc} at layer "
-                                 f"{layer!r}; cannot store {start}..{end - 1} again")
-        e = _Entry(start, end, k.detach(), v.detach())
-        entries.append(e)
-        entries.sort(key=lambda x: x.start)
-        return e
+    @staticmethod
+    def _keep(t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
 
     def kv_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for es in self._store.values() for e in es for t in (e.k, e.v))

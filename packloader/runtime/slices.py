@@ -164,11 +164,15 @@ class SliceKVCache:
             if e.start < end and start < e.end:
                 raise ValueError(f"KV cache already holds tokens {e.start}..{e.end - 1} of document {doc} at layer "
                                  f"{layer!r}; cannot store {start}..{end - 1} again")
-        # a copy, not a view: a view would keep the whole micro-batch's key tensor alive
-        e = _Entry(start, end, k.detach().clone(), v.detach().clone())
+        e = _Entry(start, end, self._keep(k), self._keep(v))
         entries.append(e)
         entries.sort(key=lambda x: x.start)
         return e
+
+    @staticmethod
+    def _keep(t: torch.Tensor) -> torch.Tensor:
+        # a copy, not a view: a view would keep the whole micro-batch's key tensor alive
+        return t.detach().clone()
 
     def find(self, layer: Hashable, doc: int, pos: int) -> _Entry | None:
         for e in self._store.get((layer, doc), ()):

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import kill_harness as kh  # noqa: E402
+from sections import write_section  # noqa: E402  (benchmarks/, the script's own folder)
 
 SECTION = "kill"
 
@@ -100,18 +101,6 @@ def table(rows: list[dict]) -> str:
                      f"({r['extra_epoch_tokens']:,}) | {r['token_errors']} / {r['order_errors']} "
                      f"| {r['failed_runs']} / {r['runs']} | {r['failed_runs_not_last_round']} |")
     return "\n".join(lines)
-
-
-def write_section(path: Path, body: str) -> None:
-    """Replace what stands between this benchmark's markers; append the section when they are missing."""
-    start, end = f"<!-- SECTION:{SECTION} -->", f"<!-- END:{SECTION} -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{start}\n{body.strip()}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n## Exactly once under SIGKILL\n\n" + block + "\n"
-    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             table(rows),
             "",
         ])
-        write_section(Path(args.write), body)
+        write_section(Path(args.write), SECTION, "Exactly once under SIGKILL", body)
         print(f"wrote the {SECTION} section of {args.write}")
     if tmp is not None:
         tmp.cleanup()

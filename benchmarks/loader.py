@@ -39,6 +39,8 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from sections import write_section  # benchmarks/, the script's own folder
+
 from packloader.collate.collate import collate_concat
 from packloader.contracts import PlanConfig
 from packloader.loader.loader import PackedLoader
@@ -135,19 +137,6 @@ def measure_pair(ours, base, repeats: int) -> tuple[tuple[int, list[float], dict
     return tuple(out[0]), tuple(out[1])
 
 
-def write_section(path: Path, body: str) -> None:
-    """Replace what stands between the `<!-- SECTION:loader -->` markers (the other sections are other
-    benchmarks'); append the section when the markers are missing."""
-    start, end = "<!-- SECTION:loader -->", "<!-- END:loader -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{start}\n{body.strip()}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n## Loader throughput\n\n" + block + "\n"
-    path.write_text(text)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default=None, help="directory for the prepared shards (default: a temporary one)")
@@ -236,7 +225,7 @@ def main() -> None:
             *[f"- {v}" for v in verdicts],
             "",
         ])
-        write_section(Path(args.write), section)
+        write_section(Path(args.write), "loader", "Loader throughput", section)
         print(f"wrote the Loader section of {args.write}")
     if tmp is not None:
         tmp.cleanup()

@@ -40,16 +40,16 @@ from pipeline_model import (  # noqa: E402
     FF, H, HD, HKV, HQ, VOCAB, Llama, StageModule, documents, loss_fn, loss_tokens, micro_batch_inputs, stage_layers,
 )
 
-from packloader.balancers.memory import MemoryModel  # noqa: E402
-from packloader.balancers.presets import ModelShape  # noqa: E402
-from packloader.balancers.simulator import simulate, slice_edges_of  # noqa: E402
+from packloader.balancers.cost.memory import MemoryModel
+from packloader.balancers.cost.presets import ModelShape
+from packloader.balancers.sim.simulator import simulate, slice_edges_of
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState, RankPlan  # noqa: E402
 
 LENGTHS = [70, 9, 14, 22, 5, 31, 12, 8, 17, 40, 6, 11, 26, 19]
 
 
 def plans(scale: int, m: int, pp: int) -> dict[str, tuple[RankPlan, dict[int, int]]]:
-    from packloader.balancers.registry import Window, make_planner
+    from packloader.balancers.planners.registry import Window, make_planner
     from test_pipeline_slices import HAND, HAND_LENGTHS
 
     lens = [l * scale for l in LENGTHS]

@@ -19,8 +19,8 @@ independent context-window pieces, as the loader does):
   epochs.
 
 Cost model (`--cost`): `measured` (default) is the H100 profile fitted to timings measured on one H100
-(`packloader/balancers/measured.py`) scaled to `--model` at TP `--tp`; `analytic` the FLOP-rate model of
-`packloader/balancers/presets.py`. Every strategy plans and is scored under `--cost`; it is also planned and
+(`packloader/balancers/cost/measured.py`) scaled to `--model` at TP `--tp`; `analytic` the FLOP-rate model of
+`packloader/balancers/cost/presets.py`. Every strategy plans and is scored under `--cost`; it is also planned and
 scored under the other model (the sensitivity columns), and its plans under the other model are scored under
 `--cost` ("wrong profile": what planning with the wrong cost model costs, as tokens per second lost against
 planning with the right one). `--no-cross` skips the second planning.
@@ -63,10 +63,10 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from packloader.balancers import Window, make_planner
-from packloader.balancers.assemble import cost_model_for
-from packloader.balancers.metrics import drawn_steps, score_plans
-from packloader.balancers.verify import verify_plan
+from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.planners.packing import cost_model_for
+from packloader.balancers.sim.metrics import drawn_steps, score_plans
+from packloader.balancers.sim.verify import verify_plan
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 from packloader.loader.nodes import cut_pieces
 
@@ -206,7 +206,7 @@ def windows_for(stream: np.ndarray, setup: Setup, context: int) -> list[Window]:
 
 
 def describe(lengths: np.ndarray, context: int, model: str, cost: str = "measured") -> dict:
-    from packloader.balancers.cost import load_cost_model
+    from packloader.balancers.cost.resolve import load_cost_model
 
     l = np.sort(lengths.astype(np.float64))
     work = load_cost_model(model, ParallelConfig(dp=8, pp=4), cost=cost).doc_time(np.sort(lengths).astype(np.int64))
@@ -443,7 +443,7 @@ def report(rows: list[Row], stats: dict, args, argv: list[str]) -> str:
     lines = [
         f"Measured {now} on {platform.machine()} with {cpus} CPUs usable ({os.cpu_count()} online), load average "
         f"{os.getloadavg()[0]:.1f} at the end; Python {platform.python_version()}, numba {numba.__version__}; "
-        f"cost model `{args.model}`, {args.cost} ({'H100 timings, packloader/balancers/measured.py' if args.cost == 'measured' else 'presets.py'}), "
+        f"cost model `{args.model}`, {args.cost} ({'H100 timings, packloader/balancers/cost/measured.py' if args.cost == 'measured' else 'packloader/balancers/cost/presets.py'}), "
         f"TP {args.tp}, 1F1B:",
         "",
         "```",
@@ -452,7 +452,7 @@ def report(rows: list[Row], stats: dict, args, argv: list[str]) -> str:
         "",
         "Strategies: `fixed` (BFD into fixed 64K bins, the baseline), `wlb`, `hydraulis`, `slimpack`, `auto` "
         "(packloader's planners, issue 3), and re-implementations of what users run today "
-        "(`packloader/balancers/baselines.py`): `concat` = Megatron-LM's concatenate-and-chunk samples "
+        "(`packloader/balancers/planners/concat.py`, `multipack.py`, `verl.py`): `concat` = Megatron-LM's concatenate-and-chunk samples "
         "(document-masked), `multipack` = Axolotl's multipack sampler (first-fit bins dealt round-robin to DP "
         "ranks), `karmarkar_karp` = verl's Karmarkar-Karp balancing of workload over DP ranks (equal-size groups) "
         "then micro-batches. "

@@ -7,7 +7,7 @@ Source: packloader/profiles/measured/h100-attention.csv and h100-linear.csv, tim
 80GB HBM3 (SXM), torch 2.11 with CUDA 13.0, bf16, on 2026-11-22 (median of 20 runs after 5 warm-up runs):
 `torch.nn.attention.varlen.varlen_attn`, causal, 32 heads x 128 (Llama-7B, MHA), each row a 32,768-token pack
 of `docs` equal documents of `doc_len` tokens; and one Llama-7B layer's GEMMs (QKV, O, gate+up, down; hidden
-4096, FFN 11008) plus SwiGLU at `tokens` tokens. The fit is `packloader.balancers.measured.build_profile`.
+4096, FFN 11008) plus SwiGLU at `tokens` tokens. The fit is `packloader.balancers.cost.measured.build_profile`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,19 @@ import argparse
 import sys
 
 import msgspec
-import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
-    from packloader.balancers.cost import fit_poly, save_profile
-    from packloader.balancers.measured import (
-        ATTENTION_CSV, LINEAR_CSV, MAX_FIT_ERROR, build_profile, profile_path, read_csv, row_errors,
+    from packloader.balancers.cost.fit import fit_poly
+    from packloader.balancers.cost.profile_io import save_profile
+    from packloader.balancers.cost.measured import (
+        ATTENTION_CSV,
+        LINEAR_CSV,
+        MAX_FIT_ERROR,
+        build_profile,
+        profile_path,
+        read_csv,
+        row_errors,
     )
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -57,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print("FAILED: a row is off by more than allowed", file=sys.stderr)
         return 1
     if args.check:
-        from packloader.balancers.cost import load_profile
+        from packloader.balancers.cost.profile_io import load_profile
 
         shipped = load_profile(args.out)
         if msgspec.json.encode(shipped) != msgspec.json.encode(prof):

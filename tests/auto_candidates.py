@@ -3,9 +3,9 @@ reference the auto tests compare its choice with."""
 
 from __future__ import annotations
 
-from packloader.balancers.assemble import Pieces, cost_model_for
-from packloader.balancers.auto import AutoPlanner, Candidate
-from packloader.balancers.registry import Window
+from packloader.balancers.planners.auto import AutoPlanner, Candidate
+from packloader.balancers.planners.packing import Pieces, cost_model_for
+from packloader.balancers.planners.registry import Window
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 
@@ -16,7 +16,7 @@ def candidate_plans(auto: AutoPlanner, cfg: PlanConfig, window: Window, state: P
     out = []
     for cand in auto.candidates(pieces):
         try:
-            packing = auto.solve(cand, pieces, 0, True, True)
+            packing = auto.solve_candidate(cand, pieces, 0, True, True)
         except ValueError:
             continue
         out.append((cand, packing.costs(model).to_step_plan(0)))

@@ -43,7 +43,6 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -590,7 +589,7 @@ def prepare_parent(strategies=("auto", "wlb")) -> None:
     import torchdata.stateful_dataloader  # noqa: F401
 
     import packloader.loader.loader  # noqa: F401
-    from packloader.balancers.registry import Window, make_planner
+    from packloader.balancers.planners.registry import Window, make_planner
     from packloader.contracts import PlannerState
     from packloader.sources.jsonl import JsonlSource  # noqa: F401
     from packloader.sources.parquet import ParquetSource  # noqa: F401

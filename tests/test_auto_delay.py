@@ -7,10 +7,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from packloader.balancers import auto
-from packloader.balancers.assemble import flush_state
 from packloader.balancers.offline import draw_windows, plan_run
-from packloader.balancers.registry import make_planner
+from packloader.balancers.planners import auto
+from packloader.balancers.planners.packing import flush_state
+from packloader.balancers.planners.registry import make_planner
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 TPS = 524288

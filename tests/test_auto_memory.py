@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from packloader.balancers.assemble import Pieces, cost_model_for, flush_state
-from packloader.balancers.auto import TOLERANCE, AutoPlanner, slice_edges_prefix
-from packloader.balancers.cost import save_profile
-from packloader.balancers.memory import MemoryModel
-from packloader.balancers.metrics import score_plan
-from packloader.balancers.peaks import packing_peaks
-from packloader.balancers.registry import Window
-from packloader.balancers.simulator import simulate_step
-from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
-
 from auto_candidates import candidate_plans
+
+from packloader.balancers.cost.memory import MemoryModel
+from packloader.balancers.cost.profile_io import save_profile
+from packloader.balancers.planners.auto import TOLERANCE, AutoPlanner, slice_edges_prefix
+from packloader.balancers.planners.packing import Pieces, cost_model_for, flush_state
+from packloader.balancers.planners.registry import Window
+from packloader.balancers.sim.metrics import score_plan
+from packloader.balancers.sim.peaks import packing_peaks
+from packloader.balancers.sim.simulator import simulate_step
+from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 GiB = 1024**3
 H100_LIMIT = (80 * 0.92 - 2) * GiB  # by hand: MemoryModel's defaults on an 80 GiB device
@@ -114,7 +113,7 @@ def test_array_peaks_match_plan_simulation(schedule, vpp, dp, merge):
     seen_slices = seen_merge = 0
     for cand in auto.candidates(pieces):
         try:
-            packing = auto.solve(cand, pieces, 0, True, True)
+            packing = auto.solve_candidate(cand, pieces, 0, True, True)
         except ValueError:
             continue
         packing.costs(model)

@@ -8,11 +8,13 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from packloader.balancers import Window, make_planner
-from packloader.balancers.assemble import flush_state
-from packloader.balancers.baselines import ffd_pack, kk_partitions, multipack_allocate, verl_order, verl_positions
+from packloader.balancers.planners.multipack import ffd_pack, multipack_allocate
+from packloader.balancers.planners.packing import flush_state
+from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.planners.verl import kk_partitions, verl_order, verl_positions
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 BASELINES = ["concat", "multipack", "karmarkar_karp", "multipack_openchat2023", "karmarkar_karp_verl_legacy"]
@@ -303,7 +305,7 @@ def first_fit_reference(values, cap, max_items):
 
 
 def test_first_fit_hand_worked():
-    from packloader.balancers.baselines import first_fit_pack
+    from packloader.balancers.planners.multipack import first_fit_pack
 
     # cap 10, in order: 6 -> bin 0 (4 left); 5 -> bin 1 (5 left); 4 -> bin 0 (0 left); 5 -> bin 1; 3 -> bin 2
     a, n = first_fit_pack(np.array([6, 5, 4, 5, 3]), 10, 200)
@@ -320,7 +322,7 @@ def test_first_fit_hand_worked():
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 100), min_size=0, max_size=60), st.integers(1, 5))
 def test_first_fit_matches_reference(values, max_items):
-    from packloader.balancers.baselines import axolotl_bins, first_fit_pack
+    from packloader.balancers.planners.multipack import axolotl_bins, first_fit_pack
 
     a, n = first_fit_pack(np.array(values, np.int64), 100, max_items)
     assert (a.tolist(), n) == first_fit_reference(values, 100, max_items)
@@ -356,7 +358,7 @@ def test_todays_multipack_needs_fewer_bins_than_the_2023_allocator():
     """Over 16 long-tail lists at DP 8, today's first fit opens no more bins than OpenChat's 2023 rounds of DP
     FFD bins (which count whole rounds) and never fewer than the bound ceil(tokens / cap); every bin holds at
     most cap tokens."""
-    from packloader.balancers.baselines import axolotl_bins
+    from packloader.balancers.planners.multipack import axolotl_bins
 
     cap, dp = 16384, 8
     today = old = bound = 0
@@ -377,7 +379,7 @@ def test_todays_multipack_needs_fewer_bins_than_the_2023_allocator():
 def test_karmarkar_karp_balances_workload_with_equal_counts():
     """DP level: LDM with equal_size over verl's workload 24576 l + l^2; checked against the reference kernel
     call on the padded values, and every rank gets the same number of pieces (within the one pad item)."""
-    from packloader.balancers.baselines import verl_workload
+    from packloader.balancers.planners.verl import verl_workload
 
     rng = np.random.default_rng(5)
     lengths = rng.integers(1, 4000, 43)

@@ -26,7 +26,7 @@ def test_cli_writes_a_profile_the_balancers_load(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "held-out MAPE" in text and "attention l=" in text and str(out) in text
 
-    from packloader.balancers.cost import load_cost_model
+    from packloader.balancers.cost.resolve import load_cost_model
 
     model = load_cost_model(str(out))
     assert model.profile == prof

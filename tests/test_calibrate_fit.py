@@ -4,7 +4,8 @@ non-negative, and scores itself on lengths it did not see."""
 import numpy as np
 import pytest
 
-from packloader.runtime.calibrate import fit_profile, geometric_points, held_out_mask
+from packloader.balancers.cost.fit import fit_profile, held_out_mask
+from packloader.runtime.calibrate import geometric_points
 
 TRUE = {  # (a, b, c) per part
     "attn_fwd": (3.0e-10, 2.0e-8, 5.0e-6),

@@ -3,18 +3,20 @@
 import numpy as np
 import pytest
 
-from packloader.balancers.cost import CostModel, annotate_costs, fit_poly, lin_time, load_cost_model, profile_from_table
-from packloader.balancers.memory import (
+from packloader.balancers.cost.coeffs import lin_time
+from packloader.balancers.cost.fit import fit_poly, profile_from_table
+from packloader.balancers.cost.memory import (
     GiB,
     MemoryModel,
-    RankCosts,
     activation_bytes_per_token_per_layer,
     in_flight_micro_batches,
     max_tokens_for_memory,
     static_bytes,
 )
-from packloader.balancers.presets import get_shape
-from packloader.balancers.simulator import simulate_rank
+from packloader.balancers.cost.model import CostModel, annotate_costs
+from packloader.balancers.cost.presets import get_shape
+from packloader.balancers.cost.resolve import RankCosts, load_cost_model
+from packloader.balancers.sim.simulator import simulate_rank
 from packloader.contracts import MicroBatch, ParallelConfig, RankPlan, Segment, StepPlan
 
 
@@ -54,7 +56,7 @@ def test_static_bytes_and_distributed_optimizer():
 def test_max_tokens_is_the_largest_that_fits():
     for name, par in [("llama3-8b", ParallelConfig(dp=8, pp=4)), ("llama3-70b", ParallelConfig(dp=8, tp=8, pp=4)), ("llama2-7b", ParallelConfig(dp=8))]:
         mm = MemoryModel.for_preset(name, par)
-        n = mm.max_tokens()
+        n = mm.tokens_that_fit()
         assert n > 0 and n % 128 == 0
         limit = mm.memory_gib * GiB * mm.usable_fraction - mm.reserve_gib * GiB
         assert all(mm.peak_bytes(n, s) <= limit for s in range(par.pp))
@@ -69,8 +71,8 @@ def test_max_tokens_is_the_largest_that_fits():
     with pytest.raises(ValueError, match="does not fit"):
         load_cost_model("llama3-8b", ParallelConfig(dp=1), memory_cap=True)
     m = load_cost_model("llama3-8b", ParallelConfig(dp=8, pp=4), memory_cap=True)
-    assert m.max_tokens() == base
-    assert load_cost_model("llama3-8b").max_tokens() is None
+    assert m.memory_cap() == base
+    assert load_cost_model("llama3-8b").memory_cap() is None
 
 
 def test_simulated_peak_matches_the_memory_model_for_equal_micro_batches():

@@ -3,19 +3,21 @@
 import numpy as np
 import pytest
 
-from packloader.balancers import presets
-from packloader.balancers.cost import (
-    CostModel,
-    annotate_costs,
-    attn_time,
-    lin_time,
-    load_cost_model,
-    microbatch_time,
-    microbatch_times_csr,
-    profile_coeffs,
-    save_profile,
+from packloader.balancers.cost import presets
+from packloader.balancers.cost.coeffs import attn_time, lin_time, microbatch_time, microbatch_times_csr, profile_coeffs
+from packloader.balancers.cost.model import CostModel, annotate_costs
+from packloader.balancers.cost.profile_io import save_profile
+from packloader.balancers.cost.resolve import load_cost_model
+from packloader.contracts import (
+    COEFF_LAYOUT,
+    CostProfile,
+    MicroBatch,
+    ParallelConfig,
+    Poly,
+    RankPlan,
+    Segment,
+    StepPlan,
 )
-from packloader.contracts import COEFF_LAYOUT, CostProfile, MicroBatch, ParallelConfig, Poly, RankPlan, Segment, StepPlan
 
 HAND = CostProfile(
     name="hand",

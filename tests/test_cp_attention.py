@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed import run_ranks
 
 PACKS = {

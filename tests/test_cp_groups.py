@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed import run_ranks
+
 from packloader.contracts import MicroBatch, RankPlan, Segment, StepPlan
 from packloader.runtime.groups import contiguous_pow2_groups, groups_in_plans
 
@@ -46,8 +46,7 @@ def _reference(mb: MicroBatch, q, k, v, w):
 def _rank(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from packloader.runtime.groups import (ProcessGroupCache, dp_merge_attention, dp_merge_shard,
-                                           prepare_dp_merge_groups)
+    from packloader.runtime.groups import ProcessGroupCache, dp_merge_attention, dp_merge_shard, prepare_dp_merge_groups
 
     plan = _plan()
     cache = ProcessGroupCache()

@@ -152,7 +152,7 @@ def test_hierarchical_keeps_short_documents_whole():
 
 
 def test_costs_match_the_cost_model_and_adaptive_picks_the_minimum():
-    from packloader.balancers.cost import load_cost_model
+    from packloader.balancers.cost.resolve import load_cost_model
 
     cm = load_cost_model("llama3-8b")
     rng = np.random.default_rng(0)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from packloader.balancers import Window
-from packloader.balancers.assemble import Packing
-from packloader.balancers.auto import AutoPlanner
 from packloader.balancers.offline import plan_run
-from packloader.balancers.verify import verify_plan
+from packloader.balancers.planners.auto import AutoPlanner
+from packloader.balancers.planners.packing import Packing
+from packloader.balancers.planners.registry import Window
+from packloader.balancers.sim.verify import verify_plan
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 

@@ -116,8 +116,9 @@ def test_pipeline_pp_run_matches_the_whole_document_run(tmp_path):
 
 
 def test_whole_documents_rejoins_slices_hand_worked():
-    import torch
     from types import SimpleNamespace
+
+    import torch
 
     from packloader.contracts import Segment
 

@@ -1,9 +1,10 @@
 """The fixed BFD baseline honours the planner contract (checked independently of its own bookkeeping)."""
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from packloader.balancers import Window, make_planner
+from packloader.balancers.planners.registry import Window, make_planner
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed import run_ranks
 
 

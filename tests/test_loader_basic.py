@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from packloader.balancers.fixed import FixedPlanner
-from packloader.balancers.registry import Window, available_strategies
+from packloader.balancers.planners.fixed import FixedPlanner
+from packloader.balancers.planners.registry import Window, available_strategies
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState, QueuedDoc
 from packloader.loader.check import TokenLedger, check_batch_tokens
 from packloader.loader.loader import PackedLoader
@@ -254,7 +254,7 @@ def test_a_planners_queue_is_flushed_at_the_end_of_each_epoch():
 @pytest.mark.parametrize("strategy", [s for s in available_strategies() if s != "fixed"])
 def test_any_registered_planner_covers_every_token_once(strategy):
     try:
-        from packloader.balancers.registry import make_planner
+        from packloader.balancers.planners.registry import make_planner
 
         make_planner(config(strategy=strategy))
     except (ImportError, ValueError) as e:  # a planner whose module is not there yet

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-
 from distributed import run_ranks
+
 from packloader.contracts import ParallelConfig, PlanConfig
 from packloader.loader.check import TokenLedger
 from packloader.loader.loader import PackedLoader

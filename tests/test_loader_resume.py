@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -307,7 +306,7 @@ class SlowPlanner:
     0.5 s thread join, as on a loaded machine."""
 
     def __init__(self, config: PlanConfig) -> None:
-        from packloader.balancers.fixed import FixedPlanner
+        from packloader.balancers.planners.fixed import FixedPlanner
 
         self.inner, self.pause, self.slow = FixedPlanner(config), 0.0, range(0)
 

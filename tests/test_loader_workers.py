@@ -4,13 +4,11 @@ whole and in order; StatefulDataLoader saves and restores every worker."""
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.utils.data import DataLoader
 
 from packloader.contracts import ParallelConfig, PlanConfig
 from packloader.loader.check import TokenLedger, check_batch_tokens
 from packloader.loader.loader import PackedDataset
-from packloader.sources.base import IterableSource
 
 
 def _config(dp=1):
@@ -58,9 +56,8 @@ def test_workers_and_ranks_together(tmp_path):
 
 
 def test_stateful_dataloader_resumes_each_worker(tmp_path):
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
     from test_loader_basic import token_docs, write_token_shards
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
     paths = write_token_shards(tmp_path, token_docs(250, seed=4), shards=3)
 

@@ -4,10 +4,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from packloader.balancers.cost import CostModel, annotate_costs
-from packloader.balancers.metrics import PlanScores, RunScores, aggregate, drawn_steps, score_plan, score_plans
-from packloader.balancers.registry import Window
-from packloader.balancers.verify import PlanError, coverage, verify_plan
+from packloader.balancers.cost.model import CostModel, annotate_costs
+from packloader.balancers.planners.registry import Window
+from packloader.balancers.sim.metrics import PlanScores, RunScores, aggregate, drawn_steps, score_plan, score_plans
+from packloader.balancers.sim.verify import PlanError, coverage, verify_plan
 from packloader.contracts import (
     CostProfile,
     MicroBatch,
@@ -119,7 +119,7 @@ def test_drawn_steps_from_windows():
 
 
 def test_scores_run_on_a_real_planner_plan():
-    from packloader.balancers import make_planner
+    from packloader.balancers.planners.registry import make_planner
 
     cfg = PlanConfig(strategy="fixed", parallel=ParallelConfig(dp=2, pp=2), max_tokens=4096, context=4096)
     lengths = np.random.default_rng(0).integers(64, 4096, size=40)
@@ -131,7 +131,7 @@ def test_scores_run_on_a_real_planner_plan():
 
 
 def _tiny():
-    from packloader.balancers.cost import load_cost_model
+    from packloader.balancers.cost.resolve import load_cost_model
 
     return load_cost_model("tiny")
 
@@ -244,7 +244,7 @@ def test_verify_dp_merge_group_counts_once_and_caps_per_rank():
 
 
 def test_fast_and_full_simulation_paths_agree():
-    from packloader.balancers.memory import MemoryModel
+    from packloader.balancers.cost.memory import MemoryModel
 
     rng = np.random.default_rng(3)
     ranks = []

@@ -7,13 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from distributed import run_ranks
 from pipeline_model import (
-    H,
     HD,
     HKV,
     VOCAB,
+    H,
     Llama,
     StageModule,
     documents,
@@ -24,7 +23,7 @@ from pipeline_model import (
     stage_layers,
 )
 
-from packloader.balancers.simulator import simulate_rank
+from packloader.balancers.sim.simulator import simulate_rank
 from packloader.contracts import MicroBatch, ParallelConfig, RankPlan, Segment
 
 LAYERS = 4  # one layer per virtual stage at 2 stages x 2 chunks and at 4 stages
@@ -56,7 +55,7 @@ WITH_EMPTY_LENGTHS = {d: n for d, n in HAND_LENGTHS.items() if d != 106}
 
 
 def planner_plan(pp: int, strategy: str = "slimpack"):
-    from packloader.balancers.registry import Window, make_planner
+    from packloader.balancers.planners.registry import Window, make_planner
     from packloader.contracts import PlanConfig, PlannerState
 
     lens = [70, 9, 14, 22, 5, 31, 12, 8, 17, 40, 6, 11]

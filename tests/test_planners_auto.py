@@ -5,18 +5,18 @@ and its choice against simulating every candidate's StepPlan with `metrics.score
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
-
-from packloader.balancers.assemble import Pieces, cost_model_for, flush_state
-from packloader.balancers.auto import AutoPlanner, slice_edges, slice_edges_prefix
-from packloader.balancers.fixed import best_fit_decreasing
-from packloader.balancers.kernels import bfd_pack
-from packloader.balancers.metrics import score_plan
-from packloader.balancers.registry import Window
-from packloader.balancers.simulator import slice_edges_of
-from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
-
 from auto_candidates import candidate_plans
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packloader.balancers.planners.auto import AutoPlanner, slice_edges, slice_edges_prefix
+from packloader.balancers.planners.base import Layout
+from packloader.balancers.planners.fixed import best_fit_decreasing, bfd_pack
+from packloader.balancers.planners.packing import Pieces, cost_model_for, flush_state
+from packloader.balancers.planners.registry import Window
+from packloader.balancers.sim.metrics import score_plan
+from packloader.balancers.sim.simulator import slice_edges_of
+from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 
 @settings(max_examples=60, deadline=None)
@@ -38,7 +38,7 @@ def test_slice_edges_match_simulator_reference(lengths, dp, pp, nmb):
                      num_micro_batches=nmb)
     auto = AutoPlanner(cfg)
     pieces = Pieces.of(Window.from_lengths(np.array(lengths)), PlannerState(), 0)
-    packing = auto.slimpack.solve(pieces, 0, nmb)
+    packing = auto.slimpack.solve(pieces, Layout(0, micro_batches=nmb), auto.model)
     plan = packing.costs(auto.model).to_step_plan(0)
     offs, src, dst = slice_edges(packing)
     _, _, _, pre = slice_edges_prefix(packing)
@@ -72,7 +72,7 @@ def test_auto_picks_the_fastest_candidate_by_plan_simulation():
 def test_plan_costs_match_the_cost_model_for_dp_merge_micro_batches():
     """Packing.costs fills DP-Merge costs with array code; CostModel.microbatch_times is the reference."""
     cfg = PlanConfig(strategy="slimpack", parallel=ParallelConfig(dp=4, pp=2), max_tokens=2048, context=16384)
-    from packloader.balancers import make_planner
+    from packloader.balancers.planners.registry import make_planner
 
     plan, _ = make_planner(cfg).plan(Window.from_lengths(np.array([16000, 300, 200, 900, 50])), PlannerState(), 0)
     model = cost_model_for(cfg)

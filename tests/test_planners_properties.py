@@ -13,11 +13,12 @@ import sys
 import msgspec
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from packloader.balancers import Window, make_planner
-from packloader.balancers.assemble import flush_state
-from packloader.balancers.verify import verify_plan
+from packloader.balancers.planners.packing import flush_state
+from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.sim.verify import verify_plan
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState, StepPlan
 
 PLANNERS = ["wlb", "hydraulis", "slimpack", "auto"]

@@ -13,13 +13,13 @@ import math
 import numpy as np
 import pytest
 
-from packloader.balancers import Window, make_planner
-from packloader.balancers.assemble import cost_model_for, flush_state
-from packloader.balancers.cost import CostModel
-from packloader.balancers.hydraulis import HydraulisPlanner
-from packloader.balancers.slimpack import SlimPackPlanner
-from packloader.balancers.metrics import score_plan
-from packloader.balancers.verify import verify_plan
+from packloader.balancers.cost.model import CostModel
+from packloader.balancers.planners.hydraulis import HydraulisPlanner
+from packloader.balancers.planners.packing import cost_model_for, flush_state
+from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.planners.slimpack import SlimPackPlanner
+from packloader.balancers.sim.metrics import score_plan
+from packloader.balancers.sim.verify import verify_plan
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 
@@ -183,8 +183,8 @@ def test_auto_is_never_slower_than_the_planners_it_chooses_among(pp, slicing):
     planning the same flushed window with their defaults: auto's must not be worse beyond its tie tolerance
     than those whose simulated peak memory fits the H100 (auto only chooses among plans that fit; tp 8 so that
     llama3-8b fits at all)."""
-    from packloader.balancers.memory import MemoryModel
-    from packloader.balancers.simulator import simulate_step
+    from packloader.balancers.cost.memory import MemoryModel
+    from packloader.balancers.sim.simulator import simulate_step
 
     dp, cap = 4, 16384
     lengths = longtail(700, 9)
@@ -215,9 +215,9 @@ def test_auto_is_never_slower_than_the_planners_it_chooses_among(pp, slicing):
 
 def test_auto_respects_the_memory_cap_of_a_profile(tmp_path):
     """A calibration profile with a memory cap (MaxLen) below --max-tokens: auto plans under the smaller."""
-    from packloader.balancers.cost import save_profile
+    from packloader.balancers.cost.profile_io import save_profile
 
-    model = cost_model_for(PlanConfig(model="llama2-7b")).with_max_tokens(1024)
+    model = cost_model_for(PlanConfig(model="llama2-7b")).with_memory_cap(1024)
     path = tmp_path / "capped.json"
     save_profile(model.profile, path)
     cfg = PlanConfig(strategy="auto", parallel=ParallelConfig(dp=2, pp=2), max_tokens=4096, context=4096, model=str(path))

@@ -3,8 +3,8 @@ single-process reference, with all_to_all, the all_gather fallback, and the auto
 
 import pytest
 import torch
-
 from distributed import run_ranks
+
 from packloader.contracts import Segment
 
 CASES = {

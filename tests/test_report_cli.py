@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 import math
+import shutil
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from packloader.balancers.presets import get_shape
+from packloader.balancers.cost.presets import get_shape
 from packloader.cli.main import main
 from packloader.contracts import ParallelConfig, decode_step_plan
 
@@ -82,7 +82,7 @@ def read_plans(path):
 
 
 def profile_dict(model, parallel):
-    from packloader.balancers.cost import load_cost_model
+    from packloader.balancers.cost.resolve import load_cost_model
 
     pr = load_cost_model(model, parallel).profile
     return {"tile": pr.tile, "lin_table": pr.lin_table, **{k: (getattr(pr, k).a, getattr(pr, k).b, getattr(pr, k).c) for k in ("attn_fwd", "attn_bwd", "lin_fwd", "lin_bwd")}}
@@ -377,7 +377,7 @@ def test_bad_input_gives_a_clear_error(tmp_path, capsys, setup, args, expect):
 
 
 def test_failing_strategy_is_skipped_with_a_note(tmp_path, capsys):
-    from packloader.balancers import registry
+    from packloader.balancers.planners import registry
 
     class Broken:
         def __init__(self, config):
@@ -386,14 +386,14 @@ def test_failing_strategy_is_skipped_with_a_note(tmp_path, capsys):
         def plan(self, window, state, step):
             raise RuntimeError("this planner always fails")
 
-    registry._REGISTRY["broken_for_test"] = Broken
+    registry.register_planner("broken_for_test")(Broken)
     try:
         np.save(tmp_path / "l.npy", longtail(2000))
         code, out, err = run_cli(["--lengths", str(tmp_path / "l.npy"), "--dp", "2", "--model", "tiny", "--max-tokens", "8192",
                                   "--context", "8192", "--steps", "2", "--strategies", "fixed,broken_for_test,not_a_strategy",
                                   "--out", str(tmp_path / "o"), "--no-advice", "--no-plots"], capsys)
     finally:
-        del registry._REGISTRY["broken_for_test"]
+        registry._REGISTRY.pop("broken_for_test")
     assert code == 0, err
     assert "skipped broken_for_test: RuntimeError: this planner always fails" in out
     assert "skipped not_a_strategy: ValueError: unknown planner strategy" in out
@@ -434,7 +434,8 @@ def test_html_renders_in_a_headless_browser(lengths_report, tmp_path):
 
 def test_report_with_a_calibration_profile(tmp_path, capsys):
     """--model takes a profile JSON (as `packloader calibrate` writes it): times follow it, memory is unknown."""
-    from packloader.balancers.cost import load_cost_model, save_profile
+    from packloader.balancers.cost.profile_io import save_profile
+    from packloader.balancers.cost.resolve import load_cost_model
 
     save_profile(load_cost_model("tiny", ParallelConfig(dp=2)).scaled(3.0).profile, tmp_path / "prof.json")
     np.save(tmp_path / "l.npy", longtail(2000, seed=4))

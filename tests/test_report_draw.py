@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packloader.balancers.cost import load_cost_model
+from packloader.balancers.cost.resolve import load_cost_model
 from packloader.contracts import MicroBatch, ParallelConfig, Segment
 from packloader.report.advice import merged_model
 from packloader.report.draw import StepCounter, cut_window, draw_steps, step_bounds

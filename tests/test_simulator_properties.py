@@ -1,9 +1,10 @@
 """Simulator invariants on random schedules (hypothesis)."""
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from packloader.balancers.simulator import simulate
+from packloader.balancers.sim.simulator import simulate
 
 times = st.lists(st.floats(0.01, 10.0), min_size=1, max_size=16)
 

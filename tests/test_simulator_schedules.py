@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
-from packloader.balancers.cost import CostModel
-from packloader.balancers.memory import MemoryModel
-from packloader.balancers.simulator import (
+from packloader.balancers.cost.memory import MemoryModel
+from packloader.balancers.cost.model import CostModel
+from packloader.balancers.sim.kernels import step_times_ranks
+from packloader.balancers.sim.simulator import (
     default_backward_order,
     gpipe_formula,
     simulate,
@@ -13,7 +14,6 @@ from packloader.balancers.simulator import (
     simulate_step,
     slice_edges_of,
     step_time,
-    step_times_ranks,
 )
 from packloader.contracts import CostProfile, MicroBatch, ParallelConfig, Poly, RankPlan, Segment, StepPlan
 
@@ -185,7 +185,7 @@ def test_deadlock_free_on_random_slice_layouts():
 
 
 def test_batched_sliced_fast_path_matches_simulate():
-    from packloader.balancers.simulator import step_times_ranks_sliced
+    from packloader.balancers.sim.kernels import step_times_ranks_sliced
 
     rng = np.random.default_rng(2)
     for pp, vpp, kind, sched in [(1, 1, 0, "1f1b"), (4, 1, 0, "1f1b"), (3, 1, 1, "gpipe"), (2, 2, 2, "interleaved")]:
@@ -208,14 +208,14 @@ def test_batched_sliced_fast_path_matches_simulate():
                            slice_edges=per_rank[r] or None)
             assert got[r] == pytest.approx(ref.step_time)
             o = default_backward_order(m, np.array(per_rank[r]).reshape(-1, 2))
-            from packloader.balancers.simulator import backward_order_kernel
+            from packloader.balancers.sim.kernels import backward_order_kernel
 
             e = np.array(per_rank[r], dtype=np.int64).reshape(-1, 2)
             assert backward_order_kernel(m, e[:, 0].copy(), e[:, 1].copy()).tolist() == o.tolist()
 
 
 def test_per_stage_models_put_the_head_on_the_last_stage():
-    from packloader.balancers.presets import analytic_stage_profiles, get_shape, stage_layers
+    from packloader.balancers.cost.presets import analytic_stage_profiles, get_shape, stage_layers
 
     assert stage_layers(get_shape("llama3-8b"), 5) == [7, 7, 6, 6, 6]
     par = ParallelConfig(pp=4)

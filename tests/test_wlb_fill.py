@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from packloader.balancers import Window, make_planner
-from packloader.balancers.assemble import flush_state
-from packloader.balancers.wlb import WLBPlanner
+from packloader.balancers.planners.packing import flush_state
+from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.planners.wlb import WLBPlanner
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 

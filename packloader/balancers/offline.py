@@ -15,8 +15,8 @@ from typing import Iterator
 
 import numpy as np
 
-from packloader.balancers.assemble import flush_state
-from packloader.balancers.registry import Window, make_planner
+from packloader.balancers.planners.packing import flush_state
+from packloader.balancers.planners.registry import Window, make_planner
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 

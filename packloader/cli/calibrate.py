@@ -17,7 +17,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--model", default=None, help="a model preset (packloader.balancers.presets), e.g. llama3-8b")
+    p.add_argument("--model", default=None, help="a model preset (packloader.balancers.cost.presets), e.g. llama3-8b")
     p.add_argument("--hidden", type=int, help="hidden size (instead of --model)")
     p.add_argument("--heads", type=int, help="query heads")
     p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from packloader.balancers.cost import save_profile
+    from packloader.balancers.cost.profile_io import save_profile
     from packloader.runtime.calibrate import LayerShape, calibrate, format_fit, shape_from_preset
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import msgspec
 import msgspec.inspect as mi
 
+from packloader.balancers.planners.registry import planner_spec
 from packloader.contracts import ParallelConfig, PlanConfig
 
 # Historical flag names kept where they differ from the field's; a bool field whose default is True gets a
@@ -182,9 +183,14 @@ def config_from_args(args: argparse.Namespace, strategy: str = "auto", defaults:
     for name, v in values.items():
         (raw["parallel"] if name in parallel_names else raw)[name] = v
     try:
-        return msgspec.convert(raw, PlanConfig)
+        config = msgspec.convert(raw, PlanConfig)
     except msgspec.ValidationError as e:
         text = str(e)
         path = text.rsplit("`$.", 1)[-1].rstrip("`") if "`$." in text else ""
         flag = next((f.flag for f in _fields() if f.path == path), "--strategy" if path == "strategy" else path)
         raise ValueError(f"invalid configuration{f' ({flag})' if flag else ''}: {text}") from None
+    try:
+        planner_spec(config.strategy)
+    except ValueError as e:
+        raise ValueError(f"invalid configuration (--strategy): {e}") from None
+    return config

@@ -90,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
     config = _config(args)
     steps = args.steps or DEMO_STEPS
     device = getattr(config, "device", None) or args.device
-    from packloader.balancers.cost import load_cost_model
+    from packloader.balancers.cost.resolve import load_cost_model
 
     load_cost_model(config.model, config.parallel, device=device)  # a bad --model fails here, before tokenizing
     strategies = tuple(x.strip() for x in args.strategies.split(",") if x.strip()) if args.strategies else BASELINES + PACKLOADER

@@ -197,7 +197,7 @@ class _CostAdapter:
         return self.model.segment_times(np.asarray(q, dtype=np.int64), np.asarray(p, dtype=np.int64))
 
     def linear(self, n: float) -> float:
-        from packloader.balancers.cost import lin_time
+        from packloader.balancers.cost.coeffs import lin_time
 
         c = self.model.coeffs
         return float(lin_time(c, float(n), False) + lin_time(c, float(n), True))
@@ -211,7 +211,7 @@ def default_cost_model() -> Any:
     profile), or a unit tile-aware estimate if that cannot be loaded."""
     if not _DEFAULT:
         try:
-            from packloader.balancers.cost import load_cost_model
+            from packloader.balancers.cost.resolve import load_cost_model
 
             _DEFAULT.append(_CostAdapter(load_cost_model("llama3-8b")))
         except Exception:  # noqa: BLE001 - any failure to build the preset falls back to the unit estimate
@@ -228,7 +228,7 @@ def _estimator(cost_model: Any) -> Any:
         return _CostAdapter(cost_model)
     if hasattr(cost_model, "segment_times"):
         return cost_model  # duck-typed: segment_times(q, p) -> (fwd, bwd), optional linear(n)
-    from packloader.balancers.cost import load_cost_model
+    from packloader.balancers.cost.resolve import load_cost_model
 
     return _CostAdapter(load_cost_model(cost_model))
 

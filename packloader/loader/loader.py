@@ -47,7 +47,7 @@ import msgspec
 from torch.utils.data import IterableDataset
 from torchdata.nodes import ParallelMapper, Prefetcher
 
-from packloader.balancers.registry import make_planner
+from packloader.balancers.planners.registry import make_planner
 from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
 from packloader.loader.distributed import (RankExchange, check_settings, next_instance, resolve_dp_rank,

@@ -41,7 +41,7 @@ import msgspec
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from packloader.balancers.registry import Window
+from packloader.balancers.planners.registry import Window
 from packloader.collate.collate import collate_step, loss_tokens_in_plan
 from packloader.contracts import MicroBatch, PlanConfig, PlannerState, StepPlan
 from packloader.loader.distributed import RankExchange, digest
@@ -49,7 +49,7 @@ from packloader.loader.state import LoaderStats
 from packloader.sources.order import split_range
 from packloader.sources.stream import DocumentStream
 
-FLUSH = "flush"  # PlannerState.extra key asking a planner to plan everything it holds (balancers/assemble.py)
+FLUSH = "flush"  # PlannerState.extra key asking a planner to plan everything it holds (balancers/planners/packing.py)
 
 
 @dataclass(frozen=True)

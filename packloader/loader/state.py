@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from packloader.balancers.planners.registry import check_strategy
 from packloader.contracts import PlanConfig, PlannerState, check_plan_config
 
 STATE_FORMAT = "packloader.loader/2"
@@ -39,20 +40,21 @@ class LoaderOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
 
 def validate_config(config) -> PlanConfig:
     """A PlanConfig, validated: each field (msgspec checks constraints when converting, not in the constructor),
-    the rules between fields (`check_plan_config`), and that `model` names a preset or a cost profile (the `fixed`
+    the rules between fields (`check_plan_config`, and the planner's `check_strategy`), and that `model` names a preset or a cost profile (the `fixed`
     strategy never loads it, so a typo would otherwise pass unnoticed)."""
     raw = msgspec.to_builtins(config) if isinstance(config, PlanConfig) else config
     if not isinstance(raw, dict):
         raise TypeError(f"config must be a PlanConfig or a dict, got {type(config).__name__}")
     cfg = msgspec.convert(raw, PlanConfig)
     check_plan_config(cfg)
+    check_strategy(cfg)
     check_model(cfg)
     return cfg
 
 
 def check_model(config: PlanConfig) -> None:
-    from packloader.balancers.assemble import cost_model_for
-    from packloader.balancers.presets import preset_names
+    from packloader.balancers.cost.presets import preset_names
+    from packloader.balancers.planners.packing import cost_model_for
 
     try:
         cost_model_for(config)

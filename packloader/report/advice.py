@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from packloader.balancers.cost import CostModel
-from packloader.balancers.memory import memory_limit_bytes
-from packloader.balancers.metrics import score_plans
-from packloader.balancers.simulator import simulate_step
+from packloader.balancers.cost.model import CostModel
+from packloader.balancers.cost.memory import memory_limit_bytes
+from packloader.balancers.sim.metrics import score_plans
+from packloader.balancers.sim.simulator import simulate_step
 from packloader.contracts import ParallelConfig, PlanConfig, Poly
 from packloader.report.draw import Draw
 from packloader.report.figures import GiB, Advice, CapCandidate, GroupingCandidate, RankGroup, StrategyFigures
@@ -52,7 +52,7 @@ def merged_model(model: CostModel, g: int) -> CostModel:
     return CostModel(msgspec.structs.replace(
         pr, name=f"{pr.name}/cpx{g}", attn_fwd=s(pr.attn_fwd), attn_bwd=s(pr.attn_bwd),
         lin_fwd=s(pr.lin_fwd), lin_bwd=s(pr.lin_bwd), lin_table=table,
-        max_tokens=pr.max_tokens * g if pr.max_tokens else None,
+        memory_cap=pr.memory_cap * g if pr.memory_cap else None,
     ))
 
 
@@ -83,7 +83,7 @@ def grid_caps(config: PlanConfig, model: CostModel, memory) -> list[int]:
     cap = config.max_tokens
     caps = {max(tile, cap // 2 // tile * tile), cap, cap * 2}
     if memory is not None:
-        mc = memory.max_tokens(tile=tile)
+        mc = memory.tokens_that_fit(tile=tile)
         if cap // 2 < mc < cap * 2:
             caps.add(mc)
     return sorted(caps)
@@ -159,7 +159,7 @@ def grouping_candidates(config: PlanConfig, draw: Draw, model: CostModel, baseli
                         homogeneous_time: float | None, max_candidates: int = 6, tick=None) -> list[GroupingCandidate]:
     """Heterogeneous groupings (k groups of g merged DP ranks + plain ranks), each planned by HydraulisPlanner
     with per-rank cost models and caps over all drawn steps."""
-    from packloader.balancers.hydraulis import HydraulisPlanner
+    from packloader.balancers.planners.hydraulis import HydraulisPlanner
 
     dp, cp, cap = config.parallel.dp, config.parallel.cp, config.max_tokens
     shapes = [(g, k) for g in (2, 4, 8) if g <= dp for k in range(1, dp // g + 1)]

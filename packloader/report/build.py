@@ -11,8 +11,9 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from packloader.balancers.cost import CostModel, load_cost_model
-from packloader.balancers.simulator import simulate_step
+from packloader.balancers.cost.model import CostModel
+from packloader.balancers.cost.resolve import load_cost_model
+from packloader.balancers.sim.simulator import simulate_step
 from packloader.contracts import PlanConfig, plan_encoder
 from packloader.report import plots
 from packloader.report.advice import fits, recommend
@@ -43,7 +44,7 @@ class ReportOptions:
 def memory_model_for(model_spec: str, config: PlanConfig, device: str):
     """The memory model of a preset (None for a calibration profile, whose shape is unknown); the same one the
     `auto` planner checks its plans against."""
-    from packloader.balancers.memory import memory_model_for as _for
+    from packloader.balancers.cost.memory import memory_model_for as _for
 
     return _for(model_spec, config.parallel, config.schedule, device, config.memory_gib)
 
@@ -89,7 +90,7 @@ def build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions | 
         notes.append(f"{lengths.empty:,} empty documents left out, as the loader does")
     mem_cap = None
     if memory is not None:
-        mem_cap = memory.max_tokens(tile=model.profile.tile)
+        mem_cap = memory.tokens_that_fit(tile=model.profile.tile)
         if mem_cap == 0:
             notes.append(f"{config.model} does not fit on one {opt.device.upper()} under this layout even without activations "
                          f"(weights, gradients and optimizer state); raise --tp or --pp: memory figures show how far off it is")

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from packloader.balancers.offline import cut_window  # the loader's cut, shared with `packloader plan`
-from packloader.balancers.registry import Window
+from packloader.balancers.offline import cut_window
+from packloader.balancers.planners.registry import Window
 
 
 def step_bounds(lengths: np.ndarray, tokens_per_step: int, steps: int | None = None) -> np.ndarray:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from packloader.balancers.cost import CostModel
-from packloader.balancers.metrics import aggregate, score_plans
-from packloader.balancers.registry import Window
-from packloader.balancers.simulator import simulate_step
-from packloader.balancers.verify import coverage
+from packloader.balancers.cost.model import CostModel
+from packloader.balancers.sim.metrics import aggregate, score_plans
+from packloader.balancers.planners.registry import Window
+from packloader.balancers.sim.simulator import simulate_step
+from packloader.balancers.sim.verify import coverage
 from packloader.contracts import ParallelConfig, PlanConfig
 from packloader.report.draw import Draw
 from packloader.report.run import DESCRIPTIONS, StrategyRun

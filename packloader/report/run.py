@@ -12,8 +12,8 @@ from typing import Callable
 import msgspec
 import numpy as np
 
-from packloader.balancers.assemble import FLUSH, flush_state
-from packloader.balancers.registry import Planner, Window, make_planner
+from packloader.balancers.planners.packing import FLUSH, flush_state
+from packloader.balancers.planners.registry import Planner, Window, make_planner
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 from packloader.report.draw import Draw
 

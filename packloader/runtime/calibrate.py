@@ -32,13 +32,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-import msgspec
 import numpy as np
 import torch
 
+from packloader.balancers.cost.fit import fit_profile
 from packloader.contracts import CostProfile
 
-TILE_CANDIDATES = (1, 16, 32, 64, 128, 256)
 PARTS = ("attn_fwd", "attn_bwd", "lin_fwd", "lin_bwd")
 
 
@@ -73,9 +72,9 @@ class LayerShape:
 
 
 def shape_from_preset(name: str) -> LayerShape:
-    """A LayerShape from `packloader.balancers.presets` (imported lazily: calibration works without it)."""
+    """A LayerShape from `packloader.balancers.cost.presets` (imported lazily: calibration works without it)."""
     try:
-        from packloader.balancers import presets
+        from packloader.balancers.cost import presets
     except ImportError as e:  # pragma: no cover - the presets module ships with packloader
         raise ValueError(f"model presets are unavailable ({e}); give the shape with --hidden/--heads/...") from None
     s = presets.get_shape(name)
@@ -92,91 +91,6 @@ def geometric_points(lo: int, hi: int, n: int) -> np.ndarray:
         raise ValueError(f"upper end {hi} is below the lower end {lo}")
     pts = np.unique(np.round(np.geomspace(lo, hi, max(n, 2))).astype(np.int64))
     return pts
-
-
-def held_out_mask(n: int) -> np.ndarray:
-    """Every other point held out; the first and last stay in the fit (no extrapolation in the held-out error)."""
-    mask = np.zeros(n, dtype=bool)
-    mask[1 : n - 1 : 2] = True
-    return mask
-
-
-def mape_pct(pred: np.ndarray, y: np.ndarray) -> float:
-    y = np.asarray(y, dtype=np.float64)
-    return float(np.mean(np.abs(np.asarray(pred) - y) / np.maximum(np.abs(y), 1e-30)) * 100.0) if len(y) else float("nan")
-
-
-def _poly_eval(poly, x: np.ndarray) -> np.ndarray:
-    return poly.a * x * x + poly.b * x + poly.c
-
-
-def _tiled(lengths: np.ndarray, tile: int) -> np.ndarray:
-    return np.ceil(np.asarray(lengths, dtype=np.float64) / tile) * tile
-
-
-def choose_tile(lengths: np.ndarray, fwd: np.ndarray, bwd: np.ndarray, candidates=TILE_CANDIDATES) -> int:
-    """The tile whose rounded-length fit of forward and backward attention times has the smallest mean relative
-    error (ties: the smaller tile)."""
-    from packloader.balancers.cost import fit_poly
-
-    best, best_err = 1, math.inf
-    for tile in sorted(candidates):
-        x = _tiled(lengths, tile)
-        err = 0.0
-        for y in (fwd, bwd):
-            poly, _ = fit_poly(x, y)
-            err += mape_pct(_poly_eval(poly, x), y)
-        if err < best_err * (1 - 1e-9):
-            best, best_err = tile, err
-    return best
-
-
-def fit_profile(
-    name: str,
-    *,
-    attn_lengths: np.ndarray,
-    attn_fwd: np.ndarray,
-    attn_bwd: np.ndarray,
-    lin_tokens: np.ndarray,
-    lin_fwd: np.ndarray,
-    lin_bwd: np.ndarray,
-    tile: int | None = None,
-    device: str = "measured",
-) -> CostProfile:
-    """Fit a CostProfile to measured times (seconds): attention per document length, linear per micro-batch
-    token count, forward and backward. Every other point (not the ends) is held out of the fit and scored."""
-    from packloader.balancers.cost import profile_from_table
-
-    al, ll = np.asarray(attn_lengths, dtype=np.int64), np.asarray(lin_tokens, dtype=np.int64)
-    table = {"attn_fwd": np.asarray(attn_fwd, np.float64), "attn_bwd": np.asarray(attn_bwd, np.float64),
-             "lin_fwd": np.asarray(lin_fwd, np.float64), "lin_bwd": np.asarray(lin_bwd, np.float64)}
-    for part, y in table.items():
-        x = al if part.startswith("attn") else ll
-        if y.shape != x.shape:
-            raise ValueError(f"{part}: {len(y)} times for {len(x)} points")
-        if len(x) < 3:
-            raise ValueError(f"{part}: at least 3 measured points are needed, got {len(x)}")
-    ha, hl = held_out_mask(len(al)), held_out_mask(len(ll))
-    if tile is None:
-        tile = choose_tile(al[~ha], table["attn_fwd"][~ha], table["attn_bwd"][~ha])
-    prof = profile_from_table(
-        name, attn_lengths=al[~ha], attn_fwd=table["attn_fwd"][~ha], attn_bwd=table["attn_bwd"][~ha],
-        lin_tokens=ll[~hl], lin_fwd=table["lin_fwd"][~hl], lin_bwd=table["lin_bwd"][~hl], tile=int(tile),
-        device=device,
-    )
-    from packloader.balancers.cost import CostModel
-
-    model = CostModel(prof)
-    errors = dict(prof.fit_error)
-    for part, y in table.items():
-        if part.startswith("attn"):
-            pred = _poly_eval(getattr(prof, part), _tiled(al, tile)[ha])
-            mask = ha
-        else:  # the measured table, interpolated at the held-out counts
-            pred = np.array([model.lin_time(n, part == "lin_bwd") for n in ll[hl]])
-            mask = hl
-        errors[f"{part}_heldout_mape_pct"] = mape_pct(pred, y[mask])
-    return msgspec.structs.replace(prof, fit_error=errors)
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -258,7 +172,7 @@ def time_attention(shape: LayerShape, lengths: np.ndarray, *, device: torch.devi
         bwd.append(b / count)
         if progress:
             progress(f"  attention l={l:>7d} x{count:<5d} fwd {fwd[-1] * 1e6:12.2f} us  bwd {bwd[-1] * 1e6:12.2f} us")
-        del q, k, v, g
+        q = k = v = g = None  # free them before the next length allocates
     return np.array(fwd), np.array(bwd)
 
 

@@ -76,13 +76,8 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
 )
 
-from packloader.balancers.simulator import (
-    SCHEDULES,
-    build_ops,
-    check_backward_order,
-    default_backward_order,
-    slice_edges_of,
-)
+from packloader.balancers.sim.kernels import SCHEDULES, build_ops
+from packloader.balancers.sim.simulator import check_backward_order, default_backward_order, slice_edges_of
 from packloader.contracts import MicroBatch, RankPlan, Segment, StepPlan
 from packloader.runtime.slices import SliceContext, SliceKVCache, SlicesNotSupported, _Entry, analyse_chain
 

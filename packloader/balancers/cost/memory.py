@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
-from packloader.balancers.cost import CostModel, load_cost_model
-from packloader.balancers.presets import ModelShape, get_shape
+from packloader.balancers.cost.presets import ModelShape, device_spec, get_shape
+from packloader.balancers.cost.profile_io import PROFILES_DIR
 from packloader.contracts import ParallelConfig
 
 Recompute = Literal["none", "selective", "full"]
@@ -139,7 +139,7 @@ class MemoryModel:
         """Bytes left for activations on `stage`."""
         return self.memory_gib * GiB * self.usable_fraction - self.reserve_gib * GiB - self.static_bytes(stage)
 
-    def max_tokens(self, num_micro_batches: int | None = None, tile: int = 128, user_cap: int | None = None) -> int:
+    def tokens_that_fit(self, num_micro_batches: int | None = None, tile: int = 128, user_cap: int | None = None) -> int:
         """Most tokens one micro-batch may hold so that no stage runs out of memory at its peak (0 when even
         the weights do not fit), rounded down to the tile, and at most `user_cap`."""
         best = math.inf
@@ -161,24 +161,12 @@ class MemoryModel:
         return self.static_bytes(stage) + per_token * tokens_per_micro_batch
 
 
-def device_spec(device: str):
-    """The presets' DeviceSpec of a device name ("h100" or "h200")."""
-    from packloader.balancers import presets
-
-    dev = {"h100": presets.H100, "h200": presets.H200}.get(device.lower())
-    if dev is None:
-        raise ValueError(f"unknown device {device!r}; expected h100 or h200")
-    return dev
-
-
 def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, schedule: str = "1f1b", device: str = "h100",
                      memory_gib: float | None = None) -> "MemoryModel | None":
     """The memory model of a preset name on `device` (default recompute; `memory_gib` overrides the device's
     memory, PlanConfig.memory_gib), or None when `model_spec` is a calibration profile (a JSON path or a
     bundled profile), whose model shape and so memory are unknown."""
     from pathlib import Path
-
-    from packloader.balancers.cost import PROFILES_DIR
 
     text = str(model_spec)
     if text.endswith(".json") or Path(text).exists() or (PROFILES_DIR / f"{text}.json").exists():
@@ -216,74 +204,4 @@ def max_tokens_for_memory(
         shape, parallel or ParallelConfig(), memory_gib=memory_gib, recompute=recompute, schedule=schedule,
         distributed_optimizer=distributed_optimizer,
     )
-    return mm.max_tokens(num_micro_batches, tile, user_cap)
-
-
-@dataclass
-class RankCosts:
-    """A cost model and a token cap per DP rank (Hydraulis's heterogeneous pipelines): rank r runs its
-    micro-batches at models[r]'s speed and may hold at most caps[r] tokens in one micro-batch."""
-
-    models: list[CostModel]
-    caps: list[int]
-
-    def __post_init__(self) -> None:
-        if len(self.models) != len(self.caps):
-            raise ValueError(f"{len(self.models)} cost models but {len(self.caps)} caps")
-        if not self.models:
-            raise ValueError("RankCosts needs at least one rank")
-        if any(c < 1 for c in self.caps):
-            raise ValueError(f"token caps must be >= 1, got {self.caps}")
-
-    def __len__(self) -> int:
-        return len(self.models)
-
-    def __getitem__(self, r: int) -> CostModel:
-        return self.models[r]
-
-    @property
-    def dp(self) -> int:
-        return len(self.models)
-
-    @property
-    def homogeneous(self) -> bool:
-        first = self.models[0]
-        return all(m is first or m.profile == first.profile for m in self.models) and len(set(self.caps)) == 1
-
-    @classmethod
-    def uniform(cls, model: CostModel, dp: int, cap: int) -> "RankCosts":
-        return cls([model] * dp, [int(cap)] * dp)
-
-    @classmethod
-    def from_specs(
-        cls,
-        specs: Sequence[str | CostModel],
-        parallel: ParallelConfig | None = None,
-        caps: Sequence[int] | int | None = None,
-        *,
-        slowdowns: Sequence[float] | None = None,
-    ) -> "RankCosts":
-        """One model per rank from preset names / profile paths (or CostModels), optionally slowed down by a
-        factor per rank (e.g. a rank on an older GPU). Caps: one per rank, one for all, or each model's own
-        memory cap (which must then be known)."""
-        models = [load_cost_model(s, parallel) if not isinstance(s, CostModel) else s for s in specs]
-        if slowdowns is not None:
-            if len(slowdowns) != len(models):
-                raise ValueError(f"{len(slowdowns)} slowdowns for {len(models)} ranks")
-            models = [m.scaled(f) if f != 1.0 else m for m, f in zip(models, slowdowns)]
-        if caps is None:
-            got = [m.max_tokens() for m in models]
-            if any(c is None for c in got):
-                raise ValueError("caps not given and some cost models carry no memory cap")
-            cap_list = [int(c) for c in got]  # type: ignore[arg-type]
-        elif isinstance(caps, int):
-            cap_list = [caps] * len(models)
-        else:
-            cap_list = [int(c) for c in caps]
-        return cls(models, cap_list)
-
-    def speeds(self, tokens: int = 8192) -> list[float]:
-        """Relative speed of each rank (1.0 = the fastest) on a micro-batch of one `tokens`-token document."""
-        t = [sum(m.microbatch_time_of([tokens])) for m in self.models]
-        fastest = min(t)
-        return [fastest / x for x in t]
+    return mm.tokens_that_fit(num_micro_batches, tile, user_cap)

@@ -26,15 +26,15 @@ constant               value       where it comes from
 =====================  ==========  ===========================================================================
 attn_fwd_tflops        310         FlashAttention-2 varlen causal forward, head_dim 128, 8K-64K tokens (counting
                                    only the causal half's FLOPs); set so the 7B anchor below holds
-attn_bwd_tflops        287         backward does 2.5x the FLOPs at a lower rate: time ratio ~2.7x (DESIGN.md)
+attn_bwd_tflops        287         backward does 2.5x the FLOPs at a lower rate: time ratio ~2.7x
 gemm_fwd_tflops        600         cuBLAS bf16 GEMMs of a 4K-8K hidden model at large token counts
-gemm_bwd_tflops        571         two GEMMs per forward one (dgrad + wgrad): time ratio ~2.1x (DESIGN.md)
+gemm_bwd_tflops        571         two GEMMs per forward one (dgrad + wgrad): time ratio ~2.1x
 hbm_tbps               2.6         achieved HBM3 bandwidth for element-wise kernels (3.35 TB/s peak)
 layer_floor_fwd_us     15          launch + latency floor of one layer's forward at tiny token counts
 layer_floor_bwd_us     30          the same for backward (about twice as many kernels)
 =====================  ==========  ===========================================================================
 
-With these the 7B preset gives the DESIGN.md anchor: a 32K micro-batch holding one 32K document costs about
+With these the 7B preset gives the anchor: a 32K micro-batch holding one 32K document costs about
 2.3x one holding 32 documents of 1K (tests/test_cost_model.py checks it), and the forward/backward ratios are
 2.7x (attention) and 2.1x (GEMM).
 """
@@ -153,7 +153,7 @@ def analytic_profile(
     *,
     include_head: bool = True,
     layers: float | None = None,
-    max_tokens: int | None = None,
+    memory_cap: int | None = None,
     head_fraction: float | None = None,
 ) -> CostProfile:
     """Per-pipeline-stage cost polynomials (seconds) of `shape` on `device` under `parallel`.
@@ -197,7 +197,7 @@ def analytic_profile(
         lin_fwd=Poly(0.0, b_fwd, c_fwd),
         lin_bwd=Poly(0.0, b_bwd, c_bwd),
         device="analytic:" + device.name,
-        max_tokens=max_tokens,
+        memory_cap=memory_cap,
     )
 
 
@@ -217,3 +217,11 @@ def analytic_stage_profiles(shape: ModelShape, parallel: ParallelConfig | None =
         pr = analytic_profile(shape, parallel, device, layers=n, head_fraction=head)
         out.append(msgspec.structs.replace(pr, name=f"{pr.name}/stage{s}"))
     return out
+
+
+def device_spec(device: str):
+    """The presets' DeviceSpec of a device name ("h100" or "h200")."""
+    dev = {"h100": H100, "h200": H200}.get(device.lower())
+    if dev is None:
+        raise ValueError(f"unknown device {device!r}; expected h100 or h200")
+    return dev

@@ -1,6 +1,6 @@
 """Python side of the planners: the step's pieces as arrays in, a StepPlan out.
 
-The numba kernels (kernels.py) work on flat arrays; this module turns a Window plus the planner's queue into
+The numba kernels (beside each planner) work on flat arrays; this module turns a Window plus the planner's queue into
 those arrays (`Pieces`), and the kernels' answer (`Packing`: segments, micro-batch ids, ranks, DP-Merge
 groups, backward orders, what stays queued) into the msgspec StepPlan with costs filled in.
 
@@ -16,11 +16,17 @@ from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
+from numba import njit
 
-from packloader.balancers.cost import (
-    CostModel, lin_times, load_cost_model, microbatch_times_by_id, microbatch_times_csr, segment_times_kernel,
+from packloader.balancers.cost.coeffs import (
+    lin_times,
+    microbatch_times_by_id,
+    microbatch_times_csr,
+    segment_times_kernel,
 )
-from packloader.balancers.registry import Window
+from packloader.balancers.cost.model import CostModel
+from packloader.balancers.cost.resolve import load_cost_model
+from packloader.balancers.planners.registry import Window
 from packloader.contracts import MicroBatch, PlanConfig, PlannerState, QueuedDoc, RankPlan, Segment, StepPlan
 
 FLUSH = "flush"
@@ -207,3 +213,100 @@ def whole_pieces_packing(pieces: Pieces, piece_mb: np.ndarray, rank_mbs: np.ndar
         seg_doc=pieces.doc[sel], seg_start=start, seg_end=start + pieces.length[sel], seg_af=start,
         seg_mb=piece_mb[sel], rank_mbs=rank_mbs, **kw,
     )
+
+
+@njit(cache=True)
+def slice_edges_kernel(seg_doc, seg_start, seg_end, seg_af, seg_mb, rank_mbs):
+    """Per-rank slice edges of a plan given as segment arrays (what `auto.slice_edges_prefix` returns): for
+    each slice (attend_from < start), an edge from the micro-batch holding the segment of its document that
+    ends where the slice starts to the slice's micro-batch, on every rank listing the slice's micro-batch (a
+    DP-Merge one is listed by each member) that also lists the source; positions local to the rank, edges
+    sorted by (rank, source, destination); the slice's prefix tokens (start - attend_from) with each.
+    Returns (CSR offsets per rank, source positions, destination positions, prefixes)."""
+    dp = rank_mbs.shape[0]
+    v = rank_mbs.shape[1]
+    ns = seg_doc.shape[0]
+    offs = np.zeros(dp + 1, dtype=np.int64)
+    nsl = 0
+    for i in range(ns):
+        if seg_af[i] < seg_start[i]:
+            nsl += 1
+    if nsl == 0:
+        return offs, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    # (doc, end) of every segment, sorted (stable): the segment a slice continues
+    key_end = np.empty(ns, dtype=np.int64)
+    for i in range(ns):
+        key_end[i] = seg_doc[i] * (1 << 31) + seg_end[i]
+    order = np.argsort(key_end)  # keys are unique (segments of a document do not overlap): no need for stable
+    sorted_keys = key_end[order]
+    # listings of each micro-batch: CSR by id, in (rank, position) order
+    nmb = 0
+    for r in range(dp):
+        for j in range(v):
+            if rank_mbs[r, j] + 1 > nmb:
+                nmb = rank_mbs[r, j] + 1
+    lst_off = np.zeros(nmb + 1, dtype=np.int64)
+    for r in range(dp):
+        for j in range(v):
+            lst_off[rank_mbs[r, j] + 1] += 1
+    for m in range(nmb):
+        lst_off[m + 1] += lst_off[m]
+    lst_r = np.empty(dp * v, dtype=np.int64)
+    lst_p = np.empty(dp * v, dtype=np.int64)
+    fill = lst_off[:-1].copy()
+    for r in range(dp):
+        for j in range(v):
+            m = rank_mbs[r, j]
+            lst_r[fill[m]] = r
+            lst_p[fill[m]] = j
+            fill[m] += 1
+    cap = 0
+    for i in range(ns):
+        if seg_af[i] < seg_start[i]:
+            m = seg_mb[i]
+            cap += lst_off[m + 1] - lst_off[m]
+    er = np.empty(cap, dtype=np.int64)
+    es = np.empty(cap, dtype=np.int64)
+    ed = np.empty(cap, dtype=np.int64)
+    ep = np.empty(cap, dtype=np.int64)
+    ne = 0
+    for i in range(ns):
+        if seg_af[i] >= seg_start[i]:
+            continue
+        want = seg_doc[i] * (1 << 31) + seg_start[i]
+        at = np.searchsorted(sorted_keys, want)
+        if at >= ns or sorted_keys[at] != want:
+            continue
+        src = seg_mb[order[at]]
+        dst = seg_mb[i]
+        if src == dst:
+            continue
+        for a in range(lst_off[dst], lst_off[dst + 1]):
+            r = lst_r[a]
+            sp = -1
+            for b2 in range(lst_off[src], lst_off[src + 1]):
+                if lst_r[b2] == r:
+                    sp = lst_p[b2]
+                    break
+            if sp < 0:
+                continue
+            er[ne] = r
+            es[ne] = sp
+            ed[ne] = lst_p[a]
+            ep[ne] = seg_start[i] - seg_af[i]
+            ne += 1
+    key = np.empty(ne, dtype=np.int64)
+    for k in range(ne):
+        key[k] = (er[k] * v + es[k]) * v + ed[k]
+    o = np.argsort(key, kind="mergesort")
+    s_out = np.empty(ne, dtype=np.int64)
+    d_out = np.empty(ne, dtype=np.int64)
+    p_out = np.empty(ne, dtype=np.int64)
+    for k in range(ne):
+        s_out[k] = es[o[k]]
+        d_out[k] = ed[o[k]]
+        p_out[k] = ep[o[k]]
+        offs[er[o[k]] + 1] += 1
+    for r in range(dp):
+        offs[r + 1] += offs[r]
+    return offs, s_out, d_out, p_out

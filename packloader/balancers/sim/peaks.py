@@ -1,4 +1,4 @@
-"""Simulated peak memory of every DP rank of a plan held as arrays (an `assemble.Packing`), in one numba call:
+"""Simulated peak memory of every DP rank of a plan held as arrays (a `planners.packing.Packing`), in one numba call:
 what `auto` checks its candidates against the device with.
 
 It is the same simulation as `simulator.simulate_step` with a `memory.MemoryModel` (the one the report shows):
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from packloader.balancers.simulator import backward_order_kernel, build_ops, edge_csr, sim_buffers, simulate_kernel
+from packloader.balancers.sim.kernels import backward_order_kernel, build_ops, edge_csr, sim_buffers, simulate_kernel
 
 
 @njit(cache=True)

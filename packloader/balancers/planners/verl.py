@@ -1,60 +1,34 @@
-"""The packers users run today, re-implemented behind the Planner contract so every plan is scored the same way.
+"""verl's balancer, behind the Planner contract so its plans are scored like every other.
 
-* ``concat`` (Megatron-LM's GPT dataset): the step's pieces are concatenated in draw order into one token
-  stream, cut into samples of exactly ``max_tokens`` tokens at multiples of ``max_tokens`` over the stream;
-  sample c goes to DP rank ``c % dp`` as its micro-batch ``c // dp`` (Megatron's pretraining sampler with a
-  micro-batch size of 1). Megatron never pads a sample: the tail that does not fill a whole round of ``dp``
-  samples waits for the next step (it stays in the planner queue, so boundaries stay at multiples of
-  ``max_tokens`` over the run's stream). Choice documented here: a document cut by a sample boundary becomes
-  independent chunks (``attend_from == start``), i.e. document-masked attention as packed THD training runs it
-  (Megatron with ``reset_attention_mask``); the second chunk does not see the first. Megatron's extra label
-  token per sample (``seq_length + 1`` tokens, one shared with the next sample) is not repeated: labels are
-  made per document by the collator, so every token appears exactly once.
-* ``multipack`` (Axolotl's ``MultipackBatchSampler`` since its PR 2631, May 2025, ``pack_parallel`` /
-  ``pack_group`` in src/axolotl/utils/samplers/multipack.py; per-bin item limit from the config since PR 3307):
-  the step's pieces, in draw order and in groups of ``AXOLOTL_GROUP_SIZE`` pieces, are packed first-fit (no
-  sorting, despite the function's "first-fit decreasing" docstring): each piece goes to the first open bin of
-  ``max_tokens`` with room and fewer than ``AXOLOTL_BIN_SIZE`` pieces (``sample_packing_bin_size``), else opens a
-  bin. Bins are dealt round-robin to DP ranks (bin b to rank ``b % dp`` as its micro-batch ``b // dp``), as
-  accelerate's batch-sampler sharding hands consecutive batches (of one bin each, micro-batch size 1) to
-  consecutive ranks. Axolotl drops the last incomplete batch (``drop_last``); here ranks without a bin get an
-  empty micro-batch, so no token is lost.
-* ``multipack_openchat2023`` (historical: OpenChat's 2023 allocator, which Axolotl ran until PR 2631; ``allocate``
-  as in Axolotl commit 03508c68): rounds over the pieces in draw order; each round takes the longest prefix of the
-  remaining pieces that first-fit-decreasing packs into ``dp`` bins of ``max_tokens`` (binary search on the prefix
-  length, bounded by ``dp x max_tokens`` tokens; ``ffd_check``), packs it with FFD (``ffd_with_result``) and gives
-  bin r to rank r. The original drops the last round when it fills fewer than ``dp`` bins; here ranks without a
-  bin get an empty micro-batch instead. Rounds of exactly ``dp`` bins cost bins: over 16 long-tail lists it opens
-  more bins than today's first-fit (see tests/test_baselines.py).
 * ``karmarkar_karp`` (verl's ``RayPPOTrainer._balance_batch`` since verl PR 3605, "DP workload balance", September
   2025): the largest differencing method (LDM, ``get_seqlen_balanced_partitions``) partitions the pieces over DP
   ranks by verl's estimated workload ``calculate_workload`` = ``24576 l + l^2`` (a 7B model's
-  ``12 h^2 l + 2 h l^2`` over ``2h``, h = 4096) with ``equal_size=True`` (every rank the same number of sequences; the piece count
-  is padded to a multiple of DP with empty items, which verl avoids by sizing its batch). Each rank's pieces are
-  then split over micro-batches by the same workload (``rearrange_micro_batches``): the micro-batch count is
-  ``min(pieces, ceil(tokens / max_tokens))`` all-reduced to the maximum over ranks and rounded up to a multiple of
-  ``vpp``; micro-batches are ordered heaviest-in-the-middle (``use_dynamic_bsz_balance``). LDM does not bound a
-  partition's tokens; where a micro-batch would exceed ``max_tokens`` every rank gets one more micro-batch and the
-  ranks are partitioned again (verl has no such check; the contract needs it).
-* ``karmarkar_karp_verl_legacy`` (historical: packloader's first verl baseline): the same, but the DP level
-  balances token counts with ``equal_size=False`` (verl before PR 3605 balanced token counts, with equal sizes).
+  ``12 h^2 l + 2 h l^2`` over ``2h``, h = 4096) with ``equal_size=True`` (every rank the same number of
+  sequences; the piece count is padded to a multiple of DP with empty items, which verl avoids by sizing its
+  batch). Each rank's pieces are then split over micro-batches by the same workload (``rearrange_micro_batches``):
+  the micro-batch count is ``min(pieces, ceil(tokens / max_tokens))`` all-reduced to the maximum over ranks and
+  rounded up to a multiple of ``vpp``; micro-batches are ordered heaviest-in-the-middle
+  (``use_dynamic_bsz_balance``). LDM does not bound a partition's tokens; where a micro-batch would exceed
+  ``max_tokens`` every rank gets one more micro-batch and the ranks are partitioned again (verl has no such check;
+  the contract needs it).
+* ``karmarkar_karp_verl_legacy``: the same, but the DP level balances token counts with ``equal_size=False``
+  (verl before PR 3605 balanced token counts).
 
-The hot loops (LDM on thousands of items and up to thousands of partitions, FFD checks) are numba kernels.
+LDM runs on thousands of items and up to thousands of partitions, so it is a numba kernel with its own heap of
+partial partitions (keyed by spread, top and sequence number).
 """
 
 from __future__ import annotations
 
-
 import numpy as np
 from numba import njit
 
-from packloader.balancers.assemble import Packing, Pieces, carried_extra, check_cap, cost_model_for, wants_flush, whole_pieces_packing
-from packloader.balancers.registry import Planner, Window, register_planner
-from packloader.contracts import PlanConfig, PlannerState, QueuedDoc, StepPlan
+from packloader.balancers.planners.base import Layout, Model, PackingPlanner
+from packloader.balancers.planners.packing import Packing, Pieces, check_cap, cost_model_for, whole_pieces_packing
+from packloader.balancers.planners.registry import Planner, register_planner
+from packloader.contracts import PlanConfig
 
 VERL_WORKLOAD_LINEAR = 24576  # verl's calculate_workload: 12 h^2 l + 2 h l^2 with h = 4096, divided by 2h
-AXOLOTL_GROUP_SIZE = 100_000  # pieces packed together by one pack_group call (Axolotl's group_size default)
-AXOLOTL_BIN_SIZE = 200  # most pieces in one bin (Axolotl's sample_packing_bin_size default)
 
 # ------------------------------------------------------------------------------------- Karmarkar-Karp (LDM)
 
@@ -402,126 +376,10 @@ def verl_order(parts: list[np.ndarray], work: np.ndarray) -> list[int]:
     return idx[::2][::-1] + idx[1::2]
 
 
-# ------------------------------------------------------------------------------------------------ multipack
-
-
-@njit(cache=True)
-def ffd_check(lengths, cap, nbins):
-    """Whether first-fit-decreasing packs `lengths` into `nbins` bins of `cap` tokens."""
-    a = np.sort(lengths)[::-1]
-    free = np.full(nbins, cap, np.int64)
-    for size in a:
-        found = False
-        for b in range(nbins):
-            if free[b] >= size:
-                free[b] -= size
-                found = True
-                break
-        if not found:
-            return False
-    return True
-
-
-@njit(cache=True)
-def ffd_pack(lengths, cap):
-    """First-fit-decreasing with as many bins as needed: (bin of each item, number of bins). Items in
-    decreasing length order (ties by index); bins numbered in the order they are opened."""
-    n = lengths.shape[0]
-    order = np.argsort(-lengths, kind="mergesort")
-    free = np.empty(n, np.int64)
-    assign = np.empty(n, np.int64)
-    nb = 0
-    for i in order:
-        size = lengths[i]
-        b = 0
-        while b < nb and free[b] < size:
-            b += 1
-        if b == nb:
-            free[nb] = cap
-            nb += 1
-        free[b] -= size
-        assign[i] = b
-    return assign, nb
-
-
-@njit(cache=True)
-def first_fit_pack(lengths, cap, max_items):
-    """Axolotl's pack_group: items in the given order, each into the first open bin with `cap - used >= size`
-    and fewer than `max_items` items, else into a new bin. Returns (bin of each item, number of bins)."""
-    n = lengths.shape[0]
-    free = np.empty(n, np.int64)
-    count = np.empty(n, np.int64)
-    assign = np.empty(n, np.int64)
-    nb = 0
-    for i in range(n):
-        size = lengths[i]
-        b = 0
-        while b < nb and (free[b] < size or count[b] >= max_items):
-            b += 1
-        if b == nb:
-            free[nb] = cap
-            count[nb] = 0
-            nb += 1
-        free[b] -= size
-        count[b] += 1
-        assign[i] = b
-    return assign, nb
-
-
-def axolotl_bins(lengths: np.ndarray, cap: int, group_size: int = AXOLOTL_GROUP_SIZE,
-                 bin_size: int = AXOLOTL_BIN_SIZE) -> tuple[np.ndarray, int]:
-    """Axolotl's pack_parallel: first-fit over consecutive groups of `group_size` items, bins numbered group
-    after group. Returns (bin of each item, number of bins)."""
-    lengths = np.ascontiguousarray(lengths, np.int64)
-    assign = np.empty(len(lengths), np.int64)
-    nb = 0
-    for g in range(0, len(lengths), group_size):
-        a, k = first_fit_pack(lengths[g:g + group_size], cap, bin_size)
-        assign[g:g + group_size] = a + nb
-        nb += k
-    return assign, nb
-
-
-@njit(cache=True)
-def multipack_allocate(lengths, cap, nbins):
-    """Axolotl's allocate over the whole sequence: rounds of at most `nbins` bins. Returns (round of each
-    item, bin within its round, number of rounds). Each round takes the longest prefix of the remaining items
-    that FFD packs into `nbins` bins (binary search, upper-bounded by the prefix holding at most nbins x cap
-    tokens) and packs it with FFD."""
-    n = lengths.shape[0]
-    rnd = np.empty(n, np.int64)
-    binof = np.empty(n, np.int64)
-    if n == 0:
-        return rnd, binof, 0
-    cum = np.cumsum(lengths)
-    start = 0
-    rounds = 0
-    used = 0
-    while start < n:
-        left = 1
-        right = 1 + np.searchsorted(cum[start:], used + cap * nbins, side="right")
-        if right > n - start + 1:
-            right = n - start + 1
-        while right - left > 1:
-            mid = (left + right) // 2
-            if ffd_check(lengths[start:start + mid], cap, nbins):
-                left = mid
-            else:
-                right = mid
-        assign, _ = ffd_pack(lengths[start:start + left], cap)
-        for i in range(left):
-            rnd[start + i] = rounds
-            binof[start + i] = assign[i]
-        start += left
-        used = cum[start - 1]
-        rounds += 1
-    return rnd, binof, rounds
-
-
 # ----------------------------------------------------------------------------------------------- planners
 
 
-class KarmarkarKarpPlanner:
+class KarmarkarKarpPlanner(PackingPlanner):
     """verl's two-level Karmarkar-Karp balancing as since verl PR 3605 (see the module docstring): DP ranks by
     workload with equal-size groups, then micro-batches by workload."""
 
@@ -546,7 +404,7 @@ class KarmarkarKarpPlanner:
         padded = np.concatenate([values, np.zeros(pad, values.dtype)]) if pad else values
         return karmarkar_karp(padded, dp, True)[:len(values)]
 
-    def solve(self, pieces: Pieces) -> Packing:
+    def solve(self, pieces: Pieces, layout: Layout, model: Model) -> Packing:
         cfg = self.config
         dp, cap, vpp = cfg.parallel.dp, cfg.max_tokens, cfg.parallel.vpp
         check_cap(pieces, cap, self.name)
@@ -567,11 +425,6 @@ class KarmarkarKarpPlanner:
         rank_mbs = (np.arange(dp)[:, None] * m + np.arange(m)[None, :]).astype(np.int64)
         return whole_pieces_packing(pieces, piece_mb, rank_mbs, strategy=self.name)
 
-    def plan(self, window: Window, state: PlannerState, step: int) -> tuple[StepPlan, PlannerState]:
-        packing = self.solve(Pieces.of(window, state, step))
-        packing.extra = carried_extra(state)
-        return packing.costs(self.model).to_step_plan(step), packing.state()
-
 
 class KarmarkarKarpLegacyPlanner(KarmarkarKarpPlanner):
     """Historical: DP ranks balanced by token count without equal sizes (see the module docstring)."""
@@ -582,133 +435,11 @@ class KarmarkarKarpLegacyPlanner(KarmarkarKarpPlanner):
         super().__init__(config, dp_balance="tokens", equal_size=False)
 
 
-class MultipackPlanner:
-    """Axolotl's multipack sampler since its PR 2631 (May 2025): first-fit bins dealt round-robin to DP ranks
-    (see the module docstring)."""
-
-    name = "multipack"
-
-    def __init__(self, config: PlanConfig) -> None:
-        self.config = config
-        self.model = cost_model_for(config)
-
-    def solve(self, pieces: Pieces) -> Packing:
-        cfg = self.config
-        dp, cap = cfg.parallel.dp, cfg.max_tokens
-        check_cap(pieces, cap, self.name)
-        binof, nbins = axolotl_bins(pieces.length, cap)
-        m = max(-(-nbins // dp), 1, cfg.num_micro_batches or 1)
-        rank_mbs = (np.arange(m)[None, :] * dp + np.arange(dp)[:, None]).astype(np.int64)  # bin b: rank b % dp
-        return whole_pieces_packing(pieces, binof, rank_mbs, strategy=self.name)
-
-    def plan(self, window: Window, state: PlannerState, step: int) -> tuple[StepPlan, PlannerState]:
-        packing = self.solve(Pieces.of(window, state, step))
-        packing.extra = carried_extra(state)
-        return packing.costs(self.model).to_step_plan(step), packing.state()
-
-
-class MultipackOpenChat2023Planner:
-    """Historical: OpenChat's 2023 multipack allocator, FFD rounds of DP bins (see the module docstring)."""
-
-    name = "multipack_openchat2023"
-
-    def __init__(self, config: PlanConfig) -> None:
-        self.config = config
-        self.model = cost_model_for(config)
-
-    def solve(self, pieces: Pieces) -> Packing:
-        cfg = self.config
-        dp, cap = cfg.parallel.dp, cfg.max_tokens
-        check_cap(pieces, cap, self.name)
-        rnd, binof, rounds = multipack_allocate(pieces.length, cap, dp)
-        m = max(rounds, 1, cfg.num_micro_batches or 1)
-        piece_mb = rnd * dp + binof  # round j's bin b is micro-batch j of rank b
-        rank_mbs = (np.arange(m)[None, :] * dp + np.arange(dp)[:, None]).astype(np.int64)
-        return whole_pieces_packing(pieces, piece_mb, rank_mbs, strategy=self.name)
-
-    def plan(self, window: Window, state: PlannerState, step: int) -> tuple[StepPlan, PlannerState]:
-        packing = self.solve(Pieces.of(window, state, step))
-        packing.extra = carried_extra(state)
-        return packing.costs(self.model).to_step_plan(step), packing.state()
-
-
-def concat_chunks(lengths: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Cut the concatenation of `lengths` at multiples of `cap`: (piece, start within piece, end within piece,
-    chunk) of every resulting segment, in stream order."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    cum = np.cumsum(lengths)
-    total = int(cum[-1]) if len(cum) else 0
-    if total == 0:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, empty, empty
-    starts = cum - lengths
-    cuts = np.arange(cap, total, cap, dtype=np.int64)
-    seg_lo = np.unique(np.concatenate([starts[lengths > 0], cuts]))
-    seg_hi = np.append(seg_lo[1:], total)
-    piece = np.searchsorted(cum, seg_lo, side="right")
-    return piece, seg_lo - starts[piece], seg_hi - starts[piece], seg_lo // cap
-
-
-class ConcatPlanner:
-    """Megatron-LM's concatenate-and-chunk samples (see the module docstring)."""
-
-    name = "concat"
-
-    def __init__(self, config: PlanConfig) -> None:
-        self.config = config
-        self.model = cost_model_for(config)
-
-    def solve(self, pieces: Pieces, flush: bool) -> Packing:
-        cfg = self.config
-        dp, cap = cfg.parallel.dp, cfg.max_tokens
-        total = pieces.total_tokens
-        full = total // cap
-        nchunks = -(-total // cap)
-        rounds = cfg.num_micro_batches or full // dp
-        take = rounds * dp if (not flush and rounds >= 1 and rounds * dp <= full) else nchunks
-        m = max(1, cfg.num_micro_batches or 0, -(-take // dp))
-        piece, lo, hi, chunk = concat_chunks(pieces.length, cap)
-        keep = chunk < take
-        queued: list[QueuedDoc] = []
-        for i in np.nonzero(~keep)[0]:  # the tail of the stream waits for the next step, in stream order
-            p = piece[i]
-            queued.append(QueuedDoc(int(pieces.doc[p]), int(pieces.offset[p] + lo[i]), int(hi[i] - lo[i]), int(pieces.drawn[p])))
-        piece, lo, hi, chunk = piece[keep], lo[keep], hi[keep], chunk[keep]
-        start = pieces.offset[piece] + lo
-        # chunk c -> rank c % dp, position c // dp; micro-batch id = rank * m + position
-        seg_mb = (chunk % dp) * m + chunk // dp
-        rank_mbs = (np.arange(dp)[:, None] * m + np.arange(m)[None, :]).astype(np.int64)
-        return Packing(
-            seg_doc=pieces.doc[piece], seg_start=start, seg_end=pieces.offset[piece] + hi, seg_af=start.copy(),
-            seg_mb=seg_mb.astype(np.int64), rank_mbs=rank_mbs, queued=queued, strategy=self.name,
-        )
-
-    def plan(self, window: Window, state: PlannerState, step: int) -> tuple[StepPlan, PlannerState]:
-        packing = self.solve(Pieces.of(window, state, step), wants_flush(state))
-        packing.extra = carried_extra(state)
-        return packing.costs(self.model).to_step_plan(step), packing.state()
-
-
 @register_planner("karmarkar_karp")
 def _make_kk(config: PlanConfig) -> Planner:
     return KarmarkarKarpPlanner(config)
 
 
-@register_planner("multipack")
-def _make_multipack(config: PlanConfig) -> Planner:
-    return MultipackPlanner(config)
-
-
 @register_planner("karmarkar_karp_verl_legacy")
 def _make_kk_legacy(config: PlanConfig) -> Planner:
     return KarmarkarKarpLegacyPlanner(config)
-
-
-@register_planner("multipack_openchat2023")
-def _make_multipack_2023(config: PlanConfig) -> Planner:
-    return MultipackOpenChat2023Planner(config)
-
-
-@register_planner("concat")
-def _make_concat(config: PlanConfig) -> Planner:
-    return ConcatPlanner(config)

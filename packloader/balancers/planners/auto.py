@@ -5,73 +5,43 @@ Candidates are (planner, micro-batches per rank): `wlb`, `hydraulis`, `slimpack`
 config.allow_slicing) and `fixed`, each at its own default number of micro-batches and at a few others around
 it (`micro_batch_counts`); config.num_micro_batches pins the count. In a pipeline (PP > 1) with slicing
 allowed, slimpack's default count and wlb at 2x are planned only when slimpack at 2x does not fit the device
-(`AutoPlanner.deferred`): measured on the four benchmark distributions at DP 8 / PP 4, slimpack at 2x won every
-step, its default count was at least 9 % slower and wlb at 2x at least 5 % slower (planning went from about 10
-to 7 ms per step); in the report's memory-bound demo (TP 2) slimpack at 2x does not fit and wlb at 2x wins
-steps, so they are still planned there. Every candidate plans the same pieces (the
-queued ones, then the window) under the same token cap, min(config.max_tokens, the cost model's memory cap
-MaxLen); a candidate that cannot (a piece over the cap without slicing) is skipped.
+(`AutoPlanner.deferred`; docs/benchmarks.md has the measurements behind this). Every candidate plans the same
+pieces (the queued ones, then the window) under the same token cap, min(config.max_tokens, the cost model's
+memory cap MaxLen); a candidate that cannot (a piece over the cap without slicing) is skipped.
 
 Score: the slowest DP rank's simulated step time (the batched numba simulator, 1F1B / GPipe / interleaved as
 configured, slice dependencies and FILO backward included), divided by the workload the candidate planned
-this step (attention + linear work of its pieces, no floors). For candidates that plan everything this is the
-step time; a candidate that delays outliers (wlb) is charged for the time per unit of work it actually trains,
-so holding work back never looks like a speed-up by itself. Lowest score wins; scores within TOLERANCE of the
-lowest count as equal, and among those the most even micro-batches (imbalance degree), then the earlier
-candidate in the fixed order above, so every rank picks the same plan. Slicing candidates are scored first;
-a whole-piece candidate that plans everything (hydraulis, fixed) is skipped when its bound, PP times the
-largest piece's own micro-batch time (that micro-batch's forward and backward chain through the stages), is
-already beyond the tolerance of the best score.
+this step (attention + linear work of its pieces, no floors), so holding work back never looks like a speed-up
+by itself. Lowest score wins; scores within TOLERANCE of the lowest count as equal, and among those the most
+even micro-batches (imbalance degree), then the earlier candidate in the fixed order above, so every rank picks
+the same plan. Slicing candidates are scored first; a whole-piece candidate that plans everything (hydraulis,
+fixed) is skipped when its bound, PP times the largest piece's own micro-batch time, is already beyond the
+tolerance of the best score.
 
-Memory: when config.model is a preset, its memory model (memory.memory_model_for: the model shape under
-config.parallel and config.schedule, selective recompute, on the cost model's device, H100 80 GiB unless the
-profile says H200) bounds the choice. Candidates are taken in score order and the simulated peak memory of one
-GPU (peaks.packing_peaks: the simulator's kernel with the memory model's activations, transients, slices' key/
-value gradients and static memory, the same peak `simulate_step` gives the report) is computed for each until
-one fits the device's limit (MemoryModel.limit_bytes); the ties within TOLERANCE of that one are checked too,
-and the pruning of whole-piece candidates compares against the fastest plan that fits. So usually only the
-winner is simulated for memory. If no candidate fits, the one with the lowest peak is taken and its plan
-records StepPlan.extra["memory_over"] = peak / limit (> 1) instead of failing. With a calibration profile JSON
-(no model shape, so no memory information) the check is skipped and the fastest candidate wins.
+Memory: when config.model is a preset, its memory model (`cost.memory.memory_model_for`) bounds the choice.
+Candidates are taken in score order and the simulated peak memory of one GPU (`sim.peaks.packing_peaks`, the
+same peak `simulate_step` gives the report) is computed for each until one fits the device's limit; the ties
+within TOLERANCE of that one are checked too. If no candidate fits, the one with the lowest peak is taken and
+its plan records StepPlan.extra["memory_over"] = peak / limit (> 1) instead of failing. With a calibration
+profile JSON (no model shape, so no memory information) the check is skipped.
 
 Cost of the search: hydraulis runs its longest-first dispatch only (one trial, not the paper's 100) with at
-most three V values (two at scale), and skips a V whose objective bound cannot win (`HydraulisPlanner.v_bound`:
-the same V wins, typically without packing the top of Appendix C's window); slimpack's phase one (dispatch,
-DP-Merge groups, per-rank order) is computed once for both of its counts; with pieces x DP ranks above
-SMALL_WORK only each planner's default count is tried, and above FIXED_MAX_WORK fixed is dropped. The
-per-candidate scoring is numba throughout (micro-batch costs, slice edges, the batched simulator); the
-imbalance degree is computed only when candidates tie within TOLERANCE. Measured on a 2-core machine shared
-with other work (4M tokens per step, 64K cap, long-tail lengths, llama3-8b at TP 8): see docs/benchmarks.md
-(planner section) for the per-step means at DP 8 / PP 4, PP 1 and DP 1024 with 3.2M tokens. The memory check adds no measurable time when the fastest candidate fits (llama3-8b at tp 8);
-when nothing fits (llama3-8b at tp 1, 64K micro-batches) every candidate is planned and simulated: about
-+2 ms per step at DP 8 / PP 4 (synthetic-cc median 7.9 -> 9.7 ms on that machine).
+most three V values (two at scale); slimpack's phase one is computed once for both of its counts; with pieces
+x DP ranks above SMALL_WORK only each planner's default count is tried, and above FIXED_MAX_WORK fixed is
+dropped. The imbalance degree is computed only when candidates tie within TOLERANCE.
 
-Why slimpack at twice its packs usually wins at PP > 1 (imbalance degree 1.01-1.02, simulated efficiency
-0.97 in docs/benchmarks.md): half-size packs halve the pipeline fill and drain, and since slimpack keeps all
-of a rank's slices in one run of linked packs from pack 0 (see slimpack.py) the slices' first-in-last-out
-backward costs no extra drain. Before that rule a run broken mid-step cost one more drain on some ranks, the
-2x slimpack candidate lost about 8 % on those steps, and a wlb candidate with micro-batches up to 2x the mean
-(imbalance degree 1.3-2.0) won by under 1 %, which pushed the mean imbalance on `stdlib` to 1.08.
+Delay bound: a candidate that holds pieces back (wlb's outlier delay) is eligible only while the run's mean
+delay over all tokens (`sim.metrics.token_delay`) stays within DELAY_MEAN_MAX steps, counting what it holds as
+trained next step, and it holds at most QUEUE_MAX_SHARE of a step's tokens. The run's trained tokens and
+token-steps of delay so far ride in PlannerState.extra[DELAY_KEY], so a resumed run applies the same bound.
+When no eligible candidate is left, wlb plans everything (as on a flush).
 
-Delay bound: a candidate that holds pieces back (wlb's outlier delay) is eligible only while the run's delay
-stays within DELAY_MEAN_MAX steps, mean over all tokens (metrics.token_delay: tokens trained when drawn count
-0), counting what it holds as trained next step, and it holds at most QUEUE_MAX_SHARE of a step's tokens
-(config.tokens_per_step). The run's trained tokens and token-steps of delay so far are carried in
-PlannerState.extra["auto_delay"], so a resumed run applies the same bound. When no eligible candidate is left,
-wlb plans everything (as on a flush). Without this, wlb won steps where its queue kept growing: the report's
-demo delayed 44 % of its tokens by 1.5 steps on average, with 604K tokens still queued after 8 steps of 524K.
-
-Empty micro-batches: every DP rank runs the same number of micro-batches (the frameworks' micro-batches per step
-are one number for all ranks), so a rank with fewer pieces than the fullest one gets empty slots; a small step
-(few pieces per rank, where slimpack's pipeline default and the 2x counts ask for more micro-batches than some
-rank has pieces) makes many. Each candidate drops the empty slots no rank needs before it is scored
+Empty micro-batches: every DP rank runs the same number of micro-batches, so a rank with fewer pieces than the
+fullest one gets empty slots. Each candidate drops the empty slots no rank needs before it is scored
 (`Packing.drop_empty_slots`; not when config.num_micro_batches pins the count, nor under the interleaved
-schedule, which accepts only some counts). Long-tail lengths at DP 3 / PP 2, 2048 tokens per step, 1K cap, 40
-steps (the test's case): 74 of 738 micro-batches empty before, 60 of 732 after with slicing; 21 of 255 before, 16
-of 258 after without. The adapters run the ones that remain as placeholder rows (packloader_integrations).
+schedule, which accepts only some counts).
 
-State: the winner's queue is the new state (only wlb queues); a flush plans everything (every candidate then
-plans all pieces).
+State: the winner's queue is the new state (only wlb queues); a flush plans everything.
 """
 
 from __future__ import annotations
@@ -82,16 +52,24 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from packloader.balancers.assemble import Packing, Pieces, carried_extra, cost_model_for, wants_flush
-from packloader.balancers.cost import doc_time_split
-from packloader.balancers.hydraulis import HydraulisPlanner
-from packloader.balancers.kernels import bfd_pack, slice_edges_kernel
-from packloader.balancers.memory import MemoryModel, memory_limit_bytes, memory_model_for
-from packloader.balancers.peaks import packing_peaks, stage_bytes
-from packloader.balancers.registry import Planner, Window, register_planner
-from packloader.balancers.simulator import SCHEDULES, step_times_ranks_sliced
-from packloader.balancers.slimpack import SlimPackPlanner, default_packs
-from packloader.balancers.wlb import WLBPlanner, default_micro_batches
+from packloader.balancers.cost.coeffs import doc_time_split
+from packloader.balancers.cost.memory import GiB, MemoryModel, memory_limit_bytes, memory_model_for
+from packloader.balancers.planners.base import Layout, Solver
+from packloader.balancers.planners.fixed import FixedPlanner
+from packloader.balancers.planners.hydraulis import HydraulisPlanner
+from packloader.balancers.planners.packing import (
+    Packing,
+    Pieces,
+    carried_extra,
+    cost_model_for,
+    slice_edges_kernel,
+    wants_flush,
+)
+from packloader.balancers.planners.registry import Planner, Window, register_planner
+from packloader.balancers.planners.slimpack import SlimPackPlanner, default_packs
+from packloader.balancers.planners.wlb import WLBPlanner, default_micro_batches
+from packloader.balancers.sim.kernels import SCHEDULES, step_times_ranks_sliced
+from packloader.balancers.sim.peaks import packing_peaks, stage_bytes
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 PLANNERS = ("wlb", "hydraulis", "slimpack", "fixed")
@@ -147,7 +125,7 @@ class AutoPlanner:
     def __init__(self, config: PlanConfig) -> None:
         self.config = config
         self.model = cost_model_for(config)
-        mem_cap = self.model.max_tokens()
+        mem_cap = self.model.memory_cap()
         self.cap = min(config.max_tokens, mem_cap) if mem_cap else config.max_tokens
         sub = msgspec.structs.replace(config, max_tokens=self.cap)
         self.sub_config = sub
@@ -155,6 +133,10 @@ class AutoPlanner:
         self.hydraulis = HydraulisPlanner(msgspec.structs.replace(sub, strategy="hydraulis"), trials=1, v_limit=3)
         self.hydraulis_fast = HydraulisPlanner(msgspec.structs.replace(sub, strategy="hydraulis"), trials=1, v_limit=2)
         self.slimpack = SlimPackPlanner(msgspec.structs.replace(sub, strategy="slimpack")) if config.allow_slicing else None
+        self.fixed = FixedPlanner(msgspec.structs.replace(sub, strategy="fixed"))
+        self.planners: dict[str, Solver] = {"wlb": self.wlb, "hydraulis": self.hydraulis, "fixed": self.fixed}
+        if self.slimpack is not None:
+            self.planners["slimpack"] = self.slimpack
         kind = SCHEDULES[config.schedule]
         self.kind = 0 if kind == 2 and config.parallel.vpp == 1 else kind
         # the device the cost model describes (H100 unless its profile says H200); None for a profile JSON
@@ -216,33 +198,9 @@ class AutoPlanner:
         return (cand.planner == "slimpack" and cand.micro_batches is None) or \
             (cand.planner == "wlb" and cand.micro_batches is not None)
 
-    def solve(self, cand: Candidate, pieces: Pieces, step: int, flush: bool, small: bool) -> Packing:
-        v = cand.micro_batches
-        if cand.planner == "wlb":
-            return self.wlb.solve(pieces, step, flush, v)
-        if cand.planner == "hydraulis":
-            return (self.hydraulis if small else self.hydraulis_fast).solve(pieces, step, v)
-        if cand.planner == "slimpack":
-            return self.slimpack.solve(pieces, step, v)
-        return self.fixed_packing(pieces, v)
-
-    def fixed_packing(self, pieces: Pieces, v: int | None) -> Packing:
-        """`fixed`'s plan as a Packing: best-fit decreasing into dp x V bins of cap tokens, bin b to rank b % dp
-        at position b // dp (as FixedPlanner deals them), V grown until everything fits."""
-        from packloader.balancers.assemble import check_cap, whole_pieces_packing
-
-        dp, cap = self.config.parallel.dp, self.cap
-        check_cap(pieces, cap, "fixed")
-        per_rank = v or max(1, -(-pieces.total_tokens // (cap * dp)))
-        while True:
-            assign, ok = bfd_pack(pieces.length, cap, per_rank * dp)
-            if ok:
-                break
-            per_rank += 1
-        b = np.arange(per_rank * dp, dtype=np.int64)
-        rank_mbs = np.empty((dp, per_rank), np.int64)
-        rank_mbs[b % dp, b // dp] = b
-        return whole_pieces_packing(pieces, assign, rank_mbs, strategy="fixed")
+    def solve_candidate(self, cand: Candidate, pieces: Pieces, step: int, flush: bool, small: bool) -> Packing:
+        planner = self.hydraulis_fast if cand.planner == "hydraulis" and not small else self.planners[cand.planner]
+        return planner.solve(pieces, Layout(step, flush, cand.micro_batches), self.model)
 
     # --- scoring ---------------------------------------------------------------------------------------------
 
@@ -301,7 +259,7 @@ class AutoPlanner:
                 if whole_bound > self.fastest_fitting(results) * (1.0 + TOLERANCE):
                     continue  # cannot come within the tolerance of the fastest plan that fits so far
             try:
-                packing = self.solve(cand, pieces, step, flush, small)
+                packing = self.solve_candidate(cand, pieces, step, flush, small)
             except ValueError as e:  # e.g. a piece over the cap for a planner that cannot slice
                 errors.append(f"{cand.planner}: {e}")
                 continue
@@ -321,7 +279,7 @@ class AutoPlanner:
             results.append(_Result(score, idx, packing, cand, edges))
         if not results and over_bound:  # every candidate that could plan queued past the bound: wlb plans everything
             cand = Candidate("wlb", None)
-            packing = self.wlb.solve(pieces, step, True, None)
+            packing = self.wlb.solve(pieces, Layout(step, True), self.model)
             packing.costs(self.model)
             edges = slice_edges_prefix(packing)
             results.append(_Result(self.step_time(packing, edges) / total_work if total_work > 0 else 0.0,
@@ -377,8 +335,6 @@ class AutoPlanner:
         the device's limit; empty when none was dropped."""
         if not self.memory_drops or self.memory is None:
             return ""
-        from packloader.balancers.memory import GiB
-
         parts = []
         for cand, (n, peak) in sorted(self.memory_drops.items(), key=lambda kv: -kv[1][1]):
             mbs = "its default micro-batches" if cand.micro_batches is None else f"{cand.micro_batches} micro-batches"
@@ -429,6 +385,6 @@ class _Result:
         return self._imbalance
 
 
-@register_planner("auto")
+@register_planner("auto", slices=True)
 def _make(config: PlanConfig) -> Planner:
     return AutoPlanner(config)

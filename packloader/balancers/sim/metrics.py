@@ -35,8 +35,10 @@ from typing import Iterable, Mapping, Sequence
 import msgspec
 import numpy as np
 
-from packloader.balancers.cost import CostModel, _per_rank
-from packloader.balancers.simulator import SCHEDULES, simulate_step, slice_edges_of, step_times_ranks_sliced
+from packloader.balancers.cost.model import CostModel, _per_rank
+from packloader.balancers.sim.kernels import SCHEDULES, step_times_ranks_sliced
+from packloader.balancers.sim.simulator import simulate_step, slice_edges_of
+from packloader.balancers.sim.verify import coverage
 from packloader.contracts import ParallelConfig, PlannerState, StepPlan
 
 
@@ -260,7 +262,7 @@ def score_plan(
     dp_spread = float(rank_times.max() / rank_times.mean()) if len(rank_times) and rank_times.mean() > 0 else 1.0
     work_bound = total / dp if dp else 0.0
     bound = work_bound * _bound_fill(m, pp, vpp, schedule)
-    cap = max_tokens or (models[0].max_tokens() if models else None) or largest or 1
+    cap = max_tokens or (models[0].memory_cap() if models else None) or largest or 1
     delay = token_delay(delays)
     return PlanScores(
         step=plan.step,
@@ -384,7 +386,5 @@ def score_plans(
     ]
     cov = None
     if pieces is not None:
-        from packloader.balancers.verify import coverage
-
         cov = coverage(plans, pieces, final_state)
     return per, aggregate(per, cov)

@@ -31,8 +31,10 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from packloader.balancers import presets
-from packloader.balancers.cost import PROFILES_DIR, load_profile
+from packloader.balancers.cost import presets
+from packloader.balancers.cost.fit import choose_tile, profile_from_table
+from packloader.balancers.cost.model import CostModel
+from packloader.balancers.cost.profile_io import PROFILES_DIR, load_profile
 from packloader.contracts import CostProfile, LinTable, ParallelConfig, Poly
 
 PROFILE_NAME = "h100-llama2-7b-layer"
@@ -69,9 +71,6 @@ def read_csv(path: str | os.PathLike, columns: tuple[str, ...]) -> np.ndarray:
 
 def build_profile(attention_csv: str | os.PathLike = ATTENTION_CSV, linear_csv: str | os.PathLike = LINEAR_CSV) -> CostProfile:
     """The one-layer profile fitted to the two CSVs (times in ms there, seconds in the profile)."""
-    from packloader.balancers.cost import profile_from_table
-    from packloader.runtime.calibrate import choose_tile
-
     att = read_csv(attention_csv, ("docs", "doc_len", "fwd_ms", "bwd_ms"))
     lin = read_csv(linear_csv, ("tokens", "fwd_ms", "bwd_ms"))
     lengths = att[:, 1].astype(np.int64)
@@ -88,8 +87,6 @@ def build_profile(attention_csv: str | os.PathLike = ATTENTION_CSV, linear_csv: 
 def row_errors(profile: CostProfile, attention_csv: str | os.PathLike = ATTENTION_CSV,
                linear_csv: str | os.PathLike = LINEAR_CSV) -> dict[str, list[float]]:
     """Relative error (model / measured - 1) of `profile` on every row of the CSVs, per part."""
-    from packloader.balancers.cost import CostModel
-
     m = CostModel(profile)
     att = read_csv(attention_csv, ("docs", "doc_len", "fwd_ms", "bwd_ms"))
     lin = read_csv(linear_csv, ("tokens", "fwd_ms", "bwd_ms"))
@@ -122,7 +119,7 @@ def measured_profile(
     include_head: bool = True,
     layers: float | None = None,
     head_fraction: float | None = None,
-    max_tokens: int | None = None,
+    memory_cap: int | None = None,
 ) -> CostProfile:
     """Per-pipeline-stage profile of `shape` under `parallel`, from the measured one-layer profile (see the
     module docstring for each scale factor). `layers`, `include_head` and `head_fraction` as in
@@ -160,7 +157,7 @@ def measured_profile(
     par = f"tp{tp}-cp{cp}-pp{parallel.pp}"
     return CostProfile(
         name=f"{shape.name}@h100-measured/{par}", tile=base.tile, attn_fwd=attn(base.attn_fwd), attn_bwd=attn(base.attn_bwd),
-        lin_fwd=lin(base.lin_fwd, extra_f), lin_bwd=lin(base.lin_bwd, extra_b), device=base.device, max_tokens=max_tokens,
+        lin_fwd=lin(base.lin_fwd, extra_f), lin_bwd=lin(base.lin_bwd, extra_b), device=base.device, memory_cap=memory_cap,
         fit_error=dict(base.fit_error), lin_table=table,
         source=f"measured ({base.source}); scaled to {shape.name} {par}: attention x{fa:.4g}, linear x{fl:.4g}",
     )

@@ -46,11 +46,18 @@ import math
 
 import numpy as np
 
-from packloader.balancers.assemble import Packing, Pieces, carried_extra, check_cap, cost_model_for
-from packloader.balancers.cost import doc_time_split
-from packloader.balancers.kernels import backward_runs_ranks, equal_cost_cuts, lpt_dispatch, slim_pack_ranks
-from packloader.balancers.registry import Planner, Window, register_planner
-from packloader.contracts import PlanConfig, PlannerState, StepPlan
+from packloader.balancers.cost.coeffs import doc_time_split
+from packloader.balancers.cost.model import CostModel
+from packloader.balancers.planners.base import Layout, PackingPlanner
+from packloader.balancers.planners.packing import Packing, Pieces, check_cap, cost_model_for
+from packloader.balancers.planners.registry import Planner, register_planner
+from packloader.balancers.planners.slimpack_kernels import (
+    backward_runs_ranks,
+    equal_cost_cuts,
+    lpt_dispatch,
+    slim_pack_ranks,
+)
+from packloader.contracts import PlanConfig
 
 
 def default_packs(tokens_per_rank: float, dp_pieces: int, pp: int, cap: int, factor: int = 4) -> int:
@@ -83,7 +90,7 @@ def backward_runs(num_slots: int, spans: list[tuple[int, int]]) -> list[int] | N
     return order
 
 
-class SlimPackPlanner:
+class SlimPackPlanner(PackingPlanner):
     name = "slimpack"
 
     def __init__(self, config: PlanConfig, *, dp_merge: bool = True, factor: int = 4, min_slice: int | None = None) -> None:
@@ -95,16 +102,16 @@ class SlimPackPlanner:
         self._phase_one: tuple | None = None
         self._by_rank: tuple | None = None
 
-    def phase_one(self, pieces: Pieces) -> tuple:
+    def phase_one(self, pieces: Pieces, model: CostModel) -> tuple:
         """Workloads, the DP dispatch (DP-Merge groups included) and each rank's tokens and minimum packs: the
         part of `solve` that does not depend on V, kept for the last Pieces seen (`auto` solves the same
         pieces at several V; Pieces are not modified after they are made)."""
-        if self._phase_one is not None and self._phase_one[0] is pieces:
-            return self._phase_one[1]
+        if self._phase_one is not None and self._phase_one[0] is pieces and self._phase_one[1] is model:
+            return self._phase_one[2]
         dp, cap = self.config.parallel.dp, self.config.max_tokens
         slicing = self.config.allow_slicing
         n = len(pieces)
-        f, b = doc_time_split(self.model.coeffs, pieces.length)
+        f, b = doc_time_split(model.coeffs, pieces.length)
         share = float(f.sum()) / dp if n else 0.0
         merge_share = share if (self.dp_merge and dp > 1 and share > 0) else np.inf
         rank, members, offs = lpt_dispatch(f, dp, merge_share)
@@ -119,32 +126,32 @@ class SlimPackPlanner:
             tokens[grp] += pieces.length[i] / len(grp)
             need[grp] += math.ceil(pieces.length[i] / cap) if slicing else 1
         out = (f, b, rank, members, offs, merged, tokens, need)
-        self._phase_one = (pieces, out)
+        self._phase_one = (pieces, model, out)
         return out
 
-    def solve(self, pieces: Pieces, step: int, num_micro_batches: int | None = None) -> Packing:
+    def solve(self, pieces: Pieces, layout: Layout, model: CostModel) -> Packing:
         cfg = self.config
         dp, pp, cap = cfg.parallel.dp, cfg.parallel.pp, cfg.max_tokens
         slicing = cfg.allow_slicing
         if not slicing:
             check_cap(pieces, cap, self.name)
         n = len(pieces)
-        f, b, rank, members, offs, merged, tokens, need = self.phase_one(pieces)
-        v = num_micro_batches or cfg.num_micro_batches
+        f, b, rank, members, offs, merged, tokens, need = self.phase_one(pieces, model)
+        v = layout.micro_batches or cfg.num_micro_batches
         if not v:
             v = default_packs(float(tokens.max()) if n else 0.0, math.ceil(n / dp), pp, cap, self.factor)
         v = max(v, int(need.max()) if n else 1)
         for attempt in range(200):
-            out = self._pack(pieces, f, b, rank, members, offs, merged, v, attempt)
+            out = self._pack(pieces, model, f, b, rank, members, offs, merged, v, attempt)
             if out is not None:
                 return out
             v += max(1, v // 8)
         raise RuntimeError(f"slimpack: no packing found for {n} pieces up to {v} micro-batches per rank")
 
-    def _pack(self, pieces, f, b, rank, members, offs, merged, v, attempt=0) -> Packing | None:
+    def _pack(self, pieces, model, f, b, rank, members, offs, merged, v, attempt=0) -> Packing | None:
         cfg = self.config
         dp, cap = cfg.parallel.dp, cfg.max_tokens
-        c = self.model.coeffs
+        c = model.coeffs
         slicing = cfg.allow_slicing
         fload = np.bincount(rank[rank >= 0], weights=f[rank >= 0], minlength=dp).astype(np.float64)
         for i in merged:
@@ -254,12 +261,8 @@ class SlimPackPlanner:
             groups=groups, backward_order=bwd if any(o is not None for o in bwd) else None, strategy=self.name,
         )
 
-    def plan(self, window: Window, state: PlannerState, step: int) -> tuple[StepPlan, PlannerState]:
-        packing = self.solve(Pieces.of(window, state, step), step)
-        packing.extra = carried_extra(state)
-        return packing.costs(self.model).to_step_plan(step), packing.state()
 
 
-@register_planner("slimpack")
+@register_planner("slimpack", slices=True)
 def _make(config: PlanConfig) -> Planner:
     return SlimPackPlanner(config)

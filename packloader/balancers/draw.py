@@ -30,7 +30,7 @@ def step_ends(lengths: np.ndarray, tokens_per_step: int, *, steps: int | None = 
     ends: list[int] = []
     start, base = 0, -int(filled)
     while start < n and (steps is None or len(ends) < steps):
-        k = int(np.searchsorted(csum, base + tokens_per_step, side="left"))
+        k = int(csum.searchsorted(base + tokens_per_step, side="left"))
         if k >= n:
             if incomplete:
                 ends.append(n)
@@ -39,7 +39,7 @@ def step_ends(lengths: np.ndarray, tokens_per_step: int, *, steps: int | None = 
         ends.append(end)
         base = int(csum[end - 1])
         start = end
-    return np.asarray(ends, dtype=np.int64)
+    return np.array(ends, dtype=np.int64)
 
 
 class Cut(NamedTuple):

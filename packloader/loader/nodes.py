@@ -279,18 +279,21 @@ class StepNode(BaseNode[StepWork]):
         """Documents (ids, lengths) until tokens_per_step is reached or the epoch ends; and whether it ended."""
         target = self.config.tokens_per_step
         ids, lens = [], []
-        total = 0
-        while total < target:
+        total = 0  # tokens drawn from earlier buffers
+        while True:
             if self._buf_at >= len(self._buf_ids):
                 if not self._pull():
                     break
                 continue
             rest = self._buf_len[self._buf_at :]
-            take = int(step_ends(rest, target, steps=1, filled=total, incomplete=True)[0])
+            end = step_ends(rest, target, steps=1, filled=total)  # none: the buffer does not complete the step
+            take = int(end[0]) if len(end) else len(rest)
             ids.append(self._buf_ids[self._buf_at : self._buf_at + take])
             lens.append(rest[:take])
-            total += int(rest[:take].sum())
             self._buf_at += take
+            if len(end):
+                break
+            total += int(rest.sum())
         if self._buf_at >= len(self._buf_ids) and not self._last_seen:
             self._pull()  # learn whether the epoch ends here (the next chunk may be the next epoch's)
         done = self._buf_at >= len(self._buf_ids) and (self._last_seen or self._pending is not None or self._exhausted)

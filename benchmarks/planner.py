@@ -63,12 +63,12 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.draw import cut_pieces
 from packloader.balancers.planners.packing import cost_model_for
+from packloader.balancers.planners.registry import Window, make_planner
 from packloader.balancers.sim.metrics import drawn_steps, score_plans
 from packloader.balancers.sim.verify import verify_plan
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
-from packloader.loader.nodes import cut_pieces
 
 STRATEGIES = ["fixed", "wlb", "hydraulis", "slimpack", "auto", "concat", "multipack", "karmarkar_karp"]
 SECTION = "planner"

@@ -7,7 +7,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from packloader.balancers.offline import draw_windows, plan_run
+from packloader.balancers.draw import draw_windows
+from packloader.balancers.offline import plan_run
 from packloader.balancers.planners import auto
 from packloader.balancers.planners.packing import flush_state
 from packloader.balancers.planners.registry import make_planner
@@ -72,7 +73,7 @@ def test_delay_bookkeeping_survives_a_resume():
     """Planning steps 0-3, saving the PlannerState as JSON, and going on with a fresh planner gives the same
     plans as the uninterrupted run (the bound's running totals live in the state)."""
     cfg = config(1)
-    windows = draw_windows(long_tail(1), cfg, 8)
+    windows, _ = draw_windows(long_tail(1), cfg.tokens_per_step, cfg.context, 8)
 
     def plan(planner, state, s):
         return planner.plan(windows[s], flush_state(state) if s == len(windows) - 1 else state, s)

@@ -1,4 +1,4 @@
-"""The report's library pieces on their own: drawing steps as the loader does, reading lengths files, the merged
+"""The report's library pieces on their own: drawing complete steps, reading lengths files, the merged
 cost model of a heterogeneous group."""
 
 from __future__ import annotations
@@ -13,31 +13,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packloader.balancers.cost.resolve import load_cost_model
+from packloader.balancers.draw import step_ends
 from packloader.contracts import MicroBatch, ParallelConfig, Segment
 from packloader.report.advice import merged_model
-from packloader.report.draw import StepCounter, cut_window, draw_steps, step_bounds
+from packloader.report.draw import StepCounter, draw_steps
 from packloader.report.lengths import LengthsError, read_lengths
 
 lengths_st = st.lists(st.integers(1, 5000), min_size=1, max_size=200)
 
 
-@settings(max_examples=40, deadline=None)
-@given(lengths_st, st.integers(1, 3000))
-def test_cut_window_matches_the_loaders_cut(lengths, context):
-    from packloader.loader.nodes import cut_pieces  # the loader's own cut: the reference
-
-    ids = np.arange(100, 100 + len(lengths), dtype=np.int64)
-    lens = np.asarray(lengths, dtype=np.int64)
-    ref, _, _ = cut_pieces(ids, lens, context)
-    got = cut_window(ids, lens, context)
-    for a in ("doc", "offset", "length"):
-        np.testing.assert_array_equal(getattr(got, a), getattr(ref, a))
-
-
 @settings(max_examples=60, deadline=None)
 @given(lengths_st, st.integers(1, 20000), st.integers(1, 6))
-def test_step_bounds_and_counter_agree_with_a_plain_loop(lengths, target, steps):
-    bounds, fill, k = [], 0, 0
+def test_step_ends_and_counter_agree_with_a_plain_loop(lengths, target, steps):
+    bounds, fill = [], 0
     for i, v in enumerate(lengths):  # documents until the step reaches the target, the crossing one included
         fill += v
         if fill >= target:
@@ -45,10 +33,24 @@ def test_step_bounds_and_counter_agree_with_a_plain_loop(lengths, target, steps)
             fill = 0
             if len(bounds) == steps:
                 break
-    assert step_bounds(np.array(lengths), target, steps).tolist() == bounds
+    assert step_ends(np.array(lengths), target, steps=steps).tolist() == bounds
     counter = StepCounter(target, steps)
     done = any(counter(np.array(lengths[i:i + 7])) for i in range(0, len(lengths), 7))
     assert done == (len(bounds) == steps)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3000), max_size=120), st.integers(1, 5000), st.integers(1, 9))
+def test_step_counter_counts_like_a_plain_loop_across_batches(lengths, target, batch):
+    done, fill = 0, 0
+    for v in lengths:  # empty documents never end a step
+        fill += v
+        if v and fill >= target:
+            done, fill = done + 1, 0
+    counter = StepCounter(target, 10**9)
+    for i in range(0, len(lengths), batch):
+        counter(np.array(lengths[i:i + batch], np.int64))
+    assert (counter.done, counter.fill) == (done, fill)
 
 
 def test_draw_steps_windows_and_draw_steps():

@@ -1,11 +1,8 @@
 """Planning a whole run from a lengths array, as a loader would draw it: the library side of `packloader plan`.
 
-Documents are taken in the order given (doc id = position in the array); empty documents (length 0) are
-skipped, the ids of the others unchanged. Each step draws the next documents
-until `tokens_per_step` tokens are reached (the document that crosses the mark included); documents longer
-than `context` are cut into independent pieces of `context` tokens (the last one shorter). The last step
-(after `steps` steps, or when the documents run out) is planned with a flush, so every token of every drawn
-document appears exactly once over the run and nothing stays queued.
+Steps are drawn by `balancers.draw.draw_windows` (doc id = position in the array, empty documents skipped). The
+last step (after `steps` steps, or when the documents run out) is planned with a flush, so every token of every
+drawn document appears exactly once over the run and nothing stays queued.
 """
 
 from __future__ import annotations
@@ -15,41 +12,10 @@ from typing import Iterator
 
 import numpy as np
 
+from packloader.balancers.draw import draw_windows
 from packloader.balancers.planners.packing import flush_state
 from packloader.balancers.planners.registry import Window, make_planner
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
-
-
-def cut_window(ids: np.ndarray, lengths: np.ndarray, context: int) -> Window:
-    """Whole documents, and documents longer than `context` cut into independent pieces of `context` tokens."""
-    ids = np.asarray(ids, np.int64)
-    lengths = np.asarray(lengths, np.int64)
-    n_pieces = np.maximum(1, -(-lengths // context))
-    doc = np.repeat(ids, n_pieces)
-    first = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
-    offset = (np.arange(len(doc), dtype=np.int64) - first) * context
-    length = np.minimum(context, np.repeat(lengths, n_pieces) - offset)
-    return Window(doc, offset, length)
-
-
-def draw_windows(lengths: np.ndarray, config: PlanConfig, steps: int) -> list[Window]:
-    """The pieces each step draws: the next non-empty documents until tokens_per_step is reached, at most `steps`
-    steps (fewer when the documents run out)."""
-    lengths = np.asarray(lengths, np.int64)
-    ids = np.flatnonzero(lengths > 0)
-    lengths = lengths[ids]
-    cum = np.cumsum(lengths)
-    out: list[Window] = []
-    start, base = 0, 0
-    for _ in range(steps):
-        if start >= len(lengths):
-            break
-        end = int(np.searchsorted(cum, base + config.tokens_per_step, side="left")) + 1
-        end = min(max(end, start + 1), len(lengths))
-        out.append(cut_window(ids[start:end], lengths[start:end], config.context))
-        base = int(cum[end - 1])
-        start = end
-    return out
 
 
 @dataclass
@@ -62,7 +28,7 @@ class PlanRun:
 def plan_run(lengths: np.ndarray, config: PlanConfig, steps: int, planner=None) -> PlanRun:
     """Plan every step of a run; the last one flushes whatever the planner still holds."""
     planner = planner or make_planner(config)
-    windows = draw_windows(lengths, config, steps)
+    windows, _ = draw_windows(lengths, config.tokens_per_step, config.context, steps)
     state = PlannerState()
     plans = []
     for s, w in enumerate(windows):

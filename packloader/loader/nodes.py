@@ -41,7 +41,7 @@ import msgspec
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from packloader.balancers.planners.registry import Window
+from packloader.balancers.draw import cut_pieces, step_ends
 from packloader.collate.collate import collate_step, loss_tokens_in_plan
 from packloader.contracts import MicroBatch, PlanConfig, PlannerState, StepPlan
 from packloader.loader.distributed import RankExchange, digest
@@ -147,21 +147,6 @@ class ChunkLoader:
         lengths = np.full(len(ids), -1, dtype=np.int64)
         lengths[a - spec.start : b - spec.start] = [len(t) for t in toks]
         return Chunk(spec, ids, lengths, dict(zip(mine.tolist(), toks)))
-
-
-def cut_pieces(ids: np.ndarray, lengths: np.ndarray, context: int) -> tuple[Window, int, int]:
-    """The window of pieces for documents drawn in order: whole documents, and documents longer than `context`
-    cut into independent pieces of `context` tokens (the last one shorter). Returns (window, split documents,
-    pieces those became)."""
-    n_pieces = np.maximum(1, -(-lengths // context))
-    long = n_pieces > 1
-    if not long.any():
-        return Window(ids.copy(), np.zeros(len(ids), np.int64), lengths.copy()), 0, 0
-    doc = np.repeat(ids, n_pieces)
-    first = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
-    offset = (np.arange(len(doc), dtype=np.int64) - first) * context
-    length = np.minimum(context, np.repeat(lengths, n_pieces) - offset)
-    return Window(doc, offset, length), int(long.sum()), int(n_pieces[long].sum())
 
 
 class StepNode(BaseNode[StepWork]):
@@ -294,20 +279,21 @@ class StepNode(BaseNode[StepWork]):
         """Documents (ids, lengths) until tokens_per_step is reached or the epoch ends; and whether it ended."""
         target = self.config.tokens_per_step
         ids, lens = [], []
-        total = 0
-        while total < target:
+        total = 0  # tokens drawn from earlier buffers
+        while True:
             if self._buf_at >= len(self._buf_ids):
                 if not self._pull():
                     break
                 continue
             rest = self._buf_len[self._buf_at :]
-            csum = np.cumsum(rest)
-            take = int(np.searchsorted(csum, target - total, side="left")) + 1
-            take = min(take, len(rest))
+            end = step_ends(rest, target, steps=1, filled=total)  # none: the buffer does not complete the step
+            take = int(end[0]) if len(end) else len(rest)
             ids.append(self._buf_ids[self._buf_at : self._buf_at + take])
             lens.append(rest[:take])
-            total += int(csum[take - 1])
             self._buf_at += take
+            if len(end):
+                break
+            total += int(rest.sum())
         if self._buf_at >= len(self._buf_ids) and not self._last_seen:
             self._pull()  # learn whether the epoch ends here (the next chunk may be the next epoch's)
         done = self._buf_at >= len(self._buf_ids) and (self._last_seen or self._pending is not None or self._exhausted)

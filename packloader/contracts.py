@@ -81,7 +81,11 @@ class StepPlan(msgspec.Struct, kw_only=True):
     # Tokens that carry a loss target in this global step (all ranks, all micro-batches): the per-token loss
     # normaliser. Filled by the loader (it knows document boundaries); planners may leave 0.
     loss_tokens: int = 0
-    extra: dict[str, float] = {}
+    # The planner whose packing this is (for `auto`, the candidate it chose).
+    planner: str = ""
+    # Simulated peak memory of one GPU over the device's usable limit (> 1) when no candidate fit; 0 otherwise.
+    memory_over: float = 0.0
+    extra: dict[str, float] = {}  # for planners registered from outside; packloader's own leave it empty
 
 
 class QueuedDoc(msgspec.Struct, frozen=True, array_like=True):

@@ -63,7 +63,7 @@ def test_large_cap_choice_fits_memory_where_the_fastest_does_not():
     auto = AutoPlanner(cfg)
     plan, _ = auto.plan(window, state, 0)
     assert reference_peak(plan, cfg) <= H100_LIMIT
-    assert "memory_over" not in plan.extra
+    assert plan.memory_over == 0.0
     # and it is the fastest of the candidates that fit (per planned work, within auto's tie tolerance)
     rows = candidate_table(auto, cfg, window, state)
     fitting = [t for c, t, p in rows if p <= H100_LIMIT]
@@ -92,7 +92,7 @@ def test_nothing_fits_picks_the_lowest_peak_and_records_it():
     auto = AutoPlanner(cfg)
     plan, _ = auto.plan(window, state, 0)
     peak = reference_peak(plan, cfg)
-    assert plan.extra["memory_over"] == pytest.approx(peak / H100_LIMIT, rel=1e-9)
+    assert plan.memory_over == pytest.approx(peak / H100_LIMIT, rel=1e-9)
     rows = candidate_table(auto, cfg, window, state)
     assert all(p > H100_LIMIT for *_, p in rows)
     assert peak <= min(p for *_, p in rows) * (1 + 1e-9)
@@ -137,7 +137,7 @@ def test_profile_json_skips_the_memory_check(tmp_path):
     assert auto.memory is None and auto.mem_limit is None
     window = Window.from_lengths(long_tail(60, 1, 32768))
     plan, _ = auto.plan(window, flush_state(PlannerState()), 0)
-    assert "memory_over" not in plan.extra
+    assert plan.memory_over == 0.0
 
 
 @pytest.mark.parametrize("tp,cap,n", [(8, 65536, 300), (2, 32768, 200)])

@@ -22,7 +22,7 @@ Memory: when config.model is a preset, its memory model (`cost.memory.memory_mod
 Candidates are taken in score order and the simulated peak memory of one GPU (`sim.peaks.packing_peaks`, the
 same peak `simulate_step` gives the report) is computed for each until one fits the device's limit; the ties
 within TOLERANCE of that one are checked too. If no candidate fits, the one with the lowest peak is taken and
-its plan records StepPlan.extra["memory_over"] = peak / limit (> 1) instead of failing. With a calibration
+its plan records StepPlan.memory_over = peak / limit (> 1) instead of failing. With a calibration
 profile JSON (no model shape, so no memory information) the check is skipped.
 
 Cost of the search: hydraulis runs its longest-first dispatch only (one trial, not the paper's 100) with at
@@ -312,10 +312,8 @@ class AutoPlanner:
         q_delay = sum((step - q.drawn_step) * q.length for q in packing.queued)
         packing.extra[DELAY_KEY] = [int(run_tokens + pieces.total_tokens - q_tokens), int(run_delay + piece_delay - q_delay)]
         plan = packing.to_step_plan(step)
-        plan.extra["auto_candidate"] = float(best.idx)
-        plan.extra["auto_planner"] = float(PLANNERS.index(best.cand.planner))
-        if over:
-            plan.extra["memory_over"] = over
+        plan.planner = best.cand.planner
+        plan.memory_over = over
         return plan, packing.state()
 
     def delay_ok(self, packing: Packing, pieces: Pieces, step: int, run_tokens: int, run_delay: int,

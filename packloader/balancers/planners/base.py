@@ -13,7 +13,7 @@ from typing import ClassVar, Protocol, Union
 
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.resolve import RankCosts
-from packloader.balancers.planners.packing import Packing, Pieces, carried_extra, wants_flush
+from packloader.balancers.planners.packing import Packing, Pieces, carried_extra, cost_model_for, wants_flush
 from packloader.balancers.planners.registry import Window
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
@@ -42,6 +42,10 @@ class PackingPlanner:
     name: ClassVar[str]
     config: PlanConfig
     model: Model
+
+    def __init__(self, config: PlanConfig) -> None:
+        self.config = config
+        self.model = cost_model_for(config)
 
     def solve(self, pieces: Pieces, layout: Layout, model: Model) -> Packing:
         raise NotImplementedError

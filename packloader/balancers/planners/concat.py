@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from packloader.balancers.planners.base import Layout, Model, PackingPlanner
-from packloader.balancers.planners.packing import Packing, Pieces, cost_model_for
+from packloader.balancers.planners.packing import Packing, Pieces
 from packloader.balancers.planners.registry import Planner, register_planner
 from packloader.contracts import PlanConfig, QueuedDoc
 
@@ -44,10 +44,6 @@ class ConcatPlanner(PackingPlanner):
 
     name = "concat"
 
-    def __init__(self, config: PlanConfig) -> None:
-        self.config = config
-        self.model = cost_model_for(config)
-
     def solve(self, pieces: Pieces, layout: Layout, model: Model) -> Packing:
         flush = layout.flush
         cfg = self.config
@@ -55,9 +51,10 @@ class ConcatPlanner(PackingPlanner):
         total = pieces.total_tokens
         full = total // cap
         nchunks = -(-total // cap)
-        rounds = cfg.num_micro_batches or full // dp
+        pinned = layout.micro_batches or cfg.num_micro_batches
+        rounds = pinned or full // dp
         take = rounds * dp if (not flush and rounds >= 1 and rounds * dp <= full) else nchunks
-        m = max(1, cfg.num_micro_batches or 0, -(-take // dp))
+        m = max(1, pinned or 0, -(-take // dp))
         piece, lo, hi, chunk = concat_chunks(pieces.length, cap)
         keep = chunk < take
         queued: list[QueuedDoc] = []

@@ -3,7 +3,6 @@ other planner is scored against."""
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 from numba import njit
 
@@ -59,7 +58,7 @@ class FixedPlanner(PackingPlanner):
 
     def priced(self, packing: Packing, step: int) -> StepPlan:
         """Without costs (no model to price them with)."""
-        return msgspec.structs.replace(packing.to_step_plan(step), extra={})
+        return packing.to_step_plan(step)
 
 
 @register_planner("fixed")

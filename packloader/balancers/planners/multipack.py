@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit
 
 from packloader.balancers.planners.base import Layout, Model, PackingPlanner
-from packloader.balancers.planners.packing import Packing, Pieces, check_cap, cost_model_for, whole_pieces_packing
+from packloader.balancers.planners.packing import Packing, Pieces, check_cap, whole_pieces_packing
 from packloader.balancers.planners.registry import Planner, register_planner
 from packloader.contracts import PlanConfig
 
@@ -153,16 +153,12 @@ class MultipackPlanner(PackingPlanner):
 
     name = "multipack"
 
-    def __init__(self, config: PlanConfig) -> None:
-        self.config = config
-        self.model = cost_model_for(config)
-
     def solve(self, pieces: Pieces, layout: Layout, model: Model) -> Packing:
         cfg = self.config
         dp, cap = cfg.parallel.dp, cfg.max_tokens
         check_cap(pieces, cap, self.name)
         binof, nbins = axolotl_bins(pieces.length, cap)
-        m = max(-(-nbins // dp), 1, cfg.num_micro_batches or 1)
+        m = max(-(-nbins // dp), 1, layout.micro_batches or cfg.num_micro_batches or 1)
         rank_mbs = (np.arange(m)[None, :] * dp + np.arange(dp)[:, None]).astype(np.int64)  # bin b: rank b % dp
         return whole_pieces_packing(pieces, binof, rank_mbs, strategy=self.name)
 
@@ -172,16 +168,12 @@ class MultipackOpenChat2023Planner(PackingPlanner):
 
     name = "multipack_openchat2023"
 
-    def __init__(self, config: PlanConfig) -> None:
-        self.config = config
-        self.model = cost_model_for(config)
-
     def solve(self, pieces: Pieces, layout: Layout, model: Model) -> Packing:
         cfg = self.config
         dp, cap = cfg.parallel.dp, cfg.max_tokens
         check_cap(pieces, cap, self.name)
         rnd, binof, rounds = multipack_allocate(pieces.length, cap, dp)
-        m = max(rounds, 1, cfg.num_micro_batches or 1)
+        m = max(rounds, 1, layout.micro_batches or cfg.num_micro_batches or 1)
         piece_mb = rnd * dp + binof  # round j's bin b is micro-batch j of rank b
         rank_mbs = (np.arange(m)[None, :] * dp + np.arange(dp)[:, None]).astype(np.int64)
         return whole_pieces_packing(pieces, piece_mb, rank_mbs, strategy=self.name)

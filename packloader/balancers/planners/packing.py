@@ -198,7 +198,7 @@ class Packing:
         for r, row in enumerate(self.rank_mbs.tolist()):
             order = self.backward_order[r] if self.backward_order is not None else None
             ranks.append(RankPlan(micro_batches=[mbs[m] for m in row], backward_order=order))
-        return StepPlan(step=step, ranks=ranks, delayed=sorted(set(self.delayed)), extra={"num_queued": float(len(self.queued))})
+        return StepPlan(step=step, ranks=ranks, delayed=sorted(set(self.delayed)), planner=self.strategy)
 
     def state(self) -> PlannerState:
         return PlannerState(queued=self.queued, extra=self.extra)

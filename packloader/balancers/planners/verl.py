@@ -414,7 +414,7 @@ class KarmarkarKarpPlanner(PackingPlanner):
         counts = np.bincount(rank_of, minlength=dp)
         tokens = np.bincount(rank_of, weights=lengths, minlength=dp).astype(np.int64)
         m = int(np.minimum(counts, -(-tokens // cap)).max()) if len(lengths) else 1
-        m = max(m, 1, cfg.num_micro_batches or 1)
+        m = max(m, 1, layout.micro_batches or cfg.num_micro_batches or 1)
         m = -(-m // vpp) * vpp
         while True:
             part, ok = kk_micro_batches(lengths, work, rank_of, dp, m, cap)

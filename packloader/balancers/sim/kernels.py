@@ -198,6 +198,27 @@ def step_time_kernel(pp, vpp, m, kind, fwd, bwd, bwd_order, p2p):
 
 
 @njit(cache=True)
+def rank_stage_times(fwd, bwd, a, m, V, vpp):
+    """(V, m) forward and backward times of one DP rank's micro-batches a..a+m-1 of the flat per-stage arrays:
+    the same on every pipeline stage, a model chunk's share 1/vpp of it (what the batched kernels simulate)."""
+    f = np.empty((V, m), dtype=np.float64)
+    b = np.empty((V, m), dtype=np.float64)
+    for v in range(V):
+        for u in range(m):
+            f[v, u] = fwd[a + u] / vpp
+            b[v, u] = bwd[a + u] / vpp
+    return f, b
+
+
+@njit(cache=True)
+def rank_edges(e_offsets, e_src, e_dst, r):
+    """DP rank r's slice edges (local micro-batch positions, src < dst) from the flat CSR arrays."""
+    ea = e_offsets[r]
+    eb = e_offsets[r + 1]
+    return e_src[ea:eb].copy(), e_dst[ea:eb].copy()
+
+
+@njit(cache=True)
 def step_times_ranks(pp, vpp, kind, fwd, bwd, offsets, p2p):
     """Step time of each DP rank r whose micro-batches are offsets[r]..offsets[r+1]-1 of the flat per-stage
     fwd/bwd arrays (the same time on every stage; chunk times are these / vpp). No slices, FIFO backward."""
@@ -210,12 +231,7 @@ def step_times_ranks(pp, vpp, kind, fwd, bwd, offsets, p2p):
         if m == 0:
             out[r] = 0.0
             continue
-        f = np.empty((V, m), dtype=np.float64)
-        b = np.empty((V, m), dtype=np.float64)
-        for v in range(V):
-            for u in range(m):
-                f[v, u] = fwd[a + u] / vpp
-                b[v, u] = bwd[a + u] / vpp
+        f, b = rank_stage_times(fwd, bwd, a, m, V, vpp)
         order = np.arange(m)
         out[r] = step_time_kernel(pp, vpp, m, kind, f, b, order, p2p)
     return out
@@ -277,17 +293,9 @@ def step_times_ranks_sliced(pp, vpp, kind, fwd, bwd, offsets, e_offsets, e_src, 
         if m == 0:
             out[r] = 0.0
             continue
-        f = np.empty((V, m), dtype=np.float64)
-        b = np.empty((V, m), dtype=np.float64)
-        for v in range(V):
-            for u in range(m):
-                f[v, u] = fwd[a + u] / vpp
-                b[v, u] = bwd[a + u] / vpp
-        ea = e_offsets[r]
-        eb = e_offsets[r + 1]
-        src = e_src[ea:eb].copy()
-        dst = e_dst[ea:eb].copy()
-        E = eb - ea
+        f, b = rank_stage_times(fwd, bwd, a, m, V, vpp)
+        src, dst = rank_edges(e_offsets, e_src, e_dst, r)
+        E = src.shape[0]
         order = backward_order_kernel(m, src, dst)
         ops = build_ops(pp, vpp, m, kind, order)
         in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid = edge_csr(m, src, dst)

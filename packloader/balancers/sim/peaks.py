@@ -13,7 +13,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from packloader.balancers.sim.kernels import backward_order_kernel, build_ops, edge_csr, sim_buffers, simulate_kernel
+from packloader.balancers.sim.kernels import (
+    backward_order_kernel,
+    build_ops,
+    edge_csr,
+    rank_edges,
+    rank_stage_times,
+    sim_buffers,
+    simulate_kernel,
+)
 
 
 @njit(cache=True)
@@ -35,22 +43,17 @@ def peaks_ranks_sliced(pp, vpp, kind, fwd, bwd, tokens, act_pt, trans_pt, kv_pt,
         m = offsets[r + 1] - a
         if m == 0:
             continue
-        f = np.empty((V, m), dtype=np.float64)
-        b = np.empty((V, m), dtype=np.float64)
+        f, b = rank_stage_times(fwd, bwd, a, m, V, vpp)
         act = np.empty((V, m), dtype=np.float64)
         trans = np.empty((V, m), dtype=np.float64)
         for v in range(V):
             s = v % pp
             for u in range(m):
-                f[v, u] = fwd[a + u] / vpp
-                b[v, u] = bwd[a + u] / vpp
                 act[v, u] = tokens[a + u] * act_pt[s] / vpp
                 trans[v, u] = tokens[a + u] * trans_pt[s]
+        src, dst = rank_edges(e_offsets, e_src, e_dst, r)
+        E = src.shape[0]
         ea = e_offsets[r]
-        eb = e_offsets[r + 1]
-        src = e_src[ea:eb].copy()
-        dst = e_dst[ea:eb].copy()
-        E = eb - ea
         if has_order[r]:
             order = bwd_order[a:a + m].copy()
         else:

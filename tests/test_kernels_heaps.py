@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from packloader.balancers.planners.base import Layout
+from packloader.balancers.planners.base import StepLayout
 from packloader.balancers.planners.bins import HEAP_MIN_BINS
 from packloader.balancers.planners.hydraulis import hydraulis_pack
 from packloader.balancers.planners.packing import cost_model_for
@@ -123,7 +123,7 @@ def test_hydraulis_v_bound_skips_only_losing_counts(lengths, dp, pp, v_limit, co
     fast = HydraulisPlanner(cfg, trials=1, v_limit=v_limit)
     full = HydraulisPlanner(cfg, trials=1, v_limit=v_limit)
     full.v_bound = lambda pieces, rank, ra=None: None
-    a, b = fast.solve(pieces, Layout(0), fast.model), full.solve(pieces, Layout(0), full.model)
+    a, b = fast.solve(pieces, StepLayout(0), fast.model), full.solve(pieces, StepLayout(0), full.model)
     assert a.rank_mbs.shape == b.rank_mbs.shape
     assert a.seg_mb.tolist() == b.seg_mb.tolist()
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from packloader.balancers.planners.auto import AutoPlanner
-from packloader.balancers.planners.base import Layout, PackingPlanner
+from packloader.balancers.planners.base import StepLayout, PackingPlanner
 from packloader.balancers.planners.hydraulis import HydraulisPlanner
 from packloader.balancers.planners.packing import Packing, Pieces, whole_pieces_packing
 from packloader.balancers.planners.registry import (
@@ -64,7 +64,7 @@ class OnePerMicroBatch(PackingPlanner):
         self.config = config
         self.model = None
 
-    def solve(self, pieces: Pieces, layout: Layout, model=None) -> Packing:
+    def solve(self, pieces: Pieces, layout: StepLayout, model=None) -> Packing:
         dp = self.config.parallel.dp
         per_rank = max(1, -(-len(pieces) // dp))
         b = np.arange(per_rank * dp, dtype=np.int64)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packloader.balancers.planners.auto import AutoPlanner, slice_edges, slice_edges_prefix
-from packloader.balancers.planners.base import Layout
+from packloader.balancers.planners.base import StepLayout
 from packloader.balancers.planners.fixed import best_fit_decreasing, bfd_pack
 from packloader.balancers.planners.packing import Pieces, cost_model_for, flush_state
 from packloader.balancers.planners.registry import Window
@@ -38,7 +38,7 @@ def test_slice_edges_match_simulator_reference(lengths, dp, pp, nmb):
                      num_micro_batches=nmb)
     auto = AutoPlanner(cfg)
     pieces = Pieces.of(Window.from_lengths(np.array(lengths)), PlannerState(), 0)
-    packing = auto.slimpack.solve(pieces, Layout(0, micro_batches=nmb), auto.model)
+    packing = auto.slimpack.solve(pieces, StepLayout(0, micro_batches=nmb), auto.model)
     plan = packing.costs(auto.model).to_step_plan(0)
     offs, src, dst = slice_edges(packing)
     _, _, _, pre = slice_edges_prefix(packing)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from packloader.balancers.planners.base import Layout
+from packloader.balancers.planners.base import StepLayout
 from packloader.balancers.planners.packing import Pieces
 from packloader.balancers.planners.registry import Window
 from packloader.balancers.planners.slimpack import SlimPackPlanner
@@ -55,7 +55,7 @@ def test_sliced_pieces_form_one_run_from_pack_zero(seed):
     planner = SlimPackPlanner(cfg)
     window = long_tail_window(seed, 4 << 20, cap)
     pieces = Pieces.of(window, PlannerState(), 0)
-    packing = planner.solve(pieces, Layout(0, micro_batches=32), planner.model).costs(planner.model)
+    packing = planner.solve(pieces, StepLayout(0, micro_batches=32), planner.model).costs(planner.model)
     plan = packing.to_step_plan(0)
     for r, rp in enumerate(plan.ranks):
         if any(mb.dp_group for mb in rp.micro_batches):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+import msgspec
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         shape = shape_from_preset(args.model)
         if args.vocab:
-            shape = LayerShape(**{**shape.__dict__, "vocab": args.vocab})
+            shape = msgspec.structs.replace(shape, vocab=args.vocab)
     else:
         missing = [f"--{n}" for n in ("hidden", "heads", "ffn") if getattr(args, n) is None]
         if missing:

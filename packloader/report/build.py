@@ -4,7 +4,6 @@ advice, write the JSON, the PNGs and the HTML page. The CLI (`packloader report`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -18,14 +17,23 @@ from packloader.contracts import PlanConfig, plan_encoder
 from packloader.report import plots
 from packloader.report.advice import fits, recommend
 from packloader.report.draw import Draw, draw_steps
-from packloader.report.figures import Report, Settings, StrategyFigures, doc_attention, fill_speedups, length_stats, strategy_figures
+from packloader.report.figures import (
+    Report,
+    Settings,
+    StrategyFigures,
+    doc_attention,
+    fill_speedups,
+    length_stats,
+    strategy_figures,
+)
 from packloader.report.html import render_html
 from packloader.report.lengths import Lengths
 from packloader.report.run import BASELINES, PACKLOADER, StrategyRun, run_strategy
 
 
-@dataclass
-class ReportOptions:
+class ReportOptions(msgspec.Struct, kw_only=True):
+    """What `build_report` does besides planning (the layout is the PlanConfig)."""
+
     steps: int = 8
     strategies: Sequence[str] = BASELINES + PACKLOADER
     device: str = "h100"
@@ -38,7 +46,7 @@ class ReportOptions:
     plans_dir: str | None = None  # write each strategy's plans as JSON lines here
     input: str = ""
     tokenizer: str | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = []
 
 
 def memory_model_for(model_spec: str, config: PlanConfig, device: str):

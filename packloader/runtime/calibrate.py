@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import msgspec
 import numpy as np
 import torch
 
@@ -41,8 +42,7 @@ from packloader.contracts import CostProfile
 PARTS = ("attn_fwd", "attn_bwd", "lin_fwd", "lin_bwd")
 
 
-@dataclass(frozen=True)
-class LayerShape:
+class LayerShape(msgspec.Struct, kw_only=True, frozen=True):
     """One transformer layer as measured (already divided by tensor parallelism)."""
 
     hidden: int
@@ -68,7 +68,7 @@ class LayerShape:
             if getattr(self, f) % tp:
                 raise ValueError(f"{f}={getattr(self, f)} is not divisible by tp={tp}")
         vocab = -(-self.vocab // tp) if self.vocab else None
-        return replace(self, heads=self.heads // tp, kv_heads=self.kv_heads // tp, ffn=self.ffn // tp, vocab=vocab)
+        return msgspec.structs.replace(self, heads=self.heads // tp, kv_heads=self.kv_heads // tp, ffn=self.ffn // tp, vocab=vocab)
 
 
 def shape_from_preset(name: str) -> LayerShape:

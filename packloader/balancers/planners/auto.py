@@ -54,7 +54,7 @@ import numpy as np
 
 from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.memory import GiB, MemoryModel, memory_limit_bytes, memory_model_for
-from packloader.balancers.planners.base import Layout, Solver
+from packloader.balancers.planners.base import StepLayout, Solver
 from packloader.balancers.planners.fixed import FixedPlanner
 from packloader.balancers.planners.hydraulis import HydraulisPlanner
 from packloader.balancers.planners.packing import (
@@ -200,7 +200,7 @@ class AutoPlanner:
 
     def solve_candidate(self, cand: Candidate, pieces: Pieces, step: int, flush: bool, small: bool) -> Packing:
         planner = self.hydraulis_fast if cand.planner == "hydraulis" and not small else self.planners[cand.planner]
-        return planner.solve(pieces, Layout(step, flush, cand.micro_batches), self.model)
+        return planner.solve(pieces, StepLayout(step, flush, cand.micro_batches), self.model)
 
     # --- scoring ---------------------------------------------------------------------------------------------
 
@@ -279,7 +279,7 @@ class AutoPlanner:
             results.append(_Result(score, idx, packing, cand, edges))
         if not results and over_bound:  # every candidate that could plan queued past the bound: wlb plans everything
             cand = Candidate("wlb", None)
-            packing = self.wlb.solve(pieces, Layout(step, True), self.model)
+            packing = self.wlb.solve(pieces, StepLayout(step, True), self.model)
             packing.costs(self.model)
             edges = slice_edges_prefix(packing)
             results.append(_Result(self.step_time(packing, edges) / total_work if total_work > 0 else 0.0,

@@ -1,7 +1,7 @@
 """The one protocol every planner solves through, and the one `plan()` they share.
 
 A planner's work is `solve(pieces, layout, model) -> Packing`: the step's pieces (queued ones first), what the
-step must fit (`Layout`) and the cost model it balances for, in; array answer out. `PackingPlanner.plan` turns
+step must fit (`StepLayout`) and the cost model it balances for, in; array answer out. `PackingPlanner.plan` turns
 that into the loader's contract (a StepPlan with costs, and the state to carry), the same way for every planner,
 and `auto` composes candidates by calling `solve` on each.
 """
@@ -21,7 +21,7 @@ Model = Union[CostModel, RankCosts]  # one model for every DP rank, or one (and 
 
 
 @dataclass(frozen=True)
-class Layout:
+class StepLayout:
     """What one step's packing must fit besides its pieces."""
 
     step: int
@@ -33,7 +33,7 @@ class Solver(Protocol):
     name: str
     config: PlanConfig
 
-    def solve(self, pieces: Pieces, layout: Layout, model: Model) -> Packing: ...
+    def solve(self, pieces: Pieces, layout: StepLayout, model: Model) -> Packing: ...
 
 
 class PackingPlanner:
@@ -47,11 +47,11 @@ class PackingPlanner:
         self.config = config
         self.model = cost_model_for(config)
 
-    def solve(self, pieces: Pieces, layout: Layout, model: Model) -> Packing:
+    def solve(self, pieces: Pieces, layout: StepLayout, model: Model) -> Packing:
         raise NotImplementedError
 
     def plan(self, window: Window, state: PlannerState, step: int) -> tuple[StepPlan, PlannerState]:
-        packing = self.solve(Pieces.of(window, state, step), Layout(step, wants_flush(state)), self.model)
+        packing = self.solve(Pieces.of(window, state, step), StepLayout(step, wants_flush(state)), self.model)
         packing.extra = carried_extra(state)
         return self.priced(packing, step), packing.state()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from packloader.balancers.planners.base import Layout, Model, PackingPlanner
+from packloader.balancers.planners.base import StepLayout, Model, PackingPlanner
 from packloader.balancers.planners.packing import Packing, Pieces
 from packloader.balancers.planners.registry import Planner, register_planner
 from packloader.contracts import PlanConfig, QueuedDoc
@@ -44,7 +44,7 @@ class ConcatPlanner(PackingPlanner):
 
     name = "concat"
 
-    def solve(self, pieces: Pieces, layout: Layout, model: Model) -> Packing:
+    def solve(self, pieces: Pieces, layout: StepLayout, model: Model) -> Packing:
         flush = layout.flush
         cfg = self.config
         dp, cap = cfg.parallel.dp, cfg.max_tokens

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from packloader.balancers.planners.base import Layout, Model, PackingPlanner
+from packloader.balancers.planners.base import StepLayout, Model, PackingPlanner
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, whole_pieces_packing
 from packloader.balancers.planners.registry import Planner, register_planner
 from packloader.contracts import PlanConfig, StepPlan
@@ -39,7 +39,7 @@ class FixedPlanner(PackingPlanner):
         self.config = config
         self.model = None
 
-    def solve(self, pieces: Pieces, layout: Layout, model: Model | None = None) -> Packing:
+    def solve(self, pieces: Pieces, layout: StepLayout, model: Model | None = None) -> Packing:
         """Best-fit decreasing into dp x V bins of max_tokens, bin b to rank b % dp at position b // dp, V (the
         fewest bins that hold the step unless pinned) grown until everything fits."""
         cfg = self.config

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from packloader.balancers.planners.base import Layout, Model, PackingPlanner
+from packloader.balancers.planners.base import StepLayout, Model, PackingPlanner
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, whole_pieces_packing
 from packloader.balancers.planners.registry import Planner, register_planner
 from packloader.contracts import PlanConfig
@@ -153,7 +153,7 @@ class MultipackPlanner(PackingPlanner):
 
     name = "multipack"
 
-    def solve(self, pieces: Pieces, layout: Layout, model: Model) -> Packing:
+    def solve(self, pieces: Pieces, layout: StepLayout, model: Model) -> Packing:
         cfg = self.config
         dp, cap = cfg.parallel.dp, cfg.max_tokens
         check_cap(pieces, cap, self.name)
@@ -168,7 +168,7 @@ class MultipackOpenChat2023Planner(PackingPlanner):
 
     name = "multipack_openchat2023"
 
-    def solve(self, pieces: Pieces, layout: Layout, model: Model) -> Packing:
+    def solve(self, pieces: Pieces, layout: StepLayout, model: Model) -> Packing:
         cfg = self.config
         dp, cap = cfg.parallel.dp, cfg.max_tokens
         check_cap(pieces, cap, self.name)

@@ -48,7 +48,7 @@ import numpy as np
 
 from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.model import CostModel
-from packloader.balancers.planners.base import Layout, PackingPlanner
+from packloader.balancers.planners.base import StepLayout, PackingPlanner
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, cost_model_for
 from packloader.balancers.planners.registry import Planner, register_planner
 from packloader.balancers.planners.slimpack_kernels import (
@@ -129,7 +129,7 @@ class SlimPackPlanner(PackingPlanner):
         self._phase_one = (pieces, model, out)
         return out
 
-    def solve(self, pieces: Pieces, layout: Layout, model: CostModel) -> Packing:
+    def solve(self, pieces: Pieces, layout: StepLayout, model: CostModel) -> Packing:
         cfg = self.config
         dp, pp, cap = cfg.parallel.dp, cfg.parallel.pp, cfg.max_tokens
         slicing = cfg.allow_slicing

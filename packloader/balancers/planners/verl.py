@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from packloader.balancers.planners.base import Layout, Model, PackingPlanner
+from packloader.balancers.planners.base import StepLayout, Model, PackingPlanner
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, cost_model_for, whole_pieces_packing
 from packloader.balancers.planners.registry import Planner, register_planner
 from packloader.contracts import PlanConfig
@@ -404,7 +404,7 @@ class KarmarkarKarpPlanner(PackingPlanner):
         padded = np.concatenate([values, np.zeros(pad, values.dtype)]) if pad else values
         return karmarkar_karp(padded, dp, True)[:len(values)]
 
-    def solve(self, pieces: Pieces, layout: Layout, model: Model) -> Packing:
+    def solve(self, pieces: Pieces, layout: StepLayout, model: Model) -> Packing:
         cfg = self.config
         dp, cap, vpp = cfg.parallel.dp, cfg.max_tokens, cfg.parallel.vpp
         check_cap(pieces, cap, self.name)

@@ -174,6 +174,68 @@ def _bound_fill(m: int, pp: int, vpp: int, schedule: str) -> float:
     return (m + pp - 1) / m
 
 
+def _rank_costs(plan: StepPlan, models: list[CostModel], use_plan_costs: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Forward and backward time of every micro-batch, per DP rank (the plan's own costs, or the models')."""
+    rank_f, rank_b = [], []
+    for r, rank in enumerate(plan.ranks):
+        if use_plan_costs:
+            f = np.array([mb.fwd_cost for mb in rank.micro_batches], dtype=np.float64)
+            b = np.array([mb.bwd_cost for mb in rank.micro_batches], dtype=np.float64)
+        else:
+            fb = [models[r].microbatch_times(mb) for mb in rank.micro_batches]
+            f = np.array([x[0] for x in fb], dtype=np.float64)
+            b = np.array([x[1] for x in fb], dtype=np.float64)
+        rank_f.append(f)
+        rank_b.append(b)
+    return rank_f, rank_b
+
+
+class _Counts(msgspec.Struct):
+    slots: int = 0
+    tokens_slots: float = 0.0  # tokens per slot, a DP-Merge micro-batch counting n/g on each member
+    largest: int = 0
+    tokens: int = 0  # each DP-Merge micro-batch once
+    tokens_split: int = 0
+    split_docs: set = set()
+    delays: list = []  # (delay in steps, tokens)
+
+
+def _token_counts(plan: StepPlan, look) -> _Counts:
+    out = _Counts(split_docs=set(), delays=[])
+    seen_groups: set = set()
+    for rank in plan.ranks:
+        for mb in rank.micro_batches:
+            g = len(mb.dp_group) if mb.dp_group else 1
+            n = mb.num_tokens
+            out.slots += 1
+            out.tokens_slots += n / g
+            out.largest = max(out.largest, -(-n // g))
+            if g > 1:
+                key = (tuple(mb.dp_group), tuple(mb.segments))
+                if key in seen_groups:
+                    continue
+                seen_groups.add(key)
+            out.tokens += n
+            for s in mb.segments:
+                k = s.end - s.start
+                if s.attend_from < s.start:
+                    out.tokens_split += k
+                    out.split_docs.add(s.doc)
+                if look is not None:
+                    out.delays.append((plan.step - look(s.doc), k))
+    # a sliced piece's first slice has attend_from == start: count every segment of a slice chain
+    if out.split_docs:
+        unique = list(_unique_segments(plan))
+        chains = {(sg.doc, sg.attend_from) for sg in unique if sg.attend_from < sg.start}
+        out.tokens_split = sum(sg.end - sg.start for sg in unique if (sg.doc, sg.attend_from) in chains)
+    return out
+
+
+def _imbalance(c: np.ndarray) -> float:
+    """Largest over mean (1.0 for nothing to balance)."""
+    return float(c.max() * len(c) / c.sum()) if len(c) and c.sum() > 0 else 1.0
+
+
 def score_plan(
     plan: StepPlan,
     model: CostModel | Sequence[CostModel],
@@ -191,60 +253,11 @@ def score_plan(
     dp = len(plan.ranks)
     models = _per_rank(model, dp)
     pp, vpp = parallel.pp, parallel.vpp
-    rank_f: list[np.ndarray] = []
-    rank_b: list[np.ndarray] = []
-    tokens_slots = 0.0
-    slots = 0
-    largest = 0
-    tokens = 0
-    tokens_split = 0
-    split_docs: set[int] = set()
+    rank_f, rank_b = _rank_costs(plan, models, use_plan_costs)
     look = _drawn_lookup(drawn, plan.step)
-    delays: list[tuple[int, int]] = []  # (delay, tokens)
-    seen_groups: set = set()
-    for r, rank in enumerate(plan.ranks):
-        if use_plan_costs:
-            f = np.array([mb.fwd_cost for mb in rank.micro_batches], dtype=np.float64)
-            b = np.array([mb.bwd_cost for mb in rank.micro_batches], dtype=np.float64)
-        else:
-            fb = [models[r].microbatch_times(mb) for mb in rank.micro_batches]
-            f = np.array([x[0] for x in fb], dtype=np.float64)
-            b = np.array([x[1] for x in fb], dtype=np.float64)
-        rank_f.append(f)
-        rank_b.append(b)
-        for mb in rank.micro_batches:
-            g = len(mb.dp_group) if mb.dp_group else 1
-            n = mb.num_tokens
-            slots += 1
-            tokens_slots += n / g
-            largest = max(largest, -(-n // g))
-            if g > 1:
-                key = (tuple(mb.dp_group), tuple(mb.segments))
-                if key in seen_groups:
-                    continue
-                seen_groups.add(key)
-            tokens += n
-            for s in mb.segments:
-                k = s.end - s.start
-                if s.attend_from < s.start:
-                    tokens_split += k
-                    split_docs.add(s.doc)
-                if look is not None:
-                    delays.append((plan.step - look(s.doc), k))
-    # a sliced piece's first slice has attend_from == start: count every segment of a slice chain
-    if split_docs:
-        chains = set()
-        unique = list(_unique_segments(plan))
-        for sg in unique:
-            if sg.attend_from < sg.start:
-                chains.add((sg.doc, sg.attend_from))
-        tokens_split = sum(sg.end - sg.start for sg in unique if (sg.doc, sg.attend_from) in chains)
-    per_rank_imb = []
-    per_rank_imb_f = []
-    for f, b in zip(rank_f, rank_b):
-        c = f + b
-        per_rank_imb.append(float(c.max() * len(c) / c.sum()) if len(c) and c.sum() > 0 else 1.0)
-        per_rank_imb_f.append(float(f.max() * len(f) / f.sum()) if len(f) and f.sum() > 0 else 1.0)
+    counts = _token_counts(plan, look)
+    per_rank_imb = [_imbalance(f + b) for f, b in zip(rank_f, rank_b)]
+    per_rank_imb_f = [_imbalance(f) for f in rank_f]
     allc = np.concatenate([f + b for f, b in zip(rank_f, rank_b)]) if rank_f else np.zeros(0)
     total = float(allc.sum())
     imb_global = float(allc.max() * len(allc) / total) if total > 0 else 1.0
@@ -262,14 +275,14 @@ def score_plan(
     dp_spread = float(rank_times.max() / rank_times.mean()) if len(rank_times) and rank_times.mean() > 0 else 1.0
     work_bound = total / dp if dp else 0.0
     bound = work_bound * _bound_fill(m, pp, vpp, schedule)
-    cap = max_tokens or (models[0].memory_cap() if models else None) or largest or 1
-    delay = token_delay(delays)
+    cap = max_tokens or (models[0].memory_cap() if models else None) or counts.largest or 1
+    delay = token_delay(counts.delays)
     return PlanScores(
         step=plan.step,
         dp=dp,
         pp=pp,
         micro_batches=m,
-        tokens=tokens,
+        tokens=counts.tokens,
         imbalance=max(per_rank_imb, default=1.0),
         imbalance_mean=float(np.mean(per_rank_imb)) if per_rank_imb else 1.0,
         imbalance_global=imb_global,
@@ -280,9 +293,9 @@ def score_plan(
         work_bound=work_bound,
         efficiency=bound / step_t if step_t > 0 else 1.0,
         bubble_share=1.0 - busy / (dp * pp * step_t) if step_t > 0 else 0.0,
-        packing_efficiency=tokens_slots / (slots * cap) if slots else 0.0,
-        tokens_split=tokens_split,
-        docs_split=len(split_docs),
+        packing_efficiency=counts.tokens_slots / (counts.slots * cap) if counts.slots else 0.0,
+        tokens_split=counts.tokens_split,
+        docs_split=len(counts.split_docs),
         tokens_delayed=delay.tokens_delayed,
         delay_share=delay.share,
         delay_mean=delay.mean,

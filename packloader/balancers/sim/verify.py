@@ -202,6 +202,73 @@ def _duplicate_examples(plans: list[StepPlan], final_state: PlannerState | None,
     return out
 
 
+def _piece_starts(exp: np.ndarray) -> dict[int, np.ndarray]:
+    """Sorted piece starts per doc, to reject slices that attend across an independent piece's start."""
+    out: dict[int, np.ndarray] = {}
+    if len(exp):
+        e = exp[np.lexsort((exp[:, 1], exp[:, 0]))]
+        docs, idx = np.unique(e[:, 0], return_index=True)
+        for d, a, b in zip(docs, idx, list(idx[1:]) + [len(e)]):
+            out[int(d)] = e[a:b, 1]
+    return out
+
+
+def _check_slice(where: str, s, i: int, ends: dict, piece_starts: dict[int, np.ndarray], allow_slicing: bool) -> None:
+    """The slice rules for segment `s` of micro-batch i; `ends` maps (doc, end) of this rank's earlier segments
+    to (micro-batch index, attend_from)."""
+    if not allow_slicing:
+        raise PlanError(f"{where}: doc {s.doc} tokens {s.start}..{s.end - 1} are a slice (attend_from {s.attend_from} < start) but slicing is not allowed")
+    prev = ends.get((s.doc, s.start))
+    if prev is None:
+        raise PlanError(
+            f"{where}: slice of doc {s.doc} tokens {s.start}..{s.end - 1} attends from {s.attend_from}, "
+            f"but no earlier micro-batch of this rank in this step ends that document at {s.start}"
+        )
+    if prev[1] != s.attend_from:
+        raise PlanError(
+            f"{where}: slice of doc {s.doc} at {s.start} attends from {s.attend_from} but the slice before it "
+            f"(micro-batch {prev[0]}) starts its chain at {prev[1]}: slices of one piece share attend_from"
+        )
+    if prev[0] == i:
+        raise PlanError(f"{where}: slice of doc {s.doc} at {s.start} and its prefix sit in the same micro-batch; a slice's prefix must be in an earlier one")
+    starts = piece_starts.get(s.doc)
+    if starts is not None:
+        k = np.searchsorted(starts, s.start, side="right") - 1
+        if k >= 0 and s.attend_from < starts[k]:
+            raise PlanError(f"{where}: slice of doc {s.doc} at {s.start} attends from {s.attend_from}, across the start {int(starts[k])} of an independent piece")
+
+
+def _check_rank(where_step: str, r: int, rank, num_ranks: int, piece_starts: dict[int, np.ndarray],
+                max_tokens: int | None, allow_slicing: bool) -> int:
+    """Every rule on one rank's micro-batches; returns the number of slices."""
+    m = len(rank.micro_batches)
+    if rank.backward_order is not None and sorted(rank.backward_order) != list(range(m)):
+        raise PlanError(f"{where_step} rank {r}: backward_order {rank.backward_order} is not a permutation of range({m})")
+    slices = 0
+    ends: dict[tuple[int, int], tuple[int, int]] = {}
+    for i, mb in enumerate(rank.micro_batches):
+        where = f"{where_step} rank {r} micro-batch {i}"
+        group = mb.dp_group
+        if group is not None and len(group) > 1:
+            if any(g < 0 or g >= num_ranks for g in group) or r not in group or len(set(group)) != len(group):
+                raise PlanError(f"{where}: dp_group {group} must be distinct ranks of 0..{num_ranks - 1} including {r}")
+        g = len(group) if group else 1
+        n = 0
+        for s in mb.segments:
+            if s.start < 0 or s.end <= s.start:
+                raise PlanError(f"{where}: segment {_seg(s)} of doc {s.doc} is empty or reversed")
+            if s.attend_from < 0 or s.attend_from > s.start:
+                raise PlanError(f"{where}: segment {_seg(s)} has attend_from {s.attend_from} outside 0..start={s.start}")
+            n += s.end - s.start
+            if s.attend_from < s.start:
+                slices += 1
+                _check_slice(where, s, i, ends, piece_starts, allow_slicing)
+            ends[(s.doc, s.end)] = (i, s.attend_from)
+        if max_tokens is not None and -(-n // g) > max_tokens:
+            raise PlanError(f"{where} holds {n} tokens{f' over {g} ranks' if g > 1 else ''}, more than max_tokens={max_tokens}")
+    return slices
+
+
 def verify_plan(
     plans: StepPlan | Iterable[StepPlan],
     pieces=None,
@@ -219,15 +286,7 @@ def verify_plan(
     """
     plans = _plans_list(plans)
     exp = _pieces_array(pieces)
-    # piece starts per doc, to reject slices that attend across an independent piece's start
-    piece_starts: dict[int, np.ndarray] = {}
-    if len(exp):
-        order = np.lexsort((exp[:, 1], exp[:, 0]))
-        e = exp[order]
-        docs, idx = np.unique(e[:, 0], return_index=True)
-        bounds = list(idx[1:]) + [len(e)]
-        for d, a, b in zip(docs, idx, bounds):
-            piece_starts[int(d)] = e[a:b, 1]
+    piece_starts = _piece_starts(exp)
     last_step = None
     n_tokens = n_mbs = n_slices = 0
     for p in plans:
@@ -240,52 +299,8 @@ def verify_plan(
         counts = [len(r.micro_batches) for r in p.ranks]
         if len(set(counts)) > 1:
             raise PlanError(f"{where_step}: ranks hold different numbers of micro-batches {counts}; every rank must run the same count")
-        R = len(p.ranks)
         for r, rank in enumerate(p.ranks):
-            m = len(rank.micro_batches)
-            if rank.backward_order is not None and sorted(rank.backward_order) != list(range(m)):
-                raise PlanError(f"{where_step} rank {r}: backward_order {rank.backward_order} is not a permutation of range({m})")
-            # (doc, end) -> (micro-batch index, attend_from) of this rank's segments, for the slice rules
-            ends: dict[tuple[int, int], tuple[int, int]] = {}
-            for i, mb in enumerate(rank.micro_batches):
-                where = f"{where_step} rank {r} micro-batch {i}"
-                group = mb.dp_group
-                if group is not None and len(group) > 1:
-                    if any(g < 0 or g >= R for g in group) or r not in group or len(set(group)) != len(group):
-                        raise PlanError(f"{where}: dp_group {group} must be distinct ranks of 0..{R - 1} including {r}")
-                g = len(group) if group else 1
-                n = 0
-                for s in mb.segments:
-                    if s.start < 0 or s.end <= s.start:
-                        raise PlanError(f"{where}: segment {_seg(s)} of doc {s.doc} is empty or reversed")
-                    if s.attend_from < 0 or s.attend_from > s.start:
-                        raise PlanError(f"{where}: segment {_seg(s)} has attend_from {s.attend_from} outside 0..start={s.start}")
-                    n += s.end - s.start
-                    if s.attend_from < s.start:
-                        n_slices += 1
-                        if not allow_slicing:
-                            raise PlanError(f"{where}: doc {s.doc} tokens {s.start}..{s.end - 1} are a slice (attend_from {s.attend_from} < start) but slicing is not allowed")
-                        prev = ends.get((s.doc, s.start))
-                        if prev is None:
-                            raise PlanError(
-                                f"{where}: slice of doc {s.doc} tokens {s.start}..{s.end - 1} attends from {s.attend_from}, "
-                                f"but no earlier micro-batch of this rank in this step ends that document at {s.start}"
-                            )
-                        if prev[1] != s.attend_from:
-                            raise PlanError(
-                                f"{where}: slice of doc {s.doc} at {s.start} attends from {s.attend_from} but the slice before it "
-                                f"(micro-batch {prev[0]}) starts its chain at {prev[1]}: slices of one piece share attend_from"
-                            )
-                        if prev[0] == i:
-                            raise PlanError(f"{where}: slice of doc {s.doc} at {s.start} and its prefix sit in the same micro-batch; a slice's prefix must be in an earlier one")
-                        starts = piece_starts.get(s.doc)
-                        if starts is not None:
-                            k = np.searchsorted(starts, s.start, side="right") - 1
-                            if k >= 0 and s.attend_from < starts[k]:
-                                raise PlanError(f"{where}: slice of doc {s.doc} at {s.start} attends from {s.attend_from}, across the start {int(starts[k])} of an independent piece")
-                    ends[(s.doc, s.end)] = (i, s.attend_from)
-                if max_tokens is not None and -(-n // g) > max_tokens:
-                    raise PlanError(f"{where} holds {n} tokens{f' over {g} ranks' if g > 1 else ''}, more than max_tokens={max_tokens}")
+            n_slices += _check_rank(where_step, r, rank, len(p.ranks), piece_starts, max_tokens, allow_slicing)
         for _, _, mb in _unique_micro_batches(p):
             n_mbs += 1
             n_tokens += mb.num_tokens

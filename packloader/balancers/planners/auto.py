@@ -54,7 +54,7 @@ import numpy as np
 
 from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.memory import GiB, MemoryModel, memory_limit_bytes, memory_model_for
-from packloader.balancers.planners.base import StepLayout, Solver
+from packloader.balancers.planners.base import Solver, StepLayout
 from packloader.balancers.planners.fixed import FixedPlanner
 from packloader.balancers.planners.hydraulis import HydraulisPlanner
 from packloader.balancers.planners.packing import (
@@ -286,6 +286,20 @@ class AutoPlanner:
                                    len(listed), packing, cand, edges))
         if not results:
             raise ValueError("auto: no candidate planner can plan this step: " + "; ".join(errors))
+        best, over = self.choose(results)
+        packing = best.packing
+        packing.extra = carried_extra(state)
+        q_tokens = sum(q.length for q in packing.queued)
+        q_delay = sum((step - q.drawn_step) * q.length for q in packing.queued)
+        packing.extra[DELAY_KEY] = [int(run_tokens + pieces.total_tokens - q_tokens), int(run_delay + piece_delay - q_delay)]
+        plan = packing.to_step_plan(step)
+        plan.planner = best.cand.planner
+        plan.memory_over = over
+        return plan, packing.state()
+
+    def choose(self, results: list["_Result"]) -> tuple["_Result", float]:
+        """The winner among scored candidates (module docstring) and its peak over the memory limit (0 when it
+        fits); records the choice, scores and memory drops for the report."""
         fastest = self.fastest_fitting(results)
         over = 0.0
         if fastest < math.inf or self.mem_limit is None:
@@ -306,15 +320,7 @@ class AutoPlanner:
                 if r.peak is not None and r.peak > self.mem_limit and r is not best:
                     n, top = self.memory_drops.get(r.cand, (0, 0.0))
                     self.memory_drops[r.cand] = (n + 1, max(top, r.peak))
-        packing = best.packing
-        packing.extra = carried_extra(state)
-        q_tokens = sum(q.length for q in packing.queued)
-        q_delay = sum((step - q.drawn_step) * q.length for q in packing.queued)
-        packing.extra[DELAY_KEY] = [int(run_tokens + pieces.total_tokens - q_tokens), int(run_delay + piece_delay - q_delay)]
-        plan = packing.to_step_plan(step)
-        plan.planner = best.cand.planner
-        plan.memory_over = over
-        return plan, packing.state()
+        return best, over
 
     def delay_ok(self, packing: Packing, pieces: Pieces, step: int, run_tokens: int, run_delay: int,
                  piece_delay: int) -> bool:

@@ -407,45 +407,57 @@ def _rank_megatron_pipeline(rank, world):
         else:
             names[k] = k
     stage.load_state_dict({k: state[names[k]] for k in stage.state_dict()})
-    it = pm.MegatronDataIterator(_pp2_loader(docs, 1), num_microbatches=MB, slices=True)
+    # two epochs of one step each: the second step reuses the stage and schedule (buffers re-sized, a new plan)
+    it = pm.MegatronDataIterator(_pp2_loader(docs, 2), num_microbatches=MB, slices=True)
     it = (dict(b, step_plan=_reversed_backward(b["step_plan"])) for b in it)
-    store = pm.sliced_pipeline_forward_backward(forward_step_func=pm.forward_step, data_iterator=it, model=[stage],
-                                                num_microbatches=MB, seq_length=0, micro_batch_size=1)
-    sched = pm.pipeline_schedule_of(stage)
-    grads = {names[k]: p.grad.numpy().copy() for k, p in stage.named_parameters() if p.grad is not None}
-    return dict(ref=ref, grads=grads, order=list(sched.order), kv_left=len(sched._stages[0].cache),
-                loss=sum(float(r["lm loss"][0]) for r in store), tokens=sum(int(r["lm loss"][1]) for r in store))
+    out = dict(ref=ref, orders=[], kv_left=[], losses=[], tokens=[])
+    for _ in range(2):
+        store = pm.sliced_pipeline_forward_backward(forward_step_func=pm.forward_step, data_iterator=it,
+                                                    model=[stage], num_microbatches=MB, seq_length=0,
+                                                    micro_batch_size=1)
+        sched = pm.pipeline_schedule_of(stage)
+        out["orders"].append(list(sched.order))
+        out["kv_left"].append(len(sched._stages[0].cache))
+        out["losses"].append(sum(float(r["lm loss"][0]) for r in store))
+        out["tokens"].append(sum(int(r["lm loss"][1]) for r in store))
+    out["grads"] = {names[k]: p.grad.numpy().copy() / 2 for k, p in stage.named_parameters() if p.grad is not None}
+    return out
 
 
 def test_megatron_pipeline_runs_a_sliced_plan_like_whole_documents():
     """A real Megatron-core GPTModel split into 2 pipeline stages (pre_process / post_process, one layer each, gloo,
     float64) runs a sliced slimpack step through sliced_pipeline_forward_backward: the summed loss, its token count
     and every parameter gradient equal the unsplit model's over the same documents run whole with dense causal
-    attention (rtol 1e-5 / 1e-6 for the loss: Megatron's loss_func sums in float32); each stage executes the order
-    the simulator scores for the plan's backward order (here reversed, not the default), and frees its carried
-    KV."""
+    attention (rtol 1e-5 / 1e-6 for the loss: Megatron's loss_func sums in float32), on each of two steps (the second
+    reusing the stage and schedule); each stage executes the order the simulator scores for the plan's backward
+    order (here reversed, not the default), and frees its carried KV."""
     pytest.importorskip("megatron.core")
     from distributed import run_ranks
 
     from packloader.balancers.simulator import default_backward_order, simulate_rank, slice_edges_of
     from packloader.contracts import ParallelConfig
 
-    step0 = first_step(_pp2_loader(corpus(), 1))
-    assert len(step0) == MB and sum(b.num_tokens for b in step0) == sum(LENGTHS)
-    assert any(s.attend_from < s.start for b in step0 for s in b.segments)
-    rank_plan = _reversed_backward(step0[0].extra["plan"]).ranks[0]
-    edges, _ = slice_edges_of(rank_plan.micro_batches)
-    assert list(rank_plan.backward_order) != default_backward_order(MB, edges).tolist()
+    batches = list(_pp2_loader(corpus(), 2))
+    plans = []
+    for step in (0, 1):  # each epoch is one step holding every document, sliced
+        mbs = [b for b in batches if b.step == step]
+        assert len(mbs) == MB and sum(b.num_tokens for b in mbs) == sum(LENGTHS)
+        assert any(s.attend_from < s.start for b in mbs for s in b.segments)
+        rank_plan = _reversed_backward(mbs[0].extra["plan"]).ranks[0]
+        edges, _ = slice_edges_of(rank_plan.micro_batches)
+        assert list(rank_plan.backward_order) != default_backward_order(MB, edges).tolist()
+        plans.append(rank_plan)
 
     res = run_ranks(_rank_megatron_pipeline, 2)
     ref_loss, ref_grads = res[0]["ref"]
-    sim = simulate_rank(rank_plan, None, ParallelConfig(pp=2), schedule="1f1b", use_plan_costs=True)
-    for r in range(2):
-        assert res[r]["order"] == sim.order(r), r
-        assert res[r]["kv_left"] == 0
-    assert res[1]["tokens"] == sum(n - 1 for n in LENGTHS)
-    assert res[1]["loss"] == pytest.approx(ref_loss, rel=1e-6)
-    got = {**res[0]["grads"], **res[1]["grads"]}
+    for step, rank_plan in enumerate(plans):
+        sim = simulate_rank(rank_plan, None, ParallelConfig(pp=2), schedule="1f1b", use_plan_costs=True)
+        for r in range(2):
+            assert res[r]["orders"][step] == sim.order(r), (step, r)
+            assert res[r]["kv_left"][step] == 0
+        assert res[1]["tokens"][step] == sum(n - 1 for n in LENGTHS)
+        assert res[1]["losses"][step] == pytest.approx(ref_loss, rel=1e-6)
+    got = {**res[0]["grads"], **res[1]["grads"]}  # two steps accumulated, halved
     assert set(res[0]["grads"]).isdisjoint(res[1]["grads"])
     assert set(got) == set(ref_grads)
     for k, g in ref_grads.items():

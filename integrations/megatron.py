@@ -492,7 +492,8 @@ def sliced_forward_backward(*, forward_step_func, data_iterator, model, num_micr
 
 def check_sliced_pipeline_config(config: Any, *, num_model_chunks: int = 1) -> None:
     """Refuse, before any communication, the Megatron settings ``sliced_pipeline_forward_backward`` cannot honour
-    (each named, with what to change)."""
+    (each named, with what to change). ``variable_seq_lengths`` is not needed on this path: packloader's stage
+    sizes its receive buffers per micro-batch itself, without Megatron's p2p shape exchange."""
     vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
     if num_model_chunks > 1 or (vpp is not None and vpp > 1):
         raise ValueError(

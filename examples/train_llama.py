@@ -4,6 +4,7 @@ seed, and compare held-out loss against the `fixed` baseline.
     python examples/train_llama.py --out runs/llama --seeds 0,1,2          # fixed, auto, wlb: ~40 s a run on 2 cores
     python examples/train_llama.py --out /tmp/tiny --tiny                  # CI size, well under a minute
     python examples/train_llama.py --out /tmp/cp --tiny --planners fixed --cp 2   # Zeppelin CP over 2 gloo ranks
+    python examples/train_llama.py --out /tmp/dc --tiny --planners fixed --cp 2 --dp 2   # 2 DP x 2 CP, 4 ranks
     python examples/train_llama.py --out /tmp/pp --tiny --pp 2                    # 2 pipeline stages, sliced plans
 
 Data: the Python standard library's source files (no download), cut into top-level definitions (a long-tailed
@@ -32,14 +33,20 @@ the tokens and attention in the hierarchical layout (``packloader.runtime.zeppel
 rank, long ones sharded, activations remapped by all-to-all), and the ranks' gradient shares are summed before
 each optimizer step; ``--cp-mode`` picks the attention layout (hierarchical, document, sequence) and
 ``--cp-threshold`` the length from which hierarchical shards a document. Same data, init and LR schedule as the
-single-process run, so the loss curves agree up to float32 summation order.
+single-process run, so the loss curves agree up to float32 summation order. With ``--dp M`` as well, the
+``M x N`` processes form M data-parallel replicas (each its own loader shard, ``dp_rank``) of N CP ranks each; the
+CP groups are created once through ``packloader.runtime.groups.ProcessGroupCache`` (every rank, the same order)
+and each micro-batch's ``ZeppelinContext`` runs over this rank's group. Since the loss is normalised by the loss
+tokens of the whole global step, the gradient shares of every rank (CP shares and DP replicas alike) are summed
+over the world. ``--dp M`` alone is plain data parallelism, the reference a ``--cp N --dp M`` run must match.
 
 ``--pp N`` trains through N pipeline stages on N gloo processes (``packloader.runtime.pipeline``): the loader plans
 with ``ParallelConfig(pp=N)`` and slicing allowed (default planner ``slimpack``), the decoder layers are split
 evenly over the stages (embedding on the first, norm and LM head on the last), each stage's attention runs the
 micro-batch's slice context (a later slice reads the earlier slices' keys from the stage's carried KV), and a step's
-micro-batches run through ``PlanPipelineSchedule``; the loss is normalised over the step's loss tokens, and each
-stage takes one AdamW step per packloader step (tied embedding gradient summed between the first and last stage,
+micro-batches run through ``PlanPipelineSchedule`` in the order the planner's simulator scored (the plan's
+backward order, from ``batch.extra["plan"]``; rank 0's executed order per step is in ``pipeline_orders``); the
+loss is normalised over the step's loss tokens, and each stage takes one AdamW step per packloader step (tied embedding gradient summed between the first and last stage,
 gradient-norm clip over all stages). Every rank builds the whole model from the seed and keeps its stage, so the
 init is the single-process run's. ``--pp N --pp-whole`` is the unsliced run it must match: one process, the same
 plans, each step's documents rejoined from their slices and run whole through the unsplit model.
@@ -161,7 +168,7 @@ def cp_micro_batch_loss_sum(model, batch, table: torch.Tensor, args) -> tuple[to
     from packloader.runtime.zeppelin import ZeppelinContext
 
     opts = {"hierarchical_threshold": args.cp_threshold} if args.cp_mode == "hierarchical" and args.cp_threshold else {}
-    ctx = ZeppelinContext(batch.segments, mode=args.cp_mode, **opts)
+    ctx = ZeppelinContext(batch.segments, group=_DIST.get("cp_group"), mode=args.cp_mode, **opts)
     ids = remap(ctx.local(batch.input_ids), table)
     labels = remap(ctx.local(batch.labels), table)
     with ctx.active():
@@ -243,6 +250,27 @@ def whole_step_loss_sum(model, micro_batches, table: torch.Tensor) -> torch.Tens
     return torch.nn.functional.cross_entropy(logits, remap(labels, table), ignore_index=-100, reduction="sum")
 
 
+def planned_rank_plan(micro_batches, dp_rank: int = 0):
+    """The RankPlan the pipeline runs for one step: this rank's non-empty micro-batches with the backward order
+    the planner chose and its simulator scored (`batch.extra["plan"]`, None: the simulator's default), restricted
+    to them (an empty slot has no work on any stage, so dropping it keeps the others' relative order)."""
+    from packloader.contracts import MicroBatch, RankPlan
+
+    keep = [j for j, b in enumerate(micro_batches) if b.num_tokens]
+    mbs = [MicroBatch(segments=list(micro_batches[j].segments)) for j in keep]
+    plan = micro_batches[0].extra.get("plan") if micro_batches else None
+    if plan is None:
+        return RankPlan(micro_batches=mbs)
+    rp = plan.ranks[dp_rank]
+    if len(rp.micro_batches) != len(micro_batches) or any(
+            list(rp.micro_batches[j].segments) != list(micro_batches[j].segments) for j in keep):
+        raise ValueError(f"step {plan.step}: the micro-batches are not those the plan gives DP rank {dp_rank}")
+    if rp.backward_order is None:
+        return RankPlan(micro_batches=mbs)
+    at = {j: i for i, j in enumerate(keep)}
+    return RankPlan(micro_batches=mbs, backward_order=[at[j] for j in rp.backward_order if j in at])
+
+
 class PipelineRun:
     """This process's pipeline stage of the `--pp` run: its share of the full model (built whole with the seed on
     every rank, so each stage's parameters are exactly the single-process run's), the engine stage and the
@@ -281,6 +309,7 @@ class PipelineRun:
         for q in model.model.embed_tokens.parameters():
             self.owner[q] = 0
         self.sliced_steps = 0
+        self.orders: list[list] = []  # per step, this stage's executed (F/B, micro-batch, chunk) order
 
     @staticmethod
     def _loss(logits, target):
@@ -293,15 +322,14 @@ class PipelineRun:
         every rank."""
         import torch.distributed as dist
 
-        from packloader.contracts import MicroBatch
-
         mbs = [b for b in micro_batches if b.num_tokens]  # an empty slot has nothing to run on any stage
         self.sliced_steps += any(s.attend_from < s.start for b in mbs for s in b.segments)
         losses: list = []
-        self.schedule.step_plan([MicroBatch(segments=list(b.segments)) for b in mbs],
+        self.schedule.step_plan(planned_rank_plan(micro_batches),
                                 arg_mbs=[(remap(b.input_ids, table),) for b in mbs],
                                 kwarg_mbs=[{"position_ids": b.position_ids} for b in mbs],
                                 target_mbs=[(remap(b.labels, table), n_step) for b in mbs], losses=losses)
+        self.orders.append([list(a) for a in self.schedule.order])
         if self.tied is not None and self.pp > 1:
             if self.tied.grad is None:
                 self.tied.grad = torch.zeros_like(self.tied)
@@ -335,11 +363,12 @@ def make_loader(paths, args, strategy: str, epochs, *, train: bool = True):
     from packloader import PackedLoader, PlanConfig
     from packloader.contracts import ParallelConfig
 
-    pp = args.pp if train else 1
+    pp, dp = (args.pp, args.dp) if train else (1, 1)  # every rank evaluates the whole held-out set
     cfg = PlanConfig(strategy=strategy, max_tokens=args.max_tokens, context=args.context,
-                     tokens_per_step=args.tokens_per_step, allow_slicing=pp > 1, parallel=ParallelConfig(pp=pp),
+                     tokens_per_step=args.tokens_per_step, allow_slicing=pp > 1, parallel=ParallelConfig(pp=pp, dp=dp),
                      model=args.cost_model, seed=args.seed)
-    return PackedLoader(paths, config=cfg, epochs=epochs, num_threads=0, seed=args.seed)
+    return PackedLoader(paths, config=cfg, epochs=epochs, num_threads=0, seed=args.seed,
+                        dp_rank=_DIST.get("dp_rank", 0) if train else 0)
 
 
 def evaluate(model, paths, args, table) -> float:
@@ -417,10 +446,10 @@ def train(args, strategy: str, train_paths, valid_paths, table) -> dict:
                     loss, _ = micro_batch_loss_sum(model, b, table)
                 (loss / n_step).backward()
                 total += float(loss.detach())
-        if args.cp > 1:  # each CP rank holds its tokens' share of the gradient and of the loss
+        if args.cp > 1 or args.dp > 1:  # each rank holds its tokens' share of the gradient and of the loss
             from packloader.runtime.zeppelin import reduce_gradients
 
-            reduce_gradients(model.parameters())
+            reduce_gradients(model.parameters())  # over the world: CP shares and DP replicas alike
             t = torch.tensor([total], dtype=torch.float64)
             torch.distributed.all_reduce(t)
             total = float(t)
@@ -436,13 +465,15 @@ def train(args, strategy: str, train_paths, valid_paths, table) -> dict:
             print(f"[{strategy} seed {args.seed}] step {step:4d} loss {total / n_step:.4f} tokens {trained}/{total_tokens} "
                   f"({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
     loader.close()
+    orders = None
     if pipe is not None:
         pipe.gather()
         sliced_steps = pipe.sliced_steps
+        orders = pipe.orders
     # every rank evaluates its gathered full model (the loader's start is collective over the process group)
     held_out = evaluate(model, valid_paths, args, table) if valid_paths else float("nan")
     return {"strategy": strategy, "seed": args.seed, "curve": curve, "held_out_loss": held_out,
-            "sliced_steps": sliced_steps,
+            "sliced_steps": sliced_steps, "pipeline_orders": orders,
             "skipped_empty_steps": skipped, "empty_micro_batches": empty_mbs, "tokens_trained": trained,
             "epoch_tokens": total_tokens // args.epochs, "seconds": time.perf_counter() - t0}
 
@@ -546,6 +577,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="attention layout under --cp")
     p.add_argument("--cp-threshold", type=int, default=None,
                    help="hierarchical: shard documents of at least this many tokens (default: by cost estimate)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas (gloo processes; with --cp N, N CP ranks each)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline parallelism over this many gloo processes (plans pipeline-aware, slices allowed)")
     p.add_argument("--pp-whole", action="store_true",
@@ -554,8 +587,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.planners is None:
         args.planners = "slimpack" if args.pp > 1 else "fixed,auto,wlb"
-    if args.pp > 1 and args.cp > 1:
-        raise SystemExit("--pp and --cp together are not supported by this example")
+    if args.pp > 1 and (args.cp > 1 or args.dp > 1):
+        raise SystemExit("--pp with --cp or --dp is not supported by this example")
     if args.tiny:
         args.files, args.epochs, args.tokens_per_step = 12, 1, 1024
         args.max_tokens = args.context = 512
@@ -564,6 +597,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.valid_fraction = 0.1
         args.layers = max(args.layers, args.pp)  # one decoder layer per stage
     return args
+
+
+_DIST: dict = {}  # this process's dp_rank and CP process group (set up once per process)
+
+
+def setup_data_and_context_parallel(args, rank: int) -> None:
+    """Rank r is CP rank r % cp of DP replica r // cp. The CP groups are created once, on every rank in the same
+    order (``new_group`` is a collective of the whole world), by packloader's process-group cache."""
+    from packloader.runtime.groups import ProcessGroupCache
+
+    dp_rank, _ = divmod(rank, args.cp)
+    _DIST["dp_rank"] = dp_rank
+    if args.cp > 1:
+        groups = ProcessGroupCache()
+        members = [[d * args.cp + c for c in range(args.cp)] for d in range(args.dp)]
+        groups.create(members)
+        _DIST["cp_group"] = groups.get(members[dp_rank])
 
 
 def launch(args, argv, nproc: int) -> dict:
@@ -584,16 +634,18 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     train_paths, valid_paths = write_shards(args.out, args.files, args.valid_fraction, args.data_seed)
-    nproc = args.cp if args.cp > 1 else (args.pp if args.pp > 1 and not args.pp_whole else 1)
+    nproc = args.cp * args.dp if args.pp == 1 else (1 if args.pp_whole else args.pp)
     if nproc > 1 and "RANK" not in os.environ:
         return launch(args, argv, nproc)
     rank = 0
     if nproc > 1:
         torch.distributed.init_process_group("gloo")
         if torch.distributed.get_world_size() != nproc:
-            flag = f"--cp {args.cp}" if args.cp > 1 else f"--pp {args.pp}"
+            flag = f"--cp {args.cp} --dp {args.dp}" if args.pp == 1 else f"--pp {args.pp}"
             raise ValueError(f"{flag} but the process group has {torch.distributed.get_world_size()} ranks")
         rank = torch.distributed.get_rank()
+        if args.pp == 1:
+            setup_data_and_context_parallel(args, rank)
         args.verbose = args.verbose and rank == 0
     table = torch.from_numpy(vocab_map(train_paths, args.vocab))
     runs = []

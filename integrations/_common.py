@@ -19,7 +19,8 @@ def pipeline_alternative() -> str:
     if importlib.util.find_spec("packloader.runtime.pipeline") is None:
         return ""
     return ("; across pipeline stages: packloader.runtime.pipeline.PlanPipelineSchedule (torch.distributed.pipelining "
-            "with a per-stage KV cache of the earlier slices)")
+            "with a per-stage KV cache of the earlier slices; for Megatron-core: "
+            "packloader_integrations.megatron.sliced_pipeline_forward_backward)")
 
 
 def refuse_slices(batch: PackedBatch, consumer: str) -> None:

@@ -111,6 +111,24 @@ def test_pipeline_pp_run_matches_the_whole_document_run(tmp_path):
     for a, b in zip(whole["curve"], pp["curve"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
     assert pp["held_out_loss"] == pytest.approx(whole["held_out_loss"], rel=1e-4)
+    # each step ran in the order the simulator scores for the plan's backward order (first stage, empty slots
+    # dropped), from the loader's own plans
+    from packloader.balancers.simulator import simulate_rank
+    from packloader.contracts import ParallelConfig
+
+    args = ex.parse_args(common)
+    args.seed = 0
+    steps = []
+    for b in ex.make_loader(ex.write_shards(tmp_path, args.files, args.valid_fraction, args.data_seed)[0], args,
+                            "slimpack", epochs=1):
+        if b.step >= 3:
+            break
+        if b.index_in_step == 0:
+            steps.append([])
+        steps[-1].append(b)
+    for mbs, executed in zip(steps, pp["pipeline_orders"]):
+        sim = simulate_rank(ex.planned_rank_plan(mbs), None, ParallelConfig(pp=2), use_plan_costs=True)
+        assert [tuple(a) for a in executed] == sim.order(0)
     # training moved the model: the steps' losses differ, so equal curves are not equal inits alone
     assert whole["curve"][2]["loss"] < whole["curve"][0]["loss"] - 0.05
 
@@ -140,3 +158,45 @@ def test_whole_documents_rejoins_slices_hand_worked():
     gap = mb([Segment(7, 3, 5, 0)], [73, 74])
     with pytest.raises(ValueError, match="document 7: its slices in this step leave tokens 0..2 out"):
         ex.whole_documents([gap])
+
+
+def test_planned_rank_plan_keeps_the_planners_backward_order_hand_worked():
+    """The --pp run gives the schedule the plan's backward order (not the simulator's default), with empty slots
+    dropped and the others renumbered in the same relative order."""
+    from types import SimpleNamespace
+
+    from packloader.contracts import MicroBatch, RankPlan, Segment, StepPlan
+
+    segs = [[Segment(4, 0, 10, 0)], [Segment(4, 10, 20, 0)], [], [Segment(5, 0, 7, 0)]]
+    # a valid order that is not the default (which would be [1, 0, 2, 3]): 3 and 2 first
+    plan = StepPlan(step=9, ranks=[RankPlan(micro_batches=[MicroBatch(segments=s) for s in segs],
+                                            backward_order=[3, 2, 1, 0])])
+    batches = [SimpleNamespace(segments=s, num_tokens=sum(x.end - x.start for x in s), extra={"plan": plan})
+               for s in segs]
+    ex = load_example()
+    rp = ex.planned_rank_plan(batches)
+    assert [list(m.segments) for m in rp.micro_batches] == [segs[0], segs[1], segs[3]]
+    assert rp.backward_order == [2, 1, 0]
+    plan.ranks[0].backward_order = None
+    assert ex.planned_rank_plan(batches).backward_order is None
+    batches[1].segments = [Segment(4, 10, 19, 0)]
+    with pytest.raises(ValueError, match="step 9: the micro-batches are not those the plan gives DP rank 0"):
+        ex.planned_rank_plan(batches)
+
+
+def test_zeppelin_cp_inside_data_parallel_replicas_matches_plain_data_parallel(tmp_path):
+    """--cp 2 --dp 2 (4 gloo processes: 2 DP replicas, each Zeppelin's hierarchical CP with layout remapping over
+    its own CP group from packloader.runtime.groups.ProcessGroupCache) trains the same steps as --dp 2 (plain data
+    parallelism, every micro-batch whole on its DP rank): per-step and held-out loss agree up to float32 order."""
+    ex = load_example()
+    common = ["--out", str(tmp_path), "--tiny", "--planners", "fixed", "--steps", "2", "--quiet", "--threads", "1",
+              "--dp", "2"]
+    dp = ex.main(common)["runs"][0]
+    res = ex.main(common + ["--cp", "2", "--cp-threshold", "128"])
+    assert res["config"]["cp"] == 2 and res["config"]["dp"] == 2
+    both = res["runs"][0]
+    assert len(both["curve"]) == len(dp["curve"]) == 2
+    assert [c["tokens"] for c in both["curve"]] == [c["tokens"] for c in dp["curve"]]
+    for a, b in zip(dp["curve"], both["curve"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
+    assert both["held_out_loss"] == pytest.approx(dp["held_out_loss"], rel=1e-4)

@@ -1,7 +1,8 @@
 """Sliced plans in the adapters. PackedTrainer runs a SlimPack plan (documents cut into slices over micro-batches)
 through SliceExecutor with a real transformers Llama (float64, CPU): the step's loss and every parameter gradient
-equal those of the same documents run whole, one at a time. Megatron (PP > 1) and DeepSpeed refuse sliced
-batches with the setting to change."""
+equal those of the same documents run whole, one at a time; so do Megatron-core's GPTModel at PP 1
+(sliced_forward_backward) and split into 2 pipeline stages over gloo (sliced_pipeline_forward_backward). Settings
+the Megatron pipeline path cannot honour, and DeepSpeed, refuse with the setting to change."""
 
 from __future__ import annotations
 
@@ -265,15 +266,15 @@ def test_megatron_sliced_forward_backward_equals_whole_documents():
         torch.testing.assert_close(torch.from_numpy(grads[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)
 
 
-def test_megatron_refuses_slices_at_pp_above_1_and_without_the_sliced_schedule():
+def test_megatron_iterator_refuses_slices_without_the_sliced_schedules():
     pytest.importorskip("megatron.core")
     from packloader_integrations import megatron as pm
 
-    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2.*allow_slicing=False"):
-        pm.MegatronDataIterator(sliced_loader(corpus(), epochs=1), slices=True, pipeline_parallel_size=2)
+    it = pm.MegatronDataIterator(sliced_loader(corpus(), epochs=1), slices=True, pipeline_parallel_size=2)
+    assert sum(any(s.attend_from < s.start for s in next(it)["segments"]) for _ in range(MB)) > 0  # passed on
     it = pm.MegatronDataIterator(sliced_loader(corpus(), epochs=1), pipeline_parallel_size=2)
     with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2.*step 0, micro-batch \d: document \d+.*"
-                                         r"allow_slicing=False"):
+                                         r"slices=True.*sliced_pipeline_forward_backward.*allow_slicing=False"):
         for _ in range(MB):
             next(it)
     it = pm.MegatronDataIterator(sliced_loader(corpus(), epochs=1))
@@ -319,7 +320,169 @@ def test_refusals_point_to_the_pipeline_schedule_where_it_is_installed(monkeypat
                             else real(name, *a))
         b = next(b for b in first_step(sliced_loader(corpus(), epochs=1)) if any(s.attend_from < s.start for s in b.segments))
         for call in (lambda: pds.deepspeed_batch(b),
-                     lambda: pm.MegatronDataIterator(iter([b]), slices=True, pipeline_parallel_size=2)):
+                     lambda: next(pm.MegatronDataIterator(iter([b]), pipeline_parallel_size=2))):
             with pytest.raises(ValueError) as e:
                 call()
             assert ("packloader.runtime.pipeline.PlanPipelineSchedule" in str(e.value)) == present, str(e.value)
+
+
+# ----------------------------------------------------------------------------------------- Megatron PP > 1
+
+
+def _pp2_loader(ds, epochs):
+    from packloader.contracts import ParallelConfig
+
+    cfg = PlanConfig(strategy="slimpack", max_tokens=64, context=256, tokens_per_step=400, num_micro_batches=MB,
+                     parallel=ParallelConfig(pp=2))
+    return PackedLoader(IterableSource(ds), config=cfg, num_threads=0, append_eos=False, epochs=epochs)
+
+
+def _megatron_config(pp):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    extra = dict(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float64) if pp > 1 else {}
+    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                             ffn_hidden_size=64, use_cpu_initialization=True, calculate_per_token_loss=True,
+                             hidden_dropout=0.0, attention_dropout=0.0, **extra)
+
+
+def _gpt(cfg, core, **kw):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = core
+    torch.manual_seed(0)
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=512,
+                    position_embedding_type="learned_absolute", **kw).double()
+
+
+def _reversed_backward(plan):
+    """The step plan with DP rank 0's backward order reversed (valid: a sliced document's last slice still goes
+    first), not the simulator's default, so that running the default order instead would show."""
+    import msgspec
+
+    rp = plan.ranks[0]
+    return msgspec.structs.replace(plan, ranks=[msgspec.structs.replace(
+        rp, backward_order=list(range(len(rp.micro_batches)))[::-1])] + list(plan.ranks[1:]))
+
+
+def _rank_megatron_pipeline(rank, world):
+    """Pipeline rank `rank` of a 2-stage Megatron GPTModel (gloo, CPU, float64) running a sliced step through
+    sliced_pipeline_forward_backward; rank 0 also runs the unsplit model over whole documents (the reference)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from packloader_integrations import megatron as pm
+
+    torch.set_num_threads(1)
+    ps.initialize_model_parallel(1, 1)
+    full = _gpt(_megatron_config(1), _dense_core_attention_cls())
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in full.state_dict().items()}
+    docs = corpus()
+    ref = None
+    if rank == 0:  # every document whole, on its own, through the unsplit model: summed token loss and gradients
+        ref_loss = 0.0
+        for d in docs:
+            x = torch.from_numpy(d).long().unsqueeze(0)
+            n = x.shape[1]
+            cu = torch.tensor([0, n], dtype=torch.int32)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n,
+                                     max_seqlen_kv=n)
+            labels = torch.cat([x[:, 1:], torch.zeros(1, 1, dtype=torch.long)], 1)
+            loss = full(x, torch.arange(n).unsqueeze(0), None, labels=labels, packed_seq_params=params)[0, :-1].sum()
+            loss.backward()
+            ref_loss += float(loss.detach())
+        ref = ref_loss, {k: p.grad.numpy().copy() for k, p in full.named_parameters()}
+    ps.destroy_model_parallel()
+
+    ps.initialize_model_parallel(1, 2)
+    stage = _gpt(_megatron_config(2), pm.PackloaderCoreAttention, pre_process=rank == 0, post_process=rank == 1)
+    # the stage's layers are the full model's layers at their global numbers
+    names = {}
+    for k in stage.state_dict():
+        if k.startswith("decoder.layers."):
+            i, rest = k[len("decoder.layers."):].split(".", 1)
+            names[k] = f"decoder.layers.{stage.decoder.layers[int(i)].layer_number - 1}.{rest}"
+        else:
+            names[k] = k
+    stage.load_state_dict({k: state[names[k]] for k in stage.state_dict()})
+    # two epochs of one step each: the second step reuses the stage and schedule (buffers re-sized, a new plan)
+    it = pm.MegatronDataIterator(_pp2_loader(docs, 2), num_microbatches=MB, slices=True)
+    it = (dict(b, step_plan=_reversed_backward(b["step_plan"])) for b in it)
+    out = dict(ref=ref, orders=[], kv_left=[], losses=[], tokens=[])
+    for _ in range(2):
+        store = pm.sliced_pipeline_forward_backward(forward_step_func=pm.forward_step, data_iterator=it,
+                                                    model=[stage], num_microbatches=MB, seq_length=0,
+                                                    micro_batch_size=1)
+        sched = pm.pipeline_schedule_of(stage)
+        out["orders"].append(list(sched.order))
+        out["kv_left"].append(len(sched._stages[0].cache))
+        out["losses"].append(sum(float(r["lm loss"][0]) for r in store))
+        out["tokens"].append(sum(int(r["lm loss"][1]) for r in store))
+    out["grads"] = {names[k]: p.grad.numpy().copy() / 2 for k, p in stage.named_parameters() if p.grad is not None}
+    return out
+
+
+def test_megatron_pipeline_runs_a_sliced_plan_like_whole_documents():
+    """A real Megatron-core GPTModel split into 2 pipeline stages (pre_process / post_process, one layer each, gloo,
+    float64) runs a sliced slimpack step through sliced_pipeline_forward_backward: the summed loss, its token count
+    and every parameter gradient equal the unsplit model's over the same documents run whole with dense causal
+    attention (rtol 1e-5 / 1e-6 for the loss: Megatron's loss_func sums in float32), on each of two steps (the second
+    reusing the stage and schedule); each stage executes the order the simulator scores for the plan's backward
+    order (here reversed, not the default), and frees its carried KV."""
+    pytest.importorskip("megatron.core")
+    from distributed import run_ranks
+
+    from packloader.balancers.simulator import default_backward_order, simulate_rank, slice_edges_of
+    from packloader.contracts import ParallelConfig
+
+    batches = list(_pp2_loader(corpus(), 2))
+    plans = []
+    for step in (0, 1):  # each epoch is one step holding every document, sliced
+        mbs = [b for b in batches if b.step == step]
+        assert len(mbs) == MB and sum(b.num_tokens for b in mbs) == sum(LENGTHS)
+        assert any(s.attend_from < s.start for b in mbs for s in b.segments)
+        rank_plan = _reversed_backward(mbs[0].extra["plan"]).ranks[0]
+        edges, _ = slice_edges_of(rank_plan.micro_batches)
+        assert list(rank_plan.backward_order) != default_backward_order(MB, edges).tolist()
+        plans.append(rank_plan)
+
+    res = run_ranks(_rank_megatron_pipeline, 2)
+    ref_loss, ref_grads = res[0]["ref"]
+    for step, rank_plan in enumerate(plans):
+        sim = simulate_rank(rank_plan, None, ParallelConfig(pp=2), schedule="1f1b", use_plan_costs=True)
+        for r in range(2):
+            assert res[r]["orders"][step] == sim.order(r), (step, r)
+            assert res[r]["kv_left"][step] == 0
+        assert res[1]["tokens"][step] == sum(n - 1 for n in LENGTHS)
+        assert res[1]["losses"][step] == pytest.approx(ref_loss, rel=1e-6)
+    got = {**res[0]["grads"], **res[1]["grads"]}  # two steps accumulated, halved
+    assert set(res[0]["grads"]).isdisjoint(res[1]["grads"])
+    assert set(got) == set(ref_grads)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(torch.from_numpy(got[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)
+
+
+def test_megatron_pipeline_refuses_settings_it_cannot_honour():
+    pytest.importorskip("megatron.core")
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    from packloader_integrations import megatron as pm
+
+    vpp = ModelParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                              pipeline_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2.*allow_slicing=False"):
+        pm.check_sliced_pipeline_config(vpp)
+    with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2"):
+        pm.check_sliced_pipeline_config(ModelParallelConfig(), num_model_chunks=2)
+    sp = ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"sequence_parallel=True.*sequence_parallel=False"):
+        pm.check_sliced_pipeline_config(sp)
+    with pytest.raises(ValueError, match=r"context_parallel_size=2"):
+        pm.check_sliced_pipeline_config(ModelParallelConfig(context_parallel_size=2))
+    cfg = _megatron_config(1)
+    cfg.calculate_per_token_loss = False
+    with pytest.raises(ValueError, match=r"calculate_per_token_loss=True"):
+        pm.check_sliced_pipeline_config(cfg)
+    pm.check_sliced_pipeline_config(_megatron_config(1))

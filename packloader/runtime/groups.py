@@ -18,6 +18,9 @@ DP ranks map to global ranks through ``rank_map`` (a sequence: ``rank_map[dp_ran
 context parallelism there is one map per (tp, pp, cp) coordinate, and ``rank_maps`` creates the groups of all of
 them (every rank must create every coordinate's groups). Within a group, CP rank i is the i-th smallest global
 rank, the same order ``new_group`` gives the group's ranks.
+
+``ProcessGroupCache`` serves any fixed set of sub-groups the same way: ``examples/train_llama.py --cp N --dp M``
+creates its M Zeppelin CP groups through it (``ZeppelinContext(..., group=groups.get(my_cp_ranks))``).
 """
 
 from __future__ import annotations

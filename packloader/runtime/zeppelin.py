@@ -1,7 +1,8 @@
 """Zeppelin's hierarchical context parallelism for one model: linear layers in the linear layout, attention in the
 attention layout, one micro-batch at a time.
 
-Every rank of the CP group gets the same packed micro-batch. ``ZeppelinContext(segments)`` builds its two layouts
+Every rank of the CP group (``group``: the world by default; with data parallelism around it, one group per DP
+replica, e.g. from ``packloader.runtime.groups.ProcessGroupCache``) gets the same packed micro-batch. ``ZeppelinContext(segments)`` builds its two layouts
 (``packloader.runtime.remap.micro_batch_layouts``: equal contiguous token counts for the linear layers; Zeppelin's
 hierarchical sharding for attention, short documents whole on one rank and long ones in 2 x CP chunks) and this
 rank's ``Remapper``. The rank runs the model on its linear-layout tokens only (``ctx.local(tensor)``: input ids,

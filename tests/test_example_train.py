@@ -113,7 +113,7 @@ def test_pipeline_pp_run_matches_the_whole_document_run(tmp_path):
     assert pp["held_out_loss"] == pytest.approx(whole["held_out_loss"], rel=1e-4)
     # each step ran in the order the simulator scores for the plan's backward order (first stage, empty slots
     # dropped), from the loader's own plans
-    from packloader.balancers.simulator import simulate_rank
+    from packloader.balancers.sim.simulator import simulate_rank
     from packloader.contracts import ParallelConfig
 
     args = ex.parse_args(common)

@@ -434,7 +434,7 @@ def test_megatron_pipeline_runs_a_sliced_plan_like_whole_documents():
     pytest.importorskip("megatron.core")
     from distributed import run_ranks
 
-    from packloader.balancers.simulator import default_backward_order, simulate_rank, slice_edges_of
+    from packloader.balancers.sim.simulator import default_backward_order, simulate_rank, slice_edges_of
     from packloader.contracts import ParallelConfig
 
     batches = list(_pp2_loader(corpus(), 2))

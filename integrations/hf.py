@@ -65,7 +65,7 @@ ATTENTION_MODES = ("position_ids", "varlen")
 META_KEY = "packloader_meta"
 ATTN_NAME = "packloader_varlen"
 
-__all__ = ["hf_batch", "register_packloader_attention", "packloader_attention_forward", "HFBatches", "PackedTrainer"]
+__all__ = ["hf_batch", "register_packloader_attention", "packloader_attention_forward", "HFBatches", "PackedTrainer"]  # noqa: F822 (PackedTrainer: module __getattr__, built when transformers loads)
 
 
 def _boundaries_from_positions(pos: torch.Tensor) -> torch.Tensor:

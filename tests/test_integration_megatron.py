@@ -207,7 +207,7 @@ def test_adapters_import_lazily_and_name_the_extra():
         "import torch\n"
         "from packloader_integrations._lazy import MissingExtraError\n"
         "try:\n"
-        "    packloader_integrations.megatron._packed_seq_params_cls()\n"
+        "    packloader_integrations.megatron.batch._packed_seq_params_cls()\n"
         "except MissingExtraError as e:\n"
         "    assert \"packloader[megatron]\" in str(e), str(e)\n"
         "    print('OK')\n"

@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 import torch
 
-from packloader.contracts import Segment, StepPlan
+from packloader.contracts import Segment
+from packloader.runtime.slice_cache import CacheEntry, SliceKVCache
+from packloader.runtime.slice_check import SliceRef, SlicesNotSupported, find_slices, require_no_slices, segments_of
 
 __all__ = [
     "SlicesNotSupported",
@@ -63,154 +64,6 @@ __all__ = [
     "current_slice_context",
 ]
 
-
-# ----------------------------------------------------------------------------------------- the plan check
-
-
-class SlicesNotSupported(ValueError):
-    """A plan (or a micro-batch) holds slices and the consumer that was handed it cannot run them."""
-
-
-@dataclass(frozen=True)
-class SliceRef:
-    step: int | None
-    rank: int | None
-    micro_batch: int
-    segment: Segment
-
-    def describe(self) -> str:
-        s = self.segment
-        where = []
-        if self.step is not None:
-            where.append(f"step {self.step}")
-        if self.rank is not None:
-            where.append(f"rank {self.rank}")
-        where.append(f"micro-batch {self.micro_batch}")
-        return (f"{', '.join(where)}: document {s.doc} is sliced (tokens {s.start}..{s.end - 1} attend to its "
-                f"tokens from {s.attend_from})")
-
-
-def _segments_of(mb: Any) -> list[Segment]:
-    segs = getattr(mb, "segments", mb)
-    return list(segs)
-
-
-def find_slices(plan: StepPlan | Iterable[StepPlan] | Sequence[Any], *, step: int | None = None,
-                rank: int | None = None) -> list[SliceRef]:
-    """Every slice segment (attend_from < start) of a StepPlan, a list of StepPlans, or a sequence of
-    micro-batches (MicroBatch, PackedBatch or anything with `.segments`; `step`/`rank` label those)."""
-    if isinstance(plan, StepPlan):
-        plans: list[Any] = [plan]
-    else:
-        plans = list(plan)
-    out: list[SliceRef] = []
-    if plans and all(isinstance(p, StepPlan) for p in plans):
-        for sp in plans:
-            for r, rp in enumerate(sp.ranks):
-                for m, mb in enumerate(rp.micro_batches):
-                    out += [SliceRef(sp.step, r, m, s) for s in mb.segments if s.attend_from < s.start]
-        return out
-    for m, mb in enumerate(plans):
-        st = step if step is not None else getattr(mb, "step", None)
-        idx = getattr(mb, "index_in_step", m)
-        out += [SliceRef(st, rank, idx, s) for s in _segments_of(mb) if s.attend_from < s.start]
-    return out
-
-
-def require_no_slices(plan: StepPlan | Iterable[StepPlan] | Sequence[Any], *, consumer: str = "this trainer",
-                      step: int | None = None, rank: int | None = None) -> None:
-    """Raise SlicesNotSupported naming the first slice's step, rank, micro-batch and document if `plan` has
-    slices. For consumers that run each micro-batch on its own (a pipeline engine without a KV cache, CP
-    attention, a plain training loop)."""
-    found = find_slices(plan, step=step, rank=rank)
-    if not found:
-        return
-    more = f" (and {len(found) - 1} more slice(s))" if len(found) > 1 else ""
-    raise SlicesNotSupported(
-        f"{consumer} cannot run sliced documents, but the plan has some: {found[0].describe()}{more}. Plan with "
-        f"PlanConfig(allow_slicing=False), or run the micro-batches through packloader.runtime.slices.SliceExecutor"
-    )
-
-
-# ------------------------------------------------------------------------------------------- the KV cache
-
-
-@dataclass(eq=False)
-class _Entry:
-    start: int
-    end: int
-    k: torch.Tensor  # [end - start, Hkv, D], detached
-    v: torch.Tensor
-    gk: torch.Tensor | None = None  # gradient accumulated from later micro-batches
-    gv: torch.Tensor | None = None
-
-    def add_grad(self, gk: torch.Tensor | None, gv: torch.Tensor | None) -> None:
-        if gk is not None:
-            self.gk = gk.clone() if self.gk is None else self.gk.add_(gk)
-        if gv is not None:
-            self.gv = gv.clone() if self.gv is None else self.gv.add_(gv)
-
-
-class SliceKVCache:
-    """Keys and values of earlier slices: per layer and document, a list of token ranges `[start, end)` of the
-    document with their (detached) keys/values and gradient accumulators."""
-
-    def __init__(self) -> None:
-        self._store: dict[tuple[Hashable, int], list[_Entry]] = {}
-
-    def put(self, layer: Hashable, doc: int, start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> _Entry:
-        entries = self._store.setdefault((layer, doc), [])
-        for e in entries:
-            if e.start < end and start < e.end:
-                raise ValueError(f"KV cache already holds tokens {e.start}..{e.end - 1} of document {doc} at layer "
-                                 f"{layer!r}; cannot store {start}..{end - 1} again")
-        e = _Entry(start, end, self._keep(k), self._keep(v))
-        entries.append(e)
-        entries.sort(key=lambda x: x.start)
-        return e
-
-    @staticmethod
-    def _keep(t: torch.Tensor) -> torch.Tensor:
-        # a copy, not a view: a view would keep the whole micro-batch's key tensor alive
-        return t.detach().clone()
-
-    def find(self, layer: Hashable, doc: int, pos: int) -> _Entry | None:
-        for e in self._store.get((layer, doc), ()):
-            if e.start <= pos < e.end:
-                return e
-        return None
-
-    def entry(self, layer: Hashable, doc: int, start: int, end: int) -> _Entry | None:
-        for e in self._store.get((layer, doc), ()):
-            if e.start == start and e.end == end:
-                return e
-        return None
-
-    def drop(self, doc: int, start: int, end: int) -> None:
-        """Forget tokens `start..end-1` of `doc` at every layer."""
-        for key in [k for k in self._store if k[1] == doc]:
-            self._store[key] = [e for e in self._store[key] if not (e.start == start and e.end == end)]
-            if not self._store[key]:
-                del self._store[key]
-
-    def clear(self) -> None:
-        self._store.clear()
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self._store.values())
-
-    def nbytes(self) -> int:
-        """Bytes held: keys, values and gradient accumulators."""
-        n = 0
-        for entries in self._store.values():
-            for e in entries:
-                for t in (e.k, e.v, e.gk, e.gv):
-                    if t is not None:
-                        n += t.numel() * t.element_size()
-        return n
-
-
-# ---------------------------------------------------------------------------------------- the context
 
 _CURRENT: contextvars.ContextVar["SliceContext | None"] = contextvars.ContextVar("packloader_slice_context", default=None)
 
@@ -246,7 +99,7 @@ class SliceContext:
         self._cu_q_np = self._offsets.astype(np.int32)
         self._max_q = int(q_len.max()) if len(q_len) else 0
         self._calls = 0
-        self._leaves: dict[int, tuple[_Entry, torch.Tensor, torch.Tensor]] = {}
+        self._leaves: dict[int, tuple[CacheEntry, torch.Tensor, torch.Tensor]] = {}
         self._injections: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._cu: dict[tuple, torch.Tensor] = {}
 
@@ -261,7 +114,7 @@ class SliceContext:
             t = self._cu[key] = torch.as_tensor(arr, dtype=torch.int32, device=device)
         return t
 
-    def _cached(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cached(self, e: CacheEntry) -> tuple[torch.Tensor, torch.Tensor]:
         if not (self.track_prefix and torch.is_grad_enabled()):
             return e.k, e.v
         got = self._leaves.get(id(e))
@@ -401,7 +254,7 @@ def analyse_chain(micro_batches: Sequence[Any], *, step: int | None = None,
                   rank: int | None = None) -> list[frozenset[int]]:
     """Check that every slice's prefix comes from earlier micro-batches (or earlier segments of its own) and
     return, per micro-batch, the indices of its segments whose keys later micro-batches read."""
-    segs = [_segments_of(mb) for mb in micro_batches]
+    segs = [segments_of(mb) for mb in micro_batches]
     kept: list[set[int]] = [set() for _ in segs]
     for m, ss in enumerate(segs):
         for i, s in enumerate(ss):
@@ -467,7 +320,7 @@ class SliceExecutor:
         rng: dict[int, Any] = {}
         try:
             for j, mb in enumerate(mbs):
-                segs = _segments_of(mb)
+                segs = segments_of(mb)
                 if kept[j]:  # later micro-batches read its keys: forward without a graph, recompute later
                     rng[j] = _rng_state()
                     ctx = SliceContext(segs, self.cache, store=kept[j], **self.opts)
@@ -483,7 +336,7 @@ class SliceExecutor:
                 if not kept[j]:
                     continue
                 mb = mbs[j]
-                segs = _segments_of(mb)
+                segs = segments_of(mb)
                 ctx = SliceContext(segs, self.cache, inject=kept[j], track_prefix=True, **self.opts)
                 with _restored_rng(rng.pop(j)), ctx.active():
                     loss = step_fn(mb, ctx)

@@ -1,0 +1,204 @@
+"""Sliced plans at PP > 1: a Megatron GPTModel stage run through packloader's `PlanPipelineSchedule` in the
+order the planner scored (`sliced_pipeline_forward_backward`)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from .._common import flat
+from .._lazy import require
+from .batch import SLICES_PP_ALTERNATIVE, _parallel_ranks
+
+# ------------------------------------------------------------------------------------------ PP > 1, slices
+
+
+def check_sliced_pipeline_config(config: Any, *, num_model_chunks: int = 1) -> None:
+    """Refuse, before any communication, the Megatron settings ``sliced_pipeline_forward_backward`` cannot honour
+    (each named, with what to change). ``variable_seq_lengths`` is not needed on this path: packloader's stage
+    sizes its receive buffers per micro-batch itself, without Megatron's p2p shape exchange."""
+    vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
+    if num_model_chunks > 1 or (vpp is not None and vpp > 1):
+        raise ValueError(
+            f"virtual_pipeline_model_parallel_size={vpp or num_model_chunks}: sliced_pipeline_forward_backward runs one "
+            "model chunk per pipeline rank (Megatron's interleaved schedule, with its own virtual-stage layer layout, "
+            f"is not mapped onto packloader's schedule); unset it, or {SLICES_PP_ALTERNATIVE} and keep Megatron's "
+            "interleaved schedule")
+    if getattr(config, "sequence_parallel", False):
+        raise ValueError(
+            "sequence_parallel=True: the activations between pipeline stages are then split along the sequence over "
+            "the tensor-parallel ranks, and sliced_pipeline_forward_backward sizes them by each micro-batch's whole "
+            f"token count; set sequence_parallel=False, or {SLICES_PP_ALTERNATIVE}")
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if cp > 1:
+        raise ValueError(f"context_parallel_size={cp}: context parallelism cannot shard slices; "
+                         f"{SLICES_PP_ALTERNATIVE} when CP > 1")
+    if hasattr(config, "calculate_per_token_loss") and not config.calculate_per_token_loss:
+        raise ValueError("set calculate_per_token_loss=True: packloader's micro-batches hold different numbers of "
+                         "loss tokens, and averaging per micro-batch would weight tokens unequally")
+
+
+class _MegatronStageModule(torch.nn.Module):
+    """One Megatron model chunk as the stage module of a SlicedPipelineStage: micro-batch ``mb``'s forward is the
+    user's ``forward_step_func`` on that batch, after ``set_input_tensor`` with the received activations (not on
+    the first stage); the last stage keeps each micro-batch's loss function for the schedule's loss."""
+
+    def __init__(self, model: torch.nn.Module, first: bool, last: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.first, self.last = first, last
+        self.set_input_tensor = require("megatron.core.utils").get_attr_wrapped_model(model, "set_input_tensor")
+        self.forward_step_func: Callable | None = None
+        self.batches: list[dict] = []
+        self.loss_funcs: dict[int, Any] = {}
+
+    def forward(self, x: torch.Tensor, *, mb: int) -> torch.Tensor:
+        if not self.first:
+            self.set_input_tensor(x)
+        out = self.forward_step_func(iter([self.batches[mb]]), self.model)
+        output, loss_func = out if isinstance(out, tuple) else (out, None)
+        if self.last:
+            self.loss_funcs[mb] = loss_func
+        return output
+
+
+class _PipelineRunner:
+    """What one model chunk keeps between steps: its stage and the schedule (buffers are re-sized per step)."""
+
+    def __init__(self, model: torch.nn.Module, config: Any, group: Any) -> None:
+        import torch.distributed as dist
+
+        from packloader.runtime.pipeline import PlanPipelineSchedule, SlicedPipelineStage
+
+        pp, rank = dist.get_world_size(group), dist.get_rank(group)
+        first, last = rank == 0, rank == pp - 1
+        param = next(model.parameters())
+        dtype = getattr(config, "pipeline_dtype", None) or param.dtype
+        hidden = torch.zeros(1, 1, config.hidden_size, dtype=dtype)  # Megatron's [s, b, h], b = 1 (THD)
+        self.module = _MegatronStageModule(model, first, last)
+        self.config, self.model = config, model
+        self.stage = SlicedPipelineStage(
+            self.module, rank, pp, param.device, group=group, token_dim=0,
+            input_example=torch.zeros(1, dtype=torch.long) if first else hidden,
+            output_example=torch.zeros(1, 1, dtype=torch.float32) if last else hidden)
+        self._loss_of: Callable | None = None
+        self.schedule = PlanPipelineSchedule([self.stage], self._loss)
+
+    def _loss(self, output, j):
+        return self._loss_of(output, j)
+
+
+_RUNNERS: "dict[int, tuple[Any, _PipelineRunner]]" = {}
+
+
+def _runner(model: torch.nn.Module, config: Any, group: Any) -> _PipelineRunner:
+    got = _RUNNERS.get(id(model))
+    if got is None or got[0] is not model or got[1].stage.group is not group:
+        got = _RUNNERS[id(model)] = (model, _PipelineRunner(model, config, group))
+    return got[1]
+
+
+def _rank_plan(batches: list[dict], dp_rank: int | None):
+    """The packloader RankPlan the schedule runs: the batches' segments (an empty slot's placeholder row
+    included) with the planner's backward order for this DP rank, checked against the step plan."""
+    from packloader.contracts import MicroBatch, RankPlan
+
+    mbs = [MicroBatch(segments=list(b["segments"])) for b in batches]
+    plan = batches[0].get("step_plan")
+    if plan is None:
+        return RankPlan(micro_batches=mbs), None
+    if dp_rank is None:
+        dp_rank = _parallel_ranks()["dp_rank"]
+    if not 0 <= dp_rank < len(plan.ranks):
+        raise ValueError(f"step {plan.step}: dp_rank {dp_rank} but the plan has {len(plan.ranks)} DP ranks")
+    rp = plan.ranks[dp_rank]
+    if len(rp.micro_batches) != len(batches):
+        raise ValueError(f"step {plan.step}: the plan gives DP rank {dp_rank} {len(rp.micro_batches)} micro-batches, "
+                         f"the iterator gave {len(batches)}: pass dp_rank= the loader's dp_rank")
+    for j, (pm, b) in enumerate(zip(rp.micro_batches, batches)):
+        if pm.dp_group and len(pm.dp_group) > 1:
+            raise ValueError(f"step {plan.step}, micro-batch {j} is a DP-Merge micro-batch (dp_group "
+                             f"{list(pm.dp_group)}): the Megatron adapter runs no DP-Merge; plan with "
+                             "SlimPackPlanner(dp_merge=False) or without DP > 1")
+        if pm.segments and list(pm.segments) != list(b["segments"]):
+            raise ValueError(f"step {plan.step}, micro-batch {j}: the batch's segments are not those the plan gives DP "
+                             f"rank {dp_rank}: pass dp_rank= the loader's dp_rank")
+    return RankPlan(micro_batches=mbs, backward_order=rp.backward_order), plan
+
+
+def sliced_pipeline_forward_backward(*, forward_step_func, data_iterator, model, num_microbatches: int,
+                                     seq_length: int | None = None, micro_batch_size: int | None = None,
+                                     decoder_seq_length: int | None = None, forward_only: bool = False,
+                                     collect_non_loss_data: bool = False, first_val_step: bool | None = None,
+                                     pipeline_group: Any = None, dp_rank: int | None = None, **unused: Any):
+    """Drop-in for ``forward_backward_pipelining_without_interleaving`` (PP > 1) that runs a step's micro-batches,
+    slices included, through ``packloader.runtime.pipeline.PlanPipelineSchedule`` (see the module).
+
+    ``model``: this rank's model chunk (or a one-element list), its attention ``PackloaderCoreAttention``;
+    ``data_iterator``: a ``MegatronDataIterator(..., slices=True)`` on every pipeline rank. ``pipeline_group``
+    defaults to Megatron's pipeline group, ``dp_rank`` (which of the step plan's ranks is this one's) to Megatron's
+    data-parallel rank. ``forward_only`` (evaluation) runs Megatron's own schedule, which needs unsliced batches.
+    Returns the forward data store (the loss reports, on the last stage), as Megatron's schedule."""
+    sched = require("megatron.core.pipeline_parallel.schedules")
+    utils = require("megatron.core.utils")
+    chunks = model if isinstance(model, list) else [model]
+    config = utils.get_model_config(chunks[0])
+    check_sliced_pipeline_config(config, num_model_chunks=len(chunks))
+    model = chunks[0]
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    if forward_only:
+        return sched.forward_backward_pipelining_without_interleaving(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=chunks,
+            num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+            decoder_seq_length=decoder_seq_length, forward_only=True, collect_non_loss_data=collect_non_loss_data,
+            first_val_step=first_val_step, **unused)
+    if pipeline_group is None:
+        pipeline_group = require("megatron.core.parallel_state").get_pipeline_model_parallel_group()
+    batches = [next(data_iterator) for _ in range(num_microbatches)]
+    for i, b in enumerate(batches):
+        if "segments" not in b:
+            raise ValueError(f"micro-batch {i} has no 'segments': build the batches with megatron_batch / "
+                             "MegatronDataIterator(slices=True)")
+    rank_plan, step_plan = _rank_plan(batches, dp_rank)
+    run = _runner(model, config, pipeline_group)
+    mod = run.module
+    mod.forward_step_func, mod.batches = forward_step_func, batches
+    mod.loss_funcs.clear()
+    stores: list[list] = [[] for _ in batches]
+    num_tokens = [torch.zeros((), dtype=torch.int) for _ in batches]
+
+    def loss_of(output, j):
+        store: list = []
+        loss, n = sched.forward_step_calc_loss(model, output, mod.loss_funcs.pop(j), config, None,
+                                               collect_non_loss_data, num_microbatches, store, cp_group_size=1,
+                                               is_last_stage=True)
+        stores[j], num_tokens[j] = store, n
+        if config.grad_scale_func is not None:  # as Megatron's backward_step scales the last stage's loss
+            loss = config.grad_scale_func(loss)
+        return loss
+
+    run._loss_of = loss_of
+    no_sync = config.no_sync_func if config.no_sync_func is not None else contextlib.nullcontext
+    with no_sync():
+        run.schedule.step_plan(rank_plan, arg_mbs=[(flat(b["tokens"]),) for b in batches],
+                               kwarg_mbs=[{"mb": j} for j in range(len(batches))],
+                               target_mbs=list(range(len(batches))), losses=[])
+    mod.batches = []
+    run._loss_of = None
+    total = sum(int(n) for n in num_tokens)
+    if config.finalize_model_grads_func is not None:
+        device = next(model.parameters()).device
+        # the last stage holds the token count; finalize_model_grads broadcasts it over the pipeline group
+        config.finalize_model_grads_func([model], torch.tensor(total, dtype=torch.int, device=device)
+                                         if config.calculate_per_token_loss else None)
+    return [r for s in stores for r in s]
+
+
+def pipeline_schedule_of(model: torch.nn.Module):
+    """The ``PlanPipelineSchedule`` that ``sliced_pipeline_forward_backward`` runs for this model chunk (its
+    executed ``order`` and stage's ``kv_trace`` of the last step), or None before the first step."""
+    got = _RUNNERS.get(id(model[0] if isinstance(model, list) else model))
+    return got[1].schedule if got is not None else None

@@ -187,9 +187,8 @@ class AutoPlanner:
 
     def deferred(self, cand: Candidate, cands: list[Candidate]) -> bool:
         """Candidates planned only when slimpack at twice its packs does not fit the device: in a pipeline with
-        slicing, that one wins when it fits (all four benchmark distributions at DP 8 / PP 4, TP 8: every step;
-        slimpack's default count >= 9 % slower, wlb at 2x >= 5 % slower), so the default slimpack count and
-        wlb's 2x are not planned then. When it does not fit (the report's demo at TP 2), they are."""
+        slicing, that one wins when it fits (the measurements are in docs/benchmarks.md), so the default slimpack
+        count and wlb's 2x are planned only when it does not (the report's memory-bound demo)."""
         if self.config.parallel.pp <= 1 or self.slimpack is None or self.config.num_micro_batches:
             return False
         counts = [c.micro_batches for c in cands if c.planner == cand.planner]

@@ -142,15 +142,15 @@ class Packing:
         offs = np.zeros(nmb + 1, np.int64)
         np.cumsum(np.bincount(self.seg_mb, minlength=nmb), out=offs[1:])
         f, b = microbatch_times_csr(model.coeffs, q, p, offs)
-        if self.groups:  # DP-Merge: each member runs 1/g of the attention and the linear part of n/g tokens
-            c = model.coeffs
-            af, ab = segment_times_kernel(c, q, p)
-            seg_mb = self.seg_mb[order]
-            ids = np.fromiter(self.groups.keys(), np.int64, len(self.groups))
-            g = np.fromiter((len(v) for v in self.groups.values()), np.float64, len(self.groups))
-            n = np.bincount(seg_mb, weights=q, minlength=nmb)[ids] / g
-            for arr, attn, bwd in ((f, af, False), (b, ab, True)):
-                arr[ids] = np.bincount(seg_mb, weights=attn, minlength=nmb)[ids] / g + lin_times(c, n, bwd)
+        # DP-Merge: each member runs 1/g of the attention and the linear part of n/g tokens
+        c = model.coeffs
+        af, ab = segment_times_kernel(c, q, p)
+        seg_mb = self.seg_mb[order]
+        ids = np.fromiter(self.groups.keys(), np.int64, len(self.groups))
+        g = np.fromiter((len(v) for v in self.groups.values()), np.float64, len(self.groups))
+        n = np.bincount(seg_mb, weights=q, minlength=nmb)[ids] / g
+        for arr, attn, bwd in ((f, af, False), (b, ab, True)):
+            arr[ids] = np.bincount(seg_mb, weights=attn, minlength=nmb)[ids] / g + lin_times(c, n, bwd)
         self.mb_fwd, self.mb_bwd = f, b
         return self
 

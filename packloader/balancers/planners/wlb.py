@@ -147,6 +147,17 @@ def _make(config: PlanConfig) -> Planner:
 
 
 @njit(cache=True)
+def _choose_bin(tok, w_idx, l_idx, l, cap):
+    """WLB's rule: the least loaded bin when the piece fits there, else the bin with the fewest tokens when it
+    fits there, else -1 (the piece waits)."""
+    if tok[w_idx] + l <= cap:
+        return w_idx
+    if tok[l_idx] + l <= cap:
+        return l_idx
+    return -1
+
+
+@njit(cache=True)
 def _wlb_pack_scan(c, lengths, nbins, cap, assign, attn, tok, load):
     """`wlb_pack` by scanning every bin for both minima (few bins)."""
     n = lengths.shape[0]
@@ -163,11 +174,8 @@ def _wlb_pack_scan(c, lengths, nbins, cap, assign, attn, tok, load):
                 w_idx = b
             if tok[b] < tok[l_idx]:
                 l_idx = b
-        if tok[w_idx] + l <= cap:
-            b = w_idx
-        elif tok[l_idx] + l <= cap:
-            b = l_idx
-        else:
+        b = _choose_bin(tok, w_idx, l_idx, l, cap)
+        if b < 0:
             continue
         _add_piece(c, i, l, b, assign, attn, tok, load)
     return assign, attn, tok
@@ -213,11 +221,8 @@ def wlb_pack(c, lengths, nbins, cap):
             ts = _heap_pop(tk, ti, ts)
         w_idx = li[0]
         l_idx = ti[0]
-        if tok[w_idx] + l <= cap:
-            b = w_idx
-        elif tok[l_idx] + l <= cap:
-            b = l_idx
-        else:
+        b = _choose_bin(tok, w_idx, l_idx, l, cap)
+        if b < 0:
             continue
         _add_piece(c, i, l, b, assign, attn, tok, load)
         ls = _heap_push(lk, li, ls, load[b], b)

@@ -216,6 +216,35 @@ def whole_pieces_packing(pieces: Pieces, piece_mb: np.ndarray, rank_mbs: np.ndar
 
 
 @njit(cache=True)
+def _listings(rank_mbs):
+    """Where each micro-batch id is listed (a DP-Merge one on every member): CSR offsets by id, then the rank and
+    position of each listing, in (rank, position) order."""
+    dp = rank_mbs.shape[0]
+    v = rank_mbs.shape[1]
+    nmb = 0
+    for r in range(dp):
+        for j in range(v):
+            if rank_mbs[r, j] + 1 > nmb:
+                nmb = rank_mbs[r, j] + 1
+    lst_off = np.zeros(nmb + 1, dtype=np.int64)
+    for r in range(dp):
+        for j in range(v):
+            lst_off[rank_mbs[r, j] + 1] += 1
+    for m in range(nmb):
+        lst_off[m + 1] += lst_off[m]
+    lst_r = np.empty(dp * v, dtype=np.int64)
+    lst_p = np.empty(dp * v, dtype=np.int64)
+    fill = lst_off[:-1].copy()
+    for r in range(dp):
+        for j in range(v):
+            m = rank_mbs[r, j]
+            lst_r[fill[m]] = r
+            lst_p[fill[m]] = j
+            fill[m] += 1
+    return lst_off, lst_r, lst_p
+
+
+@njit(cache=True)
 def slice_edges_kernel(seg_doc, seg_start, seg_end, seg_af, seg_mb, rank_mbs):
     """Per-rank slice edges of a plan given as segment arrays (what `auto.slice_edges_prefix` returns): for
     each slice (attend_from < start), an edge from the micro-batch holding the segment of its document that
@@ -239,27 +268,7 @@ def slice_edges_kernel(seg_doc, seg_start, seg_end, seg_af, seg_mb, rank_mbs):
         key_end[i] = seg_doc[i] * (1 << 31) + seg_end[i]
     order = np.argsort(key_end)  # keys are unique (segments of a document do not overlap): no need for stable
     sorted_keys = key_end[order]
-    # listings of each micro-batch: CSR by id, in (rank, position) order
-    nmb = 0
-    for r in range(dp):
-        for j in range(v):
-            if rank_mbs[r, j] + 1 > nmb:
-                nmb = rank_mbs[r, j] + 1
-    lst_off = np.zeros(nmb + 1, dtype=np.int64)
-    for r in range(dp):
-        for j in range(v):
-            lst_off[rank_mbs[r, j] + 1] += 1
-    for m in range(nmb):
-        lst_off[m + 1] += lst_off[m]
-    lst_r = np.empty(dp * v, dtype=np.int64)
-    lst_p = np.empty(dp * v, dtype=np.int64)
-    fill = lst_off[:-1].copy()
-    for r in range(dp):
-        for j in range(v):
-            m = rank_mbs[r, j]
-            lst_r[fill[m]] = r
-            lst_p[fill[m]] = j
-            fill[m] += 1
+    lst_off, lst_r, lst_p = _listings(rank_mbs)
     cap = 0
     for i in range(ns):
         if seg_af[i] < seg_start[i]:

@@ -52,7 +52,6 @@ import gc
 import gzip
 import os
 import platform
-import re
 import shlex
 import sys
 import tempfile
@@ -62,6 +61,8 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+
+from sections import write_section  # benchmarks/, the script's own folder
 
 from packloader.balancers.draw import cut_pieces
 from packloader.balancers.planners.packing import cost_model_for
@@ -501,15 +502,6 @@ def report(rows: list[Row], stats: dict, args, argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, body: str) -> None:
-    text = path.read_text()
-    start, end = f"<!-- SECTION:{SECTION} -->", f"<!-- END:{SECTION} -->"
-    pat = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-    if not pat.search(text):
-        raise SystemExit(f"{path}: markers {start} ... {end} not found")
-    path.write_text(pat.sub(lambda _: f"{start}\n{body}{end}", text, count=1))
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -539,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_bytes(msgspec.json.encode({"rows": rows, "stats": stats}))
     if args.write:
-        write_section(args.write, text)
+        write_section(args.write, SECTION, "Planners", text)
     return 0
 
 

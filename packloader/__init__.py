@@ -53,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "verify_plan": "packloader.balancers.verify",
     "varlen_attention": "packloader.runtime.attention",
     "cp_attention": "packloader.runtime.cp_attention",
+    "cp_cost": "packloader.runtime.cp_cost",
     "require_no_slices": "packloader.runtime.slices",
     "SliceExecutor": "packloader.runtime.slices",
     "SlicedPipelineStage": "packloader.runtime.pipeline",

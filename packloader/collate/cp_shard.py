@@ -20,7 +20,8 @@ Every mode assigns each packed token to one CP rank (an *owner*); everything els
                   longest documents to shard, 0..``max_sharded``). Token counts per rank are unequal: pair it with
                   the layout remapping of ``packloader.runtime.remap`` or accept the linear-layer imbalance.
 ``adaptive``      (WLB-LLM 5.3) every mode above is estimated and the lowest maximum per-rank latency wins. The
-                  estimate is the cost model's attention time of every query run with its query count rounded up
+                  estimate is the caller's (``cost``, see ``CPCost``; ``packloader.runtime.cp_cost`` builds it from
+                  a cost model): the attention time of every query run with its query count rounded up
                   to the kernel tile (``CostModel.segment_times``: a run of q queries after p earlier keys costs
                   ``a*(qt^2 + 2*qt*p) + b*qt + c``), forward + backward, plus, unless ``remapped``, the linear part
                   of the rank's tokens (padding included), since without remapping the linear layers run in the

@@ -37,9 +37,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from torch.utils.data import DataLoader, Dataset
-
 from sections import write_section  # benchmarks/, the script's own folder
+from torch.utils.data import DataLoader, Dataset
 
 from packloader.collate.collate import collate_concat
 from packloader.contracts import PlanConfig

@@ -37,7 +37,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from distributed import run_ranks  # noqa: E402
 from pipeline_model import (  # noqa: E402
-    FF, H, HD, HKV, HQ, VOCAB, Llama, StageModule, documents, loss_fn, loss_tokens, micro_batch_inputs, stage_layers,
+    FF,
+    HD,
+    HKV,
+    HQ,
+    VOCAB,
+    H,
+    Llama,
+    StageModule,
+    documents,
+    loss_fn,
+    loss_tokens,
+    micro_batch_inputs,
+    stage_layers,
 )
 
 from packloader.balancers.cost.memory import MemoryModel
@@ -49,8 +61,9 @@ LENGTHS = [70, 9, 14, 22, 5, 31, 12, 8, 17, 40, 6, 11, 26, 19]
 
 
 def plans(scale: int, m: int, pp: int) -> dict[str, tuple[RankPlan, dict[int, int]]]:
-    from packloader.balancers.planners.registry import Window, make_planner
     from test_pipeline_slices import HAND, HAND_LENGTHS
+
+    from packloader.balancers.planners.registry import Window, make_planner
 
     lens = [l * scale for l in LENGTHS]
     w = Window(np.arange(len(lens), dtype=np.int64), np.zeros(len(lens), np.int64), np.array(lens, np.int64))
@@ -119,7 +132,6 @@ def simulated_kv_peaks(rp: RankPlan, pp: int, layers: int) -> list[float]:
     assert shape.head_dim == HD
     mem = MemoryModel(shape, ParallelConfig(pp=pp))
     edges, prefix = slice_edges_of(rp.micro_batches)
-    m = len(rp.micro_batches)
     if not len(edges):
         return [0.0] * pp
     per_tok = np.array([mem.kv_grad_bytes_per_token(s) * 8 / 2 for s in range(pp)])  # bf16 -> float64

@@ -61,7 +61,6 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
-
 from sections import write_section  # benchmarks/, the script's own folder
 
 from packloader.balancers.draw import cut_pieces

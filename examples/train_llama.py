@@ -45,7 +45,7 @@ with ``ParallelConfig(pp=N)`` and slicing allowed (default planner ``slimpack``)
 evenly over the stages (embedding on the first, norm and LM head on the last), each stage's attention runs the
 micro-batch's slice context (a later slice reads the earlier slices' keys from the stage's carried KV), and a step's
 micro-batches run through ``PlanPipelineSchedule`` in the order the planner's simulator scored (the plan's
-backward order, from ``batch.extra["plan"]``; rank 0's executed order per step is in ``pipeline_orders``); the
+backward order, from ``batch.plan``; rank 0's executed order per step is in ``pipeline_orders``); the
 loss is normalised over the step's loss tokens, and each stage takes one AdamW step per packloader step (tied embedding gradient summed between the first and last stage,
 gradient-norm clip over all stages). Every rank builds the whole model from the seed and keeps its stage, so the
 init is the single-process run's. ``--pp N --pp-whole`` is the unsliced run it must match: one process, the same
@@ -252,13 +252,13 @@ def whole_step_loss_sum(model, micro_batches, table: torch.Tensor) -> torch.Tens
 
 def planned_rank_plan(micro_batches, dp_rank: int = 0):
     """The RankPlan the pipeline runs for one step: this rank's non-empty micro-batches with the backward order
-    the planner chose and its simulator scored (`batch.extra["plan"]`, None: the simulator's default), restricted
+    the planner chose and its simulator scored (`batch.plan`, None: the simulator's default), restricted
     to them (an empty slot has no work on any stage, so dropping it keeps the others' relative order)."""
     from packloader.contracts import MicroBatch, RankPlan
 
     keep = [j for j, b in enumerate(micro_batches) if b.num_tokens]
     mbs = [MicroBatch(segments=list(micro_batches[j].segments)) for j in keep]
-    plan = micro_batches[0].extra.get("plan") if micro_batches else None
+    plan = micro_batches[0].plan if micro_batches else None
     if plan is None:
         return RankPlan(micro_batches=mbs)
     rp = plan.ranks[dp_rank]

@@ -234,3 +234,26 @@ def plan_encoder() -> msgspec.json.Encoder:
 
 def decode_step_plan(line: bytes | str) -> StepPlan:
     return msgspec.json.decode(line, type=StepPlan)
+
+
+class LoaderStats(msgspec.Struct, kw_only=True):
+    """Counts up to and including one step (cumulative since the start of training, carried in the state).
+
+    Documents longer than PlanConfig.context are cut into independent pieces, never dropped: `split_documents`
+    counts them and `split_pieces` the pieces they became. `empty_documents` counts documents with no tokens
+    (nothing to train on; skipped).
+    """
+
+    steps: int = 0
+    epochs_completed: int = 0
+    documents: int = 0  # documents drawn (all ranks' plans together)
+    tokens: int = 0  # tokens drawn
+    split_documents: int = 0
+    split_pieces: int = 0
+    empty_documents: int = 0
+    delayed_pieces: int = 0  # pieces a planner held back for a later step (counted once per step held)
+    rank_micro_batches: int = 0  # this rank's micro-batches
+    rank_tokens: int = 0  # tokens in this rank's micro-batches
+
+    def copy(self) -> "LoaderStats":
+        return msgspec.structs.replace(self)

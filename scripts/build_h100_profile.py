@@ -20,7 +20,6 @@ import msgspec
 
 def main(argv: list[str] | None = None) -> int:
     from packloader.balancers.cost.fit import fit_poly
-    from packloader.balancers.cost.profile_io import save_profile
     from packloader.balancers.cost.measured import (
         ATTENTION_CSV,
         LINEAR_CSV,
@@ -30,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         read_csv,
         row_errors,
     )
+    from packloader.balancers.cost.profile_io import save_profile
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(profile_path()), help="where to write the profile JSON")

@@ -196,8 +196,8 @@ def record(rank: int, b) -> list:
     ids = b.input_ids.reshape(-1).numpy()
     fp = _hash(ids, b.labels.reshape(-1).numpy(), b.position_ids.reshape(-1).numpy(), b.cu_seqlens.numpy(),
                b.cu_seqlens_k.numpy())
-    return [rank, b.step, b.index_in_step, b.micro_batches_in_step, b.extra["epoch"],
-            [[s.doc, s.start, s.end] for s in b.segments], _hash(ids), fp, b.extra.get("dp_group")]
+    return [rank, b.step, b.index_in_step, b.micro_batches_in_step, b.epoch,
+            [[s.doc, s.start, s.end] for s in b.segments], _hash(ids), fp, b.dp_group]
 
 
 def state_path(workdir: Path, tag: str, count: int) -> Path:

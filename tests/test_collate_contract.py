@@ -143,13 +143,15 @@ def test_step_of_micro_batches_matches_reference(mbs, padded, layout):
     steps.insert(1, [])  # an empty micro-batch
     steps.append(steps[0][:1])  # a document of an earlier micro-batch again
     kw = dict(pad_to_multiple=4, pad_to_tokens=4 * 41 * 10) if padded else {}
+    groups = [[0, 1] if i % 2 else None for i in range(len(steps))]
     out = collate_step(steps, docs, step=5, loss_tokens_in_step=77, layout=layout, extra=[{"i": i} for i in range(len(steps))],
-                       common_extra={"common": 1}, **kw)
+                       common_extra={"common": 1}, dp_groups=groups, epoch=3, last_in_epoch=True, **kw)
     assert len(out) == len(steps)
     for i, (b, segments) in enumerate(zip(out, steps)):
         ids, labels, pos, cu, cu_k = reference(segments, docs)
         assert (b.step, b.index_in_step, b.micro_batches_in_step, b.loss_tokens_in_step) == (5, i, len(steps), 77)
-        assert b.extra == {"i": i, "layout": layout, "common": 1}
+        assert b.extra == {"i": i, "common": 1} and b.layout == layout and b.dp_group == groups[i]
+        assert b.epoch == 3 and b.last_in_epoch == (i == len(steps) - 1) and b.plan is None and b.stats is None
         assert b.doc_ids.tolist()[: len(segments)] == [s.doc for s in segments]
         assert b.cu_seqlens.tolist()[: len(cu)] == cu and b.cu_seqlens_k.tolist()[: len(cu_k)] == cu_k
         got = [t.reshape(-1).tolist() for t in (b.input_ids, b.labels, b.position_ids)]
@@ -214,10 +216,11 @@ def test_a_collated_step_holds_few_objects_for_the_garbage_collector():
     gc.disable()
     try:
         before = len(gc.get_objects())
-        step = collate_step(mbs, docs, common_extra={"epoch": 0})
+        step = collate_step(mbs, docs, common_extra={"user": 0}, epoch=2)
         held = len(gc.get_objects()) - before
     finally:
         gc.enable()
     assert held <= 2 * len(mbs) + 20, held
     ref = reference(mbs[7], docs)
-    assert step[7].input_ids.tolist() == ref[0] and step[-1].index_in_step == 199 and step[7].extra == {"layout": "flat", "epoch": 0}
+    assert step[7].input_ids.tolist() == ref[0] and step[-1].index_in_step == 199 and step[7].extra == {"user": 0}
+    assert step[7].layout == "flat" and step[7].epoch == 2

@@ -8,6 +8,10 @@ import pytest
 import torch
 from distributed import run_ranks
 
+from packloader.runtime.cp_cost import cp_cost
+
+COST = cp_cost()  # the llama3-8b preset's estimate
+
 PACKS = {
     "one_long": [37],
     "many_short": [3, 1, 4, 1, 5, 9, 2, 6, 5, 3],
@@ -84,7 +88,7 @@ def _check_rank(rank: int, world: int, force_all_reduce: bool) -> list[tuple[str
     for i, (name, lengths, mode, hq, hkv, causal, window) in enumerate(_configs(world)):
         q, k, v, w = _data(lengths, hq, hkv, seed=1000 * world + i)
         ref_out, ref_dq, ref_dk, ref_dv = _reference(lengths, q, k, v, w, causal, window)
-        plan = plan_cp_shards(lengths, world, mode)
+        plan = plan_cp_shards(lengths, world, mode, cost=COST)
         assert plan.cp_size == world and plan.ranks[rank].rank == rank
         shard = plan.ranks[rank]
         idx = torch.from_numpy(shard.token_index)
@@ -113,7 +117,7 @@ def test_cp_size_one_without_distributed():
     lengths = [5, 1, 7]
     q, k, v, w = _data(lengths, 4, 2, seed=0)
     ref_out, ref_dq, ref_dk, ref_dv = _reference(lengths, q, k, v, w, True, (-1, -1))
-    shard = plan_cp_shards(lengths, 1, "document").ranks[0]
+    shard = plan_cp_shards(lengths, 1, "document", cost=COST).ranks[0]
     ql, kl, vl = (t.clone().requires_grad_(True) for t in (q, k, v))
     out = cp_attention(ql, kl, vl, shard)
     (out * w).sum().backward()
@@ -125,10 +129,10 @@ def test_mismatched_shard_is_refused():
     from packloader.collate.cp_shard import plan_cp_shards
     from packloader.runtime.cp_attention import cp_attention
 
-    shard = plan_cp_shards([4, 4], 2, "document").ranks[0]
+    shard = plan_cp_shards([4, 4], 2, "document", cost=COST).ranks[0]
     q = torch.randn(shard.num_tokens, 2, D)
     with pytest.raises(ValueError, match="CP size 2"):
         cp_attention(q, q, q, shard)
-    one = plan_cp_shards([4, 4], 1).ranks[0]
+    one = plan_cp_shards([4, 4], 1, cost=COST).ranks[0]
     with pytest.raises(ValueError, match="owns 8 tokens"):
         cp_attention(q, q, q, one)

@@ -9,6 +9,9 @@ import pytest
 
 from packloader.collate.cp_shard import MODES, plan_cp_shards, shard_micro_batch
 from packloader.contracts import MicroBatch, Segment
+from packloader.runtime.cp_cost import cp_cost
+
+COST = cp_cost()  # the llama3-8b preset's estimate
 
 PACKS = {
     "one_long": [61],
@@ -60,7 +63,7 @@ def expected_keys(lengths, causal=True, window=(-1, -1)):
 @pytest.mark.parametrize("mode", list(MODES) + ["adaptive"])
 def test_each_query_sees_exactly_its_document_prefix(pack, cp, mode):
     lengths = PACKS[pack]
-    plan = plan_cp_shards(lengths, cp, mode)
+    plan = plan_cp_shards(lengths, cp, mode, cost=COST)
     T = sum(lengths)
     owned = np.concatenate([r.token_index for r in plan.ranks])
     assert sorted(owned.tolist()) == list(range(T))  # a partition of the packed tokens
@@ -87,7 +90,7 @@ def test_each_query_sees_exactly_its_document_prefix(pack, cp, mode):
 def test_position_ids_and_runs(mode):
     lengths = [13, 7, 22, 9]
     offsets = [0, 100, 5, 0]
-    plan = plan_cp_shards(lengths, 3, mode, position_offsets=offsets)
+    plan = plan_cp_shards(lengths, 3, mode, position_offsets=offsets, cost=COST)
     starts = np.cumsum([0] + lengths[:-1])
     for r in plan.ranks:
         for t, pos in zip(r.token_index, r.position_ids):
@@ -105,7 +108,7 @@ def test_position_ids_and_runs(mode):
 
 def test_sequence_mode_chunks_and_padding():
     T, cp = 23, 3  # 6 chunks of 4, the last one padded by 1
-    plan = plan_cp_shards([10, 13], cp, "sequence")
+    plan = plan_cp_shards([10, 13], cp, "sequence", cost=COST)
     for r in plan.ranks:
         i = r.rank
         want = [t for t in range(T) if t // 4 in (i, 2 * cp - 1 - i)]
@@ -117,7 +120,7 @@ def test_sequence_mode_chunks_and_padding():
 def test_document_mode_pairs_and_no_padding():
     cp = 3
     lengths = [12, 24, 7, 1, 1, 5, 13]
-    plan = plan_cp_shards(lengths, cp, "document")
+    plan = plan_cp_shards(lengths, cp, "document", cost=COST)
     counts = [r.num_tokens for r in plan.ranks]
     assert max(counts) - min(counts) <= 1 and all(r.num_padding == 0 for r in plan.ranks)
     starts = np.cumsum([0] + lengths[:-1])
@@ -137,7 +140,7 @@ def test_document_mode_pairs_and_no_padding():
 
 def test_hierarchical_keeps_short_documents_whole():
     lengths = [200, 3, 5, 4, 6, 2, 7, 3]
-    plan = plan_cp_shards(lengths, 4, "hierarchical")
+    plan = plan_cp_shards(lengths, 4, "hierarchical", cost=COST)
     starts = np.cumsum([0] + lengths[:-1])
     owner = np.empty(sum(lengths), dtype=int)
     for r in plan.ranks:
@@ -147,7 +150,7 @@ def test_hierarchical_keeps_short_documents_whole():
         if s not in plan.sharded_segments.tolist():
             assert len(set(owner[starts[s]: starts[s] + L].tolist())) == 1
     # a fixed threshold shards exactly the documents that long
-    plan2 = plan_cp_shards(lengths, 4, "hierarchical", hierarchical_threshold=6)
+    plan2 = plan_cp_shards(lengths, 4, "hierarchical", hierarchical_threshold=6, cost=COST)
     assert sorted(plan2.sharded_segments.tolist()) == [0, 4, 6]
 
 
@@ -158,7 +161,7 @@ def test_costs_match_the_cost_model_and_adaptive_picks_the_minimum():
     rng = np.random.default_rng(0)
     for _ in range(5):
         lengths = rng.integers(1, 3000, size=rng.integers(1, 30)).tolist()
-        plan = plan_cp_shards(lengths, 4, "adaptive", cost_model=cm)
+        plan = plan_cp_shards(lengths, 4, "adaptive", cost=cp_cost(cm))
         assert plan.estimates[plan.mode] == min(plan.estimates.values())
         assert set(plan.estimates) == set(MODES)
         for r in plan.ranks:
@@ -170,40 +173,93 @@ def test_costs_match_the_cost_model_and_adaptive_picks_the_minimum():
 def test_adaptive_tile_padding_keeps_short_documents_unsharded():
     # Many documents much shorter than the tile: per-document sharding cuts them into 1-token runs, each costing a
     # full tile, so the estimate prefers the sequence or hierarchical layout.
-    plan = plan_cp_shards([50] * 40, 4, "adaptive", remapped=True)
+    plan = plan_cp_shards([50] * 40, 4, "adaptive", remapped=True, cost=COST)
     assert plan.mode != "document"
     assert plan.estimates["document"] > plan.estimates[plan.mode]
     # One very long document with short ones: per-sequence sharding is badly imbalanced, per-document is not.
-    plan = plan_cp_shards([16384, 8192, 300], 4, "adaptive", modes=("sequence", "document"))
+    plan = plan_cp_shards([16384, 8192, 300], 4, "adaptive", modes=("sequence", "document"), cost=COST)
     assert plan.estimates["sequence"] >= plan.estimates["document"]
 
 
 def test_unit_estimate_without_cost_module():
-    from packloader.collate.cp_shard import _TileEstimate
+    from packloader.collate.cp_shard import TileEstimate
 
-    plan = plan_cp_shards([100, 3, 300], 2, "adaptive", cost_model=_TileEstimate())
+    plan = plan_cp_shards([100, 3, 300], 2, "adaptive", cost=TileEstimate())
     assert plan.mode in MODES and plan.ranks[0].cost > 0
 
 
 def test_shard_micro_batch_uses_segments_and_refuses_slices():
     mb = MicroBatch(segments=[Segment(0, 0, 9, 0), Segment(1, 64, 70, 64)], cp_mode="document")
-    plan = shard_micro_batch(mb, 2)
+    plan = shard_micro_batch(mb, 2, cost=COST)
     assert plan.mode == "document"
     pos = np.concatenate([r.position_ids for r in plan.ranks])
     assert sorted(pos.tolist()) == sorted(list(range(9)) + list(range(6)))  # the piece at 64 restarts at 0
     with pytest.raises(NotImplementedError, match="slice"):
-        shard_micro_batch(MicroBatch(segments=[Segment(0, 64, 70, 0)]), 2)
+        shard_micro_batch(MicroBatch(segments=[Segment(0, 64, 70, 0)]), 2, cost=COST)
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="cp_size"):
-        plan_cp_shards([3], 0)
+        plan_cp_shards([3], 0, cost=COST)
     with pytest.raises(ValueError, match="unknown CP sharding mode"):
-        plan_cp_shards([3], 2, "ring")
+        plan_cp_shards([3], 2, "ring", cost=COST)
     with pytest.raises(ValueError, match=">= 0"):
-        plan_cp_shards([3, -1], 2)
+        plan_cp_shards([3, -1], 2, cost=COST)
 
 
 def test_empty_micro_batch():
-    plan = plan_cp_shards([], 3, "adaptive")
+    plan = plan_cp_shards([], 3, "adaptive", cost=COST)
     assert all(r.num_tokens == 0 and r.num_runs == 0 for r in plan.ranks)
+
+
+class _AttentionOnly:
+    """A duck-typed estimate with attention times only (no linear part)."""
+
+    def segment_times(self, q, p):
+        f = np.asarray(q, dtype=np.float64) ** 2
+        return f, 2 * f
+
+
+class _Broken:
+    def __init__(self, times):
+        self.times = times
+
+    def segment_times(self, q, p):
+        return self.times(np.asarray(q)), self.times(np.asarray(q))
+
+    def linear(self, n):
+        return float(n)
+
+
+def test_a_bad_cost_is_an_error_never_a_fallback():
+    from packloader.balancers.cost.resolve import load_cost_model
+
+    with pytest.raises(TypeError, match="cost"):
+        plan_cp_shards([3, 5], 2, "adaptive")  # no cost given
+    with pytest.raises(TypeError, match="has no linear.*cp_cost"):
+        plan_cp_shards([3, 5], 2, "adaptive", cost=load_cost_model("llama3-8b"))  # a model, not its estimate
+    with pytest.raises(TypeError, match="has no segment_times or linear"):
+        plan_cp_shards([3, 5], 2, "adaptive", cost="llama3-8b")
+    with pytest.raises(ValueError, match=r"shape \(1,\) for \d+ query runs"):
+        plan_cp_shards([3, 5], 2, "document", cost=_Broken(lambda q: np.ones(1)))
+    with pytest.raises(ValueError, match="negative or not finite"):
+        plan_cp_shards([3, 5], 2, "sequence", cost=_Broken(lambda q: np.full(q.shape, np.nan)))
+    with pytest.raises(KeyError):  # a model that does not load raises; no unit estimate stands in for it
+        cp_cost("no-such-model")
+
+
+def test_cp_cost_builds_the_estimate_from_what_the_model_is_given_as():
+    from packloader.balancers.cost.coeffs import lin_time
+    from packloader.balancers.cost.resolve import load_cost_model
+
+    cm = load_cost_model("llama3-8b")
+    q, p = np.array([5, 130, 700]), np.array([0, 64, 3])
+    want_f, want_b = cm.segment_times(q, p)
+    for spec in (None, "llama3-8b", cm):
+        est = cp_cost(spec)
+        f, b = est.segment_times(q, p)
+        assert f.tolist() == want_f.tolist() and b.tolist() == want_b.tolist()
+        assert est.linear(300) == lin_time(cm.coeffs, 300.0, False) + lin_time(cm.coeffs, 300.0, True)
+    # attention only: every rank's linear cost is 0, as with remapped=True
+    plan = plan_cp_shards([40, 9, 300], 2, "adaptive", cost=cp_cost(_AttentionOnly()))
+    assert all(r.linear_cost == 0.0 for r in plan.ranks) and plan.ranks[0].cost > 0

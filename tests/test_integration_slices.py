@@ -443,7 +443,7 @@ def test_megatron_pipeline_runs_a_sliced_plan_like_whole_documents():
         mbs = [b for b in batches if b.step == step]
         assert len(mbs) == MB and sum(b.num_tokens for b in mbs) == sum(LENGTHS)
         assert any(s.attend_from < s.start for b in mbs for s in b.segments)
-        rank_plan = _reversed_backward(mbs[0].extra["plan"]).ranks[0]
+        rank_plan = _reversed_backward(mbs[0].plan).ranks[0]
         edges, _ = slice_edges_of(rank_plan.micro_batches)
         assert list(rank_plan.backward_order) != default_backward_order(MB, edges).tolist()
         plans.append(rank_plan)

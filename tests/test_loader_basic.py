@@ -109,7 +109,7 @@ def test_every_token_once_per_epoch_and_equal_to_the_source():
     st = loader.stats
     assert st.split_documents == 2 * len(long) and st.split_pieces == 2 * sum(-(-n // 256) for n in long)
     assert st.epochs_completed == 2 and st.tokens == 2 * sum(len(d) for d in docs)
-    assert [b.extra["last_in_epoch"] for b in batches].count(True) == 2
+    assert [b.last_in_epoch for b in batches].count(True) == 2
     loader.close()
 
 
@@ -125,7 +125,7 @@ def test_steps_are_visible_and_loss_tokens_normalise_over_the_step():
         assert [b.index_in_step for b in bs] == list(range(len(bs)))
         assert all(b.micro_batches_in_step == len(bs) for b in bs)
         assert all(b.loss_tokens_in_step == sum(x.num_loss_tokens for x in bs) for b in bs)
-        assert bs[0].extra["plan"].step == s
+        assert bs[0].plan.step == s
 
 
 def test_data_parallel_ranks_share_one_plan_and_cover_each_token_once():
@@ -139,7 +139,7 @@ def test_data_parallel_ranks_share_one_plan_and_cover_each_token_once():
     steps = [sorted({b.step for b in bs}) for bs in per_rank]
     assert steps[0] == steps[1] == steps[2]
     for s in steps[0]:
-        plans = [next(b.extra["plan"] for b in bs if b.step == s) for bs in per_rank]
+        plans = [next(b.plan for b in bs if b.step == s) for bs in per_rank]
         assert plans[0] == plans[1] == plans[2]
         counts = [sum(1 for b in bs if b.step == s) for bs in per_rank]
         assert counts[0] == counts[1] == counts[2]
@@ -190,8 +190,8 @@ def test_pretokenized_parquet_reads_lengths_from_the_column(tmp_path):
     for b in batches:
         check_batch_tokens(b, loader.stream, cache)
     # the two epochs are drawn in different orders
-    first = [b.doc_ids.tolist() for b in batches if b.extra["epoch"] == 0]
-    second = [(np.array(b.doc_ids) - len(docs)).tolist() for b in batches if b.extra["epoch"] == 1]
+    first = [b.doc_ids.tolist() for b in batches if b.epoch == 0]
+    second = [(np.array(b.doc_ids) - len(docs)).tolist() for b in batches if b.epoch == 1]
     assert first != second
 
 
@@ -218,7 +218,7 @@ def test_endless_stream_crosses_epochs():
     loader = PackedLoader(IterableSource(docs), config=config(tokens_per_step=512), epochs=None, num_threads=1)
     epochs = []
     for i, b in enumerate(loader):
-        epochs.append(b.extra["epoch"])
+        epochs.append(b.epoch)
         if i == 200:
             break
     assert epochs[0] == 0 and epochs[-1] >= 3 and epochs == sorted(epochs)
@@ -246,9 +246,9 @@ def test_a_planners_queue_is_flushed_at_the_end_of_each_epoch():
     ledger.check_epoch(0)
     ledger.check_epoch(1)
     # nothing of epoch 0 is trained after epoch 1 began
-    epochs = [b.extra["epoch"] for b in batches]
+    epochs = [b.epoch for b in batches]
     assert epochs == sorted(epochs)
-    assert all(d < len(docs) for b in batches if b.extra["epoch"] == 0 for d in b.doc_ids.tolist())
+    assert all(d < len(docs) for b in batches if b.epoch == 0 for d in b.doc_ids.tolist())
 
 
 @pytest.mark.parametrize("strategy", [s for s in available_strategies() if s != "fixed"])

@@ -18,7 +18,7 @@ def _config(world: int) -> PlanConfig:
 
 
 def _summarise(batches) -> list[tuple]:
-    return [(b.step, msgspec.json.encode(b.extra["plan"]), [(s.doc, s.start, s.end) for s in b.segments],
+    return [(b.step, msgspec.json.encode(b.plan), [(s.doc, s.start, s.end) for s in b.segments],
              b.loss_tokens_in_step, b.num_loss_tokens, b.index_in_step, b.micro_batches_in_step) for b in batches]
 
 

@@ -38,8 +38,8 @@ def fingerprint(b) -> tuple:
     h = hashlib.blake2b(digest_size=8)
     for t in (b.input_ids, b.labels, b.position_ids, b.cu_seqlens, b.cu_seqlens_k, b.doc_ids):
         h.update(t.numpy().tobytes())
-    return (b.step, b.index_in_step, b.micro_batches_in_step, b.loss_tokens_in_step, b.extra["epoch"],
-            b.extra["last_in_epoch"], h.hexdigest())
+    return (b.step, b.index_in_step, b.micro_batches_in_step, b.loss_tokens_in_step, b.epoch,
+            b.last_in_epoch, h.hexdigest())
 
 
 def segments_of(b) -> list[tuple[int, int, int]]:
@@ -125,7 +125,7 @@ def check_resume(tmp_path, spec, stops):
 def msgspec_stats_of(b):
     import msgspec
 
-    return msgspec.to_builtins(b.extra["stats"])
+    return msgspec.to_builtins(b.stats)
 
 
 def write_shards(tmp_path, kind, seed):
@@ -162,8 +162,8 @@ def test_resume_at_the_edges(tmp_path):
                 epochs=2)
     reference = build_loader(spec)
     ref = list(reference)
-    ends = [i + 1 for i, b in enumerate(ref) if b.extra["last_in_epoch"]]
-    queued = [i + 1 for i, b in enumerate(ref) if b.extra["plan"].delayed and b.index_in_step == b.micro_batches_in_step - 1]
+    ends = [i + 1 for i, b in enumerate(ref) if b.last_in_epoch]
+    queued = [i + 1 for i, b in enumerate(ref) if b.plan.delayed and b.index_in_step == b.micro_batches_in_step - 1]
     assert queued, "the delaying planner should hold pieces back"
     check_resume(tmp_path, spec, [0, ends[0], len(ref), queued[0], ends[0] - 1])
 
@@ -230,7 +230,7 @@ def test_a_state_saved_at_the_pass_last_batch_resumes_the_ended_pass(tmp_path):
 
     d = make()  # leaving the loop with break after the last batch ends the pass too
     for x in d:
-        if x.extra["last_in_epoch"]:
+        if x.last_in_epoch:
             break
     assert [fingerprint(x) for x in d] == ref_passes[1]
     d.close()
@@ -255,7 +255,7 @@ def test_resume_across_options_that_do_not_change_the_stream(tmp_path, saved, lo
         return PackedLoader(paths, config=_fixed(700), epochs=2, **kw)
 
     def tokens(b):  # the layout changes the shape, not the tokens
-        return (b.step, b.index_in_step, b.extra["epoch"], b.input_ids.reshape(-1).tolist(), segments_of(b))
+        return (b.step, b.index_in_step, b.epoch, b.input_ids.reshape(-1).tolist(), segments_of(b))
 
     ref = make()
     ref_batches = list(ref)

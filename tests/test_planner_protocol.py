@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from packloader.balancers.planners.auto import AutoPlanner
-from packloader.balancers.planners.base import StepLayout, PackingPlanner
+from packloader.balancers.planners.base import PackingPlanner, StepLayout
 from packloader.balancers.planners.hydraulis import HydraulisPlanner
 from packloader.balancers.planners.packing import Packing, Pieces, whole_pieces_packing
 from packloader.balancers.planners.registry import (
-    Window,
     _REGISTRY,
+    Window,
     available_strategies,
     check_strategy,
     make_planner,

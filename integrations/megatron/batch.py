@@ -95,13 +95,14 @@ def megatron_batch(
         )
     else:
         from packloader.collate.cp_shard import plan_cp_shards
+        from packloader.runtime.cp_cost import cp_cost
 
         if batch.cu_seqlens_padded is not None:
             raise ValueError("cp_layout='packloader' shards the unpadded micro-batch: build the loader without "
                              "pad_to_multiple / pad_to_tokens")
         lengths = [s.end - s.start for s in batch.segments]
         offsets = [s.start - s.attend_from for s in batch.segments]  # the collate's positions (0: no slices)
-        shard = plan_cp_shards(lengths, cp_size, cp_mode, position_offsets=offsets, cost_model=cost_model)[cp_rank]
+        shard = plan_cp_shards(lengths, cp_size, cp_mode, position_offsets=offsets, cost=cp_cost(cost_model))[cp_rank]
         index = torch.from_numpy(shard.token_index)
         ids, lab = ids[index], lab[index]
         pos = torch.from_numpy(shard.position_ids)
@@ -137,7 +138,7 @@ def megatron_batch(
     out["cp_shard"] = shard
     out["num_loss_tokens_in_step"] = int(batch.loss_tokens_in_step)
     out["segments"] = list(batch.segments)
-    out["step_plan"] = batch.extra.get("plan")  # the StepPlan (backward order) for sliced_pipeline_forward_backward
+    out["step_plan"] = batch.plan  # the StepPlan (backward order) for sliced_pipeline_forward_backward
     return out
 
 

@@ -47,10 +47,10 @@ def build_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from packloader.balancers.planners.packing import cost_model_for
-    from packloader.balancers.sim.metrics import drawn_steps, score_plans
     from packloader.balancers.offline import plan_record, plan_run
+    from packloader.balancers.planners.packing import cost_model_for
     from packloader.balancers.planners.registry import make_planner
+    from packloader.balancers.sim.metrics import drawn_steps, score_plans
     from packloader.sources.lengths_file import LengthsError, check_pieces, read_lengths
 
     try:

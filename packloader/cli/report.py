@@ -80,9 +80,9 @@ def _run(args: argparse.Namespace) -> int:
     from packloader.report.build import ReportOptions, build_report
     from packloader.report.draw import StepCounter
     from packloader.report.lengths import read_lengths, source_lengths
-    from packloader.sources.lengths_file import check_pieces
     from packloader.report.run import BASELINES, PACKLOADER
     from packloader.report.table import render_text
+    from packloader.sources.lengths_file import check_pieces
 
     given = [bool(args.inputs), bool(args.lengths), bool(args.demo)]
     if sum(given) != 1:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from packloader.contracts import Segment
+from packloader.contracts import LoaderStats, Segment, StepPlan
 
 IGNORE_INDEX = -100
 
@@ -42,7 +42,15 @@ class PackedBatch:
     cu_seqlens_padded: torch.Tensor | None = None
     # Context parallelism: this CP rank's shard and its attention metadata (packloader.collate.cp_shard).
     cp: Any | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    layout: str = "flat"  # "flat": [T] token tensors, "hf": [1, T]
+    # DP-Merge: the DP ranks that share this micro-batch (its MicroBatch.dp_group); None: this rank's alone
+    dp_group: list[int] | None = None
+    # What PackedLoader knows about the step (a batch collated outside the loader keeps the defaults):
+    epoch: int = 0
+    last_in_epoch: bool = False  # this rank's last micro-batch of the epoch
+    plan: StepPlan | None = None  # the whole step's plan, all ranks
+    stats: LoaderStats | None = None  # the loader's counts up to and including this step
+    extra: dict[str, Any] = field(default_factory=dict)  # the caller's own entries (collate's `extra`)
 
     @property
     def num_tokens(self) -> int:

@@ -31,7 +31,8 @@ as `PackedBatch.to_hf()`); the cu_seqlens tensors are 1-D in both.
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
-from typing import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -113,6 +114,11 @@ def collate_step(
     index_in_step: Sequence[int] | None = None,
     extra: Sequence[dict | None] | None = None,
     common_extra: dict | None = None,
+    dp_groups: Sequence[list[int] | None] | None = None,
+    epoch: int = 0,
+    last_in_epoch: bool = False,
+    plan: StepPlan | None = None,
+    stats: Any = None,
 ) -> "CollatedStep":
     """Several micro-batches of one step at once: the loader's collate stage. The bookkeeping (offsets,
     cu_seqlens, maxima, loss tokens) and the token copying each run once for the whole step, in numba (`fill.py`,
@@ -123,9 +129,11 @@ def collate_step(
     have to walk (measured: the eager version set off a full collection, ~0.15 s with torch imported, about
     once per epoch of the loader benchmark; the plain DataLoader set off none).
 
-    `index_in_step[i]` and `extra[i]` are micro-batch i's index in the step (default i) and extra entries (on top
-    of `common_extra`, which all share); `micro_batches_in_step` defaults to len(micro_batches). The tensors are views of per-step arrays (a trainer
-    that keeps one batch keeps its step's buffers, a few bytes per token of the step).
+    `index_in_step[i]`, `extra[i]` and `dp_groups[i]` are micro-batch i's index in the step (default i), extra
+    entries (on top of `common_extra`, which all share) and DP-Merge group; `micro_batches_in_step` defaults to
+    len(micro_batches). `epoch`, `plan` and `stats` go to every batch, `last_in_epoch` to the last one only (the
+    loader's bookkeeping, see PackedBatch). The tensors are views of per-step arrays (a trainer that keeps one
+    batch keeps its step's buffers, a few bytes per token of the step).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -139,7 +147,7 @@ def collate_step(
 
     # the step's segments as arrays; an empty micro-batch padded to pad_to_tokens holds one all-padding entry
     micro_batches = [list(segs) for segs in micro_batches]
-    pad_entry = padded and pad_to_tokens is not None and pad_to_tokens > 0
+    pad_entry = pad_to_tokens is not None and pad_to_tokens > 0
     rows: list[tuple[int, int, int, int]] = []
     mb_ptr = [0]
     for segs in micro_batches:
@@ -195,64 +203,98 @@ def collate_step(
     if len(start):
         fill_segments(buf, base, start, end, attend, length, out_at, out_end, int(pad_id), all_ids, all_labels,
                       all_pos)
-    return CollatedStep(
-        micro_batches, mb_ptr, mb_at.tolist(), all_ids, all_labels, all_pos, doc, cu, cu_k, cu_p if padded else None,
-        n_loss.tolist(), max_q.tolist(), max_k.tolist(), index, list(extra) if extra is not None else [None] * n_mb,
-        {"layout": layout, **(common_extra or {})}, int(step), per_step,
-        None if loss_tokens_in_step is None else int(loss_tokens_in_step), layout,
-    )
+    return CollatedStep(StepArrays(
+        segments=micro_batches, ptr=mb_ptr, at=mb_at.tolist(), ids=all_ids, labels=all_labels, pos=all_pos,
+        doc=doc, cu=cu, cu_k=cu_k, cu_p=cu_p if padded else None, loss=n_loss.tolist(), max_q=max_q.tolist(),
+        max_k=max_k.tolist(), index=index, extra=list(extra) if extra is not None else [None] * n_mb,
+        common=dict(common_extra or {}), dp_groups=list(dp_groups) if dp_groups is not None else [None] * n_mb,
+        step=int(step), per_step=per_step, step_loss=None if loss_tokens_in_step is None else int(loss_tokens_in_step),
+        layout=layout, epoch=int(epoch), last_in_epoch=bool(last_in_epoch), plan=plan, stats=stats,
+    ))
+
+
+@dataclass(slots=True)
+class StepArrays:
+    """A collated step before its batches are built: per-step arrays with per-micro-batch offsets into them."""
+
+    segments: list[list[Segment]]  # per micro-batch
+    ptr: list[int]  # micro-batch i's segments are rows ptr[i]:ptr[i+1] of doc and of the cu arrays (+ i)
+    at: list[int]  # micro-batch i's tokens are at[i]:at[i+1] of ids, labels and pos
+    ids: np.ndarray
+    labels: np.ndarray
+    pos: np.ndarray
+    doc: np.ndarray
+    cu: np.ndarray
+    cu_k: np.ndarray
+    cu_p: np.ndarray | None
+    loss: list[int]  # per micro-batch
+    max_q: list[int]
+    max_k: list[int]
+    index: list[int]
+    extra: list[dict | None]
+    common: dict
+    dp_groups: list[list[int] | None]
+    step: int
+    per_step: int
+    step_loss: int | None  # None: each batch's own loss tokens
+    layout: str
+    epoch: int
+    last_in_epoch: bool  # applies to the last micro-batch
+    plan: StepPlan | None
+    stats: Any
 
 
 class CollatedStep(SequenceABC):
     """The micro-batches of a step as arrays; item i is built as a PackedBatch when taken (see collate_step)."""
 
-    __slots__ = ("_segments", "_ptr", "_at", "_ids", "_labels", "_pos", "_doc", "_cu", "_cu_k", "_cu_p", "_loss",
-                 "_max_q", "_max_k", "_index", "_extra", "_common", "_step", "_per_step", "_step_loss", "_layout")
+    __slots__ = ("_s",)
 
-    def __init__(self, segments, ptr, at, ids, labels, pos, doc, cu, cu_k, cu_p, loss, max_q, max_k, index, extra,
-                 common, step, per_step, step_loss, layout) -> None:
-        self._segments, self._ptr, self._at = segments, ptr, at
-        self._ids, self._labels, self._pos, self._doc = ids, labels, pos, doc
-        self._cu, self._cu_k, self._cu_p = cu, cu_k, cu_p
-        self._loss, self._max_q, self._max_k = loss, max_q, max_k
-        self._index, self._extra, self._common = index, extra, common
-        self._step, self._per_step, self._step_loss, self._layout = step, per_step, step_loss, layout
+    def __init__(self, arrays: StepArrays) -> None:
+        self._s = arrays
 
     def __len__(self) -> int:
-        return len(self._segments)
+        return len(self._s.segments)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
+        s = self._s
+        n = len(s.segments)
         if not -n <= i < n:
             raise IndexError(f"micro-batch {i} of a step with {n}")
         i %= n
-        a, b = self._ptr[i], self._ptr[i + 1]
-        lo, hi = self._at[i], self._at[i + 1]
+        a, b = s.ptr[i], s.ptr[i + 1]
+        lo, hi = s.at[i], s.at[i + 1]
         # numpy slices, then from_numpy: cheaper than slicing tensors
-        ids, labels, pos = torch.from_numpy(self._ids[lo:hi]), torch.from_numpy(self._labels[lo:hi]), \
-            torch.from_numpy(self._pos[lo:hi])
-        if self._layout == "hf":
+        ids, labels, pos = torch.from_numpy(s.ids[lo:hi]), torch.from_numpy(s.labels[lo:hi]), \
+            torch.from_numpy(s.pos[lo:hi])
+        if s.layout == "hf":
             ids, labels, pos = ids.unsqueeze(0), labels.unsqueeze(0), pos.unsqueeze(0)
-        loss = self._loss[i]
+        loss = s.loss[i]
+        extra = s.extra[i]
         return PackedBatch(
             input_ids=ids,
             labels=labels,
             position_ids=pos,
-            cu_seqlens=torch.from_numpy(self._cu[a + i : b + i + 1]),
-            cu_seqlens_k=torch.from_numpy(self._cu_k[a + i : b + i + 1]),
-            max_seqlen=self._max_q[i],
-            max_seqlen_k=self._max_k[i],
-            doc_ids=torch.from_numpy(self._doc[a:b]),
-            segments=self._segments[i],
+            cu_seqlens=torch.from_numpy(s.cu[a + i : b + i + 1]),
+            cu_seqlens_k=torch.from_numpy(s.cu_k[a + i : b + i + 1]),
+            max_seqlen=s.max_q[i],
+            max_seqlen_k=s.max_k[i],
+            doc_ids=torch.from_numpy(s.doc[a:b]),
+            segments=s.segments[i],
             num_loss_tokens=loss,
-            loss_tokens_in_step=loss if self._step_loss is None else self._step_loss,
-            step=self._step,
-            index_in_step=self._index[i],
-            micro_batches_in_step=self._per_step,
-            cu_seqlens_padded=None if self._cu_p is None else torch.from_numpy(self._cu_p[a + i : b + i + 1]),
-            extra={**self._common, **self._extra[i]} if self._extra[i] else dict(self._common),
+            loss_tokens_in_step=loss if s.step_loss is None else s.step_loss,
+            step=s.step,
+            index_in_step=s.index[i],
+            micro_batches_in_step=s.per_step,
+            cu_seqlens_padded=None if s.cu_p is None else torch.from_numpy(s.cu_p[a + i : b + i + 1]),
+            layout=s.layout,
+            dp_group=s.dp_groups[i],
+            epoch=s.epoch,
+            last_in_epoch=s.last_in_epoch and i == n - 1,
+            plan=s.plan,
+            stats=s.stats,
+            extra={**s.common, **extra} if extra else dict(s.common),
         )
 
 

@@ -20,7 +20,8 @@ Every mode assigns each packed token to one CP rank (an *owner*); everything els
                   longest documents to shard, 0..``max_sharded``). Token counts per rank are unequal: pair it with
                   the layout remapping of ``packloader.runtime.remap`` or accept the linear-layer imbalance.
 ``adaptive``      (WLB-LLM 5.3) every mode above is estimated and the lowest maximum per-rank latency wins. The
-                  estimate is the cost model's attention time of every query run with its query count rounded up
+                  estimate is the caller's (``cost``, see ``CPCost``; ``packloader.runtime.cp_cost`` builds it from
+                  a cost model): the attention time of every query run with its query count rounded up
                   to the kernel tile (``CostModel.segment_times``: a run of q queries after p earlier keys costs
                   ``a*(qt^2 + 2*qt*p) + b*qt + c``), forward + backward, plus, unless ``remapped``, the linear part
                   of the rank's tokens (padding included), since without remapping the linear layers run in the
@@ -35,7 +36,7 @@ document's keys ``[0, o + lq)``: in the all-gathered keys, packed positions ``ke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -43,7 +44,7 @@ from packloader.contracts import MicroBatch
 
 MODES = ("sequence", "document", "hierarchical")
 
-__all__ = ["MODES", "CPRankShard", "CPShardPlan", "plan_cp_shards", "shard_micro_batch", "default_cost_model"]
+__all__ = ["MODES", "CPRankShard", "CPShardPlan", "plan_cp_shards", "shard_micro_batch", "CPCost", "TileEstimate"]
 
 
 @dataclass
@@ -172,10 +173,21 @@ class CPShardPlan:
 # ----------------------------------------------------------------------------------------------- cost model
 
 
-class _TileEstimate:
-    """A small tile-aware estimate used when packloader.balancers.cost is unavailable: the same attention formula
-    with a = 1 (forward) and 2.5 (backward), and a linear part of 3.5 * 4096 per token (forward + backward), about
-    the ratio of a 4096-wide model's GEMMs to its attention per key."""
+class CPCost(Protocol):
+    """The costs CP sharding balances, passed in by the caller that knows the model (`packloader.runtime.cp_cost`
+    builds one from a cost model, preset name or profile)."""
+
+    def segment_times(self, q: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Attention forward and backward time of each query run: q queries after p earlier keys."""
+
+    def linear(self, n: float) -> float:
+        """Linear-part time (forward + backward) of n tokens on one rank."""
+
+
+class TileEstimate:
+    """A unit tile-aware estimate that needs no cost model: the same attention formula with a = 1 (forward) and
+    2.5 (backward), and a linear part of 3.5 * 4096 per token (forward + backward), about the ratio of a
+    4096-wide model's GEMMs to its attention per key."""
 
     tile = 128
 
@@ -189,48 +201,34 @@ class _TileEstimate:
         return 3.5 * 4096.0 * float(n)
 
 
-class _CostAdapter:
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def segment_times(self, q, p):
-        return self.model.segment_times(np.asarray(q, dtype=np.int64), np.asarray(p, dtype=np.int64))
-
-    def linear(self, n: float) -> float:
-        from packloader.balancers.cost.coeffs import lin_time
-
-        c = self.model.coeffs
-        return float(lin_time(c, float(n), False) + lin_time(c, float(n), True))
+def _check_cost(cost: Any) -> CPCost:
+    missing = [m for m in ("segment_times", "linear") if not callable(getattr(cost, m, None))]
+    if missing:
+        raise TypeError(
+            f"cost must have segment_times(q, p) -> (fwd, bwd) and linear(n) -> float; {type(cost).__name__} has no "
+            f"{' or '.join(missing)} (packloader.runtime.cp_cost.cp_cost builds one from a cost model, a preset "
+            "name or a profile; TileEstimate() needs none)")
+    return cost
 
 
-_DEFAULT: list[Any] = []
+def _run_times(est: CPCost, q: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """est.segment_times, checked: one finite, non-negative forward and backward time per run."""
+    f, b = est.segment_times(q, p)
+    f, b = np.asarray(f, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    for name, t in (("forward", f), ("backward", b)):
+        if t.shape != q.shape:
+            raise ValueError(f"cost.segment_times gave {name} times of shape {t.shape} for {q.shape[0]} query runs")
+        if not np.all(np.isfinite(t) & (t >= 0)):
+            raise ValueError(f"cost.segment_times gave {name} times that are negative or not finite: "
+                             f"{t[~(np.isfinite(t) & (t >= 0))][:5].tolist()}")
+    return f, b
 
 
-def default_cost_model() -> Any:
-    """The estimate used when none is given: the llama3-8b preset of packloader.balancers.cost (the measured H100
-    profile), or a unit tile-aware estimate if that cannot be loaded."""
-    if not _DEFAULT:
-        try:
-            from packloader.balancers.cost.resolve import load_cost_model
-
-            _DEFAULT.append(_CostAdapter(load_cost_model("llama3-8b")))
-        except Exception:  # noqa: BLE001 - any failure to build the preset falls back to the unit estimate
-            _DEFAULT.append(_TileEstimate())
-    return _DEFAULT[0]
-
-
-def _estimator(cost_model: Any) -> Any:
-    if cost_model is None:
-        return default_cost_model()
-    if isinstance(cost_model, (_CostAdapter, _TileEstimate)):
-        return cost_model
-    if hasattr(cost_model, "coeffs") and hasattr(cost_model, "segment_times"):
-        return _CostAdapter(cost_model)
-    if hasattr(cost_model, "segment_times"):
-        return cost_model  # duck-typed: segment_times(q, p) -> (fwd, bwd), optional linear(n)
-    from packloader.balancers.cost.resolve import load_cost_model
-
-    return _CostAdapter(load_cost_model(cost_model))
+def _linear_time(est: CPCost, n: float) -> float:
+    t = float(est.linear(n))
+    if not (np.isfinite(t) and t >= 0):
+        raise ValueError(f"cost.linear({n}) gave {t}: expected a finite time >= 0")
+    return t
 
 
 # ----------------------------------------------------------------------------------------------- layouts
@@ -315,13 +313,13 @@ def _costs(start, length, owner, pad, lay: _Layout, cp: int, est: Any, remapped:
     fwd = np.zeros(cp)
     bwd = np.zeros(cp)
     if start.size:
-        f, b = est.segment_times(length, lay.rel[start])
-        fwd = np.bincount(owner, weights=np.asarray(f, dtype=np.float64), minlength=cp)[:cp]
-        bwd = np.bincount(owner, weights=np.asarray(b, dtype=np.float64), minlength=cp)[:cp]
+        f, b = _run_times(est, length, lay.rel[start])
+        fwd = np.bincount(owner, weights=f, minlength=cp)[:cp]
+        bwd = np.bincount(owner, weights=b, minlength=cp)[:cp]
     lin = np.zeros(cp)
-    if not remapped and hasattr(est, "linear"):
+    if not remapped:
         counts = np.bincount(owner, weights=length, minlength=cp)[:cp] if start.size else np.zeros(cp)
-        lin = np.array([est.linear(float(counts[r] + pad[r])) for r in range(cp)])
+        lin = np.array([_linear_time(est, float(counts[r] + pad[r])) for r in range(cp)])
     return fwd, bwd, lin
 
 
@@ -334,10 +332,10 @@ def _hierarchical_runs(lay: _Layout, cp: int, est: Any, remapped: bool, max_shar
     L = lay.lengths
     nz = np.flatnonzero(L > 0)
     order = nz[np.argsort(-L[nz], kind="stable")]
-    f_whole, b_whole = est.segment_times(L, np.zeros_like(L)) if L.size else (np.zeros(0), np.zeros(0))
+    f_whole, b_whole = _run_times(est, L, np.zeros_like(L)) if L.size else (np.zeros(0), np.zeros(0))
     whole = np.asarray(f_whole, dtype=np.float64) + np.asarray(b_whole, dtype=np.float64)
-    lin_on = not remapped and hasattr(est, "linear")
-    per_token = (est.linear(1.0) - est.linear(0.0)) if lin_on else 0.0
+    lin_on = not remapped
+    per_token = (_linear_time(est, 1.0) - _linear_time(est, 0.0)) if lin_on else 0.0
     if threshold is not None:
         candidates = [int(np.sum(L[order] >= threshold))]
     else:
@@ -361,7 +359,7 @@ def _hierarchical_runs(lay: _Layout, cp: int, est: Any, remapped: bool, max_shar
         fwd = fwd + np.bincount(owner_rest, weights=np.asarray(f_whole, dtype=np.float64)[rest], minlength=cp)[:cp]
         bwd = bwd + np.bincount(owner_rest, weights=np.asarray(b_whole, dtype=np.float64)[rest], minlength=cp)[:cp]
         tokens = tokens + np.bincount(owner_rest, weights=L[rest], minlength=cp)[:cp]
-        lin = np.array([est.linear(float(t)) for t in tokens]) if lin_on else np.zeros(cp)
+        lin = np.array([_linear_time(est, float(t)) for t in tokens]) if lin_on else np.zeros(cp)
         score = float(np.max(fwd + bwd + lin)) if cp else 0.0
         if best is None or score < best[0] * (1 - 1e-12):
             best = (score, segs, (s0, l0, o0), (rest, owner_rest))
@@ -381,7 +379,7 @@ def plan_cp_shards(
     cp_size: int,
     mode: str = "adaptive",
     *,
-    cost_model: Any = None,
+    cost: CPCost,
     position_offsets: Sequence[int] | np.ndarray | None = None,
     remapped: bool = False,
     modes: Sequence[str] = MODES,
@@ -391,11 +389,12 @@ def plan_cp_shards(
     """Shard a packed micro-batch of segments of `lengths` over `cp_size` ranks.
 
     `mode`: "sequence", "document", "hierarchical" or "adaptive" (the lowest estimated max per-rank latency among
-    `modes`). `cost_model`: a `packloader.balancers.cost.CostModel`, a preset name / profile path, or None (the
-    llama3-8b preset, measured H100 profile). `position_offsets`: each segment's first position id (start -
-    attend_from: 0 for a document or an independent piece, which restart their positions); default 0. `remapped`:
-    the linear layers run in a separately balanced layout
-    (runtime.remap), so only attention counts in the estimate. `hierarchical_threshold`: shard exactly the
+    `modes`). `cost`: the estimate to balance (`CPCost`: attention time per query run, linear time per rank), from
+    the caller that knows the model (`packloader.runtime.cp_cost.cp_cost(model)`; `cp_cost()` is the llama3-8b
+    preset, the measured H100 profile); a bad one is an error, never replaced. `position_offsets`: each segment's
+    first position id (start - attend_from: 0 for a document or an independent piece, which restart their
+    positions); default 0. `remapped`: the linear layers run in a separately balanced layout (runtime.remap), so
+    only attention counts in the estimate. `hierarchical_threshold`: shard exactly the
     segments at least this long instead of searching over the `max_sharded` longest.
     """
     cp = int(cp_size)
@@ -412,7 +411,7 @@ def plan_cp_shards(
     for m in modes:
         if m not in MODES:
             raise ValueError(f"unknown CP sharding mode {m!r} in modes; expected {', '.join(MODES)}")
-    est = _estimator(cost_model)
+    est = _check_cost(cost)
     lay = _Layout.of(L)
     zero = np.zeros(cp, dtype=np.int64)
 

@@ -7,7 +7,7 @@ from typing import Any
 _EXPORTS = {
     "PackedLoader": "packloader.loader.loader",
     "PackedDataset": "packloader.loader.loader",
-    "LoaderStats": "packloader.loader.state",
+    "LoaderStats": "packloader.contracts",
     "LoaderOptions": "packloader.loader.state",
     "TokenLedger": "packloader.loader.check",
 }

@@ -12,7 +12,9 @@ documents longer than `config.context` into independent pieces (counted in `load
 the step with the configured planner (every rank computes the same plan from the same lengths, and checks that
 with the other ranks), and collates only this rank's micro-batches. Each batch says its `step`, its
 `index_in_step`, this rank's `micro_batches_in_step` and the step's `loss_tokens_in_step` (all ranks).
-`batch.extra` holds the `epoch`, `last_in_epoch`, the step's `plan` and the cumulative `stats`.
+Each batch also carries the loader's bookkeeping as fields: its `epoch`, `last_in_epoch` (this rank's last
+micro-batch of the epoch), the step's `plan`, the cumulative `stats` and, for a DP-Merge micro-batch, its
+`dp_group`.
 
 Epochs: a `for` pass yields `epochs` epochs (None: an endless stream); the next pass continues with the next
 epoch. At the end of each epoch the planner is asked to flush what it holds back, so every token is trained
@@ -49,12 +51,17 @@ from torchdata.nodes import ParallelMapper, Prefetcher
 
 from packloader.balancers.planners.registry import make_planner
 from packloader.collate.batch import PackedBatch
-from packloader.contracts import PlanConfig
-from packloader.loader.distributed import (RankExchange, check_settings, next_instance, resolve_dp_rank,
-                                           torch_rank_world)
+from packloader.contracts import LoaderStats, PlanConfig
+from packloader.loader.distributed import RankExchange, check_settings, next_instance, resolve_dp_rank, torch_rank_world
 from packloader.loader.nodes import ChunkLoader, ChunkNode, StepCollator, StepNode, StepReader
-from packloader.loader.state import (STATE_FORMAT, LoaderOptions, LoaderStats, check_state, fingerprint,
-                                     validate_config, validate_options)
+from packloader.loader.state import (
+    STATE_FORMAT,
+    LoaderOptions,
+    check_state,
+    fingerprint,
+    validate_config,
+    validate_options,
+)
 from packloader.sources.order import split_range
 from packloader.sources.stream import DocumentStream
 
@@ -223,8 +230,6 @@ class _Graph:
             self.started = True
         try:
             return next(self.root)
-        except StopIteration:
-            raise
         except Exception as e:
             clean = _unwrap(e)
             if clean is e:
@@ -294,8 +299,7 @@ class PackedLoader:
         self._cur: _Step | None = None  # the step being yielded
         self._at = 0  # its next micro-batch
         self._resume: tuple[dict | None, int] = (None, 0)  # where the stream stands after the last batch yielded
-        self._last: PackedBatch | None = None
-        self._saved_stats: LoaderStats | None = None
+        self._stats = LoaderStats()  # as of the last batch yielded (or the state loaded)
         self._next_epoch = 0
         self._pass_left: int | None = 0  # epochs left in the open pass (None: endless)
         self._pass_open = False  # a pass started and its `for` has not ended
@@ -329,9 +333,7 @@ class PackedLoader:
     @property
     def stats(self) -> LoaderStats:
         """Counts up to the step of the last batch yielded (split documents and pieces, tokens, steps, ...)."""
-        if self._last is None:
-            return self._saved_stats.copy() if self._saved_stats is not None else LoaderStats()
-        return self._last.extra["stats"]
+        return self._stats
 
     @property
     def epoch(self) -> int:
@@ -369,7 +371,7 @@ class PackedLoader:
                 if done:
                     self._cur = None
                 self._advance(step, done)  # before yielding: a state saved now knows where the pass stands
-                self._last = batch
+                self._stats = batch.stats
                 try:
                     yield batch
                 except GeneratorExit:  # the loop was left (break): after the last batch, that ends the pass
@@ -448,8 +450,7 @@ class PackedLoader:
         self._next_epoch = int(state["next_epoch"])
         self._pass_left = state["pass_left"]
         self._pass_open = bool(state["pass_open"])
-        self._last = None
-        self._saved_stats = msgspec.convert(state["stats"], LoaderStats)
+        self._stats = msgspec.convert(state["stats"], LoaderStats)
 
     def _close_graph(self) -> None:
         if self._graph is not None:

@@ -43,9 +43,8 @@ from torchdata.nodes import BaseNode
 
 from packloader.balancers.draw import cut_pieces, step_ends
 from packloader.collate.collate import collate_step, loss_tokens_in_plan
-from packloader.contracts import MicroBatch, PlanConfig, PlannerState, StepPlan
+from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerState, StepPlan
 from packloader.loader.distributed import RankExchange, digest
-from packloader.loader.state import LoaderStats
 from packloader.sources.order import split_range
 from packloader.sources.stream import DocumentStream
 
@@ -451,16 +450,10 @@ class StepCollator:
 
     def __call__(self, work: StepWork) -> Sequence:
         tokens = read_missing(self.stream, work).tokens
-        n = len(work.micro_batches)
-        common = {"epoch": work.epoch, "plan": work.plan, "stats": work.stats, "last_in_epoch": False}
-        extra: list[dict | None] = [None] * n
-        for i, mb in enumerate(work.micro_batches):
-            if mb.dp_group is not None:
-                extra[i] = {"dp_group": mb.dp_group}
-        if n and work.last_in_epoch:
-            extra[-1] = {**(extra[-1] or {}), "last_in_epoch": True}
         out = collate_step([mb.segments for mb in work.micro_batches], tokens, step=work.step,
-                           loss_tokens_in_step=work.loss_tokens, extra=extra, common_extra=common, **self.kw)
+                           loss_tokens_in_step=work.loss_tokens, dp_groups=[mb.dp_group for mb in work.micro_batches],
+                           epoch=work.epoch, last_in_epoch=work.last_in_epoch, plan=work.plan, stats=work.stats,
+                           **self.kw)
         if not out and work.last_in_epoch:
             # a rank with no micro-batch in the epoch's last step still needs to see the epoch end
             return [None]

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from packloader.balancers.planners.registry import check_strategy
-from packloader.contracts import PlanConfig, PlannerState, check_plan_config
+from packloader.contracts import LoaderStats, PlanConfig, PlannerState, check_plan_config
 
 STATE_FORMAT = "packloader.loader/2"
 LengthsMode = Literal["auto", "column", "local", "gather"]
@@ -68,29 +68,6 @@ def check_model(config: PlanConfig) -> None:
 
 def validate_options(**kwargs) -> LoaderOptions:
     return msgspec.convert(kwargs, LoaderOptions)
-
-
-class LoaderStats(msgspec.Struct, kw_only=True):
-    """Counts up to and including one step (cumulative since the start of training, carried in the state).
-
-    Documents longer than PlanConfig.context are cut into independent pieces, never dropped: `split_documents`
-    counts them and `split_pieces` the pieces they became. `empty_documents` counts documents with no tokens
-    (nothing to train on; skipped).
-    """
-
-    steps: int = 0
-    epochs_completed: int = 0
-    documents: int = 0  # documents drawn (all ranks' plans together)
-    tokens: int = 0  # tokens drawn
-    split_documents: int = 0
-    split_pieces: int = 0
-    empty_documents: int = 0
-    delayed_pieces: int = 0  # pieces a planner held back for a later step (counted once per step held)
-    rank_micro_batches: int = 0  # this rank's micro-batches
-    rank_tokens: int = 0  # tokens in this rank's micro-batches
-
-    def copy(self) -> "LoaderStats":
-        return msgspec.structs.replace(self)
 
 
 def source_fingerprint(source) -> str:

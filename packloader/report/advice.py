@@ -20,16 +20,14 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.memory import memory_limit_bytes
+from packloader.balancers.cost.model import CostModel
 from packloader.balancers.sim.metrics import score_plans
 from packloader.balancers.sim.simulator import simulate_step
 from packloader.contracts import ParallelConfig, PlanConfig, Poly
 from packloader.report.draw import Draw
-from packloader.report.figures import GiB, Advice, CapCandidate, GroupingCandidate, RankGroup, StrategyFigures
+from packloader.report.figures import Advice, CapCandidate, GiB, GroupingCandidate, RankGroup, StrategyFigures
 from packloader.report.run import run_planner, run_strategy
-
-
 
 
 def fits(fig: StrategyFigures, memory) -> bool:

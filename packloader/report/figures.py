@@ -13,8 +13,8 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.model import CostModel
-from packloader.balancers.sim.metrics import aggregate, score_plans
 from packloader.balancers.planners.registry import Window
+from packloader.balancers.sim.metrics import aggregate, score_plans
 from packloader.balancers.sim.simulator import simulate_step
 from packloader.balancers.sim.verify import coverage
 from packloader.contracts import ParallelConfig, PlanConfig

@@ -198,13 +198,17 @@ def dp_merge_group(mb: MicroBatch, *, dp_rank: int, rank_map: Sequence[int] | No
 
 
 def dp_merge_shard(mb: MicroBatch, *, dp_rank: int, rank_map: Sequence[int] | None = None, **shard_kwargs: Any):
-    """This DP rank's CPRankShard of DP-Merge micro-batch `mb` (mode: `mode=` or `mb.cp_mode` or adaptive)."""
+    """This DP rank's CPRankShard of DP-Merge micro-batch `mb` (mode: `mode=` or `mb.cp_mode` or adaptive;
+    `cost_model=`: the estimate's model, default the llama3-8b preset)."""
     from packloader.collate.cp_shard import shard_micro_batch
+    from packloader.runtime.cp_cost import cp_cost
 
     if not mb.dp_group or dp_rank not in mb.dp_group:
         raise ValueError(f"DP rank {dp_rank} is not in this micro-batch's dp_group {mb.dp_group}")
     members = _to_global(mb.dp_group, rank_map)
     me = rank_map[dp_rank] if rank_map is not None else dp_rank
+    if "cost" not in shard_kwargs:
+        shard_kwargs["cost"] = cp_cost(shard_kwargs.pop("cost_model", None))
     return shard_micro_batch(mb, len(members), **shard_kwargs).ranks[members.index(me)]
 
 

@@ -115,6 +115,7 @@ def micro_batch_layouts(
     start) are refused: their earlier keys live in a KV cache outside the micro-batch.
     """
     from packloader.collate.cp_shard import plan_cp_shards
+    from packloader.runtime.cp_cost import cp_cost
 
     W = int(world_size)
     if W < 1:
@@ -131,7 +132,7 @@ def micro_batch_layouts(
     else:
         lengths = np.asarray(segs, dtype=np.int64).reshape(-1)
         offsets = None
-    shards = plan_cp_shards(lengths, W, mode, cost_model=cost_model, position_offsets=offsets, remapped=True,
+    shards = plan_cp_shards(lengths, W, mode, cost=cp_cost(cost_model), position_offsets=offsets, remapped=True,
                             **shard_options)
     total = int(lengths.sum())
     attention = Layout(tuple(r.token_index for r in shards.ranks), total, shards=shards)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from packloader.balancers.planners.base import StepLayout, Model, PackingPlanner
+from packloader.balancers.planners.base import Model, PackingPlanner, StepLayout
 from packloader.balancers.planners.packing import Packing, Pieces
 from packloader.balancers.planners.registry import Planner, register_planner
 from packloader.contracts import PlanConfig, QueuedDoc

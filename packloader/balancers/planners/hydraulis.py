@@ -30,7 +30,7 @@ from numba import njit
 from packloader.balancers.cost.coeffs import LIN_BWD, LIN_FWD, LIN_KNOTS, doc_time_split
 from packloader.balancers.cost.model import CostModel, annotate_costs
 from packloader.balancers.cost.resolve import RankCosts
-from packloader.balancers.planners.base import StepLayout, Model, PackingPlanner
+from packloader.balancers.planners.base import Model, PackingPlanner, StepLayout
 from packloader.balancers.planners.bins import HEAP_MIN_BINS, _add_piece, _empty_bin_loads, _heap_pop, _heap_push
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, cost_model_for, whole_pieces_packing
 from packloader.balancers.planners.registry import Planner, register_planner

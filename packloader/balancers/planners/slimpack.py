@@ -48,7 +48,7 @@ import numpy as np
 
 from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.model import CostModel
-from packloader.balancers.planners.base import StepLayout, PackingPlanner
+from packloader.balancers.planners.base import PackingPlanner, StepLayout
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, cost_model_for
 from packloader.balancers.planners.registry import Planner, register_planner
 from packloader.balancers.planners.slimpack_kernels import (

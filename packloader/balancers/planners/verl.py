@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from packloader.balancers.planners.base import StepLayout, Model, PackingPlanner
+from packloader.balancers.planners.base import Model, PackingPlanner, StepLayout
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, cost_model_for, whole_pieces_packing
 from packloader.balancers.planners.registry import Planner, register_planner
 from packloader.contracts import PlanConfig

@@ -32,7 +32,7 @@ from numba import njit
 
 from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.model import CostModel
-from packloader.balancers.planners.base import StepLayout, PackingPlanner
+from packloader.balancers.planners.base import PackingPlanner, StepLayout
 from packloader.balancers.planners.bins import HEAP_MIN_BINS, _add_piece, _bin_time, _heap_pop, _heap_push, bin_times
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, cost_model_for, whole_pieces_packing
 from packloader.balancers.planners.registry import Planner, register_planner

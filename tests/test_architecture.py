@@ -1,0 +1,76 @@
+"""The package's shape, checked from the source (scripts/code_measures.py reads the imports with `ast`, lazy
+ones included): no import cycles, data flowing one way between the layers, and inside balancers/ cost below
+planners and simulation."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("code_measures", ROOT / "scripts" / "code_measures.py")
+cm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cm)
+
+# What each layer may import besides itself (sources -> balancers -> collate -> runtime; the loader, report,
+# CLI and integrations sit on top).
+ALLOWED = {
+    "contracts": set(),
+    "sources": {"contracts"},
+    "balancers": {"contracts"},
+    "collate": {"contracts"},
+    "runtime": {"contracts", "balancers", "collate"},
+    "loader": {"contracts", "sources", "balancers", "collate"},
+    "report": {"contracts", "sources", "balancers"},
+    "cli": {"contracts", "sources", "balancers", "collate", "loader", "report", "runtime"},
+    "integrations": {"contracts", "collate", "runtime", "loader", "balancers"},
+    "packloader": None,  # the package's lazy re-exports
+}
+# Inside balancers/: which wing may import which.
+WINGS = {"cost": set(), "sim": {"cost"}, "planners": {"cost", "sim"}, "offline": {"planners", "cost", "draw"}, "draw": {"planners"}}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "packloader_integrations":
+        return "integrations"
+    return parts[1] if len(parts) > 1 else "packloader"
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return cm.import_graph()
+
+
+def test_no_import_cycles(graph):
+    assert cm.cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cm.cycles(g) == [["a", "b", "c"]]
+
+
+def test_layers_import_only_downstream(graph):
+    bad = []
+    for a, targets in graph.items():
+        la = _layer(a)
+        allowed = ALLOWED[la]
+        if allowed is None:
+            continue
+        bad += [f"{a} -> {b}" for b in targets if _layer(b) != la and _layer(b) not in allowed]
+    assert bad == []
+
+
+def test_balancers_wings(graph):
+    bad = []
+    for a, targets in graph.items():
+        if not a.startswith("packloader.balancers."):
+            continue
+        wa = a.split(".")[2]
+        for b in targets:
+            if b.startswith("packloader.balancers.") and b.split(".")[2] != wa and b.split(".")[2] not in WINGS.get(wa, set()):
+                bad.append(f"{a} -> {b}")
+    assert bad == []

@@ -38,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     "get_tokenizer": "packloader.sources.tokenizers",
     "tokenize_to_parquet": "packloader.sources.pretokenize",
     "PackedLoader": "packloader.loader.loader",
-    "PackedDataset": "packloader.loader.loader",
+    "PackedDataset": "packloader.loader.dataset",
     "LoaderStats": "packloader.contracts",
     "PackedBatch": "packloader.collate.batch",
     "collate": "packloader.collate.collate",

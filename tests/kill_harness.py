@@ -149,7 +149,8 @@ class _Feed:
     (items are steps)."""
 
     def __init__(self, cfg: KillConfig, paths: list[str], rank: int, worker_start: str) -> None:
-        from packloader.loader.loader import PackedDataset, PackedLoader
+        from packloader.loader.dataset import PackedDataset
+        from packloader.loader.loader import PackedLoader
 
         kw = dict(tokenizer="bytes", config=plan_config(cfg), dp_rank=rank, epochs=1, chunk_docs=32)
         if cfg.workers == 0:

@@ -74,3 +74,7 @@ def test_balancers_wings(graph):
             if b.startswith("packloader.balancers.") and b.split(".")[2] != wa and b.split(".")[2] not in WINGS.get(wa, set()):
                 bad.append(f"{a} -> {b}")
     assert bad == []
+
+
+def test_no_module_over_450_lines():
+    assert [(n, p) for n, p in cm.module_lines() if n > 450] == []

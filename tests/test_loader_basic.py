@@ -310,7 +310,7 @@ def test_invalid_config_and_options_name_the_field():
 ])
 def test_inconsistent_config_is_refused_at_construction(bad, message):
     """Settings that used to pass construction and fail (or not) later: refused before anything is read."""
-    from packloader.loader.loader import PackedDataset
+    from packloader.loader.dataset import PackedDataset
 
     docs = token_docs(10)
     for make in (PackedLoader, PackedDataset):

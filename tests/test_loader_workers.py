@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 from packloader.contracts import ParallelConfig, PlanConfig
 from packloader.loader.check import TokenLedger, check_batch_tokens
-from packloader.loader.loader import PackedDataset
+from packloader.loader.dataset import PackedDataset
 
 
 def _config(dp=1):

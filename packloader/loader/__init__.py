@@ -6,7 +6,7 @@ from typing import Any
 
 _EXPORTS = {
     "PackedLoader": "packloader.loader.loader",
-    "PackedDataset": "packloader.loader.loader",
+    "PackedDataset": "packloader.loader.dataset",
     "LoaderStats": "packloader.contracts",
     "LoaderOptions": "packloader.loader.state",
     "TokenLedger": "packloader.loader.check",

@@ -34,7 +34,7 @@ snapshots of the graph are not used, and a resume builds a new graph rather than
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import msgspec
@@ -42,29 +42,13 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from packloader.balancers.draw import cut_pieces, step_ends
+from packloader.balancers.planners.packing import FLUSH, flush_state
 from packloader.collate.collate import collate_step, loss_tokens_in_plan
 from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerState, StepPlan
+from packloader.loader.chunks import Chunk, ChunkNode
 from packloader.loader.distributed import RankExchange, digest
 from packloader.sources.order import split_range
 from packloader.sources.stream import DocumentStream
-
-FLUSH = "flush"  # PlannerState.extra key asking a planner to plan everything it holds (balancers/planners/packing.py)
-
-
-@dataclass(frozen=True)
-class ChunkSpec:
-    epoch: int
-    start: int  # positions [start, stop) of the epoch's stream
-    stop: int
-    last: bool  # the last chunk of this epoch's span
-
-
-@dataclass
-class Chunk:
-    spec: ChunkSpec
-    ids: np.ndarray  # int64 document ids
-    lengths: np.ndarray  # int64; -1 where not known yet (gather: other ranks' share)
-    tokens: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,69 +67,6 @@ class StepWork:
     # StepNode states: replaying from `state_before` plans this step again; `state_after` plans the next one
     state_before: dict | None = None
     state_after: dict | None = None
-
-
-class ChunkNode(BaseNode[ChunkSpec]):
-    """Positions of each epoch's span in chunks, epoch after epoch, from a start that the StepNode sets."""
-
-    def __init__(self, span: Callable[[int], tuple[int, int]], chunk_docs: int, max_epochs: int | None = None) -> None:
-        super().__init__()
-        self.span = span
-        self.chunk_docs = int(chunk_docs)
-        self.max_epochs = max_epochs
-        self._start = (0, None)
-        self.epoch, self.pos = 0, 0
-
-    def set_start(self, epoch: int, position: int | None) -> None:
-        self._start = (int(epoch), position)
-
-    def reset(self, initial_state: dict | None = None) -> None:
-        super().reset(initial_state)
-        if initial_state is not None:
-            self.epoch, pos = initial_state["epoch"], initial_state["pos"]
-        else:
-            self.epoch, pos = self._start
-        lo, _ = self.span(self.epoch)
-        self.pos = lo if pos is None else max(lo, int(pos))
-
-    def next(self) -> ChunkSpec:
-        while True:
-            if self.max_epochs is not None and self.epoch >= self.max_epochs:
-                raise StopIteration
-            lo, hi = self.span(self.epoch)
-            if self.pos < hi:
-                break
-            self.epoch += 1
-            self.pos = self.span(self.epoch)[0]
-        stop = min(hi, self.pos + self.chunk_docs)
-        spec = ChunkSpec(self.epoch, self.pos, stop, stop == hi)
-        self.pos = stop
-        return spec
-
-    def get_state(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-
-class ChunkLoader:
-    """The map function of the chunk stage: lengths of a chunk's documents, and their tokens where read."""
-
-    def __init__(self, stream: DocumentStream, mode: str, rank: int = 0, world: int = 1) -> None:
-        self.stream, self.mode, self.rank, self.world = stream, mode, rank, world
-
-    def __call__(self, spec: ChunkSpec) -> Chunk:
-        ids = self.stream.doc_ids(spec.epoch, np.arange(spec.start, spec.stop, dtype=np.int64))
-        if self.mode == "column":
-            return Chunk(spec, ids, self.stream.column_lengths(ids))
-        if self.mode == "local":
-            toks = self.stream.read(ids)
-            lengths = np.fromiter((len(t) for t in toks), dtype=np.int64, count=len(toks))
-            return Chunk(spec, ids, lengths, dict(zip(ids.tolist(), toks)))
-        a, b = split_range(spec.start, spec.stop, self.world, self.rank)
-        mine = ids[a - spec.start : b - spec.start]
-        toks = self.stream.read(mine)
-        lengths = np.full(len(ids), -1, dtype=np.int64)
-        lengths[a - spec.start : b - spec.start] = [len(t) for t in toks]
-        return Chunk(spec, ids, lengths, dict(zip(mine.tolist(), toks)))
 
 
 class StepNode(BaseNode[StepWork]):
@@ -341,7 +262,7 @@ class StepNode(BaseNode[StepWork]):
         step = self.step_offset + self.k * self.step_stride
         state_in = self.pstate
         if done:
-            state_in = msgspec.structs.replace(state_in, extra={**state_in.extra, FLUSH: [1]})
+            state_in = flush_state(state_in)
         plan, new_state = self.planner.plan(window, state_in, step)
         if FLUSH in new_state.extra:
             new_state = msgspec.structs.replace(new_state, extra={k: v for k, v in new_state.extra.items() if k != FLUSH})

@@ -78,3 +78,13 @@ def test_balancers_wings(graph):
 
 def test_no_module_over_450_lines():
     assert [(n, p) for n, p in cm.module_lines() if n > 450] == []
+
+
+def test_no_script_shadows_an_installed_package():
+    """A script's own folder comes first on sys.path, so benchmarks/tokenizers.py once hid Hugging Face's
+    `tokenizers` from everything the benchmarks (and any test that put benchmarks/ on the path) imported."""
+    from importlib.metadata import packages_distributions
+
+    installed = set(packages_distributions())
+    stems = {p.stem: p for d in ("benchmarks", "scripts", "examples", "tests") for p in (ROOT / d).rglob("*.py")}
+    assert sorted(str(stems[s].relative_to(ROOT)) for s in set(stems) & installed) == []

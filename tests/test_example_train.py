@@ -171,7 +171,7 @@ def test_planned_rank_plan_keeps_the_planners_backward_order_hand_worked():
     # a valid order that is not the default (which would be [1, 0, 2, 3]): 3 and 2 first
     plan = StepPlan(step=9, ranks=[RankPlan(micro_batches=[MicroBatch(segments=s) for s in segs],
                                             backward_order=[3, 2, 1, 0])])
-    batches = [SimpleNamespace(segments=s, num_tokens=sum(x.end - x.start for x in s), extra={"plan": plan})
+    batches = [SimpleNamespace(segments=s, num_tokens=sum(x.end - x.start for x in s), plan=plan)
                for s in segs]
     ex = load_example()
     rp = ex.planned_rank_plan(batches)

@@ -1,4 +1,4 @@
-"""The tensors a trainer receives for one micro-batch on one rank (the batch contract of DESIGN.md)."""
+"""The tensors a trainer receives for one micro-batch on one rank: the batch contract every trainer adapter reads."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Segments plus document tokens -> the `PackedBatch` of `batch.py` (the batch contract of DESIGN.md).
+"""Segments plus document tokens -> the `PackedBatch` of `batch.py`: the batch contract every trainer adapter reads.
 
 For a micro-batch's segments `(doc, start, end, attend_from)` and each document's full token array:
 

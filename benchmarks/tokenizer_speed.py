@@ -1,6 +1,6 @@
 """Tokens per second of each tokenizer's `encode_batch` on the stdlib demo corpus (no asserts: a measurement).
 
-    .venv/bin/python benchmarks/tokenizers.py --threads 2 --repeats 3
+    .venv/bin/python benchmarks/tokenizer_speed.py --threads 2 --repeats 3
 
 The corpus is read into memory first; the time covers `encode_batch` on batches of `--batch` documents (the
 int32 conversion included), best of `--repeats` passes. Machine load is printed alongside: on a shared machine

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from packloader.contracts import Segment
+from packloader.runtime.scoped import scoped
 from packloader.runtime.slice_cache import CacheEntry, SliceKVCache
 from packloader.runtime.slice_check import SliceRef, SlicesNotSupported, find_slices, require_no_slices, segments_of
 
@@ -221,14 +222,9 @@ class SliceContext:
             e.add_grad(kl.grad, vl.grad)
         self._leaves.clear()
 
-    @contextlib.contextmanager
     def active(self):
         """Make this the `current_slice_context()` inside the block."""
-        token = _CURRENT.set(self)
-        try:
-            yield self
-        finally:
-            _CURRENT.reset(token)
+        return scoped(_CURRENT, self)
 
 
 # --------------------------------------------------------------------------------------------- executor

@@ -18,7 +18,6 @@ attention, ``packloader_integrations.hf.packloader_attention_forward``, does). S
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from typing import Any, Iterable, Sequence
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from packloader.contracts import Segment
+from packloader.runtime.scoped import scoped
 
 __all__ = ["ZeppelinContext", "current_zeppelin_context", "reduce_gradients"]
 
@@ -73,13 +73,9 @@ class ZeppelinContext:
                            causal=True, softmax_scale=softmax_scale, backend=self.backend, **kwargs)
         return rm.to_linear(out)
 
-    @contextlib.contextmanager
     def active(self):
-        token = _CURRENT.set(self)
-        try:
-            yield self
-        finally:
-            _CURRENT.reset(token)
+        """Make this the current Zeppelin context inside the block."""
+        return scoped(_CURRENT, self)
 
 
 def reduce_gradients(params: Iterable[torch.nn.Parameter], group: Any = None) -> None:

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/kill.py --points 1000 --write docs/benchmarks.md
 
-The harness is tests/kill_harness.py (its docstring says exactly what a child does and what is compared). For
+The harness is tests/helpers/kill_harness.py (its docstring says exactly what a child does and what is compared). For
 every configuration of the matrix (Parquet token shards / gzipped JSON Lines text; `auto` / `wlb`; slicing on /
 off; one rank, two ranks in one process, two gloo ranks; PackedLoader / StatefulDataLoader with two workers),
 on its own long-tail corpus:
@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import kill_harness as kh  # noqa: E402
+from helpers import kill_harness as kh  # noqa: E402
 from sections import write_section  # noqa: E402  (benchmarks/, the script's own folder)
 
 SECTION = "kill"
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         body = "\n".join([
             "A loader process killed with SIGKILL at random points and resumed in a new process from its last "
             "saved state, compared token by token with one uninterrupted epoch and with the source (harness: "
-            "`tests/kill_harness.py`; what each run does: the docstring of `benchmarks/kill.py`; CI runs a fixed "
+            "`tests/helpers/kill_harness.py`; what each run does: the docstring of `benchmarks/kill.py`; CI runs a fixed "
             "subset in `tests/test_loader_kill.py`).",
             "",
             "```bash",

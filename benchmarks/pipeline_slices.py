@@ -3,7 +3,7 @@ step time of a sliced plan against the unsliced plan of the same documents.
 
     PYTHONPATH=$PWD:$PWD/tests .venv/bin/python benchmarks/pipeline_slices.py --steps 5
 
-Model: tests/pipeline_model.py's small Llama-like model (hidden 16, 4 query / 2 key-value heads of 4, SwiGLU 32,
+Model: tests/helpers/pipeline_model.py's small Llama-like model (hidden 16, 4 query / 2 key-value heads of 4, SwiGLU 32,
 `--layers` layers split evenly over the stages), float64, one process per pipeline stage over gloo, 1 thread each.
 Plans: the slimpack planner on one fixed window of document lengths (`--scale` multiplies them), one DP rank,
 `--micro-batches` micro-batches, `max_tokens` a quarter of the longest document (so the long ones are sliced), and
@@ -35,9 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from distributed import run_ranks  # noqa: E402
-from pipeline_model import (  # noqa: E402
+from helpers.distributed import run_ranks  # noqa: E402
+from helpers.pipeline_model import (  # noqa: E402
     FF,
+    HAND,
+    HAND_LENGTHS,
     HD,
     HKV,
     HQ,
@@ -61,9 +63,8 @@ LENGTHS = [70, 9, 14, 22, 5, 31, 12, 8, 17, 40, 6, 11, 26, 19]
 
 
 def plans(scale: int, m: int, pp: int) -> dict[str, tuple[RankPlan, dict[int, int]]]:
-    from test_pipeline_slices import HAND, HAND_LENGTHS
-
     from packloader.balancers.planners.registry import Window, make_planner
+
 
     lens = [l * scale for l in LENGTHS]
     w = Window(np.arange(len(lens), dtype=np.int64), np.zeros(len(lens), np.int64), np.array(lens, np.int64))

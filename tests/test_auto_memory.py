@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from auto_candidates import candidate_plans
+from helpers.planners import candidate_plans
 
 from packloader.balancers.cost.memory import MemoryModel
 from packloader.balancers.cost.profile_io import save_profile

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_ranks
+from helpers.distributed import run_ranks
 
 from packloader.runtime.cp_cost import cp_cost
 
@@ -103,6 +103,7 @@ def _check_rank(rank: int, world: int, force_all_reduce: bool) -> list[tuple[str
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.multiprocess
 def test_cp_attention_matches_single_process_reference(cp):
     per_rank = run_ranks(_check_rank, cp, cp == 3, timeout=120)  # CP 3 also exercises the all_reduce fallback
     bad = [(rank, name, err) for rank, res in enumerate(per_rank) for name, err in res if not err < 1e-10]

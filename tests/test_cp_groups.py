@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_ranks
+from helpers.distributed import run_ranks
 
 from packloader.contracts import MicroBatch, RankPlan, Segment, StepPlan
 from packloader.runtime.groups import contiguous_pow2_groups, groups_in_plans
@@ -75,6 +75,7 @@ def _rank(rank: int, world: int) -> dict:
     return {"created": created, "again": cache.created, "keys": cache.keys(), "err": max(errors), "missing": missing}
 
 
+@pytest.mark.multiprocess
 def test_dp_merge_groups_run_cp_attention_over_gloo():
     res = run_ranks(_rank, 4, timeout=120)
     for r in res:

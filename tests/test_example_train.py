@@ -76,6 +76,7 @@ def test_compare_hand_worked():
     assert ex.compare(runs)["wlb"]["within_noise"] is False  # +0.3 every seed
 
 
+@pytest.mark.multiprocess
 def test_zeppelin_cp_run_matches_the_single_process_run(tmp_path):
     """--cp 2 (Zeppelin's hierarchical CP with layout remapping over 2 gloo processes, documents of 128 tokens or
     more sharded) trains the same steps as the single-process run: per-step loss and held-out loss agree up to
@@ -92,6 +93,7 @@ def test_zeppelin_cp_run_matches_the_single_process_run(tmp_path):
     assert two["held_out_loss"] == pytest.approx(one["held_out_loss"], rel=1e-4)
 
 
+@pytest.mark.multiprocess
 def test_pipeline_pp_run_matches_the_whole_document_run(tmp_path):
     """--pp 2 (two gloo processes, one decoder layer per stage, slimpack plans with slices: a sliced document's
     later slices read the earlier slices' keys from each stage's carried KV) trains the same steps as the unsliced

@@ -3,7 +3,9 @@
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_ranks
+from helpers.distributed import run_ranks
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 def _allreduce(rank: int, world: int) -> float:

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from distributed import run_ranks  # noqa: E402
+from helpers.distributed import run_ranks  # noqa: E402
 
 VOCAB, HID = 53, 16
 
@@ -235,6 +235,7 @@ def results():
     return run_ranks(_ranks, 2, timeout=240)
 
 
+@pytest.mark.multiprocess
 def test_engine_loop_update_is_the_per_token_mean_gradient(results):
     for r in results:
         assert r["global_steps"] == 1
@@ -242,6 +243,7 @@ def test_engine_loop_update_is_the_per_token_mean_gradient(results):
     assert sum(r["engine_local_loss"] for r in results) == pytest.approx(results[0]["ref_loss"], rel=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_pipeline_engine_takes_dynamic_shapes_and_normalises_per_token(results):
     for r in results:
         shapes = [s for s, _ in r["pipe_types"]]
@@ -254,6 +256,7 @@ def test_pipeline_engine_takes_dynamic_shapes_and_normalises_per_token(results):
     assert results[0]["pipe_loss"] == pytest.approx(results[0]["ref_loss"], rel=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_an_empty_last_micro_batch_keeps_ranks_in_step_and_adds_nothing(results):
     """Rank 1's step ends with an empty micro-batch: the engine loop and the pipeline engine run the placeholder
     row there (a real forward and backward, so the DP all-reduce of that micro-step happens on both ranks, no
@@ -282,6 +285,7 @@ def test_placeholder_rows_of_an_empty_micro_batch():
         assert pds.ulysses_hf_batch(empty, sp)["labels"].tolist() == [[-100] * sp]
 
 
+@pytest.mark.multiprocess
 def test_ulysses_adapter_shards_like_ulysses_batch(results):
     for r in results:
         assert r["ulysses_agree"] and all(r["ulysses_agree"])

@@ -323,10 +323,11 @@ def _ddp_ranks(rank, world, steps, toks, ref_grads):
     return max(float((p.grad - ref_grads[n]).abs().max()) for n, p in model.named_parameters())
 
 
+@pytest.mark.multiprocess
 def test_ddp_ranks_stay_in_step_over_an_empty_last_micro_batch(corpus):
     """Two DP ranks, rank 1's last micro-batch empty: its placeholder row's backward joins DDP's all-reduce (a rank
     that skipped it would leave the other waiting), and both end with the per-token mean gradient of the step."""
-    from distributed import run_ranks
+    from helpers.distributed import run_ranks
 
     ga = 2
     ld = loader(corpus, num_micro_batches=ga, epochs=None)

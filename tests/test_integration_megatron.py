@@ -197,6 +197,7 @@ def test_iterator_provider_and_config_checks(corpus):
                                                  variable_seq_lengths=True))
 
 
+@pytest.mark.multiprocess
 def test_adapters_import_lazily_and_name_the_extra():
     code = (
         "import sys\n"

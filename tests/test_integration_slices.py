@@ -154,12 +154,13 @@ def _rank_ddp_trainer(rank, world, out_dir):
     return segs, grads
 
 
+@pytest.mark.multiprocess
 def test_packed_trainer_runs_a_sliced_plan_under_ddp(tmp_path):
     """2 DP ranks (gloo, DDP): one rank's step holds the slices, the other's does not, so both take the
     SliceExecutor path (a collective flag) and the gradients are averaged once; each rank's gradient equals the
     per-token mean gradient of all the documents run whole."""
     pytest.importorskip("accelerate")
-    from distributed import run_ranks
+    from helpers.distributed import run_ranks
 
     docs = corpus()
     ref = tiny_llama("eager")
@@ -249,12 +250,13 @@ def _rank_megatron_sliced(rank, world):
         {k: g.numpy() for k, g in grads.items()}, sliced
 
 
+@pytest.mark.multiprocess
 def test_megatron_sliced_forward_backward_equals_whole_documents():
     """Megatron-core's GPTModel (local layer spec, CPU, float64) on a sliced slimpack step through
     sliced_forward_backward, megatron's forward_step_calc_loss included: summed loss, token count and every
     parameter gradient equal the same model run on each whole document with dense causal attention."""
     pytest.importorskip("megatron.core")
-    from distributed import run_ranks
+    from helpers.distributed import run_ranks
 
     ref_loss, loss, tokens, ref_grads, grads, sliced = run_ranks(_rank_megatron_sliced, 1)[0]
     assert sliced
@@ -432,7 +434,7 @@ def test_megatron_pipeline_runs_a_sliced_plan_like_whole_documents():
     reusing the stage and schedule); each stage executes the order the simulator scores for the plan's backward
     order (here reversed, not the default), and frees its carried KV."""
     pytest.importorskip("megatron.core")
-    from distributed import run_ranks
+    from helpers.distributed import run_ranks
 
     from packloader.balancers.sim.simulator import default_backward_order, simulate_rank, slice_edges_of
     from packloader.contracts import ParallelConfig

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from distributed import run_ranks
+from helpers.distributed import run_ranks
 
 from packloader.contracts import ParallelConfig, PlanConfig
 from packloader.loader.check import TokenLedger
 from packloader.loader.loader import PackedLoader
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 def _config(world: int) -> PlanConfig:
@@ -51,7 +53,7 @@ def _reference(paths, world, lengths_per_rank=None):
 @pytest.mark.parametrize("world,kind,lengths", [(2, "tokens", "auto"), (3, "text", "gather"), (4, "text", "local"),
                                                 (2, "text", "gather")])
 def test_ranks_plan_alike_and_cover_every_token_once(tmp_path, world, kind, lengths):
-    from test_loader_basic import text_docs, token_docs, write_text_shards, write_token_shards
+    from helpers.docs import text_docs, token_docs, write_text_shards, write_token_shards
 
     if kind == "tokens":
         paths = write_token_shards(tmp_path, token_docs(220, seed=world), shards=3)
@@ -113,7 +115,7 @@ def _dies(rank, world, paths, stop_after):
 
 @pytest.mark.parametrize("stop_after", [0, 3])
 def test_a_dead_rank_is_an_error_naming_it_not_a_hang(tmp_path, stop_after):
-    from test_loader_basic import token_docs, write_token_shards
+    from helpers.docs import token_docs, write_token_shards
 
     paths = write_token_shards(tmp_path, token_docs(400, seed=1), shards=2)
     results = run_ranks(_dies, 3, paths, stop_after, timeout=120)
@@ -155,7 +157,7 @@ def _disagrees(rank, world, paths, differ):
     (dict(append_eos=False), "append_eos: ranks [0] have True, ranks [1] have False"),
 ])
 def test_ranks_configured_differently_fail_before_the_first_step_naming_the_field(tmp_path, differ, field):
-    from test_loader_basic import text_docs, write_text_shards
+    from helpers.docs import text_docs, write_text_shards
 
     paths = write_text_shards(tmp_path, text_docs(120, seed=2), shards=2)
     results = run_ranks(_disagrees, 2, paths, differ, timeout=120)
@@ -166,7 +168,7 @@ def test_ranks_configured_differently_fail_before_the_first_step_naming_the_fiel
 def test_ranks_reading_different_data_disagree_on_the_plan_naming_the_lengths(tmp_path):
     """Same shard names and row counts (the settings check passes), other contents: the step check names the
     lengths, on every rank."""
-    from test_loader_basic import token_docs, write_token_shards
+    from helpers.docs import token_docs, write_token_shards
 
     paths = []
     for r in range(2):

@@ -1,5 +1,5 @@
-"""Exactly once under SIGKILL (tests/kill_harness.py): the loader's process is killed at fixed points (after a
-micro-batch is logged, between writing a state and renaming it into place, right after saving) and resumed in a
+"""Exactly once under SIGKILL (tests/helpers/kill_harness.py): the loader's process is killed at fixed points
+(after a micro-batch is logged, between writing a state and renaming it into place, right after saving) and resumed in a
 new process from the last saved state; the stitched stream must equal one uninterrupted epoch record by record,
 match the source's tokens, and cover every token of the epoch exactly once over all ranks.
 
@@ -57,13 +57,14 @@ def suite(tmp_path_factory):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     root = str(HERE.parent)
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run([sys.executable, str(HERE / "kill_harness.py"), "suite", str(plan), str(out)],
+    proc = subprocess.run([sys.executable, str(HERE / "helpers" / "kill_harness.py"), "suite", str(plan), str(out)],
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return dict(zip(CASES, json.loads(out.read_text())))
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.multiprocess
 def test_killed_and_resumed_equals_one_uninterrupted_epoch(suite, name):
     got = suite[name]
     assert got["rounds"] >= 12  # enough rounds for the kill points to be distinct
@@ -81,8 +82,7 @@ def test_killed_and_resumed_equals_one_uninterrupted_epoch(suite, name):
 
 def test_the_harness_sees_a_lost_and_a_repeated_micro_batch(tmp_path):
     """The comparison can fail: drop one logged micro-batch of an uninterrupted run, and log another twice."""
-    sys.path.insert(0, str(HERE))
-    import kill_harness as kh
+    from helpers import kill_harness as kh
 
     cfg = kh.KillConfig(source="jsonl.gz", strategy="wlb")
     paths, docs = kh.write_corpus(cfg.source, tmp_path / "corpus")
@@ -101,6 +101,7 @@ def test_the_harness_sees_a_lost_and_a_repeated_micro_batch(tmp_path):
     assert extra.extra_epoch_tokens == 4 and extra.repeated == 4
 
 
+@pytest.mark.multiprocess
 def test_the_benchmark_writes_only_its_section(tmp_path):
     """benchmarks/kill.py at two points (its edge run): it runs, and rewrites only its own section."""
     doc = tmp_path / "benchmarks.md"

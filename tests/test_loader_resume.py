@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from helpers.planners import SlowPlanner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def build_loader(spec: dict) -> PackedLoader:
-    from test_loader_basic import DelayingPlanner, token_docs
+    from helpers.docs import token_docs
+    from helpers.planners import DelayingPlanner
 
     cfg = PlanConfig(strategy="fixed", max_tokens=256, context=spec.get("context", 256),
                      tokens_per_step=spec["tokens_per_step"], parallel=ParallelConfig(dp=spec.get("dp", 1)))
@@ -129,7 +131,7 @@ def msgspec_stats_of(b):
 
 
 def write_shards(tmp_path, kind, seed):
-    from test_loader_basic import text_docs, token_docs, write_text_shards, write_token_shards
+    from helpers.docs import text_docs, token_docs, write_text_shards, write_token_shards
 
     d = tmp_path / f"shards-{kind}-{seed}"
     d.mkdir(exist_ok=True)
@@ -148,6 +150,7 @@ def write_shards(tmp_path, kind, seed):
     seed=st.integers(0, 3),
     stops=st.lists(st.integers(0, 400), min_size=1, max_size=4),
 )
+@pytest.mark.multiprocess
 def test_resume_in_a_new_process_continues_the_identical_stream(tmp_path, kind, delay, threads, chunk_docs, dp, seed, stops):
     spec = dict(kind=kind, n_docs=150, seed=seed, tokens_per_step=700, delay_over=delay, threads=threads,
                 chunk_docs=chunk_docs, epochs=2, dp=dp[0], dp_rank=dp[1])
@@ -156,6 +159,7 @@ def test_resume_in_a_new_process_continues_the_identical_stream(tmp_path, kind, 
     check_resume(tmp_path, spec, stops)
 
 
+@pytest.mark.multiprocess
 def test_resume_at_the_edges(tmp_path):
     """Before the first batch, at an epoch's last batch, at the very end, and with pieces queued."""
     spec = dict(kind="iterable", n_docs=120, seed=5, tokens_per_step=900, delay_over=30, threads=2, chunk_docs=16,
@@ -170,7 +174,7 @@ def test_resume_at_the_edges(tmp_path):
 
 def test_resume_in_the_same_process_after_more_iteration():
     """load_state_dict on a loader that already ran ahead rewinds it exactly."""
-    from test_loader_basic import token_docs
+    from helpers.docs import token_docs
 
     cfg = PlanConfig(strategy="fixed", max_tokens=256, context=256, tokens_per_step=600)
     loader = PackedLoader(IterableSource(token_docs(100, seed=1)), config=cfg, num_threads=2)
@@ -191,7 +195,7 @@ def test_a_state_saved_at_the_pass_last_batch_resumes_the_ended_pass(tmp_path):
     """epochs=1. A state taken inside the loop after the pass's last batch resumes into that pass, which yields
     nothing more (as the uninterrupted loop would), and the next pass is epoch 1; a state taken after the loop
     resumes before the next pass. Token by token against the uninterrupted run: no epoch is trained twice."""
-    from test_loader_basic import token_docs
+    from helpers.docs import token_docs
 
     docs = token_docs(120, seed=7)
 
@@ -246,7 +250,7 @@ def test_a_state_saved_at_the_pass_last_batch_resumes_the_ended_pass(tmp_path):
 def test_resume_across_options_that_do_not_change_the_stream(tmp_path, saved, loaded):
     """Threads, prefetching, chunk size, the lengths mode and the layout are not part of the saved position: a
     state saved under one resumes under another, mid-step and at step ends, to the uninterrupted stream."""
-    from test_loader_basic import token_docs, write_token_shards
+    from helpers.docs import token_docs, write_token_shards
 
     docs = token_docs(160, seed=2)
     paths = write_token_shards(tmp_path, docs, shards=3, row_group_size=11)
@@ -279,7 +283,7 @@ def test_resume_across_options_that_do_not_change_the_stream(tmp_path, saved, lo
 
 
 def test_an_incomplete_or_old_state_is_refused_naming_the_key():
-    from test_loader_basic import token_docs
+    from helpers.docs import token_docs
 
     docs = token_docs(50)
     a = PackedLoader(IterableSource(docs), config=_fixed(), num_threads=0)
@@ -301,27 +305,10 @@ def test_an_incomplete_or_old_state_is_refused_naming_the_key():
     assert fingerprint(next(iter(b))) == fingerprint(list(a)[0])
 
 
-class SlowPlanner:
-    """The fixed planner, taking `pause` seconds to plan the steps in `slow`: planning slower than torchdata's
-    0.5 s thread join, as on a loaded machine."""
-
-    def __init__(self, config: PlanConfig) -> None:
-        from packloader.balancers.planners.fixed import FixedPlanner
-
-        self.inner, self.pause, self.slow = FixedPlanner(config), 0.0, range(0)
-
-    def plan(self, window, state, step):
-        import time
-
-        if step in self.slow:
-            time.sleep(self.pause)
-        return self.inner.plan(window, state, step)
-
-
 def test_load_state_dict_while_the_planning_thread_is_busy(tmp_path):
     """A loader that ran ahead, its planning thread busy with a slow step, rewinds exactly: no thread of the
     replaced pipeline draws a step from the restored position."""
-    from test_loader_basic import token_docs, write_token_shards
+    from helpers.docs import token_docs, write_token_shards
 
     paths = write_token_shards(tmp_path, token_docs(70, seed=3), shards=2)
     cfg = _fixed()

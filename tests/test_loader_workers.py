@@ -16,8 +16,9 @@ def _config(dp=1):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.multiprocess
 def test_dataloader_workers_cover_every_token_once(tmp_path, workers):
-    from test_loader_basic import token_docs, write_token_shards
+    from helpers.docs import token_docs, write_token_shards
 
     docs = token_docs(300, seed=3)
     ds = PackedDataset(write_token_shards(tmp_path, docs, shards=3), config=_config(), epochs=2)
@@ -37,9 +38,10 @@ def test_dataloader_workers_cover_every_token_once(tmp_path, workers):
     assert ledger.check_epoch(0) == ledger.check_epoch(1) == sum(len(d) for d in docs)
 
 
+@pytest.mark.multiprocess
 def test_workers_and_ranks_together(tmp_path):
     """Two DP ranks, each with a two-worker DataLoader: every token once over ranks and workers."""
-    from test_loader_basic import text_docs, write_text_shards
+    from helpers.docs import text_docs, write_text_shards
 
     paths = write_text_shards(tmp_path, text_docs(150, seed=1), shards=2)
     ledger = None
@@ -55,8 +57,9 @@ def test_workers_and_ranks_together(tmp_path):
     ledger.check_epoch(0)
 
 
+@pytest.mark.multiprocess
 def test_stateful_dataloader_resumes_each_worker(tmp_path):
-    from test_loader_basic import token_docs, write_token_shards
+    from helpers.docs import token_docs, write_token_shards
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     paths = write_token_shards(tmp_path, token_docs(250, seed=4), shards=3)
@@ -87,8 +90,8 @@ def test_a_worker_iterator_restores_while_planning_is_slow(tmp_path):
     restored position: that step was lost."""
     import time
 
-    from test_loader_basic import token_docs, write_token_shards
-    from test_loader_resume import SlowPlanner
+    from helpers.docs import token_docs, write_token_shards
+    from helpers.planners import SlowPlanner
 
     paths = write_token_shards(tmp_path, token_docs(70, seed=3), shards=2)
     cfg = _config()

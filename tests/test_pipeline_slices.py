@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from distributed import run_ranks
-from pipeline_model import (
+from helpers.distributed import run_ranks
+from helpers.pipeline_model import (
+    HAND,
+    HAND_LENGTHS,
     HD,
     HKV,
     VOCAB,
@@ -34,21 +36,6 @@ def _mb(*segs):
     return MicroBatch(segments=[Segment(*s) for s in segs])
 
 
-# hand-made: document 0 (40 tokens) in three slices over micro-batches 0, 1, 3; document 2 in two slices over
-# 1 and 2, sharing micro-batch 1 with document 0's middle slice; whole documents mixed in; a micro-batch
-# holding two slices of one document (doc 5); micro-batch 3 both reads doc 0's keys and holds a whole doc
-HAND_LENGTHS = {0: 40, 1: 9, 2: 21, 3: 6, 4: 13, 5: 18, 6: 4, 7: 11}
-HAND = RankPlan(micro_batches=[
-    _mb((0, 0, 14, 0), (1, 0, 9, 0)),
-    _mb((2, 0, 10, 0), (0, 14, 30, 0)),
-    _mb((3, 0, 6, 0), (2, 10, 21, 0), (6, 0, 4, 0)),
-    _mb((4, 0, 13, 0), (0, 30, 40, 0)),
-    _mb((5, 0, 7, 0), (5, 7, 18, 0)),
-    _mb((7, 0, 11, 0)),
-    _mb((6 + 100, 0, 3, 0)),  # a 3-token document (id 106)
-    _mb((5 + 200, 0, 5, 0)),
-])
-HAND_LENGTHS.update({106: 3, 205: 5})
 # planners leave a micro-batch empty now and then (slimpack when a rank has too few pieces)
 WITH_EMPTY = RankPlan(micro_batches=HAND.micro_batches[:6] + [MicroBatch(segments=[]), HAND.micro_batches[7]])
 WITH_EMPTY_LENGTHS = {d: n for d, n in HAND_LENGTHS.items() if d != 106}
@@ -197,6 +184,7 @@ def _run_two(rank, world, cases):
     return _run_rank(rank, world, cases), _run_varying(rank, world)
 
 
+@pytest.mark.multiprocess
 def test_two_stages_match_whole_documents():
     cases = _cases(2)
     both = run_ranks(_run_two, 2, cases)
@@ -216,6 +204,7 @@ def _run_four(rank, world, cases, plan, lengths):
     return _run_rank(rank, world, cases), _run_dp_rank(rank, world, plan, lengths, 2)
 
 
+@pytest.mark.multiprocess
 def test_four_stages_and_dp_merge_match_whole_documents():
     cases = _cases(4)
     both = run_ranks(_run_four, 4, cases, dp_plan(), DP_PLAN_LENGTHS)

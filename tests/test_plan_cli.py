@@ -76,6 +76,7 @@ ARGS = ["--dp", "4", "--pp", "2", "--max-tokens", "8192", "--context", "16384", 
 KW = dict(dp=4, max_tokens=8192, context=16384, tokens_per_step=65536, steps=4)
 
 
+@pytest.mark.multiprocess
 def test_subprocess_npy_auto(tmp_path):
     lengths = long_tail_lengths(400, 1)
     np.save(tmp_path / "l.npy", lengths)

@@ -5,7 +5,7 @@ and its choice against simulating every candidate's StepPlan with `metrics.score
 from __future__ import annotations
 
 import numpy as np
-from auto_candidates import candidate_plans
+from helpers.planners import candidate_plans
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

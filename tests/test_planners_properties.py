@@ -13,43 +13,16 @@ import sys
 import msgspec
 import numpy as np
 import pytest
+from helpers.planner_runs import PLANNERS, cut, encoded_run, longtail, run_planner, steps_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from packloader.balancers.planners.packing import flush_state
-from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.planners.registry import make_planner
 from packloader.balancers.sim.verify import verify_plan
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState, StepPlan
 
-PLANNERS = ["wlb", "hydraulis", "slimpack", "auto"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def cut(first_doc: int, lengths, context: int) -> Window:
-    """Documents first_doc.. cut into independent context pieces (written here, not the loader's code)."""
-    doc, off, ln = [], [], []
-    for i, l in enumerate(lengths):
-        for o in range(0, int(l), context):
-            doc.append(first_doc + i)
-            off.append(o)
-            ln.append(min(context, int(l) - o))
-    return Window(np.array(doc, np.int64), np.array(off, np.int64), np.array(ln, np.int64))
-
-
-def run_planner(cfg: PlanConfig, step_lengths: list[list[int]], planner=None):
-    """Plan one window per entry of step_lengths (doc ids consecutive), flushing at the last step."""
-    planner = planner or make_planner(cfg)
-    state = PlannerState()
-    plans, windows, first = [], [], 0
-    for s, lens in enumerate(step_lengths):
-        w = cut(first, lens, cfg.context)
-        first += len(lens)
-        windows.append(w)
-        if s == len(step_lengths) - 1:
-            state = flush_state(state)
-        plan, state = planner.plan(w, state, s)
-        plans.append(plan)
-    return plans, windows, state
 
 
 def check_run(plans: list[StepPlan], doc_lengths: list[int], cfg: PlanConfig) -> None:
@@ -135,27 +108,6 @@ def test_contract_over_a_run(strategy, p, data):
     verify_plan(plans, windows, cfg.max_tokens, allow_slicing=cfg.allow_slicing, final_state=state, dp=cfg.parallel.dp)
 
 
-def longtail(n: int, seed: int, cap: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    body = rng.lognormal(np.log(cap / 16), 1.2, n)
-    tail = cap / 2 * (1 + rng.pareto(1.2, n))
-    x = np.where(rng.random(n) < 0.05, tail, body)
-    return np.clip(np.rint(x), 1, 3 * cap).astype(np.int64).tolist()
-
-
-def steps_of(lengths: list[int], per_step: int) -> list[list[int]]:
-    out, cur, tot = [], [], 0
-    for l in lengths:
-        cur.append(l)
-        tot += l
-        if tot >= per_step:
-            out.append(cur)
-            cur, tot = [], 0
-    if cur:
-        out.append(cur)
-    return out
-
-
 @pytest.mark.parametrize("strategy", PLANNERS)
 def test_long_tail_run_without_slicing_and_with(strategy):
     for slicing in (False, True):
@@ -194,23 +146,15 @@ def test_slimpack_slices_long_pieces_in_order_and_wlb_queues_outliers():
 # ------------------------------------------------------------------------------------------------ determinism
 
 
-def _encoded_run(strategy: str) -> bytes:
-    cfg = PlanConfig(strategy=strategy, parallel=ParallelConfig(dp=3, pp=2), max_tokens=1024,
-                     context=2048 if strategy in ("slimpack", "auto") else 1024,
-                     tokens_per_step=3 * 1024 * 2, seed=5)
-    lengths = longtail(120, 3, 1024)
-    plans, _, _ = run_planner(cfg, steps_of(lengths, cfg.tokens_per_step))
-    return msgspec.json.encode(plans)
-
-
+@pytest.mark.multiprocess
 def test_plans_identical_twice_and_in_a_fresh_process():
-    here = {s: _encoded_run(s) for s in PLANNERS}
-    again = {s: _encoded_run(s) for s in PLANNERS}
+    here = {s: encoded_run(s) for s in PLANNERS}
+    again = {s: encoded_run(s) for s in PLANNERS}
     assert here == again
     code = (
         "import sys, json, hashlib; sys.path.insert(0, sys.argv[1]); "
-        "from test_planners_properties import _encoded_run, PLANNERS; "
-        "print(json.dumps({s: hashlib.sha256(_encoded_run(s)).hexdigest() for s in PLANNERS}))"
+        "from helpers.planner_runs import encoded_run, PLANNERS; "
+        "print(json.dumps({s: hashlib.sha256(encoded_run(s)).hexdigest() for s in PLANNERS}))"
     )
     env = dict(os.environ, PYTHONHASHSEED="123", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "tests")], capture_output=True, text=True,

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import packloader
 
 
@@ -16,6 +18,7 @@ def test_every_export_resolves():
     assert not missing, missing
 
 
+@pytest.mark.multiprocess
 def test_import_does_not_load_torch_or_numba():
     code = "import sys, packloader; print(sorted(m for m in ('torch', 'numba', 'pyarrow') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -3,9 +3,11 @@ single-process reference, with all_to_all, the all_gather fallback, and the auto
 
 import pytest
 import torch
-from distributed import run_ranks
+from helpers.distributed import run_ranks
 
 from packloader.contracts import Segment
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 CASES = {
     "mixed": [37, 1, 1, 200, 5, 64, 3, 90, 11],

@@ -401,6 +401,7 @@ def test_failing_strategy_is_skipped_with_a_note(tmp_path, capsys):
     assert [f["status"] for f in rep["strategies"]] == ["ok", "skipped", "skipped"]
 
 
+@pytest.mark.multiprocess
 def test_demo_runs_in_a_subprocess(tmp_path):
     """The README's main job, cut short (one step, no advice): the stdlib corpus, tokenized, no download."""
     res = subprocess.run(
@@ -418,6 +419,7 @@ def test_demo_runs_in_a_subprocess(tmp_path):
 
 @pytest.mark.skipif(not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")),
                     reason="no headless browser on this machine")
+@pytest.mark.multiprocess
 def test_html_renders_in_a_headless_browser(lengths_report, tmp_path):
     import matplotlib.image as mpimg
 

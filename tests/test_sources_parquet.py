@@ -247,6 +247,7 @@ def _read_forked(rows):
     return list(_FORKED.read(0, np.asarray(rows)))
 
 
+@pytest.mark.multiprocess
 def test_threads_and_forked_workers_read_the_same(tmp_path):
     import multiprocessing
     from concurrent.futures import ThreadPoolExecutor

@@ -28,6 +28,7 @@ def _read_all(src):
     return [d for shard, info in enumerate(src.shards) for d in src.read(shard, np.arange(info.num_rows))]
 
 
+@pytest.mark.multiprocess
 def test_cli_round_trip_subprocess(tmp_path):
     a, b = _texts(150, 0), _texts(80, 1)
     (tmp_path / "in").mkdir()

@@ -158,6 +158,7 @@ def _has_cl100k():
     return True
 
 
+@pytest.mark.multiprocess
 def test_tokenizers_parallelism_is_off_in_forked_children(tmp_path):
     path = tmp_path / "tokenizer.json"
     _train_bpe(path)
@@ -187,6 +188,7 @@ def _encode_in_child(texts):
     return [ids.tolist() for ids in _FORKED.encode_batch(texts)]
 
 
+@pytest.mark.multiprocess
 def test_thread_pool_is_rebuilt_in_forked_children():
     import multiprocessing
 

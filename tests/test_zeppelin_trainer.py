@@ -10,7 +10,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from distributed import run_ranks  # noqa: E402
+from helpers.distributed import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 VOCAB = 53
 LENGTHS = [200, 3, 17, 1, 60, 9, 22]

@@ -18,7 +18,7 @@ Entry point (this process is pipeline rank `pp_rank` of DP rank `dp_rank`; one s
 Every attention layer of a stage module calls `current_slice_context().attention(q, k, v)` (the context of the
 micro-batch the stage is running); activations between stages are token-major (`[tokens, ...]` as Megatron's
 `[s, b, h]`, or the token dimension given by `token_dim`), so each micro-batch's own token count sets the
-shapes. tests/pipeline_model.py is a complete small example (a Llama-like model split into stage modules).
+shapes. tests/helpers/pipeline_model.py is a complete small example (a Llama-like model split into stage modules).
 
 What runs, and why it matches the simulator:
 

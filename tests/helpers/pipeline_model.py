@@ -1,6 +1,7 @@
 """A small Llama-like model (embedding, RMSNorm, rotary GQA attention, SwiGLU MLP, LM head) split into pipeline
 stage modules, and its single-process reference over whole documents with an explicit causal mask (independent
-of packloader's attention): what tests/test_pipeline_slices.py and benchmarks/pipeline_slices.py run."""
+of packloader's attention), and a hand-made sliced plan: what tests/test_pipeline_slices.py and
+benchmarks/pipeline_slices.py run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from packloader.contracts import MicroBatch
+from packloader.contracts import MicroBatch, RankPlan, Segment
 
 VOCAB, H, HQ, HKV, HD, FF = 48, 16, 4, 2, 4, 32
 
@@ -157,3 +158,24 @@ def loss_fn(logits: torch.Tensor, target) -> torch.Tensor:
 def stage_layers(layers: int, num_stages: int) -> list[tuple[int, int]]:
     cuts = np.linspace(0, layers, num_stages + 1).round().astype(int)
     return [(int(cuts[i]), int(cuts[i + 1])) for i in range(num_stages)]
+
+
+def _mb(*segs):
+    return MicroBatch(segments=[Segment(*s) for s in segs])
+
+
+# hand-made: document 0 (40 tokens) in three slices over micro-batches 0, 1, 3; document 2 in two slices over
+# 1 and 2, sharing micro-batch 1 with document 0's middle slice; whole documents mixed in; a micro-batch
+# holding two slices of one document (doc 5); micro-batch 3 both reads doc 0's keys and holds a whole doc
+HAND_LENGTHS = {0: 40, 1: 9, 2: 21, 3: 6, 4: 13, 5: 18, 6: 4, 7: 11}
+HAND = RankPlan(micro_batches=[
+    _mb((0, 0, 14, 0), (1, 0, 9, 0)),
+    _mb((2, 0, 10, 0), (0, 14, 30, 0)),
+    _mb((3, 0, 6, 0), (2, 10, 21, 0), (6, 0, 4, 0)),
+    _mb((4, 0, 13, 0), (0, 30, 40, 0)),
+    _mb((5, 0, 7, 0), (5, 7, 18, 0)),
+    _mb((7, 0, 11, 0)),
+    _mb((6 + 100, 0, 3, 0)),  # a 3-token document (id 106)
+    _mb((5 + 200, 0, 5, 0)),
+])
+HAND_LENGTHS.update({106: 3, 205: 5})

@@ -186,6 +186,7 @@ def test_planned_rank_plan_keeps_the_planners_backward_order_hand_worked():
         ex.planned_rank_plan(batches)
 
 
+@pytest.mark.multiprocess
 def test_zeppelin_cp_inside_data_parallel_replicas_matches_plain_data_parallel(tmp_path):
     """--cp 2 --dp 2 (4 gloo processes: 2 DP replicas, each Zeppelin's hierarchical CP with layout remapping over
     its own CP group from packloader.runtime.groups.ProcessGroupCache) trains the same steps as --dp 2 (plain data

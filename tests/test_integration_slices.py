@@ -426,6 +426,7 @@ def _rank_megatron_pipeline(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_megatron_pipeline_runs_a_sliced_plan_like_whole_documents():
     """A real Megatron-core GPTModel split into 2 pipeline stages (pre_process / post_process, one layer each, gloo,
     float64) runs a sliced slimpack step through sliced_pipeline_forward_backward: the summed loss, its token count

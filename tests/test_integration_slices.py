@@ -366,7 +366,7 @@ def _megatron_config(pp):
                              hidden_dropout=0.0, attention_dropout=0.0, **extra)
 
 
-def _gpt(cfg, core, **kw):
+def _gpt(cfg, core, pos="learned_absolute", **kw):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -374,7 +374,7 @@ def _gpt(cfg, core, **kw):
     spec.submodules.self_attention.submodules.core_attention = core
     torch.manual_seed(0)
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=512,
-                    position_embedding_type="learned_absolute", **kw).double()
+                    position_embedding_type=pos, **kw).double()
 
 
 def _reversed_backward(plan):
@@ -387,17 +387,19 @@ def _reversed_backward(plan):
         rp, backward_order=list(range(len(rp.micro_batches)))[::-1])] + list(plan.ranks[1:]))
 
 
-def _rank_megatron_pipeline(rank, world):
-    """Pipeline rank `rank` of a 2-stage Megatron GPTModel (gloo, CPU, float64) running a sliced step through
-    sliced_pipeline_forward_backward; rank 0 also runs the unsplit model over whole documents (the reference)."""
+def _rank_megatron_pipeline(rank, world, pos="learned_absolute", steps=2):
+    """Pipeline rank `rank` of a 2-stage Megatron GPTModel (gloo, CPU, float64) running `steps` sliced steps
+    through sliced_pipeline_forward_backward; rank 0 also runs the unsplit model over whole documents (the
+    reference). `pos`: the model's position_embedding_type."""
     from megatron.core import parallel_state as ps
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from packloader_integrations import megatron as pm
 
     torch.set_num_threads(1)
+    _megatron_rope_on_cpu()
     ps.initialize_model_parallel(1, 1)
-    full = _gpt(_megatron_config(1), _dense_core_attention_cls())
+    full = _gpt(_megatron_config(1), _dense_core_attention_cls(), pos)
     state = {k: v.clone() if torch.is_tensor(v) else v for k, v in full.state_dict().items()}
     docs = corpus()
     ref = None
@@ -417,7 +419,8 @@ def _rank_megatron_pipeline(rank, world):
     ps.destroy_model_parallel()
 
     ps.initialize_model_parallel(1, 2)
-    stage = _gpt(_megatron_config(2), pm.PackloaderCoreAttention, pre_process=rank == 0, post_process=rank == 1)
+    stage = _gpt(_megatron_config(2), pm.PackloaderCoreAttention, pos, pre_process=rank == 0,
+                 post_process=rank == 1)
     # the stage's layers are the full model's layers at their global numbers
     names = {}
     for k in stage.state_dict():
@@ -431,7 +434,7 @@ def _rank_megatron_pipeline(rank, world):
     it = pm.MegatronDataIterator(_pp2_loader(docs, 2), num_microbatches=MB, slices=True)
     it = (dict(b, step_plan=_reversed_backward(b["step_plan"])) for b in it)
     out = dict(ref=ref, orders=[], kv_left=[], losses=[], tokens=[])
-    for _ in range(2):
+    for _ in range(steps):
         store = pm.sliced_pipeline_forward_backward(forward_step_func=pm.forward_step, data_iterator=it,
                                                     model=[stage], num_microbatches=MB, seq_length=0,
                                                     micro_batch_size=1)
@@ -440,7 +443,7 @@ def _rank_megatron_pipeline(rank, world):
         out["kv_left"].append(len(sched._stages[0].cache))
         out["losses"].append(sum(float(r["lm loss"][0]) for r in store))
         out["tokens"].append(sum(int(r["lm loss"][1]) for r in store))
-    out["grads"] = {names[k]: p.grad.numpy().copy() / 2 for k, p in stage.named_parameters() if p.grad is not None}
+    out["grads"] = {names[k]: p.grad.numpy().copy() / steps for k, p in stage.named_parameters() if p.grad is not None}
     return out
 
 
@@ -479,6 +482,24 @@ def test_megatron_pipeline_runs_a_sliced_plan_like_whole_documents():
         assert res[1]["losses"][step] == pytest.approx(ref_loss, rel=1e-6)
     got = {**res[0]["grads"], **res[1]["grads"]}  # two steps accumulated, halved
     assert set(res[0]["grads"]).isdisjoint(res[1]["grads"])
+    assert set(got) == set(ref_grads)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(torch.from_numpy(got[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)
+
+
+def test_megatron_pipeline_runs_a_sliced_plan_with_rope_like_whole_documents():
+    """The same 2-stage split with position_embedding_type="rope", one step: each stage's PackloaderCoreAttention
+    turns the slices' queries and keys to their document positions, so the loss and every gradient equal the
+    unsplit model's over whole documents through Megatron's own THD RoPE (positions 0..n-1)."""
+    pytest.importorskip("megatron.core")
+    from distributed import run_ranks
+
+    res = run_ranks(_rank_megatron_pipeline, 2, "rope", 1)
+    ref_loss, ref_grads = res[0]["ref"]
+    assert res[1]["tokens"][0] == sum(n - 1 for n in LENGTHS)
+    assert res[1]["losses"][0] == pytest.approx(ref_loss, rel=1e-6)
+    assert res[0]["kv_left"][0] == res[1]["kv_left"][0] == 0
+    got = {**res[0]["grads"], **res[1]["grads"]}
     assert set(got) == set(ref_grads)
     for k, g in ref_grads.items():
         torch.testing.assert_close(torch.from_numpy(got[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)

@@ -286,6 +286,59 @@ def test_megatron_sliced_forward_backward_equals_whole_documents(pos):
         torch.testing.assert_close(torch.from_numpy(grads[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)
 
 
+def _rank_megatron_rope_refusals(rank, world):
+    """What the sliced schedules answer for rotary settings they cannot correct, before reading any batch."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from packloader.runtime.slice_check import SlicesNotSupported
+    from packloader_integrations import megatron as pm
+
+    _megatron_rope_on_cpu()
+    ps.initialize_model_parallel(1, 1)
+
+    class Untouched:
+        def __next__(self):
+            raise AssertionError("the batches were read before the refusal")
+
+    def cfg(**kw):
+        return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                 ffn_hidden_size=64, use_cpu_initialization=True, calculate_per_token_loss=True,
+                                 hidden_dropout=0.0, attention_dropout=0.0, **kw)
+
+    out = []
+    for pos, kw, core in (("mrope", dict(mrope_section=[2, 1, 1]), pm.PackloaderCoreAttention),
+                          ("rope", dict(no_rope_freq=2), pm.PackloaderCoreAttention),
+                          ("rope", {}, _dense_core_attention_cls())):
+        model = _gpt(cfg(**kw), core, pos)
+        for run in (pm.sliced_forward_backward, pm.sliced_pipeline_forward_backward):
+            try:
+                run(forward_step_func=pm.forward_step, data_iterator=Untouched(), model=model, num_microbatches=MB,
+                    seq_length=0, micro_batch_size=1)
+                out.append(None)
+            except ValueError as e:
+                out.append((isinstance(e, SlicesNotSupported), str(e)))
+    return out
+
+
+def test_megatron_sliced_schedules_refuse_rotary_settings_they_cannot_correct():
+    """Multimodal RoPE and layers without RoPE are refused by both sliced schedules as SlicesNotSupported naming the
+    setting, before any batch is read; RoPE without PackloaderCoreAttention (nowhere to correct) too."""
+    import re
+
+    pytest.importorskip("megatron.core")
+    from distributed import run_ranks
+
+    got = run_ranks(_rank_megatron_rope_refusals, 1)[0]
+    assert None not in got
+    expected = [(True, r"position_embedding_type='mrope'.*PlanConfig\(allow_slicing=False\)")] * 2 + \
+        [(True, r"no_rope_freq=\[0, 1\].*PlanConfig\(allow_slicing=False\)")] * 2 + \
+        [(False, r"core_attention.*PackloaderCoreAttention.*PlanConfig\(allow_slicing=False\)")] * 2
+    for (is_slices, msg), (want, pattern) in zip(got, expected):
+        assert is_slices == want, msg
+        assert re.search(pattern, msg), msg
+
+
 def test_megatron_iterator_refuses_slices_without_the_sliced_schedules():
     pytest.importorskip("megatron.core")
     from packloader_integrations import megatron as pm

@@ -1,7 +1,8 @@
 """Sliced plans in the adapters. PackedTrainer runs a SlimPack plan (documents cut into slices over micro-batches)
 through SliceExecutor with a real transformers Llama (float64, CPU): the step's loss and every parameter gradient
 equal those of the same documents run whole, one at a time; so do Megatron-core's GPTModel at PP 1
-(sliced_forward_backward) and split into 2 pipeline stages over gloo (sliced_pipeline_forward_backward). Settings
+(sliced_forward_backward) and split into 2 pipeline stages over gloo (sliced_pipeline_forward_backward), with
+learned absolute positions and with RoPE (each slice turned to its document positions). Settings
 the Megatron pipeline path cannot honour, and DeepSpeed, refuse with the setting to change."""
 
 from __future__ import annotations

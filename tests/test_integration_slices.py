@@ -211,8 +211,16 @@ ROPE = {"rope": ({}, {}),
         "rope-interleaved-half": ({"rotary_interleaved": True}, {"rotary_percent": 0.5, "rotary_base": 500})}
 
 
-def _rank_megatron_sliced(rank, world, pos="learned_absolute"):
+def _rank_megatron_sliced(rank, world, *positions):
+    """One process, one result per position embedding (each a fresh model and reference)."""
     from megatron.core import parallel_state as ps
+
+    _megatron_rope_on_cpu()
+    ps.initialize_model_parallel(1, 1)
+    return [_megatron_sliced_run(pos) for pos in positions]
+
+
+def _megatron_sliced_run(pos):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -220,8 +228,6 @@ def _rank_megatron_sliced(rank, world, pos="learned_absolute"):
 
     from packloader_integrations import megatron as pm
 
-    _megatron_rope_on_cpu()
-    ps.initialize_model_parallel(1, 1)
     cfg_kw, model_kw = ROPE.get(pos, ({}, {}))
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=64, use_cpu_initialization=True, calculate_per_token_loss=True,
@@ -265,8 +271,8 @@ def _rank_megatron_sliced(rank, world, pos="learned_absolute"):
         {k: g.numpy() for k, g in grads.items()}, sliced
 
 
-@pytest.mark.parametrize("pos", ["learned_absolute", *ROPE])
-def test_megatron_sliced_forward_backward_equals_whole_documents(pos):
+@pytest.mark.parametrize("positions", [("learned_absolute",), tuple(ROPE)], ids=["learned_absolute", "rope"])
+def test_megatron_sliced_forward_backward_equals_whole_documents(positions):
     """Megatron-core's GPTModel (local layer spec, CPU, float64) on a sliced slimpack step through
     sliced_forward_backward, megatron's forward_step_calc_loss included: summed loss, token count and every
     parameter gradient equal the same model run on each whole document with dense causal attention. With RoPE
@@ -276,15 +282,17 @@ def test_megatron_sliced_forward_backward_equals_whole_documents(pos):
     pytest.importorskip("megatron.core")
     from distributed import run_ranks
 
-    ref_loss, loss, tokens, ref_grads, grads, sliced = run_ranks(_rank_megatron_sliced, 1, pos)[0]
-    assert sliced
-    assert tokens == sum(n - 1 for n in LENGTHS)
-    # the model runs in float64, the adapter's loss_func sums in float32 (as Megatron's pretrain_gpt does); RoPE's
-    # cos/sin come from Megatron's float32 angle table (the slices' extra turn from float64 differences of it)
-    assert loss == pytest.approx(ref_loss, rel=1e-6)
-    assert set(grads) == set(ref_grads)
-    for k, g in ref_grads.items():
-        torch.testing.assert_close(torch.from_numpy(grads[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)
+    for pos, (ref_loss, loss, tokens, ref_grads, grads, sliced) in zip(
+            positions, run_ranks(_rank_megatron_sliced, 1, *positions)[0]):
+        assert sliced
+        assert tokens == sum(n - 1 for n in LENGTHS)
+        # the model runs in float64, the adapter's loss_func sums in float32 (as Megatron's pretrain_gpt does); RoPE's
+        # cos/sin come from Megatron's float32 angle table (the slices' extra turn from float64 differences of it)
+        assert loss == pytest.approx(ref_loss, rel=1e-6), pos
+        assert set(grads) == set(ref_grads)
+        for k, g in ref_grads.items():
+            torch.testing.assert_close(torch.from_numpy(grads[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8,
+                                       msg=f"{pos}: {k}")
 
 
 def _rank_megatron_rope_refusals(rank, world):

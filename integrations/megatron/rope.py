@@ -106,6 +106,9 @@ def slice_rope_of(model: torch.nn.Module, config: Any) -> SliceRope | None:
     if type(rotary) is not base:
         _refuse(f"rotary_pos_emb of type {type(rotary).__name__}", "only Megatron's RotaryEmbedding's formula is "
                 "reproduced")
+    if not hasattr(rotary, "get_freqs_non_repeated"):
+        _refuse("this megatron-core's RotaryEmbedding (no get_freqs_non_repeated)", "the slices' angles are read "
+                "from that method, so that they are the model's own")
     return SliceRope(rotary)
 
 

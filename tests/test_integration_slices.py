@@ -1,7 +1,8 @@
 """Sliced plans in the adapters. PackedTrainer runs a SlimPack plan (documents cut into slices over micro-batches)
 through SliceExecutor with a real transformers Llama (float64, CPU): the step's loss and every parameter gradient
 equal those of the same documents run whole, one at a time; so do Megatron-core's GPTModel at PP 1
-(sliced_forward_backward) and split into 2 pipeline stages over gloo (sliced_pipeline_forward_backward). Settings
+(sliced_forward_backward) and split into 2 pipeline stages over gloo (sliced_pipeline_forward_backward), with
+learned absolute positions and with RoPE (each slice turned to its document positions). Settings
 the Megatron pipeline path cannot honour, and DeepSpeed, refuse with the setting to change."""
 
 from __future__ import annotations
@@ -199,8 +200,28 @@ def _dense_core_attention_cls():
     return Dense
 
 
-def _rank_megatron_sliced(rank, world):
+def _megatron_rope_on_cpu():
+    """Megatron's RotaryEmbedding moves its inv_freq to ``torch.cuda.current_device()`` at every forward; on a
+    machine without CUDA (this rank process only) that device is the CPU. Megatron's rotary code runs unchanged."""
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"
+
+
+# RoPE settings the slices are checked under: Megatron's defaults, and interleaved pairs over half the head dims
+ROPE = {"rope": ({}, {}),
+        "rope-interleaved-half": ({"rotary_interleaved": True}, {"rotary_percent": 0.5, "rotary_base": 500})}
+
+
+def _rank_megatron_sliced(rank, world, *positions):
+    """One process, one result per position embedding (each a fresh model and reference)."""
     from megatron.core import parallel_state as ps
+
+    _megatron_rope_on_cpu()
+    ps.initialize_model_parallel(1, 1)
+    return [_megatron_sliced_run(pos) for pos in positions]
+
+
+def _megatron_sliced_run(pos):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -208,18 +229,19 @@ def _rank_megatron_sliced(rank, world):
 
     from packloader_integrations import megatron as pm
 
-    ps.initialize_model_parallel(1, 1)
+    cfg_kw, model_kw = ROPE.get(pos, ({}, {}))
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=64, use_cpu_initialization=True, calculate_per_token_loss=True,
-                            hidden_dropout=0.0, attention_dropout=0.0)
+                            hidden_dropout=0.0, attention_dropout=0.0, **cfg_kw)
 
     def gpt(core):
         spec = get_gpt_layer_local_spec()
         spec.submodules.self_attention.submodules.core_attention = core
         torch.manual_seed(0)
-        # position embeddings read position_ids (Megatron's THD RoPE restarts each segment at 0: see the adapter)
+        # learned_absolute reads position_ids; RoPE (Megatron's THD path: each packed segment from position 0) is
+        # turned to the slices' document positions by PackloaderCoreAttention
         return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=512,
-                        position_embedding_type="learned_absolute").double()
+                        position_embedding_type="rope" if pos in ROPE else pos, **model_kw).double()
 
     model, ref = gpt(pm.PackloaderCoreAttention), gpt(_dense_core_attention_cls())
     ref.load_state_dict(model.state_dict())
@@ -251,21 +273,82 @@ def _rank_megatron_sliced(rank, world):
 
 
 @pytest.mark.multiprocess
-def test_megatron_sliced_forward_backward_equals_whole_documents():
+@pytest.mark.parametrize("positions", [("learned_absolute",), tuple(ROPE)], ids=["learned_absolute", "rope"])
+def test_megatron_sliced_forward_backward_equals_whole_documents(positions):
     """Megatron-core's GPTModel (local layer spec, CPU, float64) on a sliced slimpack step through
     sliced_forward_backward, megatron's forward_step_calc_loss included: summed loss, token count and every
-    parameter gradient equal the same model run on each whole document with dense causal attention."""
+    parameter gradient equal the same model run on each whole document with dense causal attention. With RoPE
+    the reference is Megatron's own THD RoPE over each whole document (positions 0..n-1), so a slice left at
+    Megatron's segment-local positions would show: without the correction the worst gradient is off by 8e-3 of its
+    largest entry (the loss only by 3e-7, inside its float32 tolerance), with it by under 1e-9."""
     pytest.importorskip("megatron.core")
     from helpers.distributed import run_ranks
 
-    ref_loss, loss, tokens, ref_grads, grads, sliced = run_ranks(_rank_megatron_sliced, 1)[0]
-    assert sliced
-    assert tokens == sum(n - 1 for n in LENGTHS)
-    # the model runs in float64, the adapter's loss_func sums in float32 (as Megatron's pretrain_gpt does)
-    assert loss == pytest.approx(ref_loss, rel=1e-6)
-    assert set(grads) == set(ref_grads)
-    for k, g in ref_grads.items():
-        torch.testing.assert_close(torch.from_numpy(grads[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)
+    for pos, (ref_loss, loss, tokens, ref_grads, grads, sliced) in zip(
+            positions, run_ranks(_rank_megatron_sliced, 1, *positions)[0]):
+        assert sliced
+        assert tokens == sum(n - 1 for n in LENGTHS)
+        # the model runs in float64, the adapter's loss_func sums in float32 (as Megatron's pretrain_gpt does); RoPE's
+        # cos/sin come from Megatron's float32 angle table (the slices' extra turn from float64 differences of it)
+        assert loss == pytest.approx(ref_loss, rel=1e-6), pos
+        assert set(grads) == set(ref_grads)
+        for k, g in ref_grads.items():
+            torch.testing.assert_close(torch.from_numpy(grads[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8,
+                                       msg=f"{pos}: {k}")
+
+
+def _rank_megatron_rope_refusals(rank, world):
+    """What the sliced schedules answer for rotary settings they cannot correct, before reading any batch."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from packloader.runtime.slice_check import SlicesNotSupported
+    from packloader_integrations import megatron as pm
+
+    _megatron_rope_on_cpu()
+    ps.initialize_model_parallel(1, 1)
+
+    class Untouched:
+        def __next__(self):
+            raise AssertionError("the batches were read before the refusal")
+
+    def cfg(**kw):
+        return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                 ffn_hidden_size=64, use_cpu_initialization=True, calculate_per_token_loss=True,
+                                 hidden_dropout=0.0, attention_dropout=0.0, **kw)
+
+    out = []
+    for pos, kw, core in (("mrope", dict(mrope_section=[2, 1, 1]), pm.PackloaderCoreAttention),
+                          ("rope", dict(no_rope_freq=2), pm.PackloaderCoreAttention),
+                          ("rope", {}, _dense_core_attention_cls())):
+        model = _gpt(cfg(**kw), core, pos)
+        for run in (pm.sliced_forward_backward, pm.sliced_pipeline_forward_backward):
+            try:
+                run(forward_step_func=pm.forward_step, data_iterator=Untouched(), model=model, num_microbatches=MB,
+                    seq_length=0, micro_batch_size=1)
+                out.append(None)
+            except ValueError as e:
+                out.append((isinstance(e, SlicesNotSupported), str(e)))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_megatron_sliced_schedules_refuse_rotary_settings_they_cannot_correct():
+    """Multimodal RoPE and layers without RoPE are refused by both sliced schedules as SlicesNotSupported naming the
+    setting, before any batch is read; RoPE without PackloaderCoreAttention (nowhere to correct) too."""
+    import re
+
+    pytest.importorskip("megatron.core")
+    from helpers.distributed import run_ranks
+
+    got = run_ranks(_rank_megatron_rope_refusals, 1)[0]
+    assert None not in got
+    expected = [(True, r"position_embedding_type='mrope'.*PlanConfig\(allow_slicing=False\)")] * 2 + \
+        [(True, r"no_rope_freq=\[0, 1\].*PlanConfig\(allow_slicing=False\)")] * 2 + \
+        [(False, r"core_attention.*PackloaderCoreAttention.*PlanConfig\(allow_slicing=False\)")] * 2
+    for (is_slices, msg), (want, pattern) in zip(got, expected):
+        assert is_slices == want, msg
+        assert re.search(pattern, msg), msg
 
 
 def test_megatron_iterator_refuses_slices_without_the_sliced_schedules():
@@ -348,7 +431,7 @@ def _megatron_config(pp):
                              hidden_dropout=0.0, attention_dropout=0.0, **extra)
 
 
-def _gpt(cfg, core, **kw):
+def _gpt(cfg, core, pos="learned_absolute", **kw):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -356,7 +439,7 @@ def _gpt(cfg, core, **kw):
     spec.submodules.self_attention.submodules.core_attention = core
     torch.manual_seed(0)
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=512,
-                    position_embedding_type="learned_absolute", **kw).double()
+                    position_embedding_type=pos, **kw).double()
 
 
 def _reversed_backward(plan):
@@ -369,17 +452,19 @@ def _reversed_backward(plan):
         rp, backward_order=list(range(len(rp.micro_batches)))[::-1])] + list(plan.ranks[1:]))
 
 
-def _rank_megatron_pipeline(rank, world):
-    """Pipeline rank `rank` of a 2-stage Megatron GPTModel (gloo, CPU, float64) running a sliced step through
-    sliced_pipeline_forward_backward; rank 0 also runs the unsplit model over whole documents (the reference)."""
+def _rank_megatron_pipeline(rank, world, pos="learned_absolute", steps=2):
+    """Pipeline rank `rank` of a 2-stage Megatron GPTModel (gloo, CPU, float64) running `steps` sliced steps
+    through sliced_pipeline_forward_backward; rank 0 also runs the unsplit model over whole documents (the
+    reference). `pos`: the model's position_embedding_type."""
     from megatron.core import parallel_state as ps
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from packloader_integrations import megatron as pm
 
     torch.set_num_threads(1)
+    _megatron_rope_on_cpu()
     ps.initialize_model_parallel(1, 1)
-    full = _gpt(_megatron_config(1), _dense_core_attention_cls())
+    full = _gpt(_megatron_config(1), _dense_core_attention_cls(), pos)
     state = {k: v.clone() if torch.is_tensor(v) else v for k, v in full.state_dict().items()}
     docs = corpus()
     ref = None
@@ -399,7 +484,8 @@ def _rank_megatron_pipeline(rank, world):
     ps.destroy_model_parallel()
 
     ps.initialize_model_parallel(1, 2)
-    stage = _gpt(_megatron_config(2), pm.PackloaderCoreAttention, pre_process=rank == 0, post_process=rank == 1)
+    stage = _gpt(_megatron_config(2), pm.PackloaderCoreAttention, pos, pre_process=rank == 0,
+                 post_process=rank == 1)
     # the stage's layers are the full model's layers at their global numbers
     names = {}
     for k in stage.state_dict():
@@ -413,7 +499,7 @@ def _rank_megatron_pipeline(rank, world):
     it = pm.MegatronDataIterator(_pp2_loader(docs, 2), num_microbatches=MB, slices=True)
     it = (dict(b, step_plan=_reversed_backward(b["step_plan"])) for b in it)
     out = dict(ref=ref, orders=[], kv_left=[], losses=[], tokens=[])
-    for _ in range(2):
+    for _ in range(steps):
         store = pm.sliced_pipeline_forward_backward(forward_step_func=pm.forward_step, data_iterator=it,
                                                     model=[stage], num_microbatches=MB, seq_length=0,
                                                     micro_batch_size=1)
@@ -422,7 +508,7 @@ def _rank_megatron_pipeline(rank, world):
         out["kv_left"].append(len(sched._stages[0].cache))
         out["losses"].append(sum(float(r["lm loss"][0]) for r in store))
         out["tokens"].append(sum(int(r["lm loss"][1]) for r in store))
-    out["grads"] = {names[k]: p.grad.numpy().copy() / 2 for k, p in stage.named_parameters() if p.grad is not None}
+    out["grads"] = {names[k]: p.grad.numpy().copy() / steps for k, p in stage.named_parameters() if p.grad is not None}
     return out
 
 
@@ -462,6 +548,25 @@ def test_megatron_pipeline_runs_a_sliced_plan_like_whole_documents():
         assert res[1]["losses"][step] == pytest.approx(ref_loss, rel=1e-6)
     got = {**res[0]["grads"], **res[1]["grads"]}  # two steps accumulated, halved
     assert set(res[0]["grads"]).isdisjoint(res[1]["grads"])
+    assert set(got) == set(ref_grads)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(torch.from_numpy(got[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)
+
+
+@pytest.mark.multiprocess
+def test_megatron_pipeline_runs_a_sliced_plan_with_rope_like_whole_documents():
+    """The same 2-stage split with position_embedding_type="rope", one step: each stage's PackloaderCoreAttention
+    turns the slices' queries and keys to their document positions, so the loss and every gradient equal the
+    unsplit model's over whole documents through Megatron's own THD RoPE (positions 0..n-1)."""
+    pytest.importorskip("megatron.core")
+    from helpers.distributed import run_ranks
+
+    res = run_ranks(_rank_megatron_pipeline, 2, "rope", 1)
+    ref_loss, ref_grads = res[0]["ref"]
+    assert res[1]["tokens"][0] == sum(n - 1 for n in LENGTHS)
+    assert res[1]["losses"][0] == pytest.approx(ref_loss, rel=1e-6)
+    assert res[0]["kv_left"][0] == res[1]["kv_left"][0] == 0
+    got = {**res[0]["grads"], **res[1]["grads"]}
     assert set(got) == set(ref_grads)
     for k, g in ref_grads.items():
         torch.testing.assert_close(torch.from_numpy(got[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)

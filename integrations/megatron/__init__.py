@@ -56,8 +56,17 @@ document's earlier slices in earlier micro-batches of the same step):
   ``packloader.runtime.slices.SliceExecutor``; the layer spec's ``core_attention`` must be
   ``PackloaderCoreAttention``, which runs the executor's slice context (``varlen_attention`` with the earlier
   slices' keys). Per-token loss, ``finalize_model_grads_func`` and DDP's gradient sync as Megatron's own schedule.
-  Position embeddings must read ``position_ids`` (a slice continues its piece's positions): Megatron's THD RoPE
-  restarts every packed segment at position 0, right for whole documents and pieces, wrong for a slice.
+  Positions: a slice continues its piece's positions. ``position_ids`` carry them (learned absolute embeddings
+  read them); Megatron's THD RoPE instead restarts every packed segment at position 0, right for whole documents
+  and pieces, wrong for a slice, so with ``position_embedding_type="rope"`` both sliced schedules hand each
+  ``PackloaderCoreAttention`` the model's ``SliceRope`` (``rope.py``), which rotates a slice's queries and keys
+  further by the angle between Megatron's own frequency rows at the document position ``p + start - attend_from``
+  and at ``p`` (from the model's ``rotary_pos_emb``: its inv_freq, ``rope_scaling``, interpolation, interleaving,
+  ``rotary_percent``). Rotations of one frequency compose, so every row lands on the unsliced document's angle,
+  and the keys kept for later slices are stored already turned. Refused as ``SlicesNotSupported`` naming the
+  setting, before any batch is read: ``position_embedding_type`` "yarn" (its mscale scales cosine and sine, so
+  rotations do not compose) and "mrope", ``multi_latent_attention``, ``no_rope_freq``, a rotary module other than
+  Megatron's ``RotaryEmbedding``; RoPE with a core attention other than ``PackloaderCoreAttention``.
 * PP > 1: Megatron's pipeline schedules run each micro-batch once per stage with no KV cache between
   micro-batches, so they cannot run slices. ``sliced_pipeline_forward_backward`` replaces
   ``forward_backward_pipelining_without_interleaving`` (same keyword arguments, same return value): this rank's

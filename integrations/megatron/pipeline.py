@@ -11,6 +11,7 @@ import torch
 from .._common import flat
 from .._lazy import require
 from .batch import SLICES_PP_ALTERNATIVE, _parallel_ranks
+from .slices import install_slice_rope
 
 # ------------------------------------------------------------------------------------------ PP > 1, slices
 
@@ -155,6 +156,7 @@ def sliced_pipeline_forward_backward(*, forward_step_func, data_iterator, model,
             num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
             decoder_seq_length=decoder_seq_length, forward_only=True, collect_non_loss_data=collect_non_loss_data,
             first_val_step=first_val_step, **unused)
+    install_slice_rope(model, config)  # RoPE: slices at their document positions, or refused by setting
     if pipeline_group is None:
         pipeline_group = require("megatron.core.parallel_state").get_pipeline_model_parallel_group()
     batches = [next(data_iterator) for _ in range(num_microbatches)]

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .._lazy import require
+from .rope import ROPE_ALTERNATIVE, SliceRope, slice_rope_of
 
 
 class PackloaderCoreAttention(torch.nn.Module):
@@ -16,7 +17,9 @@ class PackloaderCoreAttention(torch.nn.Module):
     SelfAttentionSubmodules(core_attention=PackloaderCoreAttention, ...))``) on the THD path: packloader's
     ``varlen_attention`` over ``packed_seq_params``' segments, any device (CPU reference backend included), and
     inside ``sliced_forward_backward`` the slice context's attention (the earlier slices' keys and values).
-    Causal, no dropout; no parameters, so it swaps with TransformerEngine's or the local core attention."""
+    Causal, no dropout; no parameters, so it swaps with TransformerEngine's or the local core attention. With RoPE,
+    the sliced schedules give it the model's `SliceRope`, which turns a slice's queries and keys to their positions
+    in the document before the slice context stores or reads any keys."""
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any = None, attention_type: str = "self",
                  softmax_scale: float | None = None, **kwargs: Any) -> None:
@@ -25,6 +28,7 @@ class PackloaderCoreAttention(torch.nn.Module):
         self.layer_number = layer_number
         kv = getattr(config, "kv_channels", None) or config.hidden_size // config.num_attention_heads
         self.softmax_scale = softmax_scale if softmax_scale is not None else kv ** -0.5
+        self.slice_rope = None  # set by the sliced schedules for a RoPE model (see .rope)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
@@ -37,6 +41,8 @@ class PackloaderCoreAttention(torch.nn.Module):
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
         ctx = current_slice_context()
         if ctx is not None:
+            if self.slice_rope is not None:  # Megatron rotated each segment from position 0; a slice starts later
+                query, key = self.slice_rope.rotate(query, key, ctx, packed_seq_params)
             out = ctx.attention(query, key, value, self.layer_number, softmax_scale=self.softmax_scale)
         else:
             p = packed_seq_params
@@ -58,7 +64,8 @@ def sliced_forward_backward(*, forward_step_func, data_iterator, model, num_micr
     iterator each time; the loss goes through Megatron's own ``forward_step_calc_loss`` (per-token loss with
     ``calculate_per_token_loss=True``), gradients accumulate under the model's ``no_sync`` and
     ``config.finalize_model_grads_func`` runs once with the step's token count, as in Megatron's schedule.
-    The attention of ``model`` must be ``PackloaderCoreAttention``. Returns the forward data store (the loss
+    The attention of ``model`` must be ``PackloaderCoreAttention``; a RoPE model's slices are turned to their
+    document positions there, and rotary settings that cannot be are refused first (``rope.slice_rope_of``). Returns the forward data store (the loss
     reports, one per micro-batch, in order)."""
     from packloader.runtime.slices import SliceExecutor
 
@@ -71,6 +78,7 @@ def sliced_forward_backward(*, forward_step_func, data_iterator, model, num_micr
     if isinstance(data_iterator, list):
         data_iterator = data_iterator[0]
     config = utils.get_model_config(model)
+    install_slice_rope(model, config)
     batches = [next(data_iterator) for _ in range(num_microbatches)]
     for i, b in enumerate(batches):
         if "segments" not in b:
@@ -115,3 +123,15 @@ def sliced_forward_backward(*, forward_step_func, data_iterator, model, num_micr
     return [r for s in stores for r in s]
 
 
+def install_slice_rope(model: torch.nn.Module, config: Any) -> SliceRope | None:
+    """Hand the model's RoPE correction (or None) to each of its ``PackloaderCoreAttention`` layers; with RoPE and
+    none of them, refuse (the correction happens there)."""
+    rope = slice_rope_of(model, config)
+    cores = [m for m in model.modules() if isinstance(m, PackloaderCoreAttention)]
+    if rope is not None and not cores:
+        raise ValueError("position_embedding_type='rope' with sliced plans needs the layer spec's core_attention to "
+                         "be PackloaderCoreAttention (it rotates each slice's queries and keys to their document "
+                         f"positions); {ROPE_ALTERNATIVE}")
+    for m in cores:
+        m.slice_rope = rope
+    return rope

@@ -1,10 +1,12 @@
 """The calibration fit recovers known coefficients and the tile from synthetic timings, keeps coefficients
 non-negative, and scores itself on lengths it did not see."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from packloader.balancers.cost.fit import fit_profile, held_out_mask
+from packloader.balancers.cost.fit import Timings, fit_profile, held_out_mask
 from packloader.runtime.calibrate import geometric_points
 
 TRUE = {  # (a, b, c) per part
@@ -25,8 +27,8 @@ def synthetic(tile=128, noise=0.0, seed=0):
         a, b, c = TRUE[part]
         return (a * x * x + b * x + c) * (1.0 + noise * rng.standard_normal(len(x)))
 
-    return dict(attn_lengths=lengths, attn_fwd=t("attn_fwd", qt), attn_bwd=t("attn_bwd", qt),
-                lin_tokens=sizes, lin_fwd=t("lin_fwd", sizes.astype(float)), lin_bwd=t("lin_bwd", sizes.astype(float)))
+    return Timings(lengths, t("attn_fwd", qt), t("attn_bwd", qt), sizes, t("lin_fwd", sizes.astype(float)),
+                   t("lin_bwd", sizes.astype(float)))
 
 
 def test_geometric_points_and_held_out_split():
@@ -38,7 +40,7 @@ def test_geometric_points_and_held_out_split():
 
 @pytest.mark.parametrize("tile", [1, 64, 128])
 def test_exact_timings_give_back_the_coefficients_and_the_tile(tile):
-    prof = fit_profile("synthetic", **synthetic(tile=tile))
+    prof = fit_profile("synthetic", synthetic(tile=tile))
     assert prof.tile == tile
     for part, (a, b, c) in TRUE.items():
         got = getattr(prof, part)
@@ -47,7 +49,7 @@ def test_exact_timings_give_back_the_coefficients_and_the_tile(tile):
 
 
 def test_noisy_timings_fit_within_the_noise():
-    prof = fit_profile("noisy", **synthetic(noise=0.02, seed=3))
+    prof = fit_profile("noisy", synthetic(noise=0.02, seed=3))
     assert prof.tile == 128
     for part, (a, b, c) in TRUE.items():
         got = getattr(prof, part)
@@ -61,8 +63,7 @@ def test_coefficients_stay_non_negative():
     # a concave curve: the unconstrained fit would take a negative quadratic term
     lengths = geometric_points(64, 8192, 9)
     concave = 1e-4 * np.sqrt(lengths)
-    prof = fit_profile("concave", attn_lengths=lengths, attn_fwd=concave, attn_bwd=concave,
-                       lin_tokens=lengths, lin_fwd=concave, lin_bwd=concave, tile=1)
+    prof = fit_profile("concave", Timings(lengths, concave, concave, lengths, concave, concave), tile=1)
     for part in ("attn_fwd", "attn_bwd", "lin_fwd", "lin_bwd"):
         p = getattr(prof, part)
         assert min(p.a, p.b, p.c) >= 0.0
@@ -70,10 +71,10 @@ def test_coefficients_stay_non_negative():
 
 def test_held_out_points_are_not_fitted_but_scored():
     data = synthetic()
-    clean = fit_profile("clean", **data)
-    held = held_out_mask(len(data["attn_lengths"]))
-    spoiled = dict(data, attn_fwd=np.where(held, data["attn_fwd"] * 2.0, data["attn_fwd"]))
-    prof = fit_profile("spoiled", tile=128, **spoiled)
+    clean = fit_profile("clean", data)
+    held = held_out_mask(len(data.attn_lengths))
+    spoiled = dataclasses.replace(data, attn_fwd=np.where(held, data.attn_fwd * 2.0, data.attn_fwd))
+    prof = fit_profile("spoiled", spoiled, tile=128)
     assert prof.attn_fwd == clean.attn_fwd  # the fit never saw the held-out lengths
     assert prof.fit_error["attn_fwd_heldout_mape_pct"] == pytest.approx(50.0, rel=1e-4)  # t = 2*pred: |pred-t|/t = 1/2
     assert prof.fit_error["attn_bwd_heldout_mape_pct"] < 1e-4
@@ -81,5 +82,4 @@ def test_held_out_points_are_not_fitted_but_scored():
 
 def test_too_few_points_are_refused():
     with pytest.raises(ValueError, match="at least 3"):
-        fit_profile("x", attn_lengths=[64, 128], attn_fwd=[1.0, 2.0], attn_bwd=[1.0, 2.0],
-                    lin_tokens=[64, 128, 256], lin_fwd=[1.0, 2.0, 3.0], lin_bwd=[1.0, 2.0, 3.0])
+        fit_profile("x", Timings([64, 128], [1.0, 2.0], [1.0, 2.0], [64, 128, 256], [1.0, 2.0, 3.0], [1.0, 2.0, 3.0]))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from packloader.balancers.cost.coeffs import lin_time
-from packloader.balancers.cost.fit import fit_poly, profile_from_table
+from packloader.balancers.cost.fit import Timings, fit_poly, profile_from_table
 from packloader.balancers.cost.memory import (
     GiB,
     MemoryModel,
@@ -117,16 +117,15 @@ def test_fit_poly_recovers_coefficients_and_profile_from_table():
     toks = np.array([1024, 4096, 16384, 65536])
     lf = np.array([lin_time(truth.coeffs, n, False) for n in toks])
     lb = np.array([lin_time(truth.coeffs, n, True) for n in toks])
-    prof = profile_from_table("fitted", attn_lengths=lens, attn_fwd=fa, attn_bwd=ba, lin_tokens=toks, lin_fwd=lf, lin_bwd=lb,
-                              lin_table=False)
+    timings = Timings(lens, fa, ba, toks, lf, lb)
+    prof = profile_from_table("fitted", timings, lin_table=False)
     m = CostModel(prof)
     for n in (300, 5000, 20000):
         assert sum(m.microbatch_time_of([n])) == pytest.approx(sum(truth.microbatch_time_of([n])), rel=1e-3)
     assert max(prof.fit_error.values()) < 1e-3
     # as a measured table, the linear part interpolates between the counts (exact for a linear truth) and
     # keeps the first count's time below it (the floor)
-    tab = CostModel(profile_from_table("table", attn_lengths=lens, attn_fwd=fa, attn_bwd=ba, lin_tokens=toks,
-                                       lin_fwd=lf, lin_bwd=lb))
+    tab = CostModel(profile_from_table("table", timings))
     for n in (5000, 20000):
         assert sum(tab.microbatch_time_of([n])) == pytest.approx(sum(truth.microbatch_time_of([n])), rel=1e-3)
     assert tab.lin_time(300) == tab.lin_time(1) == pytest.approx(lf[0])

@@ -29,14 +29,14 @@ import gc
 import math
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import msgspec
 import numpy as np
 import torch
 
-from packloader.balancers.cost.fit import fit_profile
+from packloader.balancers.cost.fit import Timings, fit_profile
 from packloader.contracts import CostProfile
 
 PARTS = ("attn_fwd", "attn_bwd", "lin_fwd", "lin_bwd")
@@ -246,16 +246,6 @@ def time_linear(shape: LayerShape, sizes: np.ndarray, *, device: torch.device, d
 # ------------------------------------------------------------------------------------------------ driver
 
 
-@dataclass
-class Measurements:
-    attn_lengths: np.ndarray
-    attn_fwd: np.ndarray
-    attn_bwd: np.ndarray
-    lin_tokens: np.ndarray
-    lin_fwd: np.ndarray
-    lin_bwd: np.ndarray
-
-
 def device_label(device: torch.device, dtype: torch.dtype, backend: str) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return f"{device.type}:{name}/{backend}/{str(dtype).removeprefix('torch.')}"
@@ -280,7 +270,7 @@ def calibrate(
     backend: str | None = None,
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
-) -> tuple[CostProfile, Measurements]:
+) -> tuple[CostProfile, Timings]:
     """Measure `shape` on `device` and fit the profile of a pipeline stage of `layers` layers (the LM head's time
     divided by `pp` added to every stage's linear part when `include_head` and the vocabulary is known)."""
     from packloader.runtime.attention import select_backend
@@ -303,11 +293,9 @@ def calibrate(
     head_shape = shape if include_head else replace(shape, vocab=None)
     lf, lb, hf, hb = time_linear(head_shape, sizes, device=device, dtype=dtype, repeats=repeats, warmup=warmup,
                                  progress=progress)
-    m = Measurements(lengths, af * layers, ab * layers, sizes, lf * layers + hf / pp, lb * layers + hb / pp)
+    m = Timings(lengths, af * layers, ab * layers, sizes, lf * layers + hf / pp, lb * layers + hb / pp)
     label = name or f"{shape.name}@{device_label(device, dtype, chosen)}/layers{layers:g}"
-    prof = fit_profile(label, attn_lengths=m.attn_lengths, attn_fwd=m.attn_fwd, attn_bwd=m.attn_bwd,
-                       lin_tokens=m.lin_tokens, lin_fwd=m.lin_fwd, lin_bwd=m.lin_bwd, tile=tile,
-                       device=device_label(device, dtype, chosen))
+    prof = fit_profile(label, m, tile=tile, device=device_label(device, dtype, chosen))
     return prof, m
 
 

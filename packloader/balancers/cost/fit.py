@@ -4,6 +4,7 @@ through here, so a calibrated profile is fitted exactly as the shipped one was."
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -37,15 +38,34 @@ def fit_poly(x: np.ndarray, y: np.ndarray, *, relative: bool = True) -> tuple[Po
     return Poly(float(coef[0]), float(coef[1]), float(coef[2])), err
 
 
+@dataclass(frozen=True)
+class Timings:
+    """Measured times in seconds: attention of one causal document per length, and linear layers of one
+    micro-batch per token count, forward and backward. What `calibrate` measures and the shipped profile's
+    CSVs hold, in the one form both fits take."""
+
+    attn_lengths: np.ndarray
+    attn_fwd: np.ndarray
+    attn_bwd: np.ndarray
+    lin_tokens: np.ndarray
+    lin_fwd: np.ndarray
+    lin_bwd: np.ndarray
+
+    def __post_init__(self) -> None:
+        for f, dtype in (("attn_lengths", np.int64), ("lin_tokens", np.int64), ("attn_fwd", np.float64),
+                         ("attn_bwd", np.float64), ("lin_fwd", np.float64), ("lin_bwd", np.float64)):
+            object.__setattr__(self, f, np.asarray(getattr(self, f), dtype=dtype))
+
+    def subset(self, attn: np.ndarray, lin: np.ndarray) -> Timings:
+        """The rows selected by boolean masks over the attention lengths and the linear token counts."""
+        return Timings(self.attn_lengths[attn], self.attn_fwd[attn], self.attn_bwd[attn],
+                       self.lin_tokens[lin], self.lin_fwd[lin], self.lin_bwd[lin])
+
+
 def profile_from_table(
     name: str,
+    timings: Timings,
     *,
-    attn_lengths: np.ndarray,
-    attn_fwd: np.ndarray,
-    attn_bwd: np.ndarray,
-    lin_tokens: np.ndarray,
-    lin_fwd: np.ndarray,
-    lin_bwd: np.ndarray,
     tile: int = 128,
     device: str = "measured",
     memory_cap: int | None = None,
@@ -58,17 +78,18 @@ def profile_from_table(
     measured linear times become the profile's `LinTable` and the polynomials their smooth summary for the
     planners. `fit_error` records each part's largest relative error over the rows, as the model evaluates
     them (for a table: 0 at its own rows)."""
-    qt = np.ceil(np.asarray(attn_lengths, dtype=np.float64) / tile) * tile
-    af, ef_a = fit_poly(qt, attn_fwd)
-    ab, eb_a = fit_poly(qt, attn_bwd)
-    n = np.asarray(lin_tokens, dtype=np.float64)
-    lf, ef_l = fit_poly(n, lin_fwd)
-    lb, eb_l = fit_poly(n, lin_bwd)
+    t = timings
+    qt = _tiled(t.attn_lengths, tile)
+    af, ef_a = fit_poly(qt, t.attn_fwd)
+    ab, eb_a = fit_poly(qt, t.attn_bwd)
+    n = t.lin_tokens.astype(np.float64)
+    lf, ef_l = fit_poly(n, t.lin_fwd)
+    lb, eb_l = fit_poly(n, t.lin_bwd)
     table = None
     if lin_table and 1 <= len(n) <= MAX_LIN_KNOTS:
         order = np.argsort(n, kind="stable")
         n = n[order]
-        tf, tb = np.asarray(lin_fwd, np.float64)[order], np.asarray(lin_bwd, np.float64)[order]
+        tf, tb = t.lin_fwd[order], t.lin_bwd[order]
         table = LinTable(tokens=n.tolist(), fwd=tf.tolist(), bwd=tb.tolist())
         lf, lb = _table_summary(n, tf), _table_summary(n, tb)
         ef_l = eb_l = 0.0
@@ -128,23 +149,11 @@ def choose_tile(lengths: np.ndarray, fwd: np.ndarray, bwd: np.ndarray, candidate
     return best
 
 
-def fit_profile(
-    name: str,
-    *,
-    attn_lengths: np.ndarray,
-    attn_fwd: np.ndarray,
-    attn_bwd: np.ndarray,
-    lin_tokens: np.ndarray,
-    lin_fwd: np.ndarray,
-    lin_bwd: np.ndarray,
-    tile: int | None = None,
-    device: str = "measured",
-) -> CostProfile:
-    """Fit a CostProfile to measured times (seconds): attention per document length, linear per micro-batch
-    token count, forward and backward. Every other point (not the ends) is held out of the fit and scored."""
-    al, ll = np.asarray(attn_lengths, dtype=np.int64), np.asarray(lin_tokens, dtype=np.int64)
-    table = {"attn_fwd": np.asarray(attn_fwd, np.float64), "attn_bwd": np.asarray(attn_bwd, np.float64),
-             "lin_fwd": np.asarray(lin_fwd, np.float64), "lin_bwd": np.asarray(lin_bwd, np.float64)}
+def fit_profile(name: str, timings: Timings, *, tile: int | None = None, device: str = "measured") -> CostProfile:
+    """Fit a CostProfile to measured times: every other point (not the ends) is held out of the fit and
+    scored."""
+    al, ll = timings.attn_lengths, timings.lin_tokens
+    table = {part: getattr(timings, part) for part in ("attn_fwd", "attn_bwd", "lin_fwd", "lin_bwd")}
     for part, y in table.items():
         x = al if part.startswith("attn") else ll
         if y.shape != x.shape:
@@ -152,13 +161,10 @@ def fit_profile(
         if len(x) < 3:
             raise ValueError(f"{part}: at least 3 measured points are needed, got {len(x)}")
     ha, hl = held_out_mask(len(al)), held_out_mask(len(ll))
+    fitted = timings.subset(~ha, ~hl)
     if tile is None:
-        tile = choose_tile(al[~ha], table["attn_fwd"][~ha], table["attn_bwd"][~ha])
-    prof = profile_from_table(
-        name, attn_lengths=al[~ha], attn_fwd=table["attn_fwd"][~ha], attn_bwd=table["attn_bwd"][~ha],
-        lin_tokens=ll[~hl], lin_fwd=table["lin_fwd"][~hl], lin_bwd=table["lin_bwd"][~hl], tile=int(tile),
-        device=device,
-    )
+        tile = choose_tile(fitted.attn_lengths, fitted.attn_fwd, fitted.attn_bwd)
+    prof = profile_from_table(name, fitted, tile=int(tile), device=device)
     model = CostModel(prof)
     errors = dict(prof.fit_error)
     for part, y in table.items():

@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost import presets
-from packloader.balancers.cost.fit import choose_tile, profile_from_table
+from packloader.balancers.cost.fit import Timings, choose_tile, profile_from_table
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.profile_io import PROFILES_DIR, load_profile
 from packloader.contracts import CostProfile, LinTable, ParallelConfig, Poly
@@ -76,10 +76,8 @@ def build_profile(attention_csv: str | os.PathLike = ATTENTION_CSV, linear_csv: 
     lengths = att[:, 1].astype(np.int64)
     per_doc_f, per_doc_b = att[:, 2] / att[:, 0] * 1e-3, att[:, 3] / att[:, 0] * 1e-3
     tile = choose_tile(lengths, per_doc_f, per_doc_b)
-    prof = profile_from_table(
-        PROFILE_NAME, attn_lengths=lengths, attn_fwd=per_doc_f, attn_bwd=per_doc_b, lin_tokens=lin[:, 0].astype(np.int64),
-        lin_fwd=lin[:, 1] * 1e-3, lin_bwd=lin[:, 2] * 1e-3, tile=tile, device="measured:h100-sxm-80gb/bf16", source=SOURCE,
-    )
+    timings = Timings(lengths, per_doc_f, per_doc_b, lin[:, 0].astype(np.int64), lin[:, 1] * 1e-3, lin[:, 2] * 1e-3)
+    prof = profile_from_table(PROFILE_NAME, timings, tile=tile, device="measured:h100-sxm-80gb/bf16", source=SOURCE)
     errors = row_errors(prof, attention_csv, linear_csv)
     return msgspec.structs.replace(prof, fit_error={part: float(max(abs(e) for e in errs)) for part, errs in errors.items()})
 

@@ -82,6 +82,15 @@ def sim_buffers(pp, vpp, m):
             np.empty(pp, dtype=np.float64), np.empty(pp, dtype=np.float64))
 
 
+@njit(cache=True, inline="always")
+def _after(ready, done, lag):
+    """When a task may start given one more dependency that finished at `done` (-1: has not run) and takes
+    `lag` to arrive; -1 once any dependency has not run."""
+    if ready < 0.0 or done < 0.0:
+        return -1.0
+    return done + lag if done + lag > ready else ready
+
+
 @njit(cache=True)
 def simulate_kernel(pp, vpp, m, ops, fwd, bwd, p2p, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
                     act, trans, edge_kv, start, finish, mem_t, mem_b, peak, busy):
@@ -112,41 +121,20 @@ def simulate_kernel(pp, vpp, m, ops, fwd, bwd, p2p, in_ptr, in_src, in_eid, out_
                 vs = vu // m
                 u = vu % m
                 ready = 0.0
-                ok = True
                 if isb == 0:
                     if vs > 0:
-                        d = finish[_enc(vs - 1, u, 0, m)]
-                        if d < 0.0:
-                            ok = False
-                        elif d + p2p > ready:
-                            ready = d + p2p
+                        ready = _after(ready, finish[_enc(vs - 1, u, 0, m)], p2p)
                     for e in range(in_ptr[u], in_ptr[u + 1]):
-                        d = finish[_enc(vs, in_src[e], 0, m)]
-                        if d < 0.0:
-                            ok = False
-                        elif d > ready:
-                            ready = d
+                        ready = _after(ready, finish[_enc(vs, in_src[e], 0, m)], 0.0)
                     dur = fwd[vs, u]
                 else:
-                    d = finish[_enc(vs, u, 0, m)]
-                    if d < 0.0:
-                        ok = False
-                    elif d > ready:
-                        ready = d
+                    ready = _after(ready, finish[_enc(vs, u, 0, m)], 0.0)
                     if vs < V - 1:
-                        d = finish[_enc(vs + 1, u, 1, m)]
-                        if d < 0.0:
-                            ok = False
-                        elif d + p2p > ready:
-                            ready = d + p2p
+                        ready = _after(ready, finish[_enc(vs + 1, u, 1, m)], p2p)
                     for e in range(out_ptr[u], out_ptr[u + 1]):
-                        d = finish[_enc(vs, out_dst[e], 1, m)]
-                        if d < 0.0:
-                            ok = False
-                        elif d > ready:
-                            ready = d
+                        ready = _after(ready, finish[_enc(vs, out_dst[e], 1, m)], 0.0)
                     dur = bwd[vs, u]
-                if not ok:
+                if ready < 0.0:
                     break
                 st = ready if ready > free_at[s] else free_at[s]
                 fi = st + dur

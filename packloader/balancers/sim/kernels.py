@@ -173,19 +173,6 @@ def simulate_kernel(pp, vpp, m, ops, fwd, bwd, p2p, in_ptr, in_src, in_eid, out_
 
 
 @njit(cache=True)
-def step_time_kernel(pp, vpp, m, kind, fwd, bwd, bwd_order, p2p):
-    """Step time only, no slices and no memory: the cheapest call, for candidate search."""
-    V = pp * vpp
-    ops = build_ops(pp, vpp, m, kind, bwd_order)
-    z = np.zeros(1, dtype=np.int64)
-    ptr = np.zeros(m + 1, dtype=np.int64)
-    zero_vm = np.zeros((V, m), dtype=np.float64)
-    kv = np.zeros((V, 0), dtype=np.float64)
-    st, fi, mt, mb, pk, bz = sim_buffers(pp, vpp, m)
-    return simulate_kernel(pp, vpp, m, ops, fwd, bwd, p2p, ptr, z, z, ptr, z, z, zero_vm, zero_vm, kv, st, fi, mt, mb, pk, bz)
-
-
-@njit(cache=True)
 def rank_stage_times(fwd, bwd, a, m, V, vpp):
     """(V, m) forward and backward times of one DP rank's micro-batches a..a+m-1 of the flat per-stage arrays:
     the same on every pipeline stage, a model chunk's share 1/vpp of it (what the batched kernels simulate)."""
@@ -209,20 +196,11 @@ def rank_edges(e_offsets, e_src, e_dst, r):
 @njit(cache=True)
 def step_times_ranks(pp, vpp, kind, fwd, bwd, offsets, p2p):
     """Step time of each DP rank r whose micro-batches are offsets[r]..offsets[r+1]-1 of the flat per-stage
-    fwd/bwd arrays (the same time on every stage; chunk times are these / vpp). No slices, FIFO backward."""
-    R = offsets.shape[0] - 1
-    out = np.empty(R, dtype=np.float64)
-    V = pp * vpp
-    for r in range(R):
-        a = offsets[r]
-        m = offsets[r + 1] - a
-        if m == 0:
-            out[r] = 0.0
-            continue
-        f, b = rank_stage_times(fwd, bwd, a, m, V, vpp)
-        order = np.arange(m)
-        out[r] = step_time_kernel(pp, vpp, m, kind, f, b, order, p2p)
-    return out
+    fwd/bwd arrays (the same time on every stage; chunk times are these / vpp). No slices, so the default
+    backward order is FIFO."""
+    no_edges = np.zeros(offsets.shape[0], dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
+    return step_times_ranks_sliced(pp, vpp, kind, fwd, bwd, offsets, no_edges, empty, empty, p2p)
 
 
 @njit(cache=True)

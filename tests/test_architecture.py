@@ -88,3 +88,24 @@ def test_no_script_shadows_an_installed_package():
     installed = set(packages_distributions())
     stems = {p.stem: p for d in ("benchmarks", "scripts", "examples", "tests") for p in (ROOT / d).rglob("*.py")}
     assert sorted(str(stems[s].relative_to(ROOT)) for s in set(stems) & installed) == []
+
+
+def test_every_package_folder_is_in_the_wheel():
+    """pyproject lists packages by hand (two trees under their own names): a new folder missing there is left
+    out of a wheel, and only an installed user would notice."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = {name: ROOT / path for name, path in setup["package-dir"].items()}
+    found = set()
+    for name, path in roots.items():
+        for f in path.rglob("*"):
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix in (".py", ".json", ".csv"):
+                rel = f.parent.relative_to(path)
+                found.add(".".join((name, *rel.parts)))
+    assert sorted(found - set(setup["packages"])) == []
+    data = {pkg: globs for pkg, globs in setup.get("package-data", {}).items()}
+    for pkg in found:
+        folder = roots[pkg.split(".")[0]].joinpath(*pkg.split(".")[1:])
+        kinds = {f.suffix for f in folder.iterdir() if f.is_file() and f.suffix in (".json", ".csv")}
+        assert all(f"*{k}" in data.get(pkg, []) for k in kinds), (pkg, kinds, data.get(pkg))

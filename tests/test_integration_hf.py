@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.hf_trainer import first_grads_callback, one_step_args
 
 transformers = pytest.importorskip("transformers")
 
@@ -204,17 +205,9 @@ def test_packed_trainer_gradient_is_the_per_token_mean_of_the_step(tmp_path, cor
     ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
 
     grads = {}
-
-    class Grab(transformers.TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, **kw):
-            if not grads:
-                grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
-
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, gradient_accumulation_steps=ga,
-                                          learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
-                                          logging_strategy="no", max_grad_norm=0.0, dataloader_num_workers=0)
     model.train()
-    trainer = phf.PackedTrainer(model=model, args=args, packed_loader=mk(), callbacks=[Grab()])
+    trainer = phf.PackedTrainer(model=model, args=one_step_args(tmp_path, ga), packed_loader=mk(),
+                                callbacks=[first_grads_callback(model, grads)])
     trainer.train()
     assert grads
     for n, g in ref_grads.items():
@@ -287,17 +280,9 @@ def test_packed_trainer_runs_an_empty_last_micro_batch(tmp_path, corpus):
 
     grads, calls = {}, []
     model.register_forward_hook(lambda *a: calls.append(1))
-
-    class Grab(transformers.TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, **kw):
-            if not grads:
-                grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
-
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, gradient_accumulation_steps=ga,
-                                          learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
-                                          logging_strategy="no", max_grad_norm=0.0, dataloader_num_workers=0)
     model.train()
-    phf.PackedTrainer(model=model, args=args, packed_loader=step, callbacks=[Grab()]).train()
+    phf.PackedTrainer(model=model, args=one_step_args(tmp_path, ga), packed_loader=step,
+                      callbacks=[first_grads_callback(model, grads)]).train()
     assert len(calls) == ga
     for n, g in ref_grads.items():
         torch.testing.assert_close(grads[n], g, rtol=2e-4, atol=1e-6, msg=n)

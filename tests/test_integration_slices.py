@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.hf_trainer import first_grads_callback, one_step_args
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,17 +81,9 @@ def test_packed_trainer_runs_a_sliced_plan_like_whole_documents(tmp_path):
     ref_loss, ref_grads = whole_document_reference(ref, docs)
 
     grads, losses = {}, []
-
-    class Grab(transformers.TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, **kw):
-            if not grads:
-                grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
-
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, gradient_accumulation_steps=MB,
-                                          learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
-                                          logging_strategy="no", max_grad_norm=0.0, dataloader_num_workers=0)
-    trainer = phf.PackedTrainer(model=model, args=args, packed_loader=sliced_loader(docs, epochs=None),
-                                callbacks=[Grab()])
+    trainer = phf.PackedTrainer(model=model, args=one_step_args(tmp_path, MB),
+                                packed_loader=sliced_loader(docs, epochs=None),
+                                callbacks=[first_grads_callback(model, grads)])
     step = trainer.training_step
     trainer.training_step = lambda *a, **k: losses.append(float(step(*a, **k))) or torch.tensor(losses[-1])
     trainer.train()
@@ -140,19 +133,10 @@ def _rank_ddp_trainer(rank, world, out_dir):
     segs = [(s.doc, s.start, s.end, s.attend_from) for b in _dp2_loader(docs, rank, 1) if b.step == 0 for s in b.segments]
     model = tiny_llama(phf.register_packloader_attention())
     grads = {}
-
-    class Grab(transformers.TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, **kw):
-            if not grads:
-                grads.update({n: p.grad.clone().numpy() for n, p in model.named_parameters()})
-
-    args = transformers.TrainingArguments(output_dir=out_dir, max_steps=1, gradient_accumulation_steps=MB2,
-                                          learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no",
-                                          logging_strategy="no", max_grad_norm=0.0, dataloader_num_workers=0,
-                                          ddp_backend="gloo")
-    tr = phf.PackedTrainer(model=model, args=args, packed_loader=_dp2_loader(docs, rank, None), callbacks=[Grab()])
+    tr = phf.PackedTrainer(model=model, args=one_step_args(out_dir, MB2, ddp_backend="gloo"),
+                           packed_loader=_dp2_loader(docs, rank, None), callbacks=[first_grads_callback(model, grads)])
     tr.train()
-    return segs, grads
+    return segs, {n: g.numpy() for n, g in grads.items()}
 
 
 @pytest.mark.multiprocess

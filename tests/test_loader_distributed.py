@@ -94,6 +94,18 @@ def _first_per_step(summary):
     return out
 
 
+def _iteration_error(loader) -> str:
+    """Iterate `loader` to its end: the RuntimeError's text, or "no error"; the loader is closed either way."""
+    try:
+        for _ in loader:
+            pass
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        loader.close()
+    return "no error"
+
+
 def _dies(rank, world, paths, stop_after):
     """Rank 1 takes `stop_after` batches and leaves; the others keep going and must fail with a clear error."""
     loader = PackedLoader(paths, config=_config(world), num_threads=1, prefetch=1, timeout=4)
@@ -103,14 +115,7 @@ def _dies(rank, world, paths, stop_after):
             next(it)
         loader.close()
         return "left"
-    try:
-        for _ in loader:
-            pass
-    except RuntimeError as e:
-        return str(e)
-    finally:
-        loader.close()
-    return "no error"
+    return _iteration_error(loader)
 
 
 @pytest.mark.parametrize("stop_after", [0, 3])
@@ -141,14 +146,9 @@ def _disagrees(rank, world, paths, differ):
     finally:
         dist.barrier()
     try:
-        for _ in loader:
-            pass
-    except RuntimeError as e:
-        return str(e)
+        return _iteration_error(loader)
     finally:
-        loader.close()
         dist.barrier()
-    return "no error"
 
 
 @pytest.mark.parametrize("differ,field", [

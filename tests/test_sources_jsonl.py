@@ -111,22 +111,25 @@ def test_missing_field_names_line_and_field(tmp_path):
         list(JsonlSource(p).read(0, [1]))
 
 
-def test_wrong_type_names_line_and_field(tmp_path):
-    p = _write(tmp_path / "t.jsonl", [b'{"text": "a"}\n', b'{"text": 42}\n', b'[1, 2]\n'])
-    src = JsonlSource(p)
-    with pytest.raises(SourceError, match=r"t\.jsonl, line 2, field 'text': Expected `str`, got `int`"):
-        list(src.read(0, [1]))
-    with pytest.raises(SourceError, match=r"t\.jsonl, line 3, field 'text': Expected `object`, got `array`"):
-        list(src.read(0, [2]))
+@pytest.mark.parametrize("name,lines,errors", [
+    ("t.jsonl", [b'{"text": "a"}\n', b'{"text": 42}\n', b'[1, 2]\n'],
+     {1: r"t\.jsonl, line 2, field 'text': Expected `str`, got `int`",
+      2: r"t\.jsonl, line 3, field 'text': Expected `object`, got `array`"}),
+    ("tok.jsonl", [b'{"tokens": [1, 2]}\n', b'{"tokens": [1, 2.5]}\n', b'{"tokens": [-1]}\n'],
+     {1: r"tok\.jsonl, line 2, field 'tokens': Expected `int`, got `float`",
+      2: r"tok\.jsonl, line 3, field 'tokens': Expected `int` >= 0"}),
+], ids=["text", "tokens"])
+def test_wrong_type_names_line_and_field(tmp_path, name, lines, errors):
+    src = JsonlSource(_write(tmp_path / name, lines))
+    for row, message in errors.items():  # one source, each bad row read in turn
+        with pytest.raises(SourceError, match=message):
+            list(src.read(0, [row]))
+
+
+def test_null_text_names_line_and_field(tmp_path):
     q = _write(tmp_path / "n.jsonl", [b'{"text": null}\n'])
     with pytest.raises(SourceError, match=r"n\.jsonl, line 1, field 'text': null, expected a string"):
         JsonlSource(q)
-    r = _write(tmp_path / "tok.jsonl", [b'{"tokens": [1, 2]}\n', b'{"tokens": [1, 2.5]}\n', b'{"tokens": [-1]}\n'])
-    tok = JsonlSource(r)
-    with pytest.raises(SourceError, match=r"tok\.jsonl, line 2, field 'tokens': Expected `int`, got `float`"):
-        list(tok.read(0, [1]))
-    with pytest.raises(SourceError, match=r"tok\.jsonl, line 3, field 'tokens': Expected `int` >= 0"):
-        list(tok.read(0, [2]))
 
 
 def test_first_line_decides_kind_and_names_problems(tmp_path):

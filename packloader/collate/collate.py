@@ -145,44 +145,9 @@ def collate_step(
     per_step = n_mb if micro_batches_in_step is None else int(micro_batches_in_step)
     get = tokens.get if hasattr(tokens, "get") else tokens.__getitem__
 
-    # the step's segments as arrays; an empty micro-batch padded to pad_to_tokens holds one all-padding entry
     micro_batches = [list(segs) for segs in micro_batches]
-    pad_entry = pad_to_tokens is not None and pad_to_tokens > 0
-    rows: list[tuple[int, int, int, int]] = []
-    mb_ptr = [0]
-    for segs in micro_batches:
-        if segs:
-            rows.extend((s.doc, s.start, s.end, s.attend_from) for s in segs)
-        elif pad_entry:
-            rows.append((-1, 0, 0, 0))
-        mb_ptr.append(len(rows))
-    seg = np.array(rows, dtype=np.int64).reshape(-1, 4)
-    doc, start, end, attend = (np.ascontiguousarray(c) for c in seg.T)
-
-    # each document's tokens once, in one buffer
-    uniq, where = np.unique(doc, return_inverse=True)
-    arrays = []
-    for d in uniq.tolist():
-        if d == -1:
-            arrays.append(np.zeros(0, np.int32))
-            continue
-        t = get(d)
-        if t is None:
-            s = next(s for segs in micro_batches for s in segs if s.doc == d)
-            raise KeyError(f"no tokens for document {d} (segment {s})")
-        arrays.append(np.asarray(t))
-    doc_len = np.array([len(t) for t in arrays], dtype=np.int64)
-    doc_at = np.concatenate([[0], np.cumsum(doc_len)[:-1]]).astype(np.int64) if len(arrays) else doc_len
-    length = doc_len[where]
-    base = doc_at[where]
-    real = doc >= 0
-    bad = real & ~((attend >= 0) & (attend <= start) & (start < end) & (end <= length))
-    if bad.any():
-        j = int(np.flatnonzero(bad)[0])
-        _check_segment(Segment(int(doc[j]), int(start[j]), int(end[j]), int(attend[j])), int(length[j]))
-    buf = np.concatenate(arrays) if arrays else np.zeros(1, np.int64)
-    if buf.dtype != np.int32:
-        buf = buf.astype(np.int64, copy=False)
+    mb_ptr, doc, start, end, attend = _segment_table(micro_batches, pad_to_tokens is not None and pad_to_tokens > 0)
+    buf, base, length = _document_buffer(micro_batches, doc, start, end, attend, get)
 
     multiple = (pad_to_multiple or 1) if padded else 0
     out_at, out_end, cu, cu_k, cu_p, mb_at, n_loss, max_q, max_k, over = layout_segments(
@@ -211,6 +176,52 @@ def collate_step(
         step=int(step), per_step=per_step, step_loss=None if loss_tokens_in_step is None else int(loss_tokens_in_step),
         layout=layout, epoch=int(epoch), last_in_epoch=bool(last_in_epoch), plan=plan, stats=stats,
     ))
+
+
+def _segment_table(micro_batches: list[list[Segment]], pad_entry: bool):
+    """The step's segments as columns (doc, start, end, attend_from) with each micro-batch's row range; an
+    empty micro-batch padded to pad_to_tokens (`pad_entry`) holds one all-padding row of document -1."""
+    rows: list[tuple[int, int, int, int]] = []
+    mb_ptr = [0]
+    for segs in micro_batches:
+        if segs:
+            rows.extend((s.doc, s.start, s.end, s.attend_from) for s in segs)
+        elif pad_entry:
+            rows.append((-1, 0, 0, 0))
+        mb_ptr.append(len(rows))
+    seg = np.array(rows, dtype=np.int64).reshape(-1, 4)
+    doc, start, end, attend = (np.ascontiguousarray(c) for c in seg.T)
+    return mb_ptr, doc, start, end, attend
+
+
+def _document_buffer(micro_batches: list[list[Segment]], doc: np.ndarray, start: np.ndarray, end: np.ndarray,
+                     attend: np.ndarray, get):
+    """Each document's tokens once, in one buffer; returns it with each row's document offset in it and the
+    document's length, after checking every row against its document."""
+    uniq, where = np.unique(doc, return_inverse=True)
+    arrays = []
+    for d in uniq.tolist():
+        if d == -1:
+            arrays.append(np.zeros(0, np.int32))
+            continue
+        t = get(d)
+        if t is None:
+            s = next(s for segs in micro_batches for s in segs if s.doc == d)
+            raise KeyError(f"no tokens for document {d} (segment {s})")
+        arrays.append(np.asarray(t))
+    doc_len = np.array([len(t) for t in arrays], dtype=np.int64)
+    doc_at = np.concatenate([[0], np.cumsum(doc_len)[:-1]]).astype(np.int64) if len(arrays) else doc_len
+    length = doc_len[where]
+    base = doc_at[where]
+    real = doc >= 0
+    bad = real & ~((attend >= 0) & (attend <= start) & (start < end) & (end <= length))
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        _check_segment(Segment(int(doc[j]), int(start[j]), int(end[j]), int(attend[j])), int(length[j]))
+    buf = np.concatenate(arrays) if arrays else np.zeros(1, np.int64)
+    if buf.dtype != np.int32:
+        buf = buf.astype(np.int64, copy=False)
+    return buf, base, length
 
 
 @dataclass(slots=True)

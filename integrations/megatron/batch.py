@@ -44,6 +44,62 @@ def te_partition_index(cu_seqlens_padded: np.ndarray | torch.Tensor, cp_size: in
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+def _thd_rows(batch: PackedBatch, cp_size: int, cp_rank: int, sliced: bool, ids, lab, pos):
+    """Megatron's own THD layout: the whole micro-batch at CP 1, TransformerEngine's two-chunk partition of the
+    padded documents above it."""
+    PackedSeqParams = _packed_seq_params_cls()
+    if cp_size > 1:
+        if batch.cu_seqlens_padded is None:
+            raise ValueError(
+                f"cp_layout='te' with CP={cp_size} needs the padded collate variant "
+                f"(PackedLoader(pad_to_multiple={2 * cp_size}))")
+        index = torch.from_numpy(te_partition_index(batch.cu_seqlens_padded, cp_size, cp_rank))
+        ids, lab, pos = ids[index], lab[index], pos[index]
+    padded = batch.cu_seqlens_padded if batch.cu_seqlens_padded is not None else batch.cu_seqlens
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=batch.cu_seqlens,
+        cu_seqlens_kv=batch.cu_seqlens if sliced else batch.cu_seqlens_k,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
+        max_seqlen_q=int(batch.max_seqlen),
+        max_seqlen_kv=int(batch.max_seqlen if sliced else batch.max_seqlen_k),
+    )
+    return ids, lab, pos, params
+
+
+def _packloader_cp_rows(batch: PackedBatch, cp_size: int, cp_rank: int, cp_mode: str, cost_model: Any, ids, lab):
+    """packloader's balanced CP shard of the unpadded micro-batch; the shard travels on the params down to
+    `PackloaderCoreAttention`."""
+    from packloader.collate.cp_shard import plan_cp_shards
+    from packloader.runtime.cp_cost import cp_cost
+
+    PackedSeqParams = _packed_seq_params_cls()
+    if batch.cu_seqlens_padded is not None:
+        raise ValueError("cp_layout='packloader' shards the unpadded micro-batch: build the loader without "
+                         "pad_to_multiple / pad_to_tokens")
+    lengths = [s.end - s.start for s in batch.segments]
+    offsets = [s.start - s.attend_from for s in batch.segments]  # the collate's positions (0: no slices)
+    shard = plan_cp_shards(lengths, cp_size, cp_mode, position_offsets=offsets, cost=cp_cost(cost_model))[cp_rank]
+    index = torch.from_numpy(shard.token_index)
+    ids, lab = ids[index], lab[index]
+    pos = torch.from_numpy(shard.position_ids)
+    _, cu_k, max_k = shard.key_layout(causal=True)
+    cu_q = torch.from_numpy(shard.cu_seqlens_q.astype(np.int32))
+    cu_k = torch.from_numpy(np.asarray(cu_k, dtype=np.int32))
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_q,
+        cu_seqlens_kv=cu_k,
+        cu_seqlens_q_padded=cu_q,
+        cu_seqlens_kv_padded=cu_k,
+        max_seqlen_q=int(shard.max_seqlen_q),
+        max_seqlen_kv=int(max_k),
+    )
+    params.packloader_shard = shard
+    return ids, lab, pos, params, shard
+
+
 def megatron_batch(
     batch: PackedBatch,
     *,
@@ -72,53 +128,12 @@ def megatron_batch(
         refuse_slices(batch, "Megatron-core's THD attention")
     if batch.num_tokens == 0:  # an empty slot: 2 x CP padding tokens (each CP rank two), no loss target
         batch = placeholder_batch(batch, 2 * cp_size)
-    PackedSeqParams = _packed_seq_params_cls()
     ids, lab, pos = flat(batch.input_ids), flat(batch.labels), flat(batch.position_ids)
     shard = None
     if cp_size == 1 or cp_layout == "te":
-        if cp_size > 1:
-            if batch.cu_seqlens_padded is None:
-                raise ValueError(
-                    f"cp_layout='te' with CP={cp_size} needs the padded collate variant "
-                    f"(PackedLoader(pad_to_multiple={2 * cp_size}))")
-            index = torch.from_numpy(te_partition_index(batch.cu_seqlens_padded, cp_size, cp_rank))
-            ids, lab, pos = ids[index], lab[index], pos[index]
-        padded = batch.cu_seqlens_padded if batch.cu_seqlens_padded is not None else batch.cu_seqlens
-        params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=batch.cu_seqlens,
-            cu_seqlens_kv=batch.cu_seqlens if sliced else batch.cu_seqlens_k,
-            cu_seqlens_q_padded=padded,
-            cu_seqlens_kv_padded=padded,
-            max_seqlen_q=int(batch.max_seqlen),
-            max_seqlen_kv=int(batch.max_seqlen if sliced else batch.max_seqlen_k),
-        )
+        ids, lab, pos, params = _thd_rows(batch, cp_size, cp_rank, sliced, ids, lab, pos)
     else:
-        from packloader.collate.cp_shard import plan_cp_shards
-        from packloader.runtime.cp_cost import cp_cost
-
-        if batch.cu_seqlens_padded is not None:
-            raise ValueError("cp_layout='packloader' shards the unpadded micro-batch: build the loader without "
-                             "pad_to_multiple / pad_to_tokens")
-        lengths = [s.end - s.start for s in batch.segments]
-        offsets = [s.start - s.attend_from for s in batch.segments]  # the collate's positions (0: no slices)
-        shard = plan_cp_shards(lengths, cp_size, cp_mode, position_offsets=offsets, cost=cp_cost(cost_model))[cp_rank]
-        index = torch.from_numpy(shard.token_index)
-        ids, lab = ids[index], lab[index]
-        pos = torch.from_numpy(shard.position_ids)
-        _, cu_k, max_k = shard.key_layout(causal=True)
-        cu_q = torch.from_numpy(shard.cu_seqlens_q.astype(np.int32))
-        cu_k = torch.from_numpy(np.asarray(cu_k, dtype=np.int32))
-        params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu_q,
-            cu_seqlens_kv=cu_k,
-            cu_seqlens_q_padded=cu_q,
-            cu_seqlens_kv_padded=cu_k,
-            max_seqlen_q=int(shard.max_seqlen_q),
-            max_seqlen_kv=int(max_k),
-        )
-        params.packloader_shard = shard  # travels with the params down to the attention module
+        ids, lab, pos, params, shard = _packloader_cp_rows(batch, cp_size, cp_rank, cp_mode, cost_model, ids, lab)
     loss_mask = (lab != IGNORE_INDEX).to(torch.float32)
     labels = torch.where(lab == IGNORE_INDEX, torch.full_like(lab, label_pad), lab)
     if device is not None:

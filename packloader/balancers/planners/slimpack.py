@@ -148,10 +148,12 @@ class SlimPackPlanner(PackingPlanner):
             v += max(1, v // 8)
         raise RuntimeError(f"slimpack: no packing found for {n} pieces up to {v} micro-batches per rank")
 
-    def _pack(self, pieces, model, f, b, rank, members, offs, merged, v, attempt=0) -> Packing | None:
+    def _place_merged(self, pieces, c, f, rank, members, offs, merged, v, attempt):
+        """The DP-Merge pieces, before each rank packs its own: each on the earliest run of pack positions free on
+        every rank of its group, leaving each rank packs for its own pieces. Returns (slot, segments, groups, sliced spans, micro-batch
+        count), or None when a piece finds no room."""
         cfg = self.config
         dp, cap = cfg.parallel.dp, cfg.max_tokens
-        c = model.coeffs
         slicing = cfg.allow_slicing
         fload = np.bincount(rank[rank >= 0], weights=f[rank >= 0], minlength=dp).astype(np.float64)
         for i in merged:
@@ -213,6 +215,17 @@ class SlimPackPlanner(PackingPlanner):
                 for r in grp.tolist():
                     spans.append((r, start, start + k - 1))
             nmb += k
+        return slot, seg, groups, spans, nmb
+
+    def _pack(self, pieces, model, f, b, rank, members, offs, merged, v, attempt=0) -> Packing | None:
+        cfg = self.config
+        dp, cap = cfg.parallel.dp, cfg.max_tokens
+        c = model.coeffs
+        slicing = cfg.allow_slicing
+        placed = self._place_merged(pieces, c, f, rank, members, offs, merged, v, attempt)
+        if placed is None:
+            return None
+        slot, seg, groups, spans, nmb = placed
         # each rank's own pieces, heaviest forward workload first (ties in index order), from one sort (kept
         # with phase one's result: it depends only on the dispatch)
         if self._by_rank is not None and self._by_rank[0] is rank:

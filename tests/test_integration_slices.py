@@ -398,31 +398,32 @@ def test_refusals_point_to_the_pipeline_schedule_where_it_is_installed(monkeypat
 # ----------------------------------------------------------------------------------------- Megatron PP > 1
 
 
-def _pp2_loader(ds, epochs):
+def _pp2_loader(ds, epochs, **kw):
     from packloader.contracts import ParallelConfig
 
     cfg = PlanConfig(strategy="slimpack", max_tokens=64, context=256, tokens_per_step=400, num_micro_batches=MB,
                      parallel=ParallelConfig(pp=2))
-    return PackedLoader(IterableSource(ds), config=cfg, num_threads=0, append_eos=False, epochs=epochs)
+    return PackedLoader(IterableSource(ds), config=cfg, num_threads=0, append_eos=False, epochs=epochs, **kw)
 
 
-def _megatron_config(pp):
+def _megatron_config(pp, tp=1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     extra = dict(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float64) if pp > 1 else {}
+    extra.update(tensor_model_parallel_size=tp) if tp > 1 else None
     return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                              ffn_hidden_size=64, use_cpu_initialization=True, calculate_per_token_loss=True,
                              hidden_dropout=0.0, attention_dropout=0.0, **extra)
 
 
-def _gpt(cfg, core, pos="learned_absolute", **kw):
+def _gpt(cfg, core, pos="learned_absolute", vocab=VOCAB, **kw):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = core
     torch.manual_seed(0)
-    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=512,
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=512,
                     position_embedding_type=pos, **kw).double()
 
 
@@ -436,10 +437,11 @@ def _reversed_backward(plan):
         rp, backward_order=list(range(len(rp.micro_batches)))[::-1])] + list(plan.ranks[1:]))
 
 
-def _rank_megatron_pipeline(rank, world, pos="learned_absolute", steps=2):
-    """Pipeline rank `rank` of a 2-stage Megatron GPTModel (gloo, CPU, float64) running `steps` sliced steps
-    through sliced_pipeline_forward_backward; rank 0 also runs the unsplit model over whole documents (the
-    reference). `pos`: the model's position_embedding_type."""
+def _rank_megatron_pipeline(rank, world, pos="learned_absolute", steps=2, tp=1):
+    """Rank `rank` of a Megatron GPTModel in world / tp pipeline stages of `tp` tensor-parallel ranks each (gloo,
+    CPU, float64) running `steps` sliced steps through sliced_pipeline_forward_backward; rank 0 (every rank at
+    TP > 1, for its own shards) also runs the unsplit model over whole documents (the reference). `pos`: the
+    model's position_embedding_type."""
     from megatron.core import parallel_state as ps
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -447,12 +449,13 @@ def _rank_megatron_pipeline(rank, world, pos="learned_absolute", steps=2):
 
     torch.set_num_threads(1)
     _megatron_rope_on_cpu()
+    vocab = -(-VOCAB // tp) * tp  # Megatron splits the vocabulary evenly over the TP ranks
     ps.initialize_model_parallel(1, 1)
-    full = _gpt(_megatron_config(1), _dense_core_attention_cls(), pos)
+    full = _gpt(_megatron_config(1), _dense_core_attention_cls(), pos, vocab=vocab)
     state = {k: v.clone() if torch.is_tensor(v) else v for k, v in full.state_dict().items()}
     docs = corpus()
     ref = None
-    if rank == 0:  # every document whole, on its own, through the unsplit model: summed token loss and gradients
+    if rank == 0 or tp > 1:  # every document whole, on its own, through the unsplit model: summed token loss and gradients
         ref_loss = 0.0
         for d in docs:
             x = torch.from_numpy(d).long().unsqueeze(0)
@@ -467,9 +470,11 @@ def _rank_megatron_pipeline(rank, world, pos="learned_absolute", steps=2):
         ref = ref_loss, {k: p.grad.numpy().copy() for k, p in full.named_parameters()}
     ps.destroy_model_parallel()
 
-    ps.initialize_model_parallel(1, 2)
-    stage = _gpt(_megatron_config(2), pm.PackloaderCoreAttention, pos, pre_process=rank == 0,
-                 post_process=rank == 1)
+    pp = world // tp
+    ps.initialize_model_parallel(tp, pp)
+    pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    stage = _gpt(_megatron_config(pp, tp), pm.PackloaderCoreAttention, pos, pre_process=pp_rank == 0,
+                 post_process=pp_rank == pp - 1, vocab=vocab)
     # the stage's layers are the full model's layers at their global numbers
     names = {}
     for k in stage.state_dict():
@@ -478,9 +483,17 @@ def _rank_megatron_pipeline(rank, world, pos="learned_absolute", steps=2):
             names[k] = f"decoder.layers.{stage.decoder.layers[int(i)].layer_number - 1}.{rest}"
         else:
             names[k] = k
-    stage.load_state_dict({k: state[names[k]] for k in stage.state_dict()})
+    # at TP > 1 a split tensor is this rank's contiguous chunk of the full one, along the dimension that differs
+    # (Megatron's fused QKV rows are grouped by query group, so a chunk holds whole groups)
+    split = {}
+    for k, v in stage.state_dict().items():
+        if torch.is_tensor(v) and v.shape != state[names[k]].shape:
+            split[names[k]] = next(d for d, (a, b) in enumerate(zip(v.shape, state[names[k]].shape)) if a != b)
+    shard = {n: (lambda t, n=n: t.chunk(tp, split[n])[tp_rank] if n in split else t) for n in names.values()}
+    stage.load_state_dict({k: shard[names[k]](state[names[k]]) for k in stage.state_dict()})
     # two epochs of one step each: the second step reuses the stage and schedule (buffers re-sized, a new plan)
-    it = pm.MegatronDataIterator(_pp2_loader(docs, 2), num_microbatches=MB, slices=True)
+    it = pm.MegatronDataIterator(_pp2_loader(docs, 2, **({"dp_rank": 0} if tp > 1 else {})), num_microbatches=MB,
+                                 slices=True)
     it = (dict(b, step_plan=_reversed_backward(b["step_plan"])) for b in it)
     out = dict(ref=ref, orders=[], kv_left=[], losses=[], tokens=[])
     for _ in range(steps):
@@ -493,6 +506,9 @@ def _rank_megatron_pipeline(rank, world, pos="learned_absolute", steps=2):
         out["losses"].append(sum(float(r["lm loss"][0]) for r in store))
         out["tokens"].append(sum(int(r["lm loss"][1]) for r in store))
     out["grads"] = {names[k]: p.grad.numpy().copy() / steps for k, p in stage.named_parameters() if p.grad is not None}
+    if tp > 1:  # the reference's gradients cut as this rank's shards
+        out["ref"] = ref[0], {n: shard[n](torch.from_numpy(ref[1][n])).numpy() for n in out["grads"]}
+        out["split"], out["full_names"] = sorted(split), sorted(ref[1])
     return out
 
 
@@ -554,6 +570,38 @@ def test_megatron_pipeline_runs_a_sliced_plan_with_rope_like_whole_documents():
     assert set(got) == set(ref_grads)
     for k, g in ref_grads.items():
         torch.testing.assert_close(torch.from_numpy(got[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)
+
+
+@pytest.mark.multiprocess
+def test_megatron_pipeline_with_tensor_parallelism_runs_a_sliced_plan_like_whole_documents():
+    """TP 2 x PP 2 (four ranks, Megatron's own rank layout) with RoPE: each rank runs its quarter of the model
+    (attention heads, MLP and vocabulary split over the TP pair) through sliced_pipeline_forward_backward, and
+    every gradient shard equals the same shard of the unsplit model's gradient over whole documents (rtol 1e-5,
+    atol 1e-6 of the tensor's largest entry: Megatron's loss is float32); both TP ranks of the last stage see the
+    reference loss, and each stage runs the simulator's order."""
+    pytest.importorskip("megatron.core")
+    from helpers.distributed import run_ranks
+
+    from packloader.balancers.sim.simulator import simulate_rank
+    from packloader.contracts import ParallelConfig
+
+    rank_plan = _reversed_backward(next(iter(_pp2_loader(corpus(), 1))).plan).ranks[0]
+    sim = simulate_rank(rank_plan, None, ParallelConfig(pp=2), schedule="1f1b", use_plan_costs=True)
+    res = run_ranks(_rank_megatron_pipeline, 4, "rope", 1, 2, timeout=300)
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" in res[0]["split"]
+    assert "output_layer.weight" in res[2]["split"]
+    assert set(res[0]["grads"]) | set(res[2]["grads"]) == set(res[0]["full_names"])
+    for r in range(4):
+        assert res[r]["orders"][0] == sim.order(r // 2), r
+        assert res[r]["kv_left"][0] == 0
+        ref_loss, ref_grads = res[r]["ref"]
+        assert set(res[r]["grads"]) == set(ref_grads)
+        for k, g in ref_grads.items():  # float32 loss terms: 3e-8 of a tensor's largest entry measured
+            torch.testing.assert_close(torch.from_numpy(res[r]["grads"][k]), torch.from_numpy(g), rtol=1e-5,
+                                       atol=1e-6 * float(np.abs(g).max()), msg=f"rank {r}: {k}")
+    for r in (2, 3):
+        assert res[r]["tokens"][0] == sum(n - 1 for n in LENGTHS)
+        assert res[r]["losses"][0] == pytest.approx(res[r]["ref"][0], rel=1e-6)
 
 
 def test_megatron_pipeline_refuses_settings_it_cannot_honour():

@@ -76,7 +76,9 @@ document's earlier slices in earlier micro-batches of the same step):
   ``backward_order``, from ``batch["step_plan"]``); each stage keeps its own layers' keys and values of a
   document's earlier slices until the document's last backward. Every pipeline rank reads the step's batches
   from its own iterator (same loader, same DP rank: plans are deterministic), since every stage needs the
-  segments. Loss, ``no_sync_func`` and ``finalize_model_grads_func`` as in Megatron's schedule. Refused early,
+  segments. Loss, ``no_sync_func`` and ``finalize_model_grads_func`` as in Megatron's schedule. Tensor
+  parallelism works as in Megatron's schedule (each TP rank of a stage runs the same plan on its shard; tested at
+  TP 2 x PP 2 against the unsplit model). Refused early,
   naming the setting: virtual pipeline stages (``virtual_pipeline_model_parallel_size``, Megatron's own
   interleaving), ``sequence_parallel`` (activations between stages split over TP ranks), CP > 1,
   ``calculate_per_token_loss=False``, DP-Merge micro-batches (``MicroBatch.dp_group``). An iterator without

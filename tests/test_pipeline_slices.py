@@ -290,6 +290,46 @@ def _check_dp_merge(results, pp):
 # ------------------------------------------------------------------------------ plan checks (no processes)
 
 
+def _run_rank_bf16(rank, world):
+    """The hand-made plan on 2 stages with the model, activations and carried keys/values in bfloat16."""
+    from packloader.runtime.pipeline import PlanPipelineSchedule, SlicedPipelineStage
+
+    torch.set_num_threads(1)
+    model = Llama(LAYERS).to(torch.bfloat16)
+    docs = documents(HAND_LENGTHS)
+    n_loss = loss_tokens(docs)
+    first, last = rank == 0, rank == world - 1
+    stage = SlicedPipelineStage(
+        StageModule(model, *stage_layers(LAYERS, world)[rank], first, last), rank, world, "cpu",
+        input_example=torch.zeros(1, dtype=torch.long) if first else torch.zeros(1, H, dtype=torch.bfloat16),
+        output_example=torch.zeros(1, VOCAB if last else H, dtype=torch.bfloat16))
+    inputs = [micro_batch_inputs(mb, docs) for mb in HAND.micro_batches]
+    PlanPipelineSchedule([stage], loss_fn).step_plan(
+        HAND, arg_mbs=[(i,) for i, _, _ in inputs], kwarg_mbs=[{"positions": p} for _, p, _ in inputs],
+        target_mbs=[(lab, n_loss) for _, _, lab in inputs])
+    return {k: p.grad.double().numpy() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.multiprocess
+def test_bf16_sliced_pipeline_is_as_accurate_as_bf16_whole_documents():
+    """Training precision: in bfloat16 the sliced 2-stage run's gradients are as close to the float64 whole-document
+    reference as the same bfloat16 model run over whole documents (measured: 0.6-1.8 % against 0.6-3.2 %, per
+    tensor, relative in norm); a carried-KV gradient lost or mis-cast in bfloat16 would be off by tens of %."""
+    from helpers.distributed import run_ranks
+
+    docs = documents(HAND_LENGTHS)
+    _, exact = _reference(HAND_LENGTHS)
+    _, whole = reference(Llama(LAYERS).to(torch.bfloat16), docs)
+    res = run_ranks(_run_rank_bf16, 2)
+    got = {**res[0], **res[1]}
+    assert set(got) == set(exact)
+    for k, g in exact.items():
+        g = g.numpy()
+        err_sliced = np.linalg.norm(got[k] - g) / np.linalg.norm(g)
+        err_whole = np.linalg.norm(whole[k].double().numpy() - g) / np.linalg.norm(g)
+        assert err_sliced <= 2 * err_whole + 5e-3, (k, err_sliced, err_whole)
+
+
 def test_backward_order_that_breaks_a_slice_chain_is_refused():
     from packloader.runtime.pipeline import simulated_actions
 

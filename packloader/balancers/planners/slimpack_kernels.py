@@ -77,41 +77,16 @@ def slice_end(c, x0, budget, length, scale):
 
 
 @njit(cache=True)
-def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_slice):
-    """SlimPack phase two on one rank: pack its pieces (in the given order, heaviest forward workload first)
-    into `npacks` MicroPacks of about `budget` forward seconds each.
-
-    Pieces heavier than the budget (or longer than the cap) are slimmed: cut into consecutive slices that fill
-    the current pack to the budget (next-fit), so a piece's slices land in increasing packs (Slim packs, and
-    a Mix pack where its last slice meets other pieces). The remaining pieces are packed whole (Pack): each
-    to the pack whose forward and backward loads, each relative to its own budget (`budget`, `bbudget`), stay
-    lowest after adding it (asymmetric: forward and backward balanced separately), within the token cap.
-
-    Returns (ok, seg_piece, seg_start, seg_end, seg_pack) with starts/ends relative to the piece; ok is False
-    when the pieces do not fit in npacks packs under the cap (the caller then tries more packs).
-    """
+def _slim(c, cb, lengths, f_one, budget, bbudget, cap, min_slice, allow_slice, npacks, fl, bl, tok, seg_piece,
+          seg_start, seg_end, seg_pack, placed_whole):
+    """`slim_pack_rank`'s slicing of the long pieces (next-fit from pack 0); returns the segment count, or -1
+    when they do not fit."""
     n = lengths.shape[0]
-    maxseg = n + 4 * npacks + 16
-    seg_piece = np.empty(maxseg, dtype=np.int64)
-    seg_start = np.empty(maxseg, dtype=np.int64)
-    seg_end = np.empty(maxseg, dtype=np.int64)
-    seg_pack = np.empty(maxseg, dtype=np.int64)
-    ns = 0
-    fl = np.zeros(npacks, dtype=np.float64)  # forward attention + linear share, no floor
-    bl = np.zeros(npacks, dtype=np.float64)
-    tok = np.zeros(npacks, dtype=np.int64)
-    f_one, b_one = doc_time_split(c, lengths)
+    maxseg = seg_piece.shape[0]
     lam_f = c[LIN_FWD + 1]
     lam_b = c[LIN_BWD + 1]
+    ns = 0
     cur = 0
-    placed_whole = np.zeros(n, dtype=np.bool_)
-    # a slice fills its pack up to the forward budget and up to the backward budget, whichever comes first
-    # (a slice's backward grows faster with its prefix than its forward: a forward-only cut leaves the packs
-    # of long documents heavy in backward); cb holds the backward coefficients where slice_end reads forward
-    cb = c.copy()
-    for j in range(3):
-        cb[ATTN_FWD + j] = c[ATTN_BWD + j]
-        cb[LIN_FWD + j] = c[LIN_BWD + j]
     # slim: long pieces, next-fit from pack 0. Each sliced piece starts in the pack where the previous one
     # ended (`chain`), even when that pack is already at its budget (a short first slice, at least min_slice
     # tokens, cap permitting): then the slices of all pieces form one run of linked packs from pack 0, whose
@@ -127,7 +102,7 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
         x0 = 0
         while x0 < l:
             if cur >= npacks:
-                return False, seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
+                return -1
             room = cap - tok[cur]
             rem = budget - fl[cur]
             remb = bbudget - bl[cur]
@@ -153,11 +128,11 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
                 e = l  # do not leave a sliver
             if e - x0 > room:
                 if last:
-                    return False, seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
+                    return -1
                 cur += 1
                 continue
             if ns >= maxseg:
-                return False, seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
+                return -1
             q = e - x0
             seg_piece[ns] = i
             seg_start[ns] = x0
@@ -172,6 +147,15 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
                 cur += 1
         placed_whole[i] = True
         chain = cur
+    return ns
+
+
+@njit(cache=True)
+def _pack_whole(lengths, f_one, b_one, budget, bbudget, cap, npacks, fl, bl, tok, seg_piece, seg_start, seg_end,
+                seg_pack, ns, placed_whole):
+    """`slim_pack_rank`'s whole pieces; returns the segment count, or -1 when one does not fit."""
+    n = lengths.shape[0]
+    maxseg = seg_piece.shape[0]
     # pack: the rest whole, asymmetric 2-D greedy
     for i in range(n):
         if placed_whole[i]:
@@ -189,9 +173,9 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
                 best_v = v
                 best = j
         if best < 0:
-            return False, seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
+            return -1
         if ns >= maxseg:
-            return False, seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
+            return -1
         seg_piece[ns] = i
         seg_start[ns] = 0
         seg_end[ns] = l
@@ -200,6 +184,12 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
         fl[best] += f_one[i]
         bl[best] += b_one[i]
         tok[best] += l
+    return ns
+
+
+@njit(cache=True)
+def _refine(lengths, f_one, b_one, cap, npacks, fl, bl, tok, seg_piece, seg_start, seg_end, seg_pack, ns):
+    """`slim_pack_rank`'s last pass, in place."""
     # refine: move whole pieces from the heaviest pack to the lightest while that lowers the heavier of the
     # two (forward + backward), so the largest micro-batch comes closer to the mean
     load = fl + bl
@@ -241,6 +231,48 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
         tok[lo] += lengths[i]
         load[hi] = fl[hi] + bl[hi]
         load[lo] = fl[lo] + bl[lo]
+
+
+@njit(cache=True)
+def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_slice):
+    """SlimPack phase two on one rank: pack its pieces (in the given order, heaviest forward workload first)
+    into `npacks` MicroPacks of about `budget` forward seconds each.
+
+    Pieces heavier than the budget (or longer than the cap) are slimmed: cut into consecutive slices that fill
+    the current pack to the budget (next-fit), so a piece's slices land in increasing packs (Slim packs, and
+    a Mix pack where its last slice meets other pieces). The remaining pieces are packed whole (Pack): each
+    to the pack whose forward and backward loads, each relative to its own budget (`budget`, `bbudget`), stay
+    lowest after adding it (asymmetric: forward and backward balanced separately), within the token cap.
+
+    Returns (ok, seg_piece, seg_start, seg_end, seg_pack) with starts/ends relative to the piece; ok is False
+    when the pieces do not fit in npacks packs under the cap (the caller then tries more packs).
+    """
+    n = lengths.shape[0]
+    maxseg = n + 4 * npacks + 16
+    seg_piece = np.empty(maxseg, dtype=np.int64)
+    seg_start = np.empty(maxseg, dtype=np.int64)
+    seg_end = np.empty(maxseg, dtype=np.int64)
+    seg_pack = np.empty(maxseg, dtype=np.int64)
+    fl = np.zeros(npacks, dtype=np.float64)  # forward attention + linear share, no floor
+    bl = np.zeros(npacks, dtype=np.float64)
+    tok = np.zeros(npacks, dtype=np.int64)
+    f_one, b_one = doc_time_split(c, lengths)
+    placed_whole = np.zeros(n, dtype=np.bool_)
+    # a slice fills its pack up to the forward budget and up to the backward budget, whichever comes first
+    # (a slice's backward grows faster with its prefix than its forward: a forward-only cut leaves the packs
+    # of long documents heavy in backward); cb holds the backward coefficients where slice_end reads forward
+    cb = c.copy()
+    for j in range(3):
+        cb[ATTN_FWD + j] = c[ATTN_BWD + j]
+        cb[LIN_FWD + j] = c[LIN_BWD + j]
+    ns = _slim(c, cb, lengths, f_one, budget, bbudget, cap, min_slice, allow_slice, npacks, fl, bl, tok,
+               seg_piece, seg_start, seg_end, seg_pack, placed_whole)
+    if ns >= 0:
+        ns = _pack_whole(lengths, f_one, b_one, budget, bbudget, cap, npacks, fl, bl, tok, seg_piece, seg_start,
+                         seg_end, seg_pack, ns, placed_whole)
+    if ns < 0:
+        return False, seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
+    _refine(lengths, f_one, b_one, cap, npacks, fl, bl, tok, seg_piece, seg_start, seg_end, seg_pack, ns)
     return True, seg_piece[:ns], seg_start[:ns], seg_end[:ns], seg_pack[:ns]
 
 

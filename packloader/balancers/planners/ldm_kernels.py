@@ -179,6 +179,53 @@ def _merge_states(sums, cnt, head, tail, nxt, values, slot_of, single, a, b, ts,
 
 
 @njit(cache=True)
+def _initial_states(values, order, k, equal_size, sums, cnt, head, tail, single, slot_of, spread, top, seq, heap):
+    """The starting states on the heap: the sorted values k at a time, each in a slot (`equal_size`), or one
+    unmaterialised state per value. Returns (heap size, slots used)."""
+    n = values.shape[0]
+    nstates = n // k if equal_size else n
+    used = 0
+    hsize = 0
+    if equal_size:
+        for st in range(nstates):
+            sl = used
+            used += 1
+            slot_of[st] = sl
+            for j in range(k):
+                it = order[st * k + j]
+                sums[sl, j] = values[it]
+                cnt[sl, j] = 1
+                head[sl, j] = it
+                tail[sl, j] = it
+            _sort_sets(sums[sl], cnt[sl], head[sl], tail[sl])
+            spread[st] = sums[sl, 0] - sums[sl, k - 1]
+            top[st] = sums[sl, 0]
+            hsize = _heap_push(heap, hsize, spread, top, seq, st)
+    else:
+        for st in range(n):
+            it = order[st]
+            single[st] = it
+            spread[st] = values[it]
+            top[st] = values[it]
+            hsize = _heap_push(heap, hsize, spread, top, seq, st)
+    return hsize, used
+
+
+@njit(cache=True)
+def _read_partition(last, single, slot_of, cnt, head, nxt, part):
+    """Each value's partition index from the final state `last`, into `part`."""
+    if single[last] >= 0:
+        part[single[last]] = 0
+        return
+    sl = slot_of[last]
+    for i in range(cnt.shape[1]):
+        it = head[sl, i] if cnt[sl, i] > 0 else -1
+        while it >= 0:
+            part[it] = i
+            it = nxt[it]
+
+
+@njit(cache=True)
 def karmarkar_karp(values, k, equal_size):
     """Largest differencing method: partition index (0..k-1) of each value, partitions numbered by decreasing
     sum. A state is k sets in decreasing order; the two states of largest spread (largest minus smallest set)
@@ -208,31 +255,9 @@ def karmarkar_karp(values, k, equal_size):
     tail = np.empty((nslots, k), np.int64)
     free = np.empty(nslots, np.int64)
     nfree = 0
-    used = 0
     heap = np.empty(nstates, np.int64)
-    hsize = 0
-    if equal_size:
-        for st in range(nstates):
-            sl = used
-            used += 1
-            slot_of[st] = sl
-            for j in range(k):
-                it = order[st * k + j]
-                sums[sl, j] = values[it]
-                cnt[sl, j] = 1
-                head[sl, j] = it
-                tail[sl, j] = it
-            _sort_sets(sums[sl], cnt[sl], head[sl], tail[sl])
-            spread[st] = sums[sl, 0] - sums[sl, k - 1]
-            top[st] = sums[sl, 0]
-            hsize = _heap_push(heap, hsize, spread, top, seq, st)
-    else:
-        for st in range(n):
-            it = order[st]
-            single[st] = it
-            spread[st] = values[it]
-            top[st] = values[it]
-            hsize = _heap_push(heap, hsize, spread, top, seq, st)
+    hsize, used = _initial_states(values, order, k, equal_size, sums, cnt, head, tail, single, slot_of, spread, top,
+                                  seq, heap)
     ts = np.empty(k, np.int64)
     tc = np.empty(k, np.int64)
     th = np.empty(k, np.int64)
@@ -273,14 +298,5 @@ def karmarkar_karp(values, k, equal_size):
         seq[a] = counter
         counter += 1
         hsize = _heap_push(heap, hsize, spread, top, seq, a)
-    last = heap[0]
-    if single[last] >= 0:
-        part[single[last]] = 0
-        return part
-    sl = slot_of[last]
-    for i in range(k):
-        it = head[sl, i] if cnt[sl, i] > 0 else -1
-        while it >= 0:
-            part[it] = i
-            it = nxt[it]
+    _read_partition(heap[0], single, slot_of, cnt, head, nxt, part)
     return part

@@ -210,6 +210,60 @@ def _make(config: PlanConfig) -> Planner:
 
 
 @njit(cache=True)
+def _dispatch_trial(perm, lengths, caps, rank_profile, t_sum, t_full, pp, assign, cc, ee, lmax):
+    """One greedy pass of `hydraulis_dispatch` in the order `perm`: fills `assign`, returns the objective (the
+    largest bound over ranks)."""
+    d = rank_profile.shape[0]
+    n = lengths.shape[0]
+    cc[:] = 0.0
+    ee[:] = 0.0
+    lmax[:] = 0
+    # top two of cc + ee, to get max over k != j in O(1)
+    i1 = 0
+    v1 = 0.0
+    i2 = 1 if d > 1 else -1
+    v2 = 0.0 if d > 1 else -np.inf
+    for kk in range(n):
+        i = perm[kk]
+        l = lengths[i]
+        best_j = -1
+        best_o = np.inf
+        best_own = np.inf
+        for j in range(d):
+            if caps[j] < l:
+                continue
+            p = rank_profile[j]
+            cn = cc[j] + t_sum[p, i]
+            en = ee[j] if lmax[j] >= l else t_full[p, i] * (pp - 1)
+            own = cn + en
+            other = v2 if j == i1 else v1
+            o = own if own > other else other
+            if o < best_o or (o == best_o and own < best_own):
+                best_o = o
+                best_own = own
+                best_j = j
+        j = best_j
+        assign[i] = j
+        p = rank_profile[j]
+        cc[j] += t_sum[p, i]
+        if l > lmax[j]:
+            lmax[j] = l
+            ee[j] = t_full[p, i] * (pp - 1)
+        v = cc[j] + ee[j]
+        if j == i1:
+            v1 = v
+        elif v > v1:
+            i2 = i1
+            v2 = v1
+            i1 = j
+            v1 = v
+        elif j == i2 or v > v2:
+            i2 = j
+            v2 = v
+    return v1
+
+
+@njit(cache=True)
 def hydraulis_dispatch(coeffs, rank_profile, caps, lengths, pp, trials, seed):
     """Hydraulis Algorithm 1 (Appendix D.2): greedy dispatch of pieces to DP ranks (pipelines), each piece to
     the rank that keeps the largest lower bound (Eq. 2: sum T(l) + T(max l) * (PP - 1)) smallest, over
@@ -252,52 +306,7 @@ def hydraulis_dispatch(coeffs, rank_profile, caps, lengths, pp, trials, seed):
     desc = np.argsort(-lengths, kind="mergesort")
     for trial in range(trials):
         perm = desc if trial == 0 else np.random.permutation(n)
-        cc[:] = 0.0
-        ee[:] = 0.0
-        lmax[:] = 0
-        # top two of cc + ee, to get max over k != j in O(1)
-        i1 = 0
-        v1 = 0.0
-        i2 = 1 if d > 1 else -1
-        v2 = 0.0 if d > 1 else -np.inf
-        for kk in range(n):
-            i = perm[kk]
-            l = lengths[i]
-            best_j = -1
-            best_o = np.inf
-            best_own = np.inf
-            for j in range(d):
-                if caps[j] < l:
-                    continue
-                p = rank_profile[j]
-                cn = cc[j] + t_sum[p, i]
-                en = ee[j] if lmax[j] >= l else t_full[p, i] * (pp - 1)
-                own = cn + en
-                other = v2 if j == i1 else v1
-                o = own if own > other else other
-                if o < best_o or (o == best_o and own < best_own):
-                    best_o = o
-                    best_own = own
-                    best_j = j
-            j = best_j
-            assign[i] = j
-            p = rank_profile[j]
-            cc[j] += t_sum[p, i]
-            if l > lmax[j]:
-                lmax[j] = l
-                ee[j] = t_full[p, i] * (pp - 1)
-            v = cc[j] + ee[j]
-            if j == i1:
-                v1 = v
-            elif v > v1:
-                i2 = i1
-                v2 = v1
-                i1 = j
-                v1 = v
-            elif j == i2 or v > v2:
-                i2 = j
-                v2 = v
-        obj = v1
+        obj = _dispatch_trial(perm, lengths, caps, rank_profile, t_sum, t_full, pp, assign, cc, ee, lmax)
         if obj < best_obj:
             best_obj = obj
             best_assign[:] = assign

@@ -80,6 +80,11 @@ def test_no_module_over_450_lines():
     assert [(n, p) for n, p in cm.module_lines() if n > 450] == []
 
 
+def test_no_function_over_80_lines():
+    """Numba kernels included: a long kernel is split into its passes, each a kernel of its own."""
+    assert cm.long_functions(80) == []
+
+
 def test_no_script_shadows_an_installed_package():
     """A script's own folder comes first on sys.path, so benchmarks/tokenizers.py once hid Hugging Face's
     `tokenizers` from everything the benchmarks (and any test that put benchmarks/ on the path) imported."""

@@ -262,7 +262,7 @@ def step_times_ranks_sliced(pp, vpp, kind, fwd, bwd, offsets, e_offsets, e_src, 
         f, b = rank_stage_times(fwd, bwd, a, m, V, vpp)
         src, dst = rank_edges(e_offsets, e_src, e_dst, r)
         E = src.shape[0]
-        order = backward_order_kernel(m, src, dst)
+        order = backward_order_kernel(m, src, dst) if E > 0 else np.arange(m)  # no edges: FIFO, no sort
         ops = build_ops(pp, vpp, m, kind, order)
         in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid = edge_csr(m, src, dst)
         zero_vm = np.zeros((V, m), dtype=np.float64)

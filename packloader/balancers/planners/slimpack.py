@@ -150,8 +150,8 @@ class SlimPackPlanner(PackingPlanner):
 
     def _place_merged(self, pieces, c, f, rank, members, offs, merged, v, attempt):
         """The DP-Merge pieces, before each rank packs its own: each on the earliest run of pack positions free on
-        every rank of its group, leaving each rank packs for its own pieces. Returns (slot, segments, groups, sliced spans, micro-batch
-        count), or None when a piece finds no room."""
+        every rank of its group, leaving each rank packs for its own pieces. Returns (slot, segments, groups,
+        sliced spans, micro-batch count), or None when a piece finds no room."""
         cfg = self.config
         dp, cap = cfg.parallel.dp, cfg.max_tokens
         slicing = cfg.allow_slicing

@@ -109,7 +109,7 @@ def test_every_package_folder_is_in_the_wheel():
                 rel = f.parent.relative_to(path)
                 found.add(".".join((name, *rel.parts)))
     assert sorted(found - set(setup["packages"])) == []
-    data = {pkg: globs for pkg, globs in setup.get("package-data", {}).items()}
+    data = setup.get("package-data", {})
     for pkg in found:
         folder = roots[pkg.split(".")[0]].joinpath(*pkg.split(".")[1:])
         kinds = {f.suffix for f in folder.iterdir() if f.is_file() and f.suffix in (".json", ".csv")}

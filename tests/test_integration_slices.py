@@ -398,19 +398,20 @@ def test_refusals_point_to_the_pipeline_schedule_where_it_is_installed(monkeypat
 # ----------------------------------------------------------------------------------------- Megatron PP > 1
 
 
-def _pp2_loader(ds, epochs, **kw):
+def _pp2_loader(ds, epochs):
     from packloader.contracts import ParallelConfig
 
     cfg = PlanConfig(strategy="slimpack", max_tokens=64, context=256, tokens_per_step=400, num_micro_batches=MB,
                      parallel=ParallelConfig(pp=2))
-    return PackedLoader(IterableSource(ds), config=cfg, num_threads=0, append_eos=False, epochs=epochs, **kw)
+    return PackedLoader(IterableSource(ds), config=cfg, num_threads=0, append_eos=False, epochs=epochs)
 
 
 def _megatron_config(pp, tp=1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     extra = dict(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float64) if pp > 1 else {}
-    extra.update(tensor_model_parallel_size=tp) if tp > 1 else None
+    if tp > 1:
+        extra["tensor_model_parallel_size"] = tp
     return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                              ffn_hidden_size=64, use_cpu_initialization=True, calculate_per_token_loss=True,
                              hidden_dropout=0.0, attention_dropout=0.0, **extra)
@@ -455,7 +456,8 @@ def _rank_megatron_pipeline(rank, world, pos="learned_absolute", steps=2, tp=1):
     state = {k: v.clone() if torch.is_tensor(v) else v for k, v in full.state_dict().items()}
     docs = corpus()
     ref = None
-    if rank == 0 or tp > 1:  # every document whole, on its own, through the unsplit model: summed token loss and gradients
+    # every document whole, on its own, through the unsplit model: summed token loss and gradients
+    if rank == 0 or tp > 1:
         ref_loss = 0.0
         for d in docs:
             x = torch.from_numpy(d).long().unsqueeze(0)
@@ -492,8 +494,7 @@ def _rank_megatron_pipeline(rank, world, pos="learned_absolute", steps=2, tp=1):
     shard = {n: (lambda t, n=n: t.chunk(tp, split[n])[tp_rank] if n in split else t) for n in names.values()}
     stage.load_state_dict({k: shard[names[k]](state[names[k]]) for k in stage.state_dict()})
     # two epochs of one step each: the second step reuses the stage and schedule (buffers re-sized, a new plan)
-    it = pm.MegatronDataIterator(_pp2_loader(docs, 2, **({"dp_rank": 0} if tp > 1 else {})), num_microbatches=MB,
-                                 slices=True)
+    it = pm.MegatronDataIterator(_pp2_loader(docs, 2), num_microbatches=MB, slices=True)
     it = (dict(b, step_plan=_reversed_backward(b["step_plan"])) for b in it)
     out = dict(ref=ref, orders=[], kv_left=[], losses=[], tokens=[])
     for _ in range(steps):

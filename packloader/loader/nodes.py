@@ -42,11 +42,12 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from packloader.balancers.draw import cut_pieces, step_ends
-from packloader.balancers.planners.packing import FLUSH, flush_state
+from packloader.balancers.planners.packing import FLUSH, cost_model_for, flush_state
 from packloader.collate.collate import collate_step, loss_tokens_in_plan
-from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerState, StepPlan
+from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerState, StepMetrics, StepPlan
 from packloader.loader.chunks import Chunk, ChunkNode
 from packloader.loader.distributed import RankExchange, digest
+from packloader.loader.step_metrics import padding_of, step_metrics
 from packloader.sources.order import split_range
 from packloader.sources.stream import DocumentStream
 
@@ -67,6 +68,7 @@ class StepWork:
     # StepNode states: replaying from `state_before` plans this step again; `state_after` plans the next one
     state_before: dict | None = None
     state_after: dict | None = None
+    metrics: StepMetrics | None = None  # the step's record for the trainer's logs (padding added at collation)
 
 
 class StepNode(BaseNode[StepWork]):
@@ -299,6 +301,8 @@ class StepNode(BaseNode[StepWork]):
         self.stats.rank_micro_batches += len(mbs)
         self.stats.rank_tokens += sum(mb.num_tokens for mb in mbs)
         epoch = self.epoch
+        model = getattr(self.planner, "model", None) or cost_model_for(cfg)
+        metrics = step_metrics(plan, model, cfg, epoch=epoch, state_in=state_in, state_out=new_state)
         last = False
         if done:
             if new_state.queued:
@@ -310,7 +314,7 @@ class StepNode(BaseNode[StepWork]):
         else:
             self.pos = int(self._buf_ids[self._buf_at]) % self.stream.num_docs if self._buf_at < len(self._buf_ids) \
                 else self._next_pos_after_buffer()
-        return StepWork(step, epoch, plan, mbs, lengths, tokens, loss_tokens, last, self.stats.copy())
+        return StepWork(step, epoch, plan, mbs, lengths, tokens, loss_tokens, last, self.stats.copy(), metrics=metrics)
 
     def _next_pos_after_buffer(self) -> int:
         if len(self._buf_ids):
@@ -371,10 +375,14 @@ class StepCollator:
 
     def __call__(self, work: StepWork) -> Sequence:
         tokens = read_missing(self.stream, work).tokens
+        metrics = work.metrics
+        if metrics is not None:
+            pad = padding_of(work.plan, self.kw["pad_to_multiple"], self.kw["pad_to_tokens"])
+            metrics = msgspec.structs.replace(metrics, padding_tokens=pad)
         out = collate_step([mb.segments for mb in work.micro_batches], tokens, step=work.step,
                            loss_tokens_in_step=work.loss_tokens, dp_groups=[mb.dp_group for mb in work.micro_batches],
                            epoch=work.epoch, last_in_epoch=work.last_in_epoch, plan=work.plan, stats=work.stats,
-                           **self.kw)
+                           step_metrics=metrics, **self.kw)
         if not out and work.last_in_epoch:
             # a rank with no micro-batch in the epoch's last step still needs to see the epoch end
             return [None]

@@ -46,6 +46,7 @@ State: the winner's queue is the new state (only wlb queues); a flush plans ever
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.coeffs import doc_time_split
-from packloader.balancers.cost.memory import GiB, MemoryModel, memory_limit_bytes, memory_model_for
+from packloader.balancers.cost.memory import GiB, MemoryModel, fit_advice, memory_limit_bytes, memory_model_for
 from packloader.balancers.planners.base import Solver, StepLayout
 from packloader.balancers.planners.fixed import FixedPlanner
 from packloader.balancers.planners.hydraulis import HydraulisPlanner
@@ -79,6 +80,8 @@ TOLERANCE = 0.005  # simulated step times this close count as equal (the cost mo
 DELAY_MEAN_MAX = 0.5  # steps: the run's mean delay over all tokens, what is queued counted as trained next step
 QUEUE_MAX_SHARE = 0.5  # of config.tokens_per_step: the most tokens held back after a step
 DELAY_KEY = "auto_delay"  # PlannerState.extra: [tokens trained so far, token-steps of delay so far]
+
+log = logging.getLogger("packloader.planner")
 
 
 @dataclass(frozen=True)
@@ -294,7 +297,19 @@ class AutoPlanner:
         plan = packing.to_step_plan(step)
         plan.planner = best.cand.planner
         plan.memory_over = over
+        if over > 0:
+            self.warn_memory(step, best.peak, over)
         return plan, packing.state()
+
+    def warn_memory(self, step: int, peak: float, over: float) -> None:
+        """No candidate fits: a warning the first time (later steps at debug level; `memory_summary` counts
+        them), saying by how much and what to change."""
+        level = logging.WARNING if self.memory_over_steps <= 1 else logging.DEBUG
+        cfg = self.config
+        log.log(level, "step %d: no candidate plan fits in memory: the lowest simulated peak, %.1f GiB, is %.2fx the "
+                "%.1f GiB usable of the %g GiB %s (%s, %s). Change: %s", step, peak / GiB, over, self.mem_limit / GiB,
+                self.memory.memory_gib, self.device.upper(), cfg.model, _layout(cfg),
+                fit_advice(self.memory, cfg.max_tokens, None if cfg.allow_slicing else cfg.context))
 
     def choose(self, results: list["_Result"]) -> tuple["_Result", float]:
         """The winner among scored candidates (module docstring) and its peak over the memory limit (0 when it
@@ -347,7 +362,7 @@ class AutoPlanner:
                 f"{self.device.upper()}: " + "; ".join(parts))
         if self.memory_over_steps:
             text += (f"; in {self.memory_over_steps} steps no candidate fit and the lowest peak was taken "
-                     f"(StepPlan.extra['memory_over'])")
+                     f"(StepPlan.memory_over)")
         return text
 
     def fits(self, r: "_Result") -> bool:
@@ -386,6 +401,11 @@ class _Result:
         if self._imbalance is None:
             self._imbalance = imbalance_degree(self.packing)
         return self._imbalance
+
+
+def _layout(cfg: PlanConfig) -> str:
+    p = cfg.parallel
+    return f"dp {p.dp}, pp {p.pp}, cp {p.cp}, tp {p.tp}, max_tokens {cfg.max_tokens:,}, context {cfg.context:,}"
 
 
 @register_planner("auto", slices=True)

@@ -73,6 +73,8 @@ _EXPORTS: dict[str, str] = {
     "shard_micro_batch": "packloader.collate.cp_shard",
     "CostModel": "packloader.balancers.cost.model",
     "load_cost_model": "packloader.balancers.cost.resolve",
+    "model_spec": "packloader.balancers.cost.from_config",
+    "shape_from_config": "packloader.balancers.cost.from_config",
     "measured_profile": "packloader.balancers.cost.measured",
     "simulate_step": "packloader.balancers.sim.simulator",
     "score_plans": "packloader.balancers.sim.metrics",

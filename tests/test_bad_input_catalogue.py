@@ -255,13 +255,24 @@ def pattern_matches_nothing(tmp):
                        "--tokenizer", "bytes", "--no-progress")
 
 
-def state_from_another_config(tmp):
+def _foreign_state(tmp):
+    """A loader and a state saved by one configured with another max_tokens and context."""
     docs = [np.arange(1, 1 + n, dtype=np.int32) for n in (5, 70, 30, 200, 12) * 10]
     a = PackedLoader(IterableSource(docs), config=_config(), num_threads=0)
     next(iter(a))
     state = a.state_dict()
     b = PackedLoader(IterableSource(docs), config=_config(max_tokens=512, context=512), num_threads=0)
+    return b, state
+
+
+def state_from_another_config(tmp):
+    b, state = _foreign_state(tmp)
     return lambda: b.load_state_dict(state)
+
+
+def state_from_another_config_not_strict(tmp):
+    b, state = _foreign_state(tmp)
+    return lambda: b.load_state_dict(state, strict=False)
 
 
 def cli_number_zero(tmp):
@@ -345,7 +356,9 @@ CASES = [
          ("mix mixes file formats", "parquet: ", "a.parquet", "jsonl: ", "b.jsonl", "nothing was read")),
     Case("pattern_matches_nothing", pattern_matches_nothing, CliExit, ("exit 1", "no files match '*.py'")),
     Case("state_from_another_config", state_from_another_config, ValueError,
-         ("differently configured loader", "max_tokens")),
+         ("differently configured loader", "max_tokens", "so it is refused")),
+    Case("state_from_another_config_not_strict", state_from_another_config_not_strict, ValueError,
+         ("differently configured loader", "so it is refused")),
     Case("cli_number_zero", cli_number_zero, CliExit,
          ("exit 2", "argument --dp: must be >= 1 and <= 131,072 (field parallel.dp), got 0")),
     Case("cli_number_too_large", cli_number_too_large, CliExit, ("exit 2", "argument --max-tokens", "<= 1,099,511,627,776 (field max_tokens)")),

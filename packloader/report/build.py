@@ -63,10 +63,14 @@ def _reference(figs: list[StrategyFigures]) -> StrategyFigures | None:
 
 
 def _mb_costs(run: StrategyRun, model: CostModel, steps: int) -> np.ndarray:
-    """Forward + backward time of every micro-batch of the drawn steps (a DP-Merge micro-batch once)."""
+    """Forward + backward time of every micro-batch of the drawn steps (a DP-Merge micro-batch once), each over
+    the mean micro-batch of its own step: 1.0 is even. Raw times pooled over steps would mix steps whose
+    micro-batches differ in size (auto picks a count per step), so a strategy that is even inside every step
+    would look uneven; within a step is where the pipeline and the DP ranks wait for the slowest one."""
     out = []
     seen: set = set()
     for plan in run.plans[:steps]:
+        step = []
         for rank in plan.ranks:
             for mb in rank.micro_batches:
                 if mb.dp_group and len(mb.dp_group) > 1:
@@ -75,7 +79,10 @@ def _mb_costs(run: StrategyRun, model: CostModel, steps: int) -> np.ndarray:
                         continue
                     seen.add(key)
                 f, b = model.microbatch_times(mb)
-                out.append(f + b)
+                step.append(f + b)
+        mean = float(np.mean(step)) if step else 0.0
+        if mean > 0:
+            out += [t / mean for t in step]
     return np.asarray(out)
 
 
@@ -207,8 +214,8 @@ def _plots(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
             take += " Hatched bars need more memory than a GPU has."
         if adv is not None and (adv.strategy, adv.max_tokens, adv.num_micro_batches) != (
                 best.name, report.settings.max_tokens, round(best.micro_batches_mean)):
-            take += (f" Advice after trying other caps and micro-batch counts: {adv.strategy}, cap {adv.max_tokens:,}, "
-                     f"{adv.num_micro_batches} micro-batches per rank ({adv.speedup_vs_baseline:.2f}x).")
+            take += (f" Advice after trying other caps and micro-batch counts: {adv.settings_text()} "
+                     f"({adv.speedup_vs_baseline:.2f}x).")
     else:
         take = f"Fastest: {fastest.name} at {fastest.tokens_per_second / 1e3:,.0f}k tokens/s."
     images["summary"] = plots.plot_summary(
@@ -216,11 +223,11 @@ def _plots(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
         [f.tokens_planned / f.bound_time_total if f.bound_time_total > 0 else 0.0 for f in ok],
         [f.step_time_mean * 1e3 for f in ok], flags, report.settings.gpus, take)
     costs = {f.name: _mb_costs(runs[f.name], model, f.steps) for f in ok}
-    spread = {n: float(c.max() / np.median(c)) for n, c in costs.items() if len(c) and np.median(c) > 0}
+    spread = {n: float(c.max()) for n, c in costs.items() if len(c)}
     take = "A pipeline waits for its slowest micro-batch."
     if spread:
         even = min(spread, key=spread.get)
-        take += f" Most even: {even} (slowest {spread[even]:.1f}x the median)"
+        take += f" Most even: {even} (slowest {spread[even]:.1f}x its step's mean)"
         if ref is not None and ref.name in spread and ref.name != even:
             take += f"; the fastest baseline, {ref.name}: {spread[ref.name]:.1f}x"
         take += "."

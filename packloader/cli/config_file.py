@@ -3,7 +3,8 @@ Structs the library takes. The layout and model keys are PlanConfig's fields (`p
 ParallelConfig's: `{"parallel": {"dp": 8, "pp": 4}, "max_tokens": 65536}`), so a config written for
 `PlanConfig(**...)` works as is; the command's other options use their flag names with underscores
 (`tokens_per_step`, `lengths`, `out`). Flags on the command line override the file; an unknown key is an error
-naming the key and the file. YAML needs pyyaml (the `yaml` extra); TOML is read with the standard library."""
+naming the key and the file. YAML needs pyyaml (the `yaml` extra); TOML is read with the standard library's
+tomllib (tomli on Python 3.10)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ def read_config_file(path: str) -> dict[str, Any]:
                                       "or write the file as JSON or TOML") from None
             data = yaml.safe_load(raw)
         elif suffix == ".toml":
-            import tomllib
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10: the tomli backport (a dependency there)
+                import tomli as tomllib
 
             data = tomllib.loads(raw.decode("utf-8"))
         else:

@@ -28,8 +28,11 @@ def step_metrics(plan: StepPlan, model, config: PlanConfig, *, epoch: int, state
                  state_out: PlannerState, padding: int = 0) -> StepMetrics:
     """The step's record. `state_in`: the planner state the step was planned from (its queue says when each held
     piece was drawn); `state_out`: the state after it (what is queued now)."""
+    # the registry's planners price each micro-batch as they plan it: scoring with those costs is 20x cheaper than
+    # pricing every micro-batch again in Python (about 0.2 ms against 4 ms for a step of 130 micro-batches)
+    priced = all(mb.fwd_cost > 0 or not mb.segments for r in plan.ranks for mb in r.micro_batches)
     s = score_plan(plan, model, config.parallel, max_tokens=config.max_tokens, schedule=config.schedule,
-                   drawn=state_in)
+                   drawn=state_in, use_plan_costs=priced)
     return StepMetrics(
         step=plan.step, epoch=epoch, planner=plan.planner or config.strategy, micro_batches=s.micro_batches,
         step_time=s.step_time, bound_time=s.bound_time, imbalance=s.imbalance, dp_spread=s.dp_spread,

@@ -227,9 +227,9 @@ def _plots(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
     take = "A pipeline waits for its slowest micro-batch."
     if spread:
         even = min(spread, key=spread.get)
-        take += f" Most even: {even} (slowest {spread[even]:.1f}x its step's mean)"
+        take += f" Most even: {even} (slowest {spread[even]:.2f}x its step's mean)"
         if ref is not None and ref.name in spread and ref.name != even:
-            take += f"; the fastest baseline, {ref.name}: {spread[ref.name]:.1f}x"
+            take += f"; the fastest baseline, {ref.name}: {spread[ref.name]:.2f}x"
         take += "."
     images["costs"] = plots.plot_costs(str(out / "costs.png"), costs, roles, take)
     if ref is not None and best is not None and ref.per_step and best.per_step:

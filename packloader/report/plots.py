@@ -112,8 +112,8 @@ def plot_costs(path: str, costs: dict[str, np.ndarray], roles: dict[str, str], t
     ax.axvline(1.0, color="#555555", lw=0.8, ls="--")
     top = max((float(np.max(v)) for v in costs.values() if len(v)), default=1.0)
     ax.set_xlim(0, top * 1.25)
-    ax.set_title("each dot is one micro-batch of one step; 1.0 (dashed) = as long as the step's mean micro-batch; "
-                 "box: middle half, line: median, whiskers: min to max", fontsize=9, loc="left", color="#555555")
+    ax.set_title("each dot: one micro-batch of one step; dashed: the step's mean; box: middle half, line: median, "
+                 "whiskers: min to max", fontsize=9, loc="left", color="#555555")
     _title(fig, ax, "How even are the micro-batches?", takeaway)
     return _save(fig, path)
 

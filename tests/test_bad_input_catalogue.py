@@ -275,6 +275,18 @@ def state_from_another_config_not_strict(tmp):
     return lambda: b.load_state_dict(state, strict=False)
 
 
+def config_file_unknown_key(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    (tmp / "run.json").write_text(json.dumps({"lengths": str(tmp / "ok.npy"), "parallel": {"dp": 2}, "max_tokenz": 8}))
+    return lambda: cli("plan", "--config", str(tmp / "run.json"))
+
+
+def model_shape_incomplete(tmp):
+    from packloader.balancers.cost.resolve import load_cost_model
+
+    return lambda: load_cost_model("shape:mine:hidden=4096,layers=32")
+
+
 def cli_number_zero(tmp):
     np.save(tmp / "ok.npy", np.array([10, 20, 30]))
     return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--dp", "0", "--quiet")
@@ -359,6 +371,10 @@ CASES = [
          ("differently configured loader", "max_tokens", "so it is refused")),
     Case("state_from_another_config_not_strict", state_from_another_config_not_strict, ValueError,
          ("differently configured loader", "so it is refused")),
+    Case("config_file_unknown_key", config_file_unknown_key, CliExit,
+         ("exit 2", "run.json: unknown key 'max_tokenz' for this command; expected one of:", "max_tokens")),
+    Case("model_shape_incomplete", model_shape_incomplete, KeyError,
+         ("shape:mine:hidden=4096,layers=32", "missing: heads, kv_heads, head_dim, ffn, vocab, gated_mlp")),
     Case("cli_number_zero", cli_number_zero, CliExit,
          ("exit 2", "argument --dp: must be >= 1 and <= 131,072 (field parallel.dp), got 0")),
     Case("cli_number_too_large", cli_number_too_large, CliExit, ("exit 2", "argument --max-tokens", "<= 1,099,511,627,776 (field max_tokens)")),

@@ -131,8 +131,8 @@ def collate_step(
 
     `index_in_step[i]`, `extra[i]` and `dp_groups[i]` are micro-batch i's index in the step (default i), extra
     entries (on top of `common_extra`, which all share) and DP-Merge group; `micro_batches_in_step` defaults to
-    len(micro_batches). `epoch`, `plan`, `stats` and `step_metrics` go to every batch, `last_in_epoch` to the last one only (the
-    loader's bookkeeping, see PackedBatch). The tensors are views of per-step arrays (a trainer that keeps one
+    len(micro_batches). `epoch`, `plan`, `stats` and `step_metrics` go to every batch, `last_in_epoch` to the last
+    one only (the loader's bookkeeping, see PackedBatch). The tensors are views of per-step arrays (a trainer that keeps one
     batch keeps its step's buffers, a few bytes per token of the step).
     """
     if layout not in LAYOUTS:

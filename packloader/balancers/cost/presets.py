@@ -160,8 +160,10 @@ def parse_shape_spec(text: str) -> ModelShape:
             raise KeyError(f"model {text!r}: {item!r} is not one of {', '.join(SHAPE_KEYS)} = a whole number")
         values[key.strip()] = int(value)
     missing = [k for k in SHAPE_KEYS if k not in values]
-    if missing or any(values[k] < 1 for k in SHAPE_KEYS if k != "gated_mlp"):
-        raise KeyError(f"model {text!r}: needs {', '.join(SHAPE_KEYS)}, each >= 1 (missing: {', '.join(missing)})")
+    low = [k for k in SHAPE_KEYS[:-1] if values.get(k, 1) < 1] + (["gated_mlp"] if values.get("gated_mlp", 0) > 1 else [])
+    if missing or low:
+        raise KeyError(f"model {text!r}: needs {', '.join(SHAPE_KEYS[:-1])} (each >= 1) and gated_mlp (0 or 1); "
+                       f"missing: {', '.join(missing) or 'none'}; out of range: {', '.join(low) or 'none'}")
     return ModelShape(name=parts[1] or "model", hidden=values["hidden"], layers=values["layers"],
                       heads=values["heads"], kv_heads=values["kv_heads"], ffn=values["ffn"], vocab=values["vocab"],
                       gated_mlp=bool(values["gated_mlp"]), head_size=values["head_dim"])

@@ -133,3 +133,19 @@ def test_version_in_one_place_and_typed_marker():
     assert (ROOT / "packloader" / "py.typed").is_file()
     assert '"py.typed"' in text  # packaged with the wheel
     assert f"## {packloader.__version__}" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_calibrate_takes_its_options_from_a_file(tmp_path):
+    out = tmp_path / "cpu.json"
+    cfg = write(tmp_path, ".toml", {"device": "cpu", "hidden": 32, "heads": 4, "kv_heads": 2, "head_dim": 8,
+                                    "ffn": 64, "max_len": 256, "lengths": 5, "sizes": 4, "repeats": 1, "warmup": 0,
+                                    "quiet": True, "out": str(out)})
+    assert main(["calibrate", "--config", str(cfg)]) == 0
+    prof = msgspec.json.decode(out.read_bytes())
+    assert prof["device"].startswith("cpu:") and prof["attn_fwd"]
+
+
+def test_plan_summary_names_the_cost_model(lengths, tmp_path, capsys):
+    assert main(["plan", "--lengths", str(lengths), "--max-tokens", "2048", "--tokens-per-step", "8192",
+                 "--model", "tiny", "--out", str(tmp_path / "p.jsonl")]) == 0
+    assert "priced by tiny@" in capsys.readouterr().err

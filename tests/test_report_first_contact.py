@@ -64,3 +64,15 @@ def test_report_prints_the_settings(tmp_path, capsys):
     line = next(x for x in text.splitlines() if x.strip().startswith("settings:"))
     assert f"strategy={adv['strategy']}" in line and f"max_tokens={adv['max_tokens']:,}" in line
     assert "micro-batches per DP rank," not in text
+
+
+def test_report_does_not_flood_with_memory_warnings(tmp_path, capsys):
+    # llama3-8b on one GPU without tp: nothing fits; the report says so in its notes, not in a warning per planner
+    np.save(tmp_path / "l.npy", longtail(800, 3))
+    out = tmp_path / "out"
+    assert main(["report", "--lengths", str(tmp_path / "l.npy"), "--max-tokens", "4096", "--tokens-per-step", "16384",
+                 "--steps", "2", "--strategies", "auto", "--no-plots", "--no-advice", "--no-progress",
+                 "--out", str(out)]) == 0
+    notes = json.loads((out / "report.json").read_text())["notes"]
+    assert any("no candidate fit" in n for n in notes), notes
+    assert "no candidate plan fits in memory" not in capsys.readouterr().err

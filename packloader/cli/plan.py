@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
         s = run_scores
         docs = sum(len(set(w.doc.tolist())) for w in result.windows)
         print(
-            f"packloader plan: {s.steps} steps, {docs} documents, {s.tokens} tokens, strategy {config.strategy}; "
+            f"packloader plan: {s.steps} steps, {docs} documents, {s.tokens} tokens, strategy {config.strategy}, "
+            f"priced by {model.name}; "
             f"imbalance {s.imbalance_mean:.3f} (max {s.imbalance_max:.3f}), DP spread {s.dp_spread_mean:.4f}, "
             f"simulated efficiency {s.efficiency:.3f}, packing {s.packing_efficiency:.3f}, "
             f"delay mean {s.delay_mean:.3f} / max {s.delay_max} steps (share {s.delay_share:.3f}), split {s.split_share:.3f}, "

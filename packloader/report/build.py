@@ -4,6 +4,8 @@ advice, write the JSON, the PNGs and the HTML page. The CLI (`packloader report`
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -86,8 +88,26 @@ def _mb_costs(run: StrategyRun, model: CostModel, steps: int) -> np.ndarray:
     return np.asarray(out)
 
 
+@contextlib.contextmanager
+def _quiet_planners():
+    """The report plans many layouts and caps on purpose, and `auto` warns once per planner when none of its plans
+    fits in memory: a flood here. The report's memory columns and notes say it instead."""
+    log = logging.getLogger("packloader.planner")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions | None = None) -> tuple[Report, dict[str, StrategyRun]]:
     """The report of `config` (layout, caps, model, steps via `config.tokens_per_step`) over `lengths`."""
+    with _quiet_planners():
+        return _build_report(lengths, config, options)
+
+
+def _build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions | None) -> tuple[Report, dict[str, StrategyRun]]:
     from tqdm.auto import tqdm
 
     opt = options or ReportOptions()

@@ -80,8 +80,9 @@ def test_delay_follows_the_queue(docs):
     assert sum(m.delayed_tokens for m in ms) >= max(m.queued_tokens for m in ms)
 
 
-def test_times_and_balance_by_hand(docs):
-    cfg = config("fixed", dp=2)
+@pytest.mark.parametrize("strategy", ["fixed", "wlb"])  # fixed leaves micro-batch costs out, wlb prices them
+def test_times_and_balance_by_hand(docs, strategy):
+    cfg = config(strategy, dp=2)
     model = load_cost_model("tiny", cfg.parallel)
     for batches in run_ranks(cfg, docs).values():
         m = batches[0].step_metrics

@@ -26,7 +26,7 @@ output: one JSON line per step (the whole file by default; --steps N for the fir
             start marks a slice that attends to its document's earlier tokens),
    "costs": [[[fwd, bwd] seconds per micro-batch] per DP rank], predicted by the cost model (--model),
    "memory_over": the simulated peak memory of one GPU over the device's usable memory (> 1) when no
-            candidate plan fits, else 0,
+            candidate plan fits, else 0 (auto checks memory; the other strategies write 0),
    and, when present: "dp_groups" [[rank, position, [ranks]]] (micro-batches run by several DP ranks
    together), "backward_order" (per rank), "delayed" (documents held back for a later step)}
 

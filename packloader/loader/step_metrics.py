@@ -28,8 +28,9 @@ def step_metrics(plan: StepPlan, model, config: PlanConfig, *, epoch: int, state
                  state_out: PlannerState, padding: int = 0) -> StepMetrics:
     """The step's record. `state_in`: the planner state the step was planned from (its queue says when each held
     piece was drawn); `state_out`: the state after it (what is queued now)."""
-    # the registry's planners price each micro-batch as they plan it: scoring with those costs saves pricing every
-    # micro-batch again in Python (docs/benchmarks.md, "First run": about 0.25 ms against 1.9 ms a step of 1M tokens)
+    # most of the registry's planners price each micro-batch as they plan it (fixed does not): scoring with those
+    # costs saves pricing every micro-batch again in Python (docs/benchmarks.md, "First run": 0.25 ms against
+    # 1.9 ms for a step of 1M tokens)
     priced = all(mb.fwd_cost > 0 or not mb.segments for r in plan.ranks for mb in r.micro_batches)
     s = score_plan(plan, model, config.parallel, max_tokens=config.max_tokens, schedule=config.schedule,
                    drawn=state_in, use_plan_costs=priced)

@@ -149,3 +149,15 @@ def test_plan_summary_names_the_cost_model(lengths, tmp_path, capsys):
     assert main(["plan", "--lengths", str(lengths), "--max-tokens", "2048", "--tokens-per-step", "8192",
                  "--model", "tiny", "--out", str(tmp_path / "p.jsonl")]) == 0
     assert "priced by tiny@" in capsys.readouterr().err
+
+
+def test_tokenize_takes_its_inputs_from_a_file(tmp_path):
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"text": "hello world"}\n{"text": "more text here"}\n')
+    cfg = write(tmp_path, ".json", {"inputs": str(src), "out": str(tmp_path / "out"), "tokenizer": "bytes",
+                                    "no_progress": True})
+    assert main(["tokenize", "--config", str(cfg)]) == 0
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(next((tmp_path / "out").glob("*.parquet")))
+    assert table.column("length").to_pylist() == [len("hello world") + 1, len("more text here") + 1]  # + EOS

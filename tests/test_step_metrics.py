@@ -29,7 +29,7 @@ def config(strategy="wlb", dp=2):
                       tokens_per_step=1024, allow_slicing=False, model="tiny")
 
 
-def run_ranks(cfg, docs, **kw):
+def batches_by_step(cfg, docs, **kw):
     """step -> every rank's batches of that step."""
     steps = defaultdict(list)
     for r in range(cfg.parallel.dp):
@@ -46,7 +46,7 @@ def docs():
 @pytest.mark.parametrize("strategy", ["wlb", "fixed"])
 def test_counts_match_the_collated_tensors(docs, strategy):
     cfg = config(strategy)
-    steps = run_ranks(cfg, docs, pad_to_multiple=8)
+    steps = batches_by_step(cfg, docs, pad_to_multiple=8)
     assert len(steps) > 3
     trained = 0
     for s, batches in steps.items():
@@ -65,7 +65,7 @@ def test_counts_match_the_collated_tensors(docs, strategy):
 
 
 def test_delay_follows_the_queue(docs):
-    steps = run_ranks(config("wlb"), docs)
+    steps = batches_by_step(config("wlb"), docs)
     ms = [b[0].step_metrics for b in steps.values()]
     assert any(m.queued_tokens for m in ms), "the corpus should make wlb hold outliers back"
     prev = 0
@@ -84,7 +84,7 @@ def test_delay_follows_the_queue(docs):
 def test_times_and_balance_by_hand(docs, strategy):
     cfg = config(strategy, dp=2)
     model = load_cost_model("tiny", cfg.parallel)
-    for batches in run_ranks(cfg, docs).values():
+    for batches in batches_by_step(cfg, docs).values():
         m = batches[0].step_metrics
         plan = batches[0].plan
         rank_times, imbalances = [], []

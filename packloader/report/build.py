@@ -192,7 +192,7 @@ def _write(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
         captions = {
             "Simulated throughput per strategy": images.get("summary"),
             "Document lengths and attention work": images.get("lengths"),
-            "Micro-batch time per strategy": images.get("costs"),
+            "Micro-batch time over its step's mean, per strategy": images.get("costs"),
             "One step's pipeline timeline": images.get("timeline"),
         }
         files["html"] = str(html_path)

@@ -7,8 +7,8 @@ The cold run gets a fresh NUMBA_CACHE_DIR (so nothing compiled before is found),
 again. CPU time (user + system of the child) is printed next to wall time: on a shared machine the wall time
 grows with other processes' load, the CPU time much less. Step metrics: `loader.step_metrics.step_metrics` over
 the steps of a 20,000-document long-tail lengths array planned by `wlb` (1M tokens per step, 8K micro-batches),
-with the planner's own costs (as the loader does) and with every micro-batch priced again; the fastest of
-`--repeats` interleaved passes.
+with the planner's own costs, for the same plans without costs (priced in one numba call, as the loader does
+for `fixed`), and scored by pricing each micro-batch in Python; the fastest of `--repeats` interleaved passes.
 """
 
 from __future__ import annotations
@@ -40,9 +40,12 @@ def timed_demo(cache: str, out: str) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def metrics_cost(repeats: int) -> tuple[float, float, int]:
+def metrics_cost(repeats: int) -> tuple[list[float], int]:
+    """ms per step of StepMetrics: with the planner's costs, priced by the loader in one numba call (a planner that
+    leaves costs out, as fixed does), and every micro-batch priced in Python (score_plan's own path)."""
     from packloader.balancers.offline import plan_run
     from packloader.balancers.planners.packing import cost_model_for
+    from packloader.balancers.sim.metrics import score_plan
     from packloader.contracts import PlanConfig, PlannerState
     from packloader.loader.step_metrics import step_metrics
 
@@ -55,17 +58,22 @@ def metrics_cost(repeats: int) -> tuple[float, float, int]:
                                                                        for m in r.micro_batches]) for r in p.ranks])
                 for p in plans]
     st = PlannerState()
-    best = [float("inf"), float("inf")]
-    for run in (plans, unpriced):
-        step_metrics(run[0], model, cfg, epoch=0, state_in=st, state_out=st)  # compiled before timing
+    runs = [
+        lambda p: step_metrics(p, model, cfg, epoch=0, state_in=st, state_out=st),
+        lambda p: step_metrics(p, model, cfg, epoch=0, state_in=st, state_out=st),
+        lambda p: score_plan(p, model, cfg.parallel, max_tokens=cfg.max_tokens, drawn=st),
+    ]
+    inputs = [plans, unpriced, unpriced]
+    for f, run in zip(runs, inputs):
+        f(run[0])  # compiled before timing
+    best = [float("inf")] * 3
     for _ in range(repeats):  # interleaved, the fastest pass of each kept: other processes' load only adds
-        for k, run in enumerate((plans, unpriced)):
+        for k, (f, run) in enumerate(zip(runs, inputs)):
             t = time.perf_counter()
             for p in run:
-                step_metrics(p, model, cfg, epoch=0, state_in=st, state_out=st)
+                f(p)
             best[k] = min(best[k], (time.perf_counter() - t) / len(run) * 1e3)
-    out = best
-    return out[0], out[1], int(np.mean([len(p.ranks[0].micro_batches) for p in plans]))
+    return best, int(np.mean([len(p.ranks[0].micro_batches) for p in plans]))
 
 
 def main() -> None:
@@ -77,7 +85,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cold = timed_demo(f"{tmp}/numba", f"{tmp}/cold")
         warm = timed_demo(f"{tmp}/numba", f"{tmp}/warm")
-    priced, unpriced, mbs = metrics_cost(args.repeats)
+    (priced, batched, python), mbs = metrics_cost(args.repeats)
     cmd = "python benchmarks/first_run.py" + (f" --write {shlex.quote(str(args.write))}" if args.write else "")
     text = f"""The first `packloader report --demo` compiles packloader's numba kernels; numba caches them (`cache=True`:
 `__pycache__` beside the sources, `~/.cache/numba` where that is not writable), so later runs skip it.
@@ -94,8 +102,8 @@ Machine: {os.cpu_count()} CPUs, load average {load:.1f} at the start (shared; wa
 | `report --demo`, numba cache warm | {warm[0]:.1f} | {warm[1]:.1f} |
 
 `StepMetrics` per step (1M tokens, {mbs} micro-batches per step, `wlb`; the fastest of {args.repeats} passes over 10
-steps): {priced:.2f} ms with the planner's own micro-batch costs (what the loader does), {unpriced:.2f} ms pricing
-every micro-batch again."""
+steps): {priced:.2f} ms with the planner's own micro-batch costs, {batched:.2f} ms for a plan without costs (as
+`fixed` plans) priced by the loader in one numba call, against {python:.2f} ms pricing each micro-batch in Python."""
     print(text)
     if args.write:
         write_section(args.write, "first_run", "First run: compile and cache", text)

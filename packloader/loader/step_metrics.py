@@ -3,6 +3,10 @@ loader's own counts (loss tokens, padding, the queue), so a trainer logs what th
 
 from __future__ import annotations
 
+import msgspec
+import numpy as np
+
+from packloader.balancers.cost.coeffs import microbatch_times_csr
 from packloader.balancers.sim.metrics import score_plan
 from packloader.contracts import PlanConfig, PlannerState, StepMetrics, StepPlan
 
@@ -28,12 +32,13 @@ def step_metrics(plan: StepPlan, model, config: PlanConfig, *, epoch: int, state
                  state_out: PlannerState, padding: int = 0) -> StepMetrics:
     """The step's record. `state_in`: the planner state the step was planned from (its queue says when each held
     piece was drawn); `state_out`: the state after it (what is queued now)."""
-    # most of the registry's planners price each micro-batch as they plan it (fixed does not): scoring with those
-    # costs saves pricing every micro-batch again in Python (docs/benchmarks.md, "First run": 0.25 ms against
-    # 1.9 ms for a step of 1M tokens)
+    # scored with micro-batch costs in the plan: most planners price them as they plan; the others' are priced here
+    # in one numba call. Pricing each micro-batch in Python instead costs about 5x as much (docs/benchmarks.md,
+    # "First run")
     priced = all(mb.fwd_cost > 0 or not mb.segments for r in plan.ranks for mb in r.micro_batches)
-    s = score_plan(plan, model, config.parallel, max_tokens=config.max_tokens, schedule=config.schedule,
-                   drawn=state_in, use_plan_costs=priced)
+    scored = plan if priced else _priced(plan, model)
+    s = score_plan(scored or plan, model, config.parallel, max_tokens=config.max_tokens, schedule=config.schedule,
+                   drawn=state_in, use_plan_costs=scored is not None)
     return StepMetrics(
         step=plan.step, epoch=epoch, planner=plan.planner or config.strategy, micro_batches=s.micro_batches,
         step_time=s.step_time, bound_time=s.bound_time, imbalance=s.imbalance, dp_spread=s.dp_spread,
@@ -42,6 +47,26 @@ def step_metrics(plan: StepPlan, model, config: PlanConfig, *, epoch: int, state
         delay_mean=s.delay_mean, delay_max=s.delay_max, memory_over=plan.memory_over,
         cost_model=getattr(model, "name", ""),
     )
+
+
+def _priced(plan: StepPlan, model) -> StepPlan | None:
+    """A copy of the plan with every micro-batch's cost from `model` (CostModel.microbatch_times, batched); None
+    where that needs more than one model's coefficients (per-rank models, DP-Merge shares)."""
+    mbs = [mb for r in plan.ranks for mb in r.micro_batches]
+    if not hasattr(model, "coeffs") or any(mb.dp_group for mb in mbs):
+        return None
+    segs = [s for mb in mbs for s in mb.segments]
+    q = np.fromiter((s.end - s.start for s in segs), np.int64, len(segs))
+    p = np.fromiter((s.start - s.attend_from for s in segs), np.int64, len(segs))
+    offsets = np.zeros(len(mbs) + 1, np.int64)
+    np.cumsum([len(mb.segments) for mb in mbs], out=offsets[1:])
+    f, b = microbatch_times_csr(model.coeffs, q, p, offsets)
+    it = iter(zip(f.tolist(), b.tolist()))
+    ranks = []
+    for r in plan.ranks:
+        out = [msgspec.structs.replace(mb, fwd_cost=fc, bwd_cost=bc) for mb, (fc, bc) in zip(r.micro_batches, it)]
+        ranks.append(msgspec.structs.replace(r, micro_batches=out))
+    return msgspec.structs.replace(plan, ranks=ranks)
 
 
 def format_step_metrics(m: StepMetrics) -> str:

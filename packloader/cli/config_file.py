@@ -1,8 +1,8 @@
 """`--config FILE` for every command: a JSON, YAML or TOML file of the command's options, under the names of the
 Structs the library takes. The layout and model keys are PlanConfig's fields (`parallel` a table of
 ParallelConfig's: `{"parallel": {"dp": 8, "pp": 4}, "max_tokens": 65536}`), so a config written for
-`PlanConfig(**...)` works as is; the command's other options use their flag names with underscores
-(`tokens_per_step`, `lengths`, `out`). Flags on the command line override the file; an unknown key is an error
+`PlanConfig(**...)` works as is (`report` compares strategies: it takes `strategies` instead of `strategy`); the
+command's other options use their flag names with underscores (`lengths`, `out`, `steps`). Flags on the command line override the file; an unknown key is an error
 naming the key and the file. YAML needs pyyaml (the `yaml` extra); TOML is read with the standard library's
 tomllib (tomli on Python 3.10)."""
 

@@ -33,8 +33,8 @@ def step_metrics(plan: StepPlan, model, config: PlanConfig, *, epoch: int, state
     """The step's record. `state_in`: the planner state the step was planned from (its queue says when each held
     piece was drawn); `state_out`: the state after it (what is queued now)."""
     # scored with micro-batch costs in the plan: most planners price them as they plan; the others' are priced here
-    # in one numba call. Pricing each micro-batch in Python instead costs about 5x as much (docs/benchmarks.md,
-    # "First run")
+    # in one numba call, cheaper than score_plan pricing each micro-batch in Python (docs/benchmarks.md, "First
+    # run")
     priced = all(mb.fwd_cost > 0 or not mb.segments for r in plan.ranks for mb in r.micro_batches)
     scored = plan if priced else _priced(plan, model)
     s = score_plan(scored or plan, model, config.parallel, max_tokens=config.max_tokens, schedule=config.schedule,

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"packloader plan: {s.steps} steps, {docs} documents, {s.tokens} tokens, strategy {config.strategy}; "
             f"imbalance {s.imbalance_mean:.3f} (max {s.imbalance_max:.3f}), DP spread {s.dp_spread_mean:.4f}, "
-            f"simulated efficiency {s.efficiency:.3f}, packing {s.packing_efficiency:.3f}, "
+            f"simulated efficiency {s.efficiency:.3f} against the no-bubble ideal ({s.efficiency_fill:.3f} fill-credited), packing {s.packing_efficiency:.3f}, "
             f"delay mean {s.delay_mean:.3f} / max {s.delay_max} steps (share {s.delay_share:.3f}), split {s.split_share:.3f}, "
             f"dropped {s.tokens_dropped}, duplicated {s.tokens_duplicated}",
             file=sys.stderr,

@@ -435,7 +435,7 @@ def targets(rows: list[Row]) -> list[str]:
     return out
 
 
-def report(rows: list[Row], stats: dict, args, argv: list[str]) -> str:
+def report(rows: list[Row], stats: dict, args, commands: list[list[str]]) -> str:
     import numba
 
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -448,7 +448,7 @@ def report(rows: list[Row], stats: dict, args, argv: list[str]) -> str:
         f"TP {args.tp}, 1F1B:",
         "",
         "```",
-        "$ " + " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/planner.py", *argv]),
+        *("$ " + " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/planner.py", *cmd]) for cmd in commands),
         "```",
         "",
         "Strategies: `fixed` (BFD into fixed 64K bins, the baseline), `wlb`, `hydraulis`, `slimpack`, `auto` "
@@ -503,6 +503,29 @@ def report(rows: list[Row], stats: dict, args, argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge_rows(rows: list[Row], stats: dict, files: list[Path]) -> tuple[list[Row], dict, list[list[str]]]:
+    """This run's rows after those of earlier runs' JSON files, a row of this run replacing an earlier one of
+    the same data set, setup and strategy; rows keep the order setup, data set, strategy of first appearance.
+    Also the earlier runs' command lines, so the section says how to reproduce every row."""
+    if not files:
+        return rows, stats, []
+    merged: dict[tuple[str, str, str], Row] = {}
+    all_stats: dict = {}
+    commands: list[list[str]] = []
+    for f in files:
+        old = msgspec.json.decode(f.read_bytes(), type=dict[str, object])
+        commands += [c for c in old.get("commands", []) if c not in commands]
+        for r in msgspec.convert(old["rows"], list[Row]):
+            merged[(r.setup, r.dataset, r.strategy)] = r
+        all_stats.update(old["stats"])
+    for r in rows:
+        merged[(r.setup, r.dataset, r.strategy)] = r
+    all_stats.update(stats)
+    order = [s.name for s in setups(False, 1)] + [s.name for s in setups(True, 1)]
+    out = sorted(merged.values(), key=lambda r: order.index(r.setup) if r.setup in order else len(order))
+    return out, all_stats, commands
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -523,14 +546,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "packloader-bench"), help="token-length cache")
     ap.add_argument("--write", type=Path, default=None, help="replace the planner section of this markdown file")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    ap.add_argument("--merge", type=Path, nargs="+", default=[],
+                    help="rows of earlier runs (--json files) to report with this run's (this run's rows win): the "
+                         "section assembled from several short runs on a busy machine")
     args = ap.parse_args(argv)
     if args.datasets is None:
         args.datasets = ["synthetic-cc"] if args.quick else ["synthetic-cc", "synthetic-github", "stdlib", "docs"]
     rows, stats = run_all(args)
-    text = report(rows, stats, args, argv)
+    rows, stats, commands = merge_rows(rows, stats, args.merge)
+    text = report(rows, stats, args, commands + [argv])
     print(text)
     if args.json:
-        args.json.write_bytes(msgspec.json.encode({"rows": rows, "stats": stats}))
+        args.json.write_bytes(msgspec.json.encode({"rows": rows, "stats": stats, "commands": commands + [argv]}))
     if args.write:
         write_section(args.write, SECTION, "Planners", text)
     return 0

@@ -31,7 +31,7 @@ its plan records StepPlan.memory_over = peak / limit (> 1) instead of failing. W
 profile JSON (no model shape, so no memory information) the check is skipped.
 
 Cost of the search: hydraulis runs its longest-first dispatch only (one trial, not the paper's 100) with at
-most three V values (two at scale); slimpack's phase one is computed once for both of its counts; with pieces
+most three V values (two at scale); slimpack's phase one is computed once for all of its counts; with pieces
 x DP ranks above SMALL_WORK only each planner's default count is tried, and above FIXED_MAX_WORK fixed is
 dropped. The imbalance degree is computed only when candidates tie within TOLERANCE.
 
@@ -261,7 +261,7 @@ class AutoPlanner:
         listed = self.candidates(pieces)
         cands = list(enumerate(listed))
         # slicing candidates first: their time often rules out the whole-piece planners without running them;
-        # deferred ones last, and only if slimpack at 2x does not fit (`deferred`)
+        # deferred ones last, and only if no slimpack count of the ladder fits (`deferred`)
         later = {i for i, c in cands if self.deferred(c, listed)}
         cands.sort(key=lambda ic: (ic[0] in later, ic[1].planner != "slimpack", ic[0]))
         floor = sum(self.model.floor())
@@ -272,7 +272,7 @@ class AutoPlanner:
         over_bound = 0
         for idx, cand in cands:
             if idx in later and any(r.cand.planner == "slimpack" and self.fits(r) for r in results):
-                continue  # slimpack at 2x planned and fits: the deferred candidates would not win
+                continue  # a slimpack count of the ladder fits: the deferred candidates would not win
             if cand.planner in ("hydraulis", "fixed") and results:
                 if whole_bound > self.fastest_fitting(results) * (1.0 + TOLERANCE):
                     continue  # cannot come within the tolerance of the fastest plan that fits so far

@@ -5,9 +5,9 @@ Candidates are (planner, micro-batches per rank): `wlb`, `hydraulis`, `slimpack`
 config.allow_slicing) and `fixed`, each at its own default number of micro-batches and at a few others around
 it (`micro_batch_counts`: 2x; slimpack in a pipeline 2x, 4x and 8x, COUNT_LADDER); config.num_micro_batches
 pins the count. The simulated step time chooses among them, within memory. In a pipeline (PP > 1) with slicing
-allowed, slimpack's default count and wlb at 2x are planned only when no slimpack count of the ladder fits the
-device (`AutoPlanner.deferred`; docs/benchmarks.md has the measurements behind this). Every candidate plans the same
-pieces (the queued ones, then the window) under the same token cap, min(config.max_tokens, the cost model's
+allowed, slimpack's default count and wlb at 2x are planned only when no slimpack count of the ladder fits
+the device (`AutoPlanner.deferred`; docs/benchmarks.md has the measurements behind this). Every candidate plans
+the same pieces (the queued ones, then the window) under the same token cap, min(config.max_tokens, the cost model's
 memory cap MaxLen); a candidate that cannot (a piece over the cap without slicing) is skipped.
 
 Score: the slowest DP rank's simulated step time (the batched numba simulator, 1F1B / GPipe / interleaved as
@@ -22,12 +22,12 @@ tolerance of the best score.
 Memory: when config.model is a preset, its memory model (`cost.memory.memory_model_for`) bounds the choice.
 Candidates are taken in score order and the simulated peak memory of one GPU (`sim.peaks.packing_peaks`, the
 same peak `simulate_step` gives the report) is computed for each until one fits the device's limit; the ties
-within TOLERANCE of that one are checked too. In a pipeline with slicing, when no slimpack count fits (a run of linked packs keeps whole pieces'
-activations alive until its first-in-last-out backward), slimpack is planned again at each count with runs
-bounded to half, then a quarter of its packs, then pp packs, until one fits (`bounded_runs`,
-SlimPackPlanner.run_share), before any whole-piece plan is taken. If no
-candidate fits, the one with the lowest peak is taken and
-its plan records StepPlan.memory_over = peak / limit (> 1) instead of failing. With a calibration
+within TOLERANCE of that one are checked too. In a pipeline with slicing, when no slimpack count fits (a run
+of linked packs keeps whole pieces' activations alive until its first-in-last-out backward), slimpack is
+planned again at each count with runs bounded to half, then a quarter of its packs, then pp packs, until one
+fits (`bounded_runs`, SlimPackPlanner.run_share), before any whole-piece plan is taken. If no candidate fits,
+the one with the lowest peak is taken and its plan records StepPlan.memory_over = peak / limit (> 1) instead
+of failing. With a calibration
 profile JSON (no model shape, so no memory information) the check is skipped.
 
 Cost of the search: hydraulis runs its longest-first dispatch only (one trial, not the paper's 100) with at

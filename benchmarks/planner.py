@@ -12,6 +12,9 @@ independent context-window pieces, as the loader does):
   window". The table in the report gives the statistics measured on the generated lengths.
 * ``synthetic-github``: right-shifted as SlimPack's GitHub corpus: lognormal median 2.5K, sigma 1.3, 2 % Pareto
   tail (16K x (1 + Pareto(1.5))).
+* ``synthetic-longtail``: issue 25's target data: lognormal median 1.5K, sigma 1.6, a 3 % Pareto tail (32K x
+  (1 + Pareto(1.1)), documents up to 1M tokens, well past the 64K context) and 1 % empty documents (skipped
+  when drawn, as the loader does).
 * ``stdlib``: the token lengths (default tokenizer, EOS appended) of the Python standard library's .py files
   (`packloader.sources.directory.stdlib_corpus`), repeated in fresh shuffled epochs.
 * ``docs``: the token lengths of this machine's documentation: UTF-8 text files under /usr/share/doc (gzip ones
@@ -109,16 +112,22 @@ def setups(quick: bool, steps: int) -> list[Setup]:
 
 def synthetic(kind: str, n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
+    scale, top, empty = 16384, 262144, 0.0
     if kind == "synthetic-cc":
         median, sigma, tail, alpha = 1000, 1.6, 0.01, 1.2
     elif kind == "synthetic-github":
         median, sigma, tail, alpha = 2500, 1.3, 0.02, 1.5
+    elif kind == "synthetic-longtail":
+        median, sigma, tail, alpha = 1500, 1.6, 0.03, 1.1
+        scale, top, empty = 32768, 1 << 20, 0.01
     else:
         raise ValueError(f"unknown synthetic distribution {kind!r}")
     body = rng.lognormal(np.log(median), sigma, n)
-    long = 16384 * (1 + rng.pareto(alpha, n))
-    x = np.where(rng.random(n) < tail, long, body)
-    return np.clip(np.rint(x), 16, 262144).astype(np.int64)
+    long = scale * (1 + rng.pareto(alpha, n))
+    x = np.clip(np.rint(np.where(rng.random(n) < tail, long, body)), 16, top).astype(np.int64)
+    if empty:
+        x[rng.random(n) < empty] = 0
+    return x
 
 
 def _tokenize_lengths(texts: list[str]) -> np.ndarray:
@@ -202,7 +211,8 @@ def windows_for(stream: np.ndarray, setup: Setup, context: int) -> list[Window]:
         end = int(np.searchsorted(cum, base + setup.tokens_per_step, side="left")) + 1
         end = min(end, len(stream))
         ids = np.arange(start, end, dtype=np.int64)
-        w, _, _ = cut_pieces(ids, stream[start:end], context)
+        ids = ids[stream[ids] > 0]  # empty documents are skipped, as the loader skips them
+        w, _, _ = cut_pieces(ids, stream[ids], context)
         out.append(w)
         base = int(cum[end - 1])
         start = end
@@ -212,6 +222,7 @@ def windows_for(stream: np.ndarray, setup: Setup, context: int) -> list[Window]:
 def describe(lengths: np.ndarray, context: int, model: str, cost: str = "measured") -> dict:
     from packloader.balancers.cost.resolve import load_cost_model
 
+    lengths = lengths[lengths > 0]  # empty documents are skipped when drawn
     l = np.sort(lengths.astype(np.float64))
     work = load_cost_model(model, ParallelConfig(dp=8, pp=4), cost=cost).doc_time(np.sort(lengths).astype(np.int64))
     top = max(1, len(l) // 100)
@@ -249,6 +260,8 @@ class Row(msgspec.Struct):
     plan_ms_p50: float = 0.0
     plan_ms_max: float = 0.0
     micro_batches: float = 0.0
+    peak_gib: float = 0.0  # auto at DP <= 64: the largest simulated peak of one GPU over the run's steps
+    limit_gib: float = 0.0  # the device's usable memory auto planned for
     # planned and scored under the other cost model (sensitivity)
     alt_imbalance: float = 0.0
     alt_dp_spread: float = 0.0
@@ -312,8 +325,10 @@ def _run_one(dataset: str, setup: Setup, strategy: str, windows: list[Window], m
         gc.unfreeze()
         windows = windows[:len(plans)]
         verify_plan(plans, windows, setup.cap, allow_slicing=slicing, final_state=state, dp=setup.dp)
+        # auto's plans are checked against the device it plans for: every step's simulated peak memory (slower)
+        memory = getattr(planner, "memory", None) if strategy == "auto" and setup.dp <= 64 else None
         per, run = score_plans(plans, cost_model_for(cfg), cfg.parallel, max_tokens=setup.cap, drawn=drawn_steps(windows),
-                               pieces=windows, final_state=state)
+                               pieces=windows, final_state=state, memory=memory)
     except Exception as e:  # a strategy that is not ready: skipped with a note
         gc.unfreeze()
         msg = f"{type(e).__name__}: {e}".replace("\n", " ")
@@ -331,6 +346,7 @@ def _run_one(dataset: str, setup: Setup, strategy: str, windows: list[Window], m
         delay_mean=run.delay_mean, delay_max=run.delay_max, delay_share=run.delay_share, split_share=run.split_share,
         packing=run.packing_efficiency, plan_ms=1e3 * float(np.mean(times)), plan_ms_p50=1e3 * float(np.median(times)), plan_ms_max=1e3 * float(np.max(times)),
         micro_batches=float(np.mean([s.micro_batches for s in per])),
+        peak_gib=run.peak_bytes / 1024**3, limit_gib=(planner.mem_limit or 0.0) / 1024**3 if memory is not None else 0.0,
     ), plans, state, windows
 
 
@@ -346,7 +362,7 @@ def run_all(args) -> tuple[list[Row], dict]:
         elif d == "docs":
             datasets[d] = docs_lengths(cache)
         else:
-            raise SystemExit(f"unknown dataset {d!r}; expected synthetic-cc, synthetic-github, stdlib or docs")
+            raise SystemExit(f"unknown dataset {d!r}; expected synthetic-cc, synthetic-github, synthetic-longtail, stdlib or docs")
     stats = {}
     rows: list[Row] = []
     for d, lengths in datasets.items():
@@ -418,6 +434,8 @@ def targets(rows: list[Row]) -> list[str]:
          lambda r: f"{r.imbalance:.3f}/{r.delay_mean:.2f}")
     line(f"DP 8 / PP 4 / 64K: simulated 1F1B efficiency against the no-bubble ideal >= {TARGETS['efficiency']} with slicing (`auto`)",
          a, lambda r: r.efficiency >= TARGETS["efficiency"], lambda r: f"{r.efficiency:.3f}")
+    line("DP 8 / PP 4: `auto`'s simulated peak memory within the device's usable limit on every step (shown peak / limit GiB)",
+         a, lambda r: 0 < r.peak_gib <= r.limit_gib, lambda r: f"{r.peak_gib:.1f}/{r.limit_gib:.1f}")
     line(f"PP 1: DP spread <= {TARGETS['dp_spread']} (`auto`, mean over steps of slowest rank / mean rank)",
          auto("dp8-pp1"), lambda r: r.dp_spread <= TARGETS["dp_spread"], lambda r: f"{r.dp_spread:.4f}")
 
@@ -556,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
                          "section assembled from several short runs on a busy machine")
     args = ap.parse_args(argv)
     if args.datasets is None:
-        args.datasets = ["synthetic-cc"] if args.quick else ["synthetic-cc", "synthetic-github", "stdlib", "docs"]
+        args.datasets = ["synthetic-cc"] if args.quick else ["synthetic-cc", "synthetic-github", "synthetic-longtail", "stdlib", "docs"]
     rows, stats = run_all(args)
     rows, stats, commands = merge_rows(rows, stats, args.merge)
     text = report(rows, stats, args, commands + [argv])

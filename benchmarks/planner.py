@@ -40,9 +40,9 @@ Each strategy plans `--steps` consecutive steps from a fresh PlannerState (one u
 numba compilation is not counted); plans are checked with `verify.verify_plan` (coverage of every drawn token,
 cap, equal micro-batch counts) and scored with `metrics.score_plans`. A strategy that raises is reported as
 skipped with its error. Figures per strategy: imbalance degree (WLB-LLM, worst rank per step, mean over
-steps), DP spread (slowest rank / mean rank, simulated), simulated efficiency (the no-bubble ideal, the work spread
-over every GPU with none idle, / simulated step time, summed over the run; the fill-credited figure beside it), simulated tokens per second over `fixed`'s, delay in steps (mean over all
-tokens and max: `metrics.token_delay`, the report's definition), share of tokens in slices, and planning time per step (mean, median and max, wall clock;
+steps), DP spread (slowest rank / mean rank, simulated), simulated efficiency (the no-bubble ideal, the work
+spread over every GPU with none idle, / simulated step time, summed over the run; the fill-credited figure
+beside it), simulated tokens per second over `fixed`'s, delay in steps (mean over all tokens and max: `metrics.token_delay`, the report's definition), share of tokens in slices, and planning time per step (mean, median and max, wall clock;
 after the warm-up the process heap is frozen with `gc.freeze()`, so a full garbage collection of the modules
 imported so far, torch's included, is not counted as planning: it took 120-180 ms on the benchmark machine, and
 it is a pause of the whole process, not of the planner; trainers that mind such pauses control collection

@@ -1,0 +1,74 @@
+"""benchmarks/gpu/run_all.py in its dry-run mode (CPU, reference attention, tiny shapes), so the GPU proof
+cannot rot while no GPU is around: every part runs to the end, the JSON holds each part's figures, the markdown
+section lands between its markers, and a budget too small to measure stops the parts without losing the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu" / "run_all.py"
+PARTS = ("calibrate", "slices", "accuracy", "balance", "runtime", "loader")
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(SCRIPT), "--dry-run", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.multiprocess
+def test_dry_run_runs_every_part(tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n## Other\n\nkept\n")
+    res = _run("--out", str(tmp_path / "out"), "--write-docs", str(docs))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "gpu-proof.json").read_text())
+    assert report["dry_run"] is True
+    env = report["environment"]
+    for key in ("torch", "cuda", "driver", "gpu", "attention_backend", "packages"):
+        assert key in env
+    assert env["attention_backend"] == "reference"
+    assert list(report["parts"]) == list(PARTS)
+    for name, part in report["parts"].items():
+        assert part["status"] == "done", (name, part.get("error"), part.get("traceback"))
+    p = report["parts"]
+    assert len(p["calibrate"]["shapes"]) == 1 and (tmp_path / "out" / "profile-tiny-dry-run.json").exists()
+    assert len(p["slices"]["rows"]) == p["slices"]["rows_planned"] == 9
+    assert (tmp_path / "out" / "slices.csv").read_text().startswith("q,p,fwd_ms,bwd_ms")
+    kinds = {r["kind"] for r in p["accuracy"]["rows"]}
+    assert kinds == {"one long", "many short", "mixed", "slices"}
+    assert {r["strategy"] for r in p["balance"]["rows"]} == {"fixed", "auto", "concat"}
+    assert all("error" not in r and r["steps"] >= 1 for r in p["balance"]["rows"])
+    # the runtime on CPU float32 against the float64 reference: errors of float32 rounding, not of logic
+    errs = p["runtime"]["distributed_max_rel_err"]
+    assert {k.split("/")[0] for k in errs} == {"cp", "remap"} and max(errs.values()) < 1e-4
+    assert max(p["runtime"]["slice_executor"].values()) < 1e-4
+    assert p["loader"]["batches"] == 6 and p["loader"]["loader_tokens_per_s"] > 0
+    text = docs.read_text()
+    assert "kept" in text and "<!-- SECTION:gpu-proof -->" in text and "DRY RUN" in text
+    assert (tmp_path / "out" / "gpu-proof.md").read_text().strip() in text
+
+
+@pytest.mark.multiprocess
+def test_a_spent_budget_stops_parts_and_keeps_the_run(tmp_path):
+    res = _run("--out", str(tmp_path), "--parts", "accuracy,slices", "--budget-min", "0.00001", timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu-proof.json").read_text())
+    assert list(report["parts"]) == ["accuracy", "slices"]  # the order of --parts is kept
+    assert report["parts"]["accuracy"]["status"] == "budget"
+    assert report["parts"]["slices"]["rows"] == []  # stopped before its first slice; the part still reports
+    assert "Stopped: time budget" in (tmp_path / "gpu-proof.md").read_text()
+
+
+@pytest.mark.multiprocess
+def test_unknown_part_is_refused():
+    res = _run("--parts", "calibrate,warp", timeout=120)
+    assert res.returncode == 2 and "unknown part(s) ['warp']" in res.stderr

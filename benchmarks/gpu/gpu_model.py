@@ -107,19 +107,32 @@ class Pack:
                                 causal=True, backend=self.backend)
 
 
-def pack_runner(model: Layers, pack: Pack, shape: LayerShape, dtype: torch.dtype, seed: int = 0):
+_NOISE: dict = {}
+
+
+def noise(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """n random numbers on the device, drawn once per (device, dtype) and grown as needed: timing thousands of
+    micro-batches must not spend its time drawing their inputs on the CPU."""
+    buf = _NOISE.get((str(device), dtype))
+    if buf is None or buf.numel() < n:
+        gen = torch.Generator(device=device).manual_seed(0)
+        buf = torch.randn(max(n, 1 << 20), generator=gen, device=device, dtype=torch.float32).to(dtype)
+        _NOISE[(str(device), dtype)] = buf
+    return buf[:n]
+
+
+def pack_runner(model: Layers, pack: Pack, shape: LayerShape, dtype: torch.dtype):
     """A `run()` for the timer: one forward of `pack` through `model` (inputs and prefix K/V drawn once) and
     the output gradient its backward takes."""
-    gen = torch.Generator().manual_seed(seed)
-    dev = pack.device
-    x = torch.randn(pack.tokens, shape.hidden, generator=gen).to(dev, dtype).requires_grad_()
-    gy = torch.randn(pack.tokens, shape.hidden, generator=gen).to(dev, dtype)
+    dev, T = pack.device, pack.tokens
+    x = noise(T * shape.hidden, dev, dtype).view(T, shape.hidden).clone().requires_grad_()
+    gy = noise(T * shape.hidden, dev, dtype).view(T, shape.hidden).flip(0)
     pos = pack.positions()
     prefixes = None
     if pack.has_prefix:
-        n = int(pack.p.sum())
-        prefixes = [tuple(torch.randn(n, shape.kv_heads, shape.head_dim, generator=gen).to(dev, dtype).requires_grad_()
-                          for _ in range(2)) for _ in model.layers]
+        n = int(pack.p.sum()) * shape.kv_heads * shape.head_dim
+        kv = noise(n, dev, dtype).view(-1, shape.kv_heads, shape.head_dim)
+        prefixes = [(kv.clone().requires_grad_(), kv.flip(0).requires_grad_()) for _ in model.layers]
 
     def run():
         x.grad = None

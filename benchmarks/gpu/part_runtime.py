@@ -1,7 +1,8 @@
 """Part 6, the runtime on the device against the CPU reference (float64, the reference attention backend):
 
-* context-parallel attention (`cp_attention`, every sharding mode) and the layout remapping (`Remapper` plus
-  attention in the attention layout) with CP ranks emulated as processes on one GPU over gloo;
+* context-parallel attention (`cp_attention`, every sharding mode) and the layout remapping (`Remapper`: round
+  trip and forward) with CP ranks emulated as processes on one GPU over gloo (the collectives' transport copied
+  through the CPU, since gloo's collectives take CPU tensors; see `_stage_through_cpu`);
 * the slice executor: documents run as chains of slices over micro-batches, outputs and gradients against the
   same documents run whole;
 * the dispatcher's overhead: `varlen_attention` against calling the kernel it picks directly (target < 2 %).
@@ -46,6 +47,25 @@ def _ref(lengths, q, k, v, w):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def _stage_through_cpu() -> None:
+    """Ranks emulated on one GPU talk over gloo, whose collectives take CPU tensors (all_reduce and broadcast
+    aside): the transports of cp_attention (all-gather, reduce-scatter) and of the remapping copy through the
+    CPU; everything else (the shards' key selection, the kernels, autograd) runs on the GPU."""
+    import packloader.runtime.cp_attention as cpa
+    import packloader.runtime.remap as remap
+
+    ag, rs, ex = cpa._all_gather, cpa._reduce_scatter, remap._exchange
+
+    def all_gather(out, inp, group):
+        o = out.cpu()
+        ag(o, inp.cpu(), group)
+        out.copy_(o)
+
+    cpa._all_gather = all_gather
+    cpa._reduce_scatter = lambda grad, rows, group: rs(grad.cpu(), rows, group).to(grad.device)
+    remap._exchange = lambda x, plan, group, method: ex(x.cpu(), plan, group, method).to(x.device)
+
+
 def _cp_rank(rank, world, device, dtype, backend, packs):
     """On one CP rank: cp_attention and remapped attention of each pack against the whole-pack reference."""
     from packloader.collate.cp_shard import plan_cp_shards
@@ -54,6 +74,7 @@ def _cp_rank(rank, world, device, dtype, backend, packs):
     from packloader.runtime.remap import Remapper, micro_batch_layouts
 
     dev, dt = torch.device(device), getattr(torch, dtype)
+    _stage_through_cpu()  # on CPU (the dry run) the copies are no-ops, and the wrappers still run
     errs = {}
     for pi, lengths in enumerate(packs):
         q, k, v, w = _qkvw(lengths, 8, 2, 64 if dev.type == "cuda" else 8, seed=pi)
@@ -81,7 +102,7 @@ def _slice_check(ctx: Ctx) -> dict:
     """Whole documents against the same documents as slice chains through SliceExecutor (two attention layers)."""
     from packloader.runtime.slices import SliceExecutor
 
-    d = 8 if ctx.dry_run else 64
+    d = 8 if ctx.dry_run else 128
     lengths = {0: 50, 1: 12, 2: 30} if ctx.dry_run else {0: 5000, 1: 700, 2: 3000}
     a, b = lengths[0] * 2 // 5, lengths[0] * 7 // 10
     chain = [[Segment(0, 0, a, 0), Segment(1, 0, lengths[1], 0)], [Segment(2, 0, lengths[2] // 2, 0), Segment(0, a, b, 0)],
@@ -92,8 +113,8 @@ def _slice_check(ctx: Ctx) -> dict:
 
     def model(x, attend, ws):
         for li, wt in enumerate(ws):
-            qkv = (torch.tanh(x) @ wt).view(x.shape[0], 3, 4, d // 4)
-            x = x + attend(qkv[:, 0], qkv[:, 1], qkv[:, 2], li).reshape(x.shape[0], d)
+            q, k, v = (t.contiguous() for t in (torch.tanh(x) @ wt).view(x.shape[0], 3, 4, d // 4).unbind(1))
+            x = x + attend(q, k, v, li).reshape(x.shape[0], d)
         return x
 
     docs = sorted(lengths)

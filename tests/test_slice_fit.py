@@ -109,3 +109,20 @@ def test_time_slices_on_cpu_gives_one_positive_row_per_pair():
     stopped = time_slices(shape, [4, 8], [0, 0], device=torch.device("cpu"), dtype=torch.float32,
                           backend="reference", filler_len=4, filler_tokens=16, repeats=1, warmup=0, stop=lambda: True)
     assert stopped.q == []
+
+
+def test_calibrate_cli_times_and_fits_slices(tmp_path, capsys):
+    from packloader.cli.main import main
+    from packloader.runtime.calibrate_slices import slice_grid
+
+    out, csv = tmp_path / "cpu.json", tmp_path / "slices.csv"
+    code = main(["calibrate", "--device", "cpu", "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--ffn", "32",
+                 "--max-len", "256", "--dtype", "fp32", "--repeats", "1", "--warmup", "0", "--lengths", "4",
+                 "--sizes", "3", "--layers", "2", "--out", str(out), "--slices", str(csv), "--quiet"])
+    assert code == 0 and out.exists()
+    table = read_slice_csv(csv)
+    qs, ps = slice_grid(256)
+    assert (table.q, table.p) == (qs, ps) and sum(p > 0 for p in ps) >= 2
+    assert all(q + p <= 256 for q, p in zip(qs, ps))
+    text = capsys.readouterr().out
+    assert "slice term (tile" in text and "the model's rule" in text and f"wrote {csv}" in text

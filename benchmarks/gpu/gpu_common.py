@@ -67,7 +67,7 @@ class Ctx:
         return SHAPE_TINY if self.dry_run else SHAPE_7B
 
     def randn(self, *shape: int, gen: torch.Generator, grad: bool = False) -> torch.Tensor:
-        t = torch.randn(*shape, generator=gen).to(device=self.device, dtype=self.dtype)
+        t = torch.randn(*shape, generator=gen, device=self.device, dtype=self.dtype)  # gen: on self.device
         return t.requires_grad_() if grad else t
 
     def sync(self) -> None:

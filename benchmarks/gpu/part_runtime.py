@@ -154,7 +154,7 @@ def _overhead(ctx: Ctx) -> list[dict]:
     shape = ctx.main_shape()
     cases = [[8] * 8, [32]] if ctx.dry_run else [[1024] * 16, [8192] * 4, [32768], [256] * 128]
     rows = []
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=ctx.device).manual_seed(0)
     for lengths in cases:
         T, m = sum(lengths), max(lengths)
         cu = cu_seqlens(lengths, ctx.device)

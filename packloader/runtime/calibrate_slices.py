@@ -15,14 +15,24 @@ from packloader.runtime.calibrate import LayerShape, _time_fwd_bwd
 MIN_SECONDS = 1e-9  # a slice lost in the launch's noise is recorded as this, not as a negative time
 
 
+def slice_grid(max_len: int, points: int = 5) -> tuple[list[int], list[int]]:
+    """(q, p) pairs for calibrate: q spread geometrically up to half the context, p = 0 (whole documents, the
+    reference) and a quarter and a half of the context, within the context (q + p <= max_len)."""
+    from packloader.runtime.calibrate import geometric_points
+
+    qs = geometric_points(max(1, min(128, max_len // 8)), max(1, max_len // 2), points).tolist()
+    pairs = [(q, p) for p in (0, max_len // 4, max_len // 2) for q in qs if q + p <= max_len]
+    return [q for q, _ in pairs], [p for _, p in pairs]
+
+
 def _launch(shape: LayerShape, q_lens: list[int], p_lens: list[int], *, device, dtype, backend, gen):
     """A run() for the timer: one varlen_attention call of segments with q_lens queries after p_lens keys."""
     from packloader.runtime.attention import varlen_attention
 
     tq, tk = sum(q_lens), sum(q + p for q, p in zip(q_lens, p_lens))
 
-    def rnd(n, h, grad=True):
-        t = torch.randn(n, h, shape.head_dim, generator=gen).to(device=device, dtype=dtype)
+    def rnd(n, h, grad=True):  # drawn on the device: a 128K-key slice is gigabytes, slow to draw on the CPU
+        t = torch.randn(n, h, shape.head_dim, generator=gen, device=device, dtype=dtype)
         return t.requires_grad_() if grad else t
 
     q, k, v = rnd(tq, shape.heads), rnd(tk, shape.kv_heads), rnd(tk, shape.kv_heads)
@@ -47,7 +57,7 @@ def time_slices(shape: LayerShape, qs: Sequence[int], ps: Sequence[int], *, devi
     """Seconds each (q[i], p[i]) slice adds to a launch of `filler_tokens // filler_len` documents of
     `filler_len` tokens (one layer's attention, forward and backward). `stop()` ends the sweep early (a time
     budget): the rows measured so far come back."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     n_fill = max(1, filler_tokens // filler_len)
     fill_q, fill_p = [filler_len] * n_fill, [0] * n_fill
     base_f, base_b = _time_fwd_bwd(_launch(shape, fill_q, fill_p, device=device, dtype=dtype, backend=backend, gen=gen),

@@ -151,3 +151,17 @@ def slice_times(profile: CostProfile, term: SliceTerm, q, p) -> tuple[np.ndarray
     qt = np.ceil(q / term.tile) * term.tile
     return (base_f + term.fwd.x * 2.0 * qt * p + term.fwd.y * p,
             base_b + term.bwd.x * 2.0 * qt * p + term.bwd.y * p)
+
+
+def scaled_timings(t: SliceTimings, factor: float) -> SliceTimings:
+    """The table times `factor` (one layer's attention measured, a pipeline stage's layers priced)."""
+    return SliceTimings(q=list(t.q), p=list(t.p), fwd=[x * factor for x in t.fwd], bwd=[x * factor for x in t.bwd])
+
+
+def format_slice_term(term: SliceTerm) -> str:
+    lines = [f"slice term (tile {term.tile}, {term.rows} slices): slice(q, p) = attn(q, 0) + x*2*qt*p + y*p"]
+    for name in ("fwd", "bwd"):
+        s = getattr(term, name)
+        lines.append(f"  {name}: x={s.x:.4e} ({s.pair_ratio:.3g} x the model's per-pair rate) y={s.y:.4e} per key   "
+                     f"MAPE {s.mape_pct:6.2f}%   the model's rule (x = a, y = 0): {s.rule_mape_pct:6.2f}%")
+    return "\n".join(lines)

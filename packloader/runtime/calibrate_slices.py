@@ -5,12 +5,13 @@ planners price. `packloader.balancers.cost.slice_fit.fit_slice_term` fits the re
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Callable, Sequence
 
 import torch
 
 from packloader.balancers.cost.slice_fit import SliceTimings
-from packloader.runtime.calibrate import LayerShape, _time_fwd_bwd
+from packloader.runtime.calibrate import LayerShape, _time_fwd_bwd, geometric_points
 
 MIN_SECONDS = 1e-9  # a slice lost in the launch's noise is recorded as this, not as a negative time
 
@@ -18,8 +19,6 @@ MIN_SECONDS = 1e-9  # a slice lost in the launch's noise is recorded as this, no
 def slice_grid(max_len: int, points: int = 5) -> tuple[list[int], list[int]]:
     """(q, p) pairs for calibrate: q spread geometrically up to half the context, p = 0 (whole documents, the
     reference) and a quarter and a half of the context, within the context (q + p <= max_len)."""
-    from packloader.runtime.calibrate import geometric_points
-
     qs = geometric_points(max(1, min(128, max_len // 8)), max(1, max_len // 2), points).tolist()
     pairs = [(q, p) for p in (0, max_len // 4, max_len // 2) for q in qs if q + p <= max_len]
     return [q for q, _ in pairs], [p for _, p in pairs]
@@ -29,18 +28,17 @@ def _launch(shape: LayerShape, q_lens: list[int], p_lens: list[int], *, device, 
     """A run() for the timer: one varlen_attention call of segments with q_lens queries after p_lens keys."""
     from packloader.runtime.attention import varlen_attention
 
-    tq, tk = sum(q_lens), sum(q + p for q, p in zip(q_lens, p_lens))
-
     def rnd(n, h, grad=True):  # drawn on the device: a 128K-key slice is gigabytes, slow to draw on the CPU
         t = torch.randn(n, h, shape.head_dim, generator=gen, device=device, dtype=dtype)
         return t.requires_grad_() if grad else t
 
+    k_lens = [a + b for a, b in zip(q_lens, p_lens)]
+    cu_q = torch.tensor(list(accumulate(q_lens, initial=0)), dtype=torch.int32, device=device)
+    cu_k = torch.tensor(list(accumulate(k_lens, initial=0)), dtype=torch.int32, device=device)
+    mq, mk = max(q_lens), max(k_lens)
+    tq, tk = sum(q_lens), sum(k_lens)
     q, k, v = rnd(tq, shape.heads), rnd(tk, shape.kv_heads), rnd(tk, shape.kv_heads)
     g = rnd(tq, shape.heads, grad=False)
-    cu_q = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0] + list(torch.tensor([a + b for a, b in zip(q_lens, p_lens)]).cumsum(0).tolist()),
-                        dtype=torch.int32, device=device)
-    mq, mk = max(q_lens), max(a + b for a, b in zip(q_lens, p_lens))
 
     def run():
         for t in (q, k, v):

@@ -41,6 +41,8 @@ def test_dry_run_runs_every_part(tmp_path):
         assert part["status"] == "done", (name, part.get("error"), part.get("traceback"))
     p = report["parts"]
     assert len(p["calibrate"]["shapes"]) == 1 and (tmp_path / "out" / "profile-tiny-dry-run.json").exists()
+    assert p["calibrate"]["cli"]["exit"] == 0 and "slice term" in p["calibrate"]["cli"]["output"]
+    assert (tmp_path / "out" / "cli-slices.csv").exists() and (tmp_path / "out" / "cli-profile.json").exists()
     assert len(p["slices"]["rows"]) == p["slices"]["rows_planned"] == 9
     assert (tmp_path / "out" / "slices.csv").read_text().startswith("q,p,fwd_ms,bwd_ms")
     kinds = {r["kind"] for r in p["accuracy"]["rows"]}

@@ -26,6 +26,9 @@ def _calibrate(r: dict) -> list[str]:
                         f"{_f(x['vs_shipped_fwd'], '+.1%')} / {_f(x['vs_shipped_bwd'], '+.1%')}",
                         f"{_f(x['vs_profile_fwd'], '+.1%')} / {_f(x['vs_profile_bwd'], '+.1%')}"] for x in s["rows"]])
         out.append("")
+    cli = r.get("cli", {})
+    if "command" in cli:
+        out += [f"`{cli['command']}` (exit {cli['exit']}):", "", "```", cli["output"].strip(), "```", ""]
     return out
 
 

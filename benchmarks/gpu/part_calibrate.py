@@ -2,7 +2,8 @@
 packloader.runtime.calibrate), for the 7B layer and a smaller GQA one, at the shipped profile's own rows (the
 attention lengths of packloader/profiles/measured/h100-attention.csv in 32K-token packs, the token counts of
 h100-linear.csv), compared row by row with the shipped measurement and with the shipped profile's prediction
-(scaled to the shape as `measured_profile` scales it)."""
+(scaled to the shape as `measured_profile` scales it). Then `packloader calibrate --slices` itself, on the
+7B layer, when the budget allows."""
 
 from __future__ import annotations
 
@@ -67,6 +68,29 @@ def _one_shape(ctx: Ctx, shape: LayerShape, budget: Budget) -> tuple[dict, objec
     return {"shape": shape.name, "rows": rows, "fit": fit}, prof
 
 
+def cli_run(ctx: Ctx, out_dir) -> dict:
+    """`packloader calibrate` itself on the main shape (its default lengths and sizes, one layer, with
+    `--slices`), so the command users run is proven on the device too; its printed fit is kept."""
+    import contextlib
+    import io
+
+    from packloader.cli.main import main
+
+    s = ctx.main_shape()
+    argv = ["calibrate", "--device", ctx.device.type, "--hidden", str(s.hidden), "--heads", str(s.heads),
+            "--kv-heads", str(s.kv_heads), "--head-dim", str(s.head_dim), "--ffn", str(s.ffn), "--layers", "1",
+            "--dtype", {"bfloat16": "bf16", "float16": "fp16"}.get(str(ctx.dtype).removeprefix("torch."), "fp32"),
+            "--out", str(out_dir / "cli-profile.json"), "--slices", str(out_dir / "cli-slices.csv"), "--quiet"]
+    argv += ["--max-len", "128", "--lengths", "4", "--sizes", "3", "--repeats", "1", "--warmup", "0"] if ctx.dry_run \
+        else ["--max-len", "32768"]
+    if ctx.backend:
+        argv += ["--backend", ctx.backend]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = main(argv)
+    return {"command": "packloader " + " ".join(argv), "exit": code, "output": text.getvalue()[-4000:]}
+
+
 def run(ctx: Ctx, budget: Budget, out_dir) -> dict:
     from packloader.balancers.cost.profile_io import save_profile
 
@@ -80,5 +104,9 @@ def run(ctx: Ctx, budget: Budget, out_dir) -> dict:
         profiles[shape.name] = prof
         ctx.free()
     ctx.results["calibration_profiles"] = profiles
+    if budget.left() > 0.3 * budget.seconds:  # about a minute on an H100; skipped rather than cut
+        out["cli"] = cli_run(ctx, out_dir)
+    else:
+        out["cli"] = {"skipped": f"{budget.left():.0f} s of the budget left"}
     return out
 

@@ -3,7 +3,9 @@ packers (`concat`, `multipack`, `karmarkar_karp`); every micro-batch of every DP
 backward of a few Llama layers, gpu_model.py), up to 20 steps within the part's budget. Reported per strategy:
 the measured imbalance degree of rank 0 (max micro-batch time x micro-batches / total, per step) against the
 cost model's, and the DP 8 / PP 4 step time simulated from the measured times (the plan's pipeline schedule,
-`simulate_step` with the measured costs; times scaled from the timed layers to a stage's layers)."""
+`simulate_step` with the measured costs; times scaled from the timed layers to a stage's layers), against the
+same simulation priced by the cost model (the measured H100 profile for the stage, LM head left out as in the
+timed layers)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from gpu_common import Budget, Ctx, long_tail_lengths, time_fwd_bwd
 from gpu_model import Layers, Pack, pack_runner
 
 from packloader.balancers.cost import presets
+from packloader.balancers.cost.measured import measured_profile
+from packloader.balancers.cost.model import CostModel
 from packloader.balancers.draw import draw_windows
-from packloader.balancers.planners.packing import cost_model_for
 from packloader.balancers.planners.registry import make_planner
 from packloader.balancers.sim.simulator import simulate_step
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
@@ -56,7 +59,9 @@ def _time_plan(ctx: Ctx, model: Layers, plan, shape) -> dict[int, tuple[float, f
 
 def _one_strategy(ctx, model, shape, cfg_kw, strategy, windows, share: Budget, factor: float) -> dict:
     cfg = PlanConfig(strategy=strategy, **cfg_kw)
-    cm = cost_model_for(cfg)
+    # the planner prices with its own model; the prediction set against the measurement leaves out the LM head,
+    # as the timed layers do
+    cm = CostModel(measured_profile(presets.get_shape(cfg.model), cfg.parallel, include_head=False))
     planner, state = make_planner(cfg), PlannerState()
     imb_meas, imb_pred, sim_meas, sim_pred, tokens = [], [], [], [], 0
     for s, w in enumerate(windows):

@@ -8,8 +8,8 @@
 * the dispatcher's overhead: `varlen_attention` against calling the kernel it picks directly (target < 2 %).
 
 Errors are relative to the reference's largest magnitude; bf16 on a GPU gives about 1e-2, float32 on CPU 1e-6.
-Not covered: the pipeline schedule on CUDA (its stages exchange activations point to point; gloo sends CPU
-tensors only and NCCL refuses two ranks on one GPU, so it needs two GPUs: tests/test_pipeline_slices.py covers it
+Not covered: the pipeline schedule on CUDA (its stages exchange activations point to point, which wants NCCL for
+CUDA tensors, and NCCL refuses two ranks on one GPU, so it needs two GPUs: tests/test_pipeline_slices.py covers it
 on CPU)."""
 
 from __future__ import annotations

@@ -94,3 +94,18 @@ def test_parts_and_budgets_are_checked(capsys):
     two = run_all.budgets(["slices", "balance"], 11.0)
     assert two["balance"] / two["slices"] == pytest.approx(run_all.PARTS["balance"][1] / run_all.PARTS["slices"][1])
     assert sum(two.values()) == pytest.approx(11 * 60)
+
+
+def test_a_gpu_run_drops_pending_from_the_heading(tmp_path):
+    _run_all()
+    from gpu_report import write
+
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# B\n\n## GPU proof (pending a GPU)\n\nhow to run\n\n<!-- SECTION:gpu-proof -->\nold\n"
+                    "<!-- END:gpu-proof -->\n\n## Next\n")
+    write("dry figures", tmp_path / "a.md", str(docs))
+    assert "(pending a GPU)" in docs.read_text() and "dry figures" in docs.read_text()
+    write("gpu figures", tmp_path / "b.md", str(docs), measured=True)
+    text = docs.read_text()
+    assert "## GPU proof\n\nhow to run" in text and "gpu figures" in text and "old" not in text
+    assert text.endswith("## Next\n")

@@ -112,9 +112,17 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write(md: str, path: Path, docs: str | None) -> None:
+PENDING = f"## {HEADING} (pending a GPU)"
+
+
+def write(md: str, path: Path, docs: str | None, *, measured: bool = False) -> None:
+    """The section to `path`, and between its markers in `docs` when given; a run on a GPU (`measured`) also
+    drops "(pending a GPU)" from the section's heading there."""
     path.write_text(md + "\n")
     if docs:
         from sections import write_section
 
         write_section(Path(docs), SECTION, HEADING, md)
+        text = Path(docs).read_text()
+        if measured and PENDING in text:
+            Path(docs).write_text(text.replace(PENDING, f"## {HEADING}", 1))

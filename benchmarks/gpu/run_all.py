@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         report["total_s"] = round(time.perf_counter() - started, 1)
         (out_dir / "gpu-proof.json").write_text(json.dumps(report, indent=1, default=float))
     md = render(report)
-    write(md, out_dir / "gpu-proof.md", args.write_docs)
+    write(md, out_dir / "gpu-proof.md", args.write_docs, measured=ctx.cuda and not ctx.dry_run)
     failed = [n for n, r in report["parts"].items() if r["status"] == "error"]
     print(f"wrote {out_dir / 'gpu-proof.json'} and {out_dir / 'gpu-proof.md'} in {report['total_s']} s"
           + (f"; parts that failed: {failed}" if failed else ""))

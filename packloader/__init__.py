@@ -77,6 +77,7 @@ _EXPORTS: dict[str, str] = {
     "shape_from_config": "packloader.balancers.cost.from_config",
     "measured_profile": "packloader.balancers.cost.measured",
     "simulate_step": "packloader.balancers.sim.simulator",
+    "step_actions": "packloader.balancers.sim.actions",
     "score_plans": "packloader.balancers.sim.metrics",
     "verify_plan": "packloader.balancers.sim.verify",
     "varlen_attention": "packloader.runtime.attention",

@@ -27,6 +27,8 @@ output: one JSON line per step (the whole file by default; --steps N for the fir
    "costs": [[[fwd, bwd] seconds per micro-batch] per DP rank], predicted by the cost model (--model),
    "memory_over": the simulated peak memory of one GPU over the device's usable memory (> 1) when no
             candidate plan fits, else 0 (auto checks memory; the other strategies write 0),
+   "actions": [per DP rank: [per pipeline rank: [[op, micro_batch, stage], ...]]] in the order the simulator
+            scored (op "F" or "B", stage the model chunk; packloader.balancers.sim.actions),
    and, when present: "dp_groups" [[rank, position, [ranks]]] (micro-batches run by several DP ranks
    together), "backward_order" (per rank), "delayed" (documents held back for a later step)}
 
@@ -70,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from packloader.balancers.offline import plan_record, plan_run
     from packloader.balancers.planners.packing import cost_model_for
     from packloader.balancers.planners.registry import make_planner
+    from packloader.balancers.sim.actions import step_actions
     from packloader.balancers.sim.metrics import drawn_steps, score_plans
     from packloader.sources.lengths_file import LengthsError, check_pieces, read_lengths
 
@@ -104,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--out {args.out}: cannot write ({e.strerror})")
     try:
         for plan in result.plans:
-            out.write(enc.encode(plan_record(plan)) + b"\n")
+            actions = step_actions(plan, model, config.parallel, schedule=config.schedule)
+            out.write(enc.encode(plan_record(plan, actions)) + b"\n")
     finally:
         if out is not sys.stdout.buffer:
             out.close()
@@ -121,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             f"packloader plan: {s.steps} steps, {docs} documents, {s.tokens} tokens, strategy {config.strategy}, "
             f"priced by {model.name}; "
             f"imbalance {s.imbalance_mean:.3f} (max {s.imbalance_max:.3f}), DP spread {s.dp_spread_mean:.4f}, "
-            f"simulated efficiency {s.efficiency:.3f}, packing {s.packing_efficiency:.3f}, "
+            f"simulated efficiency {s.efficiency:.3f} against the no-bubble ideal ({s.efficiency_fill:.3f} fill-credited), packing {s.packing_efficiency:.3f}, "
             f"delay mean {s.delay_mean:.3f} / max {s.delay_max} steps (share {s.delay_share:.3f}), split {s.split_share:.3f}, "
             f"dropped {s.tokens_dropped}, duplicated {s.tokens_duplicated}",
             file=sys.stderr,

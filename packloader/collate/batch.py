@@ -12,6 +12,10 @@ from packloader.contracts import LoaderStats, Segment, StepMetrics, StepPlan
 IGNORE_INDEX = -100
 
 
+class SlicesNotSupported(ValueError):
+    """A plan (or a micro-batch) holds slices and the consumer that was handed it cannot run them."""
+
+
 @dataclass
 class PackedBatch:
     """One micro-batch, flat `[T]` convention (use `to_hf()` for `[1, T]`).
@@ -58,7 +62,20 @@ class PackedBatch:
         return int(self.input_ids.numel())
 
     def to_hf(self) -> dict[str, Any]:
-        """Keyword arguments for a transformers model's packed path (`[1, T]` tensors plus flash varlen kwargs)."""
+        """Keyword arguments for a transformers model's packed path (`[1, T]` tensors plus flash varlen kwargs).
+
+        A micro-batch holding a SlimPack slice is refused (SlicesNotSupported): the slice's keys begin in an
+        earlier micro-batch, so `cu_seq_lens_k` would count keys this row does not hold, and transformers' flash
+        path would cut every such row into the wrong sequences."""
+        for s in self.segments:
+            if s.attend_from != s.start:
+                raise SlicesNotSupported(
+                    f"PackedBatch.to_hf(): step {self.step}, micro-batch {self.index_in_step} holds a slice of "
+                    f"document {s.doc} (tokens {s.start}..{s.end}, attending from {s.attend_from}), whose keys start "
+                    "in an earlier micro-batch: a transformers model given this row alone would attend to the wrong "
+                    "tokens. Plan with PlanConfig(allow_slicing=False), or run slices with "
+                    "packloader.runtime.slices.SliceExecutor (packloader_integrations.hf.PackedTrainer does)"
+                )
         return {
             "input_ids": self.input_ids.unsqueeze(0),
             "labels": self.labels.unsqueeze(0),

@@ -30,7 +30,7 @@ import msgspec
 
 from packloader.balancers.cost.presets import ModelShape, device_spec, get_shape
 from packloader.balancers.cost.profile_io import PROFILES_DIR
-from packloader.contracts import ParallelConfig
+from packloader.contracts import ParallelConfig, PlanConfig
 
 Recompute = Literal["none", "selective", "full"]
 GiB = 1024**3
@@ -233,3 +233,12 @@ def fit_advice(memory: MemoryModel, max_tokens: int, context: int | None, tile: 
     parts.append(f"more pp (now {p.pp})")
     return "; ".join(parts)
 
+
+
+def over_memory_text(memory: MemoryModel, cfg: PlanConfig, peak: float, device: str) -> str:
+    """The warning when no plan fits: the peak against the usable memory, the layout, and `fit_advice`."""
+    p, limit = cfg.parallel, memory.limit_bytes()
+    return (f"no candidate plan fits in memory: the lowest simulated peak, {peak / GiB:.1f} GiB, is {peak / limit:.2f}x "
+            f"the {limit / GiB:.1f} GiB usable of the {memory.memory_gib:g} GiB {device.upper()} ({cfg.model}, dp "
+            f"{p.dp}, pp {p.pp}, cp {p.cp}, tp {p.tp}, max_tokens {cfg.max_tokens:,}, context {cfg.context:,}). "
+            f"Change: {fit_advice(memory, cfg.max_tokens, None if cfg.allow_slicing else cfg.context)}")

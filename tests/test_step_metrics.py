@@ -64,20 +64,25 @@ def test_counts_match_the_collated_tensors(docs, strategy):
     assert trained == sum(len(d) for d in docs)
 
 
-def test_delay_follows_the_queue(docs):
-    steps = batches_by_step(config("wlb"), docs)
-    ms = [b[0].step_metrics for b in steps.values()]
+def test_delay_from_the_draw_order(docs):
+    # in file order (shuffle=False) document d is drawn at the first step whose cumulative draw count passes d;
+    # each trained token's delay is its step minus that, read from the batches' own doc_ids and cu_seqlens
+    steps = batches_by_step(config("wlb"), docs, shuffle=False)
+    drawn_upto = [batches[0].stats.documents for batches in steps.values()]
+    ms = [batches[0].step_metrics for batches in steps.values()]
     assert any(m.queued_tokens for m in ms), "the corpus should make wlb hold outliers back"
-    prev = 0
-    for m in ms:
-        # what is trained late was queued after the previous step
-        assert m.delayed_tokens <= prev
-        assert (m.delayed_tokens > 0) == (m.delay_max > 0)
-        assert 0.0 <= m.delay_mean <= m.delay_max
-        prev = m.queued_tokens
-    # every queued token is trained late exactly once, so the delayed tokens add up to the tokens ever queued
-    # (here each queue empties at the next step: checked by the first assertion with equality)
-    assert sum(m.delayed_tokens for m in ms) >= max(m.queued_tokens for m in ms)
+    for s, batches in steps.items():
+        delays = []  # (delay, tokens) per segment
+        for b in batches:
+            lens = (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).tolist()
+            for d, n in zip(b.doc_ids.tolist(), lens):
+                drawn = next(k for k, upto in enumerate(drawn_upto) if d < upto)
+                delays.append((s - drawn, n))
+        tokens = sum(n for _, n in delays)
+        m = ms[s]
+        assert m.delayed_tokens == sum(n for d, n in delays if d > 0), s
+        assert m.delay_max == max((d for d, n in delays if n), default=0), s
+        assert m.delay_mean == pytest.approx(sum(d * n for d, n in delays) / tokens if tokens else 0.0, abs=1e-12)
 
 
 @pytest.mark.parametrize("strategy", ["fixed", "wlb"])  # fixed leaves micro-batch costs out, wlb prices them

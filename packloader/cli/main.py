@@ -32,12 +32,25 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                    help="messages of the packloader logger on stderr from this level up (default warning)")
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record comes (main() run in-process by tests or tools that swap
+    stderr), not to the stream of the first call."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def configure_logging(level: str) -> None:
     """One stderr handler on the `packloader` logger (replaced, not added again, when main() runs twice)."""
     logger = logging.getLogger("packloader")
     for h in [h for h in logger.handlers if getattr(h, "packloader_cli", False)]:
         logger.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.packloader_cli = True  # type: ignore[attr-defined]
     handler.setFormatter(logging.Formatter("packloader: %(levelname)s: %(message)s"))
     logger.addHandler(handler)

@@ -7,8 +7,10 @@ for batch in loader:                   # one epoch per `for` (epochs=1); PackedB
 state = loader.state_dict()            # StatefulDataLoader conventions: load_state_dict(state) resumes here
 ```
 
-Every step the loader draws documents in the epoch's order until `config.tokens_per_step` tokens are reached, cuts
-documents longer than `config.context` into independent pieces (counted in `loader.stats`, never dropped), plans
+Every step the loader cuts documents longer than `config.context` into independent pieces (counted in
+`loader.stats`, never dropped) and draws pieces in the epoch's order until `config.tokens_per_step` tokens are
+reached: a step holds `tokens_per_step` within one piece (fewer than `tokens_per_step + context` tokens, whatever
+the documents), and the rest of a document it ends inside goes to the next steps (`balancers.draw`). It plans
 the step with the configured planner (every rank computes the same plan from the same lengths, and checks that
 with the other ranks), and collates only this rank's micro-batches. Each batch says its `step`, its
 `index_in_step`, this rank's `micro_batches_in_step` and the step's `loss_tokens_in_step` (all ranks).

@@ -12,7 +12,7 @@ import msgspec
 from packloader.balancers.planners.registry import check_strategy
 from packloader.contracts import LoaderStats, PlanConfig, PlannerState, check_plan_config
 
-STATE_FORMAT = "packloader.loader/2"
+STATE_FORMAT = "packloader.loader/3"
 LengthsMode = Literal["auto", "column", "local", "gather"]
 Layout = Literal["flat", "hf"]
 
@@ -100,11 +100,13 @@ class _StepState(msgspec.Struct):
 
     epoch: int
     pos: int
+    offset: int  # tokens of the document at `pos` that earlier steps drew (a step ends inside a long document)
     k: int
     flushing: bool
     planner: PlannerState
     queued_lengths: list[tuple[int, int]]
     stats: LoaderStats
+    remainder: dict | None = None  # an interrupted step's untrained pieces, to plan first (elastic resume)
 
 
 class _Position(msgspec.Struct):

@@ -48,8 +48,9 @@ import msgspec
 from packloader.collate.batch import PackedBatch
 from packloader.contracts import LoaderStats, PlanConfig
 from packloader.loader.distributed import RankExchange, check_settings, next_instance, torch_rank_world
+from packloader.loader.elastic import elastic_start, same_layout
 from packloader.loader.graph import LoaderPipeline, ReadyStep, StepGraph
-from packloader.loader.state import STATE_FORMAT, LoaderOptions, check_state, fingerprint, validate_config
+from packloader.loader.state import STATE_FORMAT, LoaderOptions, check_state_shape, fingerprint, validate_config
 from packloader.sources.stream import DocumentStream
 
 
@@ -248,20 +249,30 @@ class PackedLoader:
         }
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Resume from `state_dict()` (of this rank): the next batch is the one that followed when it was saved.
+        """Resume from `state_dict()`: the next batch is the one that followed when it was saved.
 
-        A state saved by a loader with another configuration, seed, shuffle, tokenizer, source or rank is refused,
-        with `strict=False` too: continuing it would drop and repeat tokens (`strict` is kept for the torch
-        signature only)."""
-        check_state(state, self._fingerprint())
+        At another layout (dp, pp, cp, tp, num_micro_batches, strategy, max_tokens, tokens_per_step: elastic
+        resume, `loader.elastic`), pass any rank's state saved at a step boundary, or `merge_states` of every
+        rank's state of one save: the interrupted step's untrained remainder is planned for this layout first.
+        A state saved with another source, seed, shuffle, tokenizer, EOS setting or context is refused, with
+        `strict=False` too: continuing it would drop and repeat tokens (`strict` is kept for the torch signature
+        only)."""
+        check_state_shape(state)
+        fp = self._fingerprint()
+        if state.get("ranks") is None and same_layout(state["fingerprint"], fp):
+            pos = state["loader"]
+            start, skip = pos["step_state"], int(pos["skip"])
+            next_epoch, pass_left, pass_open = int(state["next_epoch"]), state["pass_left"], bool(state["pass_open"])
+        else:
+            n = self._p.stream.num_docs
+            r = elastic_start(state, fp, lambda config, at: self._p.replay(config, at, lambda epoch: (0, n)))
+            start, skip = r.step_state, 0
+            next_epoch, pass_left, pass_open = r.next_epoch, r.pass_left, r.pass_open
         self._close_graph()
-        pos = state["loader"]
-        self._start, self._skip = pos["step_state"], int(pos["skip"])
+        self._start, self._skip = start, skip
         self._resume = (self._start, self._skip)
         self._cur, self._at = None, 0
-        self._next_epoch = int(state["next_epoch"])
-        self._pass_left = state["pass_left"]
-        self._pass_open = bool(state["pass_open"])
+        self._next_epoch, self._pass_left, self._pass_open = next_epoch, pass_left, pass_open
         self._stats = msgspec.convert(state["stats"], LoaderStats)
 
     def _close_graph(self) -> None:

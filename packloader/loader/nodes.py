@@ -69,6 +69,7 @@ class StepWork:
     # StepNode states: replaying from `state_before` plans this step again; `state_after` plans the next one
     state_before: dict | None = None
     state_after: dict | None = None
+    step_lengths: dict[int, int] | None = None  # every document of the step's plan (all ranks)
 
 
 class StepNode(BaseNode[StepWork]):
@@ -312,7 +313,8 @@ class StepNode(BaseNode[StepWork]):
         else:
             self.pos = int(self._buf_ids[self._buf_at]) % self.stream.num_docs if self._buf_at < len(self._buf_ids) \
                 else self._next_pos_after_buffer()
-        return StepWork(step, epoch, plan, mbs, lengths, tokens, loss_tokens, last, self.stats.copy())
+        return StepWork(step, epoch, plan, mbs, lengths, tokens, loss_tokens, last, self.stats.copy(),
+                        step_lengths=doc_len)
 
     def _plan(self, window, state_in: PlannerState, step: int, done: bool) -> tuple[StepPlan, PlannerState]:
         """The planner's plan of a window, checked: one RankPlan per DP rank, nothing kept after a flush, and the
@@ -357,7 +359,7 @@ class StepNode(BaseNode[StepWork]):
         mbs, lengths, tokens = self._own_part(plan, window, doc_len)
         self.remainder = None
         return StepWork(plan.step, int(rem["epoch"]), plan, mbs, lengths, tokens, plan.loss_tokens, bool(rem["last"]),
-                        self.stats.copy())
+                        self.stats.copy(), step_lengths=doc_len)
 
     def _next_pos_after_buffer(self) -> int:
         if len(self._buf_ids):

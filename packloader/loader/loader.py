@@ -26,7 +26,8 @@ Resume: the state is the planning stage's position (the first document not yet d
 planner's queue, the stats) and how many of the current step's micro-batches were yielded, so it does not
 depend on `num_threads`, `prefetch`, `chunk_docs`, `lengths` or the layout. A state saved inside the loop after
 a pass's last batch resumes into that pass, which yields nothing more (as the uninterrupted loop would end);
-the next `for` is the next epoch. A state saved after the loop resumes before the next pass.
+the next `for` is the next epoch. A state saved after the loop resumes before the next pass. At another layout
+(elastic resume, `loader.elastic`): any rank's state saved at a step boundary, or `merge_states` of every rank's.
 
 Ranks: `dp_rank` defaults to torch.distributed's rank when it is initialised and its world size equals
 `config.parallel.dp`; otherwise pass it. With torch.distributed initialised (world > 1) the ranks compare their

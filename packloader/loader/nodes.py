@@ -316,7 +316,8 @@ class StepNode(BaseNode[StepWork]):
         return StepWork(step, epoch, plan, mbs, lengths, tokens, loss_tokens, last, self.stats.copy(),
                         step_lengths=doc_len)
 
-    def _plan(self, window, state_in: PlannerState, step: int, done: bool) -> tuple[StepPlan, PlannerState]:
+    def _plan(self, window, state_in: PlannerState, step: int, done: bool,
+              remainder: bool = False) -> tuple[StepPlan, PlannerState]:
         """The planner's plan of a window, checked: one RankPlan per DP rank, nothing kept after a flush, and the
         pinned micro-batch count."""
         cfg = self.config
@@ -332,7 +333,7 @@ class StepNode(BaseNode[StepWork]):
                 f"{self.epoch} although asked to flush (PlannerState.extra['flush']); every token must be planned "
                 "once per epoch"
             )
-        check_micro_batch_count(plan, cfg, int(window.length.sum()), sum(q.length for q in state_in.queued))
+        check_micro_batch_count(plan, cfg, int(window.length.sum()), sum(q.length for q in state_in.queued), remainder)
         return plan, new_state
 
     def _own_part(self, plan: StepPlan, window, doc_len: dict[int, int]):
@@ -354,7 +355,7 @@ class StepNode(BaseNode[StepWork]):
         window = Window(*(np.array(c, dtype=np.int64).reshape(-1) for c in zip(*rem["pieces"]))) if rem["pieces"] \
             else Window(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
         doc_len = {int(d): int(n) for d, n in rem["doc_lengths"]}
-        plan, _ = self._plan(window, flush_state(PlannerState()), int(rem["step"]), True)
+        plan, _ = self._plan(window, flush_state(PlannerState()), int(rem["step"]), True, remainder=True)
         plan = msgspec.structs.replace(plan, loss_tokens=int(rem["loss_tokens"]))
         mbs, lengths, tokens = self._own_part(plan, window, doc_len)
         self.remainder = None

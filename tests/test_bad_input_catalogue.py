@@ -357,7 +357,7 @@ CASES = [
     Case("state_from_another_config", state_from_another_config, ValueError,
          ("differently configured loader", "config.context: saved 256, now 512")),
     Case("mid_step_state_at_another_layout", mid_step_state_at_another_layout, ValueError,
-         ("saved inside step", "DP rank 0 of dp=2", "merge_states([state of rank 0, ..., state of rank 1])")),
+         ("saved inside a step", "on DP rank 0 of dp=2", "merge_states([state of rank 0, ..., state of rank 1])")),
     Case("cli_number_zero", cli_number_zero, CliExit,
          ("exit 2", "argument --dp: must be >= 1 and <= 131,072 (field parallel.dp), got 0")),
     Case("cli_number_too_large", cli_number_too_large, CliExit, ("exit 2", "argument --max-tokens", "<= 1,099,511,627,776 (field max_tokens)")),

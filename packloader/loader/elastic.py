@@ -106,7 +106,7 @@ def elastic_start(state: dict, current_fingerprint: dict, replay) -> Resume:
         pos = state["loader"]
         if int(pos["skip"]) and old.parallel.dp > 1:
             raise ValueError(
-                f"this state was saved inside step (after {pos['skip']} micro-batches of DP rank "
+                f"this state was saved inside a step (after {pos['skip']} of its micro-batches on DP rank "
                 f"{state['fingerprint']['dp_rank']} of dp={old.parallel.dp}); resuming it at another layout needs "
                 "every rank's state of that save: load merge_states([state of rank 0, ..., state of rank "
                 f"{old.parallel.dp - 1}])"

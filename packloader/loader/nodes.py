@@ -25,8 +25,9 @@ How each rank learns the lengths (`lengths=`):
   its own micro-batches that another rank tokenized (about 2/W of the stream per rank instead of all of it).
 
 Resume: StepNode's state is small (the position of the first document not yet drawn, with the tokens of it
-already drawn when a step ended inside it, the step, the planner's state with its queue of delayed pieces, the lengths of those documents, the stats). On reset it restarts the
-chunk stage at that position, so nothing drawn is kept in the state: delayed pieces are re-read by id. Each
+already drawn when a step ended inside it, the step, the planner's state with its queue of delayed pieces, the
+lengths of those documents, the stats, and after an elastic resume the interrupted step's untrained rest to plan
+first). On reset it restarts the chunk stage at that position, so nothing drawn is kept in the state: delayed pieces are re-read by id. Each
 StepWork carries the state before and after its step: those are the loader's resume points, so torchdata's own
 snapshots of the graph are not used, and a resume builds a new graph rather than resetting a running one.
 """

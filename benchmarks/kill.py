@@ -1,6 +1,10 @@
 """Exactly once under SIGKILL, at random points: how many tokens a killed and resumed loader loses or repeats.
 
     .venv/bin/python benchmarks/kill.py --points 1000 --write docs/benchmarks.md
+    .venv/bin/python benchmarks/kill.py --corpus giant --points 60 --write docs/benchmarks.md
+
+(`--corpus giant`: six layouts over token shards holding two documents of 1,000 x tokens_per_step each, so that
+steps end inside documents and kills land there; its own section of the file.)
 
 The harness is tests/helpers/kill_harness.py (its docstring says exactly what a child does and what is compared). For
 every configuration of the matrix (Parquet token shards / gzipped JSON Lines text; `auto` / `wlb`; slicing on /

@@ -81,11 +81,13 @@ def phase(docs, cfg, state, counts, out) -> list[dict]:
 
 
 @pytest.mark.parametrize("counts", [([(3, 0), (3, 0)], [(9, 1), (9, 1), (9, 1), (9, 1)]),
+                                    ([(0, 0), 0], [0, 0, 0, 0]),
                                     ([(2, 0), (2, -1)], [(6, 0), (6, -1), (6, 2), (6, 0)]),
                                     ([(5, -1), (5, 1)], [(12, -1), (12, -1), (12, -1), (12, 0)])])
 def test_layout_changes_mid_step_train_every_token_once(counts):
     """dp 2 (wlb: delay) -> 4 (auto: slicing) -> 1 (wlb); ranks stop at different micro-batches of one step (a
-    rank that finished the step stands after it; a stop past a rank's micro-batch count means its last)."""
+    rank that finished the step stands after it; a stop past a rank's micro-batch count means its last; 0: a
+    rank that has not yielded anything since the start or the resume)."""
     docs = corpus()
     seen: list = []
     states = phase(docs, config(2, "wlb"), None, counts[0], seen)

@@ -69,10 +69,12 @@ def merge_states(states: list[dict]) -> dict:
     by_rank = sorted(states, key=lambda st: int(st["fingerprint"]["dp_rank"]))
     low = min(_key(st["loader"]["step_state"]) for st in by_rank)
     behind = [st for st in by_rank if _key(st["loader"]["step_state"]) == low]
-    if len({msgspec.json.encode(_plain(st["loader"]["step_state"])) for st in behind}) > 1:
+    # None is the start (a rank that has yielded nothing), the same position as any state of no step planned yet
+    placed = [st for st in behind if st["loader"]["step_state"] is not None]
+    if len({msgspec.json.encode(_plain(st["loader"]["step_state"])) for st in placed}) > 1:
         raise ValueError("these states stand at different positions of the stream although at the same step: "
                          "they are not the states of one save")
-    ref = behind[0]
+    ref = placed[0] if placed else behind[0]
     positions = []
     for st in by_rank:
         pos = st["loader"]

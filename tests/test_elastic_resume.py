@@ -97,6 +97,8 @@ def test_layout_changes_mid_step_train_every_token_once(counts):
 
 
 def test_a_state_saved_at_a_step_boundary_resumes_alone_at_another_layout():
+    """Rank 0's state at the end of a step, alone, resumes at dp 3 with another planner and tokens_per_step;
+    with what both old ranks trained up to that step's end, every token is trained once."""
     docs = corpus(1)
     seen: list = []
     ld = make(docs, config(2, "wlb"), 0)
@@ -109,10 +111,9 @@ def test_a_state_saved_at_a_step_boundary_resumes_alone_at_another_layout():
     state = ld.state_dict()
     ld.close()
     assert state["loader"]["skip"] == 0
-    ref = phase(docs, config(2, "wlb"), None, [None, None], [])  # noqa: F841 - the uninterrupted run ends
     first = [make(docs, config(2, "wlb"), r) for r in range(2)]
     for r, ld in enumerate(first):  # what both old ranks trained up to that step's end
-        take((x for x in ld if x.step <= step), None, docs, r, 2, seen)
+        take(iter(ld), (step, -1), docs, r, 2, seen)
         ld.close()
     phase(docs, config(3, "auto", tokens_per_step=700), state, [None, None, None], seen)
     assert lost_and_repeated(docs, seen) == (0, 0)

@@ -64,6 +64,7 @@ _EXPORTS: dict[str, str] = {
     "tokenize_to_parquet": "packloader.sources.pretokenize",
     "PackedLoader": "packloader.loader.loader",
     "PackedDataset": "packloader.loader.dataset",
+    "merge_states": "packloader.loader.elastic",
     "LoaderStats": "packloader.contracts",
     "StepMetrics": "packloader.contracts",
     "PackedBatch": "packloader.collate.batch",

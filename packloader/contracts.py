@@ -251,7 +251,9 @@ class LoaderStats(msgspec.Struct, kw_only=True):
     split_documents: int = 0
     split_pieces: int = 0
     empty_documents: int = 0
-    delayed_pieces: int = 0  # pieces a planner held back for a later step (counted once per step held)
+    # pieces held back for a later step, counted once per step held: by a planner (outlier delay), or the rest of
+    # a document a step ended inside (a step holds tokens_per_step within one piece)
+    delayed_pieces: int = 0
     rank_micro_batches: int = 0  # this rank's micro-batches
     rank_tokens: int = 0  # tokens in this rank's micro-batches
 
@@ -280,8 +282,10 @@ class StepMetrics(msgspec.Struct, kw_only=True, frozen=True):
     tokens: int  # tokens trained in this step
     loss_tokens: int  # of which carry a loss target (the per-token normaliser)
     padding_tokens: int  # padding the collated micro-batches carry (pad_to_multiple / pad_to_tokens); 0 without
-    queued_tokens: int  # tokens held back for later steps after this one (outlier delay, queued pieces)
-    delayed_tokens: int  # tokens trained in this step that were drawn in an earlier one
+    queued_tokens: int  # tokens the planner holds back for later steps after this one (outlier delay)
+    # tokens trained in this step that the planner held back from an earlier one (the rest of a long document that
+    # a step ended inside follows in the next steps in order: LoaderStats.delayed_pieces counts those pieces)
+    delayed_tokens: int
     delay_mean: float  # mean delay in steps over this step's tokens (0 for tokens trained when drawn)
     delay_max: int  # the largest delay in steps of a token trained in this step
     memory_over: float  # simulated peak memory over the device's usable limit when no plan fit; 0 otherwise

@@ -43,9 +43,12 @@ def docs():
     return corpus()
 
 
-@pytest.mark.parametrize("strategy", ["wlb", "fixed"])
-def test_counts_match_the_collated_tensors(docs, strategy):
+@pytest.mark.parametrize("strategy,long_docs", [("wlb", False), ("fixed", False), ("wlb", True)])
+def test_counts_match_the_collated_tensors(docs, strategy, long_docs):
     cfg = config(strategy)
+    if long_docs:  # documents of 12 pieces: steps end inside them, their rest goes to the next steps in order
+        rng = np.random.default_rng(5)
+        docs = docs[:40] + [rng.integers(0, VOCAB, size=3000).astype(np.int32) for _ in range(3)]
     steps = batches_by_step(cfg, docs, pad_to_multiple=8)
     assert len(steps) > 3
     trained = 0

@@ -365,8 +365,11 @@ class StepNode(BaseNode[StepWork]):
         plan = msgspec.structs.replace(plan, loss_tokens=int(rem["loss_tokens"]))
         mbs, lengths, tokens = self._own_part(plan, window, doc_len)
         self.remainder = None
+        model = getattr(self.planner, "model", None) or cost_model_for(self.config)
+        metrics = step_metrics(plan, model, self.config, epoch=int(rem["epoch"]), state_in=PlannerState(),
+                               state_out=PlannerState())
         return StepWork(plan.step, int(rem["epoch"]), plan, mbs, lengths, tokens, plan.loss_tokens, bool(rem["last"]),
-                        self.stats.copy(), step_lengths=doc_len)
+                        self.stats.copy(), step_lengths=doc_len, metrics=metrics)
 
     def _next_pos_after_buffer(self) -> int:
         if len(self._buf_ids):

@@ -179,6 +179,7 @@ class SlicedPipelineStage(PipelineStage):
         self.chunk = 0  # model chunk (set by the schedule: stage_index // pp)
         self.kv_trace: list[KVSample] = []
         self.order: list[tuple[str, int, int]] | None = None  # the rank's executed order (shared by its stages)
+        self.executed: list[list] | None = None  # the same as [op, micro_batch, stage index] (the written form)
         self._step: _StepInfo | None = None
         self._contexts: dict[int, Any] = {}
         self._backwarded: set[int] = set()
@@ -256,6 +257,8 @@ class SlicedPipelineStage(PipelineStage):
         self.kv_trace.append(KVSample((kind, j, self.chunk), self.cache.kv_nbytes(), self.cache.grad_nbytes()))
         if self.order is not None:
             self.order.append((kind, j, self.chunk))
+        if self.executed is not None:
+            self.executed.append([kind, j, self.stage_index])
 
     # -- the engine's calls ----------------------------------------------------------------------------
 

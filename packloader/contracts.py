@@ -113,7 +113,7 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 
 
 Strategy = Annotated[str, msgspec.Meta(min_length=1)]  # a name in the planner registry (available_strategies())
-Schedule = Literal["1f1b", "gpipe", "interleaved"]
+Schedule = Literal["1f1b", "gpipe", "interleaved", "zb-h1"]
 
 
 class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

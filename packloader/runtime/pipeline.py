@@ -83,6 +83,8 @@ from packloader.runtime.pipeline_stage import (
 )
 from packloader.runtime.slices import SlicesNotSupported, analyse_chain
 
+RUNS = ("1f1b", "gpipe", "interleaved")  # the simulator's schedules this runs (whole backwards)
+
 __all__ = [
     "simulated_actions",
     "engine_actions",
@@ -114,8 +116,9 @@ def simulated_actions(micro_batches: Sequence[MicroBatch], pp: int, *, vpp: int 
     """Per pipeline rank, the compute actions (forward / full backward per stage and micro-batch) in the order
     the simulator scores (`simulator.build_ops`): stage c*pp + s of model chunk c runs on rank s."""
     kind = SCHEDULES.get(schedule)
-    if kind is None:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
+    if kind is None or schedule not in RUNS:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(RUNS)} (split input/weight "
+                         f"backwards are not run)")
     if vpp > 1 and schedule != "interleaved":
         raise ValueError(f"vpp={vpp} needs schedule='interleaved'")
     if schedule == "interleaved" and vpp > 1 and len(micro_batches) % pp:
@@ -128,9 +131,9 @@ def simulated_actions(micro_batches: Sequence[MicroBatch], pp: int, *, vpp: int 
     for s in range(pp):
         acts = []
         for t in ops[s]:
-            vu, isb = divmod(int(t), 2)
+            vu, op = divmod(int(t), 3)
             vs, u = divmod(vu, m)
-            acts.append(_Action(vs, FULL_BACKWARD if isb else FORWARD, u))
+            acts.append(_Action(vs, FULL_BACKWARD if op else FORWARD, u))
         out[s] = acts
     return out
 
@@ -206,8 +209,9 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
         if self._num_stages != self.pp * self.vpp:
             raise ValueError(f"{self._num_stages} stages over {self.pp} pipeline ranks with {self.vpp} stage(s) on "
                              f"this rank: every rank must hold num_stages / pp stages")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
+        if schedule not in RUNS:
+            raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(RUNS)} (split input/weight "
+                             f"backwards are not run)")
         if self.vpp > 1 and schedule != "interleaved":
             raise ValueError(f"{self.vpp} stages per rank need schedule='interleaved'")
         self.schedule = schedule

@@ -73,8 +73,9 @@ from packloader.balancers.planners.packing import (
 from packloader.balancers.planners.registry import Planner, Window, register_planner
 from packloader.balancers.planners.slimpack import SlimPackPlanner, default_packs
 from packloader.balancers.planners.wlb import WLBPlanner, default_micro_batches
-from packloader.balancers.sim.kernels import SCHEDULES, step_times_ranks_sliced
+from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, step_times_ranks_sliced
 from packloader.balancers.sim.peaks import packing_peaks, stage_bytes
+from packloader.balancers.sim.weights import packing_weight_times
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 PLANNERS = ("wlb", "hydraulis", "slimpack", "fixed")
@@ -231,7 +232,9 @@ class AutoPlanner:
         b = np.ascontiguousarray(packing.mb_bwd[order])
         offsets = np.arange(dp + 1, dtype=np.int64) * v
         e_off, e_src, e_dst = (edges or slice_edges_prefix(packing))[:3]
-        t = step_times_ranks_sliced(cfg.parallel.pp, cfg.parallel.vpp, self.kind, f, b, offsets, e_off, e_src, e_dst, 0.0)
+        w = packing_weight_times(packing, self.model, order, b) if self.kind == ZB_H1 else np.zeros_like(b)
+        t = step_times_ranks_sliced(cfg.parallel.pp, cfg.parallel.vpp, self.kind, f, b, w, offsets, e_off, e_src, e_dst,
+                                    0.0)
         if (t < 0).any():
             return math.inf  # this micro-batch count deadlocks the interleaved schedule
         return float(t.max())

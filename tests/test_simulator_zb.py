@@ -121,19 +121,22 @@ def test_action_lists_carry_w_and_scores_use_the_split():
     assert sim.step_time < simulate_step(plan, LIN, par).step_time
 
 
-def test_plan_cli_writes_w_actions(tmp_path):
+@pytest.mark.parametrize("schedule", ["zb-h1", "auto"])
+def test_plan_cli_writes_w_actions(tmp_path, schedule):
     lengths = np.random.default_rng(0).integers(50, 3000, 200)
     np.save(tmp_path / "l.npy", lengths)
     out = tmp_path / "p.jsonl"
     assert main(["plan", "--lengths", str(tmp_path / "l.npy"), "--dp", "2", "--pp", "2", "--max-tokens", "4096",
-                 "--context", "4096", "--tokens-per-step", "40000", "--steps", "2", "--schedule", "zb-h1",
+                 "--context", "4096", "--tokens-per-step", "40000", "--steps", "2", "--schedule", schedule,
                  "--out", str(out), "--quiet"]) == 0
     for line in out.read_text().splitlines():
         rec = json.loads(line)
+        assert ("schedule" in rec) == (schedule == "auto")  # the planner's choice, written only under "auto"
+        ops = "FBW" if rec.get("schedule", schedule) == "zb-h1" else "FB"
         for r, per_stage in enumerate(rec["actions"]):
             m = len(rec["ranks"][r])
             for s, lst in enumerate(per_stage):
-                assert sorted((op, u) for op, u, _ in lst) == sorted((op, u) for op in "FBW" for u in range(m))
+                assert sorted((op, u) for op, u, _ in lst) == sorted((op, u) for op in ops for u in range(m))
 
 
 def test_zb_h1_needs_one_chunk_per_rank():
@@ -146,3 +149,30 @@ def test_pipeline_schedule_refuses_zb_h1():
 
     with pytest.raises(ValueError, match="split input/weight backwards are not run"):
         simulated_actions([MicroBatch(segments=[Segment(0, 0, 4, 0)])], 2, schedule="zb-h1")
+
+
+def _auto_plans(schedule: str):
+    from packloader.balancers.offline import plan_run
+    from packloader.balancers.planners.registry import make_planner
+    from packloader.contracts import PlanConfig
+
+    lengths = np.clip(np.random.default_rng(3).lognormal(np.log(900), 1.4, 400), 1, 16000).astype(np.int64)
+    cfg = PlanConfig(strategy="auto", parallel=ParallelConfig(dp=2, pp=4), max_tokens=4096, context=4096,
+                     tokens_per_step=60000, schedule=schedule)
+    return plan_run(lengths, cfg, 3, make_planner(cfg)).plans, cfg
+
+
+def test_auto_schedule_takes_the_faster_of_1f1b_and_zb_h1():
+    from packloader.balancers.planners.packing import cost_model_for
+
+    plans, cfg = _auto_plans("auto")
+    model = cost_model_for(cfg)
+    for plan in plans:
+        assert plan.schedule in ("1f1b", "zb-h1")
+        one, zb = (simulate_step(plan, model, cfg.parallel, schedule=s).step_time for s in ("1f1b", "zb-h1"))
+        assert simulate_step(plan, model, cfg.parallel, schedule="auto").step_time == pytest.approx(min(one, zb))
+        assert plan.schedule == ("zb-h1" if zb < one else "1f1b")
+        acts = step_actions(plan, model, cfg.parallel, schedule="auto")
+        assert any(op == "W" for per_stage in acts for lst in per_stage for op, _, _ in lst) == (plan.schedule == "zb-h1")
+    assert any(p.schedule == "zb-h1" for p in plans)  # equal-ish micro-batches on 4 stages: ZB-H1 wins somewhere
+    assert all(p.schedule == "" for p in _auto_plans("1f1b")[0])

@@ -6,7 +6,7 @@ trainer or an independent checker can run or replay exactly the schedule the pla
 ``"B"`` or ``"W"``, micro_batch the position in the DP rank's micro-batches, stage the model chunk in model
 order, 0..pp*vpp-1 (a pipeline rank s runs stages s, s + pp, ...; under plain 1F1B stage = s). ``"B"`` is the
 whole backward, or the input gradient alone where a ``"W"`` (the weight gradient) of the same micro-batch and
-stage exists: under schedule ``"zb-h1"``.
+stage exists: under schedule ``"zb-h1"`` (or ``"auto"`` where the planner chose ZB-H1 for the step).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def rank_actions(sim: SimResult) -> list[list[list]]:
 
 def step_actions(plan: StepPlan, model, parallel: ParallelConfig | None = None, *,
                  schedule: str = "1f1b") -> list[list[list[list]]]:
-    """Per DP rank, per pipeline rank, the action list of a step (module docstring)."""
+    """Per DP rank, per pipeline rank, the action list of a step (module docstring); schedule "auto" follows
+    the step's `plan.schedule`."""
     sim = simulate_step(plan, model, parallel or ParallelConfig(dp=len(plan.ranks)), schedule=schedule)
     return [rank_actions(r) for r in sim.ranks]

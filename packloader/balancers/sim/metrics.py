@@ -40,7 +40,7 @@ import numpy as np
 
 from packloader.balancers.cost.model import CostModel, _per_rank
 from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, step_times_ranks_sliced
-from packloader.balancers.sim.simulator import simulate_step, slice_edges_of
+from packloader.balancers.sim.simulator import plan_schedule, simulate_step, slice_edges_of
 from packloader.balancers.sim.verify import coverage
 from packloader.balancers.sim.weights import weight_times
 from packloader.contracts import ParallelConfig, PlannerState, StepPlan
@@ -264,6 +264,7 @@ def score_plan(
     dp = len(plan.ranks)
     models = _per_rank(model, dp)
     pp, vpp = parallel.pp, parallel.vpp
+    schedule = plan_schedule(plan, schedule)
     rank_f, rank_b = _rank_costs(plan, models, use_plan_costs)
     look = _drawn_lookup(drawn, plan.step)
     counts = _token_counts(plan, look)

@@ -357,6 +357,12 @@ class StepSim:
         return max((r.peak for r in self.ranks), default=0.0)
 
 
+def plan_schedule(plan: StepPlan, schedule: str) -> str:
+    """The schedule a step runs: the configured one, or under "auto" the one its planner chose (1F1B when the
+    planner chose none)."""
+    return (plan.schedule or "1f1b") if schedule == "auto" else schedule
+
+
 def simulate_step(
     plan: StepPlan,
     model,
@@ -370,6 +376,7 @@ def simulate_step(
     """Simulate every DP rank of a step. `model`: one CostModel, or one per rank (a sequence or a
     memory.RankCosts). A DP-Merge micro-batch is simulated on each rank of its group at its per-rank cost."""
     models = _per_rank(model, len(plan.ranks))
+    schedule = plan_schedule(plan, schedule)
     return StepSim([
         simulate_rank(r, models[i], parallel, schedule=schedule, memory=memory, use_plan_costs=use_plan_costs, p2p=p2p)
         for i, r in enumerate(plan.ranks)

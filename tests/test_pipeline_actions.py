@@ -1,7 +1,8 @@
 """PlanPipelineSchedule runs the action lists `packloader plan` writes (`step_actions`, through JSON as the CLI
 writes them) over gloo at 2 and 4 stages, with slices, DP-Merge groups and an empty micro-batch: the gradients
 equal a single-process run of the same documents whole (float64), the executed actions equal the written lists
-(1F1B and GPipe lists, so a schedule that ignored them and ran its own order would fail), and after every
+(1F1B, GPipe and ZB-H1 lists, the last with split input/weight backwards, so a schedule that ignored them and
+ran its own order would fail), and after every
 action the carried key/value gradient accumulators hold no more bytes than the simulator's estimate for that
 point of the same order. The list checks (no processes) come first."""
 
@@ -96,7 +97,7 @@ def test_written_lists_become_the_engines_actions():
     (lambda ls: [ls[0][:-1], ls[1]], r"pipeline rank 0 never runs \[\['B', 7, 0\]\]"),
     (lambda ls: [ls[0] + [ls[0][-1]], ls[1]], "runs twice"),
     (lambda ls: [[["F", 0, 1]] + ls[0][1:], ls[1]], r"stage must be one of \[0\]"),
-    (lambda ls: [[["X", 0, 0]] + ls[0][1:], ls[1]], "op must be 'F' or 'B'"),
+    (lambda ls: [[["X", 0, 0]] + ls[0][1:], ls[1]], "op must be 'F', 'B' or 'W'"),
     (lambda ls: [[["F", 9, 0]] + ls[0][1:], ls[1]], r"micro-batch must be in 0\.\.7"),
     (lambda ls: [[["B", 0, 0], ["F", 0, 0]] + ls[0][1:], ls[1]], "backward before the micro-batch's forward"),
     # micro-batch 1 holds the slice after micro-batch 0's: its backward must come first
@@ -113,10 +114,15 @@ def test_bad_lists_are_refused_naming_the_action(edit, match):
         engine_actions(edit(lists), len(HAND.micro_batches), 2, readers=_readers(HAND.micro_batches))
 
 
-def test_weight_gradient_actions_are_refused():
-    lists = [[["F", 0, 0], ["B", 0, 0], ["W", 0, 0]]]
-    with pytest.raises(NotImplementedError, match="W"):
-        engine_actions(lists, 1, 1)
+def test_split_backwards_become_input_and_weight_actions():
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FULL_BACKWARD
+
+    lists = [[["F", 0, 0], ["F", 1, 0], ["B", 0, 0], ["W", 0, 0], ["B", 1, 0]]]
+    got = engine_actions(lists, 2, 1)[0]
+    assert [a.computation_type for a in got[2:]] == [BACKWARD_INPUT, BACKWARD_WEIGHT, FULL_BACKWARD]
+    assert written_actions({0: got}) == lists
+    with pytest.raises(ValueError, match="weight gradient before the micro-batch's backward"):
+        engine_actions([[["F", 0, 0], ["W", 0, 0], ["B", 0, 0]]], 1, 1)
 
 
 # ------------------------------------------------------------------------------ runs over gloo
@@ -238,7 +244,7 @@ def _cases(pp):
     sp, sp_len = planner_plan(pp)
     plans = [(HAND, HAND_LENGTHS), (sp, sp_len)] + ([(WITH_EMPTY, WITH_EMPTY_LENGTHS)] if pp == 2 else [])
     return [(p, lens, sched, written(StepPlan(step=0, ranks=[p]), pp, sched)[0])
-            for p, lens in plans for sched in ("1f1b", "gpipe")]
+            for p, lens in plans for sched in ("1f1b", "gpipe", "zb-h1")]
 
 
 def _two(rank, world, cases):
@@ -257,26 +263,31 @@ def test_two_stages_run_the_written_lists():
 
 def _four(rank, world, cases, plan, lengths, plan_actions):
     return _run_cases(rank, world, [(p, lens, lists) for p, lens, _, lists in cases]), \
-        _run_dp(rank, world, plan, lengths, plan_actions, 2)
+        [_run_dp(rank, world, plan, lengths, acts, 2) for acts in plan_actions]
 
 
 @pytest.mark.multiprocess
 def test_four_stages_and_dp_merge_run_the_written_lists():
     cases = _cases(4)
-    plan_actions = written(DP_PLAN, 2)
+    scheds = ["1f1b", "zb-h1"]
+    plan_actions = [written(DP_PLAN, 2, sched) for sched in scheds]
     both = run_ranks(_four, 4, cases, DP_PLAN, DP_LENGTHS, plan_actions)
     for ci, (p, lens, sched, lists) in enumerate(cases):
         _check_run([both[s][0][ci] for s in range(4)], p, lens, lists, 4, sched, f"case {ci} ({sched})")
-    # DP-Merge: 2 DP ranks x 2 stages; each process ran its DP rank's written list; gradients summed over DP
-    dp_res = [b[1] for b in both]
+    for k, sched in enumerate(scheds):
+        _check_dp_merge([b[1][k] for b in both], plan_actions[k], sched)
+
+
+def _check_dp_merge(dp_res, plan_actions, sched):
+    """DP-Merge: 2 DP ranks x 2 stages; each process ran its DP rank's written list; gradients summed over DP."""
     got: dict = {}
     for rank, r in enumerate(dp_res):
         dp_rank, s = divmod(rank, 2)
         assert r["executed"] == plan_actions[dp_rank][s]
         assert r["left"] == 0
-        sim = _simulated_grad_bytes(DP_PLAN.ranks[dp_rank], 2, "1f1b", s)
+        sim = _simulated_grad_bytes(DP_PLAN.ranks[dp_rank], 2, sched, s)
         assert all(g <= e for g, e in zip(r["grad_bytes"], sim))
         for k, g in r["grads"].items():
             got[k] = got.get(k, 0) + g
-    ref_loss = _assert_grads(got, DP_LENGTHS, "DP-Merge plan")
+    ref_loss = _assert_grads(got, DP_LENGTHS, f"DP-Merge plan ({sched})")
     assert dp_res[1]["loss"] + dp_res[3]["loss"] == pytest.approx(ref_loss, rel=RTOL)

@@ -144,35 +144,13 @@ def test_zb_h1_needs_one_chunk_per_rank():
         simulate(np.ones(4), np.ones(4), pp=2, vpp=2, schedule="zb-h1")
 
 
-def test_pipeline_schedule_refuses_zb_h1():
+def test_pipeline_schedule_runs_zb_h1_as_input_and_weight_actions():
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT
+
     from packloader.runtime.pipeline import simulated_actions
 
-    with pytest.raises(ValueError, match="split input/weight backwards are not run"):
-        simulated_actions([MicroBatch(segments=[Segment(0, 0, 4, 0)])], 2, schedule="zb-h1")
-
-
-def _auto_plans(schedule: str):
-    from packloader.balancers.offline import plan_run
-    from packloader.balancers.planners.registry import make_planner
-    from packloader.contracts import PlanConfig
-
-    lengths = np.clip(np.random.default_rng(3).lognormal(np.log(900), 1.4, 400), 1, 16000).astype(np.int64)
-    cfg = PlanConfig(strategy="auto", parallel=ParallelConfig(dp=2, pp=4), max_tokens=4096, context=4096,
-                     tokens_per_step=60000, schedule=schedule)
-    return plan_run(lengths, cfg, 3, make_planner(cfg)).plans, cfg
-
-
-def test_auto_schedule_takes_the_faster_of_1f1b_and_zb_h1():
-    from packloader.balancers.planners.packing import cost_model_for
-
-    plans, cfg = _auto_plans("auto")
-    model = cost_model_for(cfg)
-    for plan in plans:
-        assert plan.schedule in ("1f1b", "zb-h1")
-        one, zb = (simulate_step(plan, model, cfg.parallel, schedule=s).step_time for s in ("1f1b", "zb-h1"))
-        assert simulate_step(plan, model, cfg.parallel, schedule="auto").step_time == pytest.approx(min(one, zb))
-        assert plan.schedule == ("zb-h1" if zb < one else "1f1b")
-        acts = step_actions(plan, model, cfg.parallel, schedule="auto")
-        assert any(op == "W" for per_stage in acts for lst in per_stage for op, _, _ in lst) == (plan.schedule == "zb-h1")
-    assert any(p.schedule == "zb-h1" for p in plans)  # equal-ish micro-batches on 4 stages: ZB-H1 wins somewhere
-    assert all(p.schedule == "" for p in _auto_plans("1f1b")[0])
+    acts = simulated_actions([MicroBatch(segments=[Segment(d, 0, 4, 0)]) for d in range(3)], 2, schedule="zb-h1")
+    sim = simulate(np.ones(3), 2 * np.ones(3), pp=2, schedule="zb-h1")
+    names = {BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W"}
+    for s in range(2):
+        assert [(names.get(a.computation_type, "F"), a.microbatch_index, a.stage_index // 2) for a in acts[s]] == sim.order(s)

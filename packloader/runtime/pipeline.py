@@ -57,20 +57,31 @@ What the engine could not express, and what was added at its seams (subclasses, 
   equal chunks. Gradients are not rescaled (`scale_grads=False`): the loss function scales, as packloader's
   losses are normalised by the step's loss tokens.
 
-Full backward only (no split input/weight backward, zero-bubble schedules are out of scope); the key/value
-gradient of a sliced document crosses micro-batches on the same stage only, so no extra communication.
+Split backwards (ZB-H1, schedule "zb-h1" or written lists with "W"): a "B" with a "W" of the same micro-batch
+and stage runs as the engine's input-gradient action (I) and the "W" as its weight-gradient action. The engine's
+I differentiates the stage inputs only, so `SlicedPipelineStage` adds the keys and values a slice read from
+earlier micro-batches to those inputs and hands their gradients to the cache before the earlier slice's I; on
+the first stage the engine runs the whole backward at W, and the cache follows. The key/value gradient of a
+sliced document crosses micro-batches on the same stage only, so no extra communication.
 """
 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action, _PipelineScheduleRuntime
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    _Action,
+    _PipelineScheduleRuntime,
+)
 
-from packloader.balancers.sim.kernels import SCHEDULES, build_ops
+from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, build_ops
 from packloader.balancers.sim.simulator import check_backward_order, default_backward_order, slice_edges_of
 from packloader.contracts import MicroBatch, RankPlan, StepPlan
 from packloader.runtime.pipeline_actions import engine_actions, written_actions
@@ -83,7 +94,7 @@ from packloader.runtime.pipeline_stage import (
 )
 from packloader.runtime.slices import SlicesNotSupported, analyse_chain
 
-RUNS = ("1f1b", "gpipe", "interleaved")  # the simulator's schedules this runs (whole backwards)
+RUNS = ("1f1b", "gpipe", "interleaved", "zb-h1")  # the simulator's schedules this runs
 
 __all__ = [
     "simulated_actions",
@@ -117,8 +128,7 @@ def simulated_actions(micro_batches: Sequence[MicroBatch], pp: int, *, vpp: int 
     the simulator scores (`simulator.build_ops`): stage c*pp + s of model chunk c runs on rank s."""
     kind = SCHEDULES.get(schedule)
     if kind is None or schedule not in RUNS:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(RUNS)} (split input/weight "
-                         f"backwards are not run)")
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(RUNS)}")
     if vpp > 1 and schedule != "interleaved":
         raise ValueError(f"vpp={vpp} needs schedule='interleaved'")
     if schedule == "interleaved" and vpp > 1 and len(micro_batches) % pp:
@@ -133,14 +143,9 @@ def simulated_actions(micro_batches: Sequence[MicroBatch], pp: int, *, vpp: int 
         for t in ops[s]:
             vu, op = divmod(int(t), 3)
             vs, u = divmod(vu, m)
-            acts.append(_Action(vs, FULL_BACKWARD if op else FORWARD, u))
+            acts.append(_Action(vs, (FORWARD, BACKWARD_INPUT if kind == ZB_H1 else FULL_BACKWARD, BACKWARD_WEIGHT)[op], u))
         out[s] = acts
     return out
-
-
-def _order_of(actions: Iterable[_Action], pp: int) -> list[tuple[str, int, int]]:
-    return [("B" if a.computation_type == FULL_BACKWARD else "F", int(a.microbatch_index), a.stage_index // pp)
-            for a in actions]
 
 
 # ---------------------------------------------------------------------------------------------- schedule
@@ -210,8 +215,7 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
             raise ValueError(f"{self._num_stages} stages over {self.pp} pipeline ranks with {self.vpp} stage(s) on "
                              f"this rank: every rank must hold num_stages / pp stages")
         if schedule not in RUNS:
-            raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(RUNS)} (split input/weight "
-                             f"backwards are not run)")
+            raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(RUNS)}")
         if self.vpp > 1 and schedule != "interleaved":
             raise ValueError(f"{self.vpp} stages per rank need schedule='interleaved'")
         self.schedule = schedule

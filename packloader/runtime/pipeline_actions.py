@@ -6,17 +6,19 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action
+from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, _Action
 
-_OPS = {"F": FORWARD, "B": FULL_BACKWARD}
+_OPS = {"F": FORWARD, "B": FULL_BACKWARD, "W": BACKWARD_WEIGHT}
+_NAMES = {FORWARD: "F", FULL_BACKWARD: "B", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W"}
 
 
 def engine_actions(written: Sequence[Sequence[Sequence]], m: int, pp: int, vpp: int = 1,
                    readers: Mapping[int, set[int]] | None = None) -> dict[int, list[_Action]]:
     """Per pipeline rank, the engine's actions for `written[rank] = [[op, micro_batch, stage], ...]`.
 
-    Checked: one list per pipeline rank; op "F" or "B"; stage s + c*pp on rank s; every micro-batch's forward and
-    backward once on each of the rank's stages, the forward first; and, for slices (`readers[u]`: the later
+    Checked: one list per pipeline rank; op "F", "B" or "W"; stage s + c*pp on rank s; every micro-batch's
+    forward and backward once on each of the rank's stages, the forward first, and a W (weight gradient) at most
+    once, after its B (then the input gradient alone: the engine's I); and, for slices (`readers[u]`: the later
     micro-batches that read u's keys), on every stage u's forward before its readers' and their backwards
     before u's (u's key/value gradients come from them)."""
     if len(written) != pp:
@@ -25,17 +27,15 @@ def engine_actions(written: Sequence[Sequence[Sequence]], m: int, pp: int, vpp: 
     out: dict[int, list[_Action]] = {}
     for s, lst in enumerate(written):
         acts, pos = [], {}
+        split = {(a[1], a[2]) for a in lst if len(a) == 3 and a[0] == "W"}  # input-gradient Bs
         stages = {c * pp + s for c in range(vpp)}
         for k, a in enumerate(lst):
             where = f"pipeline rank {s}, action {k} {list(a)!r}"
             if len(a) != 3:
                 raise ValueError(f"action lists: {where}: expected [op, micro_batch, stage]")
             op, u, st = a[0], a[1], a[2]
-            if op == "W":
-                raise NotImplementedError(f"action lists: {where}: split input/weight backwards (W) are not run by "
-                                          f"PlanPipelineSchedule; plan with schedule='1f1b'")
             if op not in _OPS:
-                raise ValueError(f"action lists: {where}: op must be 'F' or 'B'")
+                raise ValueError(f"action lists: {where}: op must be 'F', 'B' or 'W'")
             if not isinstance(u, int) or not 0 <= u < m:
                 raise ValueError(f"action lists: {where}: micro-batch must be in 0..{m - 1}")
             if st not in stages:
@@ -44,8 +44,10 @@ def engine_actions(written: Sequence[Sequence[Sequence]], m: int, pp: int, vpp: 
                 raise ValueError(f"action lists: {where}: runs twice (first at action {pos[(op, u, st)]})")
             if op == "B" and ("F", u, st) not in pos:
                 raise ValueError(f"action lists: {where}: backward before the micro-batch's forward on that stage")
+            if op == "W" and ("B", u, st) not in pos:
+                raise ValueError(f"action lists: {where}: weight gradient before the micro-batch's backward (B)")
             pos[(op, u, st)] = k
-            acts.append(_Action(st, _OPS[op], u))
+            acts.append(_Action(st, BACKWARD_INPUT if op == "B" and (u, st) in split else _OPS[op], u))
         missing = [(op, u, st) for st in sorted(stages) for u in range(m) for op in "FB" if (op, u, st) not in pos]
         if missing:
             raise ValueError(f"action lists: pipeline rank {s} never runs {[list(x) for x in missing[:4]]}"
@@ -66,5 +68,5 @@ def engine_actions(written: Sequence[Sequence[Sequence]], m: int, pp: int, vpp: 
 
 def written_actions(actions: Mapping[int, Sequence[_Action]]) -> list[list[list]]:
     """The engine's compute actions per pipeline rank, back in the written form [[op, micro_batch, stage], ...]."""
-    return [[["B" if a.computation_type == FULL_BACKWARD else "F", int(a.microbatch_index), int(a.stage_index)]
-             for a in actions[s]] for s in sorted(actions)]
+    return [[[_NAMES[a.computation_type], int(a.microbatch_index), int(a.stage_index)] for a in actions[s]]
+            for s in sorted(actions)]

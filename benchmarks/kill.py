@@ -1,6 +1,10 @@
 """Exactly once under SIGKILL, at random points: how many tokens a killed and resumed loader loses or repeats.
 
     .venv/bin/python benchmarks/kill.py --points 1000 --write docs/benchmarks.md
+    .venv/bin/python benchmarks/kill.py --corpus giant --points 60 --write docs/benchmarks.md
+
+(`--corpus giant`: six layouts over token shards holding two documents of 1,000 x tokens_per_step each, so that
+steps end inside documents and kills land there; its own section of the file.)
 
 The harness is tests/helpers/kill_harness.py (its docstring says exactly what a child does and what is compared). For
 every configuration of the matrix (Parquet token shards / gzipped JSON Lines text; `auto` / `wlb`; slicing on /
@@ -42,7 +46,26 @@ sys.path.insert(0, str(ROOT / "tests"))
 from helpers import kill_harness as kh  # noqa: E402
 from sections import write_section  # noqa: E402  (benchmarks/, the script's own folder)
 
-SECTION = "kill"
+SECTIONS = {"small": ("kill", "Exactly once under SIGKILL"),
+            "giant": ("kill-giant", "Exactly once under SIGKILL, with documents of 1,000 steps")}
+CORPORA = {
+    "small": "Corpora: 240 token documents in 4 Parquet shards, or 200 text documents in 3 gzipped JSON Lines "
+             "shards (bytes tokenizer), long-tail lengths; max_tokens 512, context 512 (1024 for `auto` with "
+             "slicing), 2048 tokens per step per rank (768 with workers, whose items are whole steps).",
+    "giant": f"Corpus: 60 long-tail token documents and two of {kh.GIANT_FACTOR:,} x tokens_per_step (+37 and +101 "
+             f"tokens) in 3 Parquet shards; tokens_per_step {kh.GIANT_TOKENS_PER_STEP} (all ranks), max_tokens 64, "
+             "context 64 (128 for `auto` with slicing): each giant document spreads over about 1,000 steps, and "
+             "kills land inside them.",
+}
+
+
+def giant_matrix() -> list[kh.KillConfig]:
+    """The corpus with two documents of 1,000 steps' tokens each: a subset of the layouts (each epoch is thousands
+    of rounds)."""
+    return [kh.KillConfig(source="giant", **kw) for kw in (
+        dict(strategy="auto"), dict(strategy="auto", slicing=True, dp=2),
+        dict(strategy="auto", slicing=True, dp=2, ranks="gloo"), dict(strategy="wlb", dp=2, ranks="gloo"),
+        dict(strategy="wlb", workers=2), dict(strategy="auto", dp=2, workers=2))]
 
 
 def matrix() -> list[kh.KillConfig]:
@@ -110,12 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timer-share", type=float, default=0.2, help="share of kills made by the parent after a delay")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default=None, help="run only configurations whose name contains this")
+    p.add_argument("--corpus", choices=("small", "giant"), default="small",
+                   help="small: the long-tail corpora (section 'kill'); giant: token shards with two documents of "
+                        "1,000 steps' tokens each (section 'kill-giant')")
     p.add_argument("--workdir", default=None, help="keep the logs and states here (default: a temporary directory)")
     p.add_argument("--json", default=None, help="write the per-configuration rows here")
     p.add_argument("--write", default=None, help="markdown file whose kill section gets the results")
     args = p.parse_args(argv)
 
-    configs = [c for c in matrix() if args.only is None or args.only in c.name]
+    configs = [c for c in (matrix() if args.corpus == "small" else giant_matrix())
+               if args.only is None or args.only in c.name]
     kh.prepare_parent()
     tmp = tempfile.TemporaryDirectory(prefix="packloader-kill-") if args.workdir is None else None
     base = Path(args.workdir or tmp.name)
@@ -179,19 +206,17 @@ def main(argv: list[str] | None = None) -> int:
             "```",
             "",
             f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()} with {cpus} CPUs "
-            f"(load average {load0:.1f} at the start; shared). Corpora: 240 token documents in 4 Parquet shards, "
-            "or 200 text documents in 3 gzipped JSON Lines shards (bytes tokenizer), long-tail lengths; "
-            "max_tokens 512, context 512 (1024 for `auto` with slicing), 2048 tokens per step per rank (768 with "
-            "workers, whose items are whole steps). A round is one item from every rank: a micro-batch, or a step "
-            "with workers.",
+            f"(load average {load0:.1f} at the start; shared). {CORPORA[args.corpus]} A round is one item from "
+            "every rank: a micro-batch, or a step with workers.",
             "",
             *[f"- {line}" for line in summary],
             "",
             table(rows),
             "",
         ])
-        write_section(Path(args.write), SECTION, "Exactly once under SIGKILL", body)
-        print(f"wrote the {SECTION} section of {args.write}")
+        section, heading = SECTIONS[args.corpus]
+        write_section(Path(args.write), section, heading, body)
+        print(f"wrote the {section} section of {args.write}")
     if tmp is not None:
         tmp.cleanup()
     return 1 if errors else 0

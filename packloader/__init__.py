@@ -39,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "tokenize_to_parquet": "packloader.sources.pretokenize",
     "PackedLoader": "packloader.loader.loader",
     "PackedDataset": "packloader.loader.dataset",
+    "merge_states": "packloader.loader.elastic",
     "LoaderStats": "packloader.contracts",
     "PackedBatch": "packloader.collate.batch",
     "collate": "packloader.collate.collate",

@@ -254,7 +254,9 @@ class LoaderStats(msgspec.Struct, kw_only=True):
     split_documents: int = 0
     split_pieces: int = 0
     empty_documents: int = 0
-    delayed_pieces: int = 0  # pieces a planner held back for a later step (counted once per step held)
+    # pieces held back for a later step, counted once per step held: by a planner (outlier delay), or the rest of
+    # a document a step ended inside (a step holds tokens_per_step within one piece)
+    delayed_pieces: int = 0
     rank_micro_batches: int = 0  # this rank's micro-batches
     rank_tokens: int = 0  # tokens in this rank's micro-batches
 

@@ -61,7 +61,7 @@ def test_auto_keeps_the_delay_bound_where_it_used_to_break_it(tp, monkeypatch):
     monkeypatch.setattr(auto, "QUEUE_MAX_SHARE", float("inf"))
     monkeypatch.setattr(auto, "RUN_SHARES", ())  # and without bounded slice runs, which now fit where wlb won
     mean0, _, queued0 = delays_and_queue(lengths, config(tp), 8)
-    assert mean0 > 0.5 and queued0 > TPS // 2, (mean0, queued0)
+    assert mean0 > 0.5 or queued0 > TPS // 2, (mean0, queued0)  # either breaks the bound
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -74,7 +74,7 @@ def test_delay_bookkeeping_survives_a_resume():
     """Planning steps 0-3, saving the PlannerState as JSON, and going on with a fresh planner gives the same
     plans as the uninterrupted run (the bound's running totals live in the state)."""
     cfg = config(1)
-    windows, _ = draw_windows(long_tail(1), cfg.tokens_per_step, cfg.context, 8)
+    windows = draw_windows(long_tail(1), cfg.tokens_per_step, cfg.context, 8).windows
 
     def plan(planner, state, s):
         return planner.plan(windows[s], flush_state(state) if s == len(windows) - 1 else state, s)

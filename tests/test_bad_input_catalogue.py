@@ -24,7 +24,7 @@ import pytest
 
 from packloader.cli.main import main
 from packloader.collate.batch import SlicesNotSupported
-from packloader.contracts import PlanConfig
+from packloader.contracts import ParallelConfig, PlanConfig
 from packloader.loader.loader import PackedLoader
 from packloader.sources.base import IterableSource
 from packloader.sources.errors import EmptyDocumentError, NonUtf8Error, SourceError
@@ -265,6 +265,16 @@ def state_from_another_config(tmp):
     return lambda: b.load_state_dict(state)
 
 
+def mid_step_state_at_another_layout(tmp):
+    docs = [np.arange(1, 1 + n, dtype=np.int32) for n in (5, 70, 30, 200, 12) * 10]
+    par = ParallelConfig(dp=2)
+    a = PackedLoader(IterableSource(docs), config=_config(parallel=par), dp_rank=0, num_threads=0)
+    next(iter(a))
+    state = a.state_dict()
+    b = PackedLoader(IterableSource(docs), config=_config(parallel=ParallelConfig(dp=4)), dp_rank=0, num_threads=0)
+    return lambda: b.load_state_dict(state)
+
+
 def cli_number_zero(tmp):
     np.save(tmp / "ok.npy", np.array([10, 20, 30]))
     return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--dp", "0", "--quiet")
@@ -448,7 +458,9 @@ CASES = [
          ("mix mixes file formats", "parquet: ", "a.parquet", "jsonl: ", "b.jsonl", "nothing was read")),
     Case("pattern_matches_nothing", pattern_matches_nothing, CliExit, ("exit 1", "no files match '*.py'")),
     Case("state_from_another_config", state_from_another_config, ValueError,
-         ("differently configured loader", "max_tokens")),
+         ("differently configured loader", "config.context: saved 256, now 512")),
+    Case("mid_step_state_at_another_layout", mid_step_state_at_another_layout, ValueError,
+         ("saved inside a step", "on DP rank 0 of dp=2", "merge_states([state of rank 0, ..., state of rank 1])")),
     Case("cli_number_zero", cli_number_zero, CliExit,
          ("exit 2", "argument --dp: must be >= 1 and <= 131,072 (field parallel.dp), got 0")),
     Case("cli_number_too_large", cli_number_too_large, CliExit, ("exit 2", "argument --max-tokens", "<= 1,099,511,627,776 (field max_tokens)")),

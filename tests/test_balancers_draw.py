@@ -17,27 +17,31 @@ from packloader.report.draw import draw_steps
 from packloader.sources.base import IterableSource
 
 
-def reference_steps(lengths, tokens_per_step, context, steps=None, incomplete=True):
-    """Each step as a list of (doc, offset, length) pieces, by walking the documents one at a time: a step takes
-    documents until it holds tokens_per_step tokens (the crossing one included); empty documents are skipped; a
-    document longer than the context becomes pieces of `context` tokens, the last one shorter."""
-    out, step, fill = [], [], 0
+def reference_steps(lengths, tokens_per_step, context, steps=None, incomplete=True, filled=0, offset=0):
+    """Each step as a list of (doc, offset, length) pieces, by walking the pieces one at a time: a document
+    longer than the context becomes pieces of `context` tokens (the last one shorter); a step takes pieces until
+    it holds tokens_per_step tokens (the crossing one included), so a document's later pieces go to the next
+    steps; empty documents are skipped. The first step already holds `filled` tokens and starts at token
+    `offset` of the first document."""
+    out, step, fill = [], [], filled
     for doc, n in enumerate(lengths):
-        if steps is not None and len(out) == steps:
-            break
-        if n == 0:
-            continue
-        offset = 0
-        while offset < n:
-            step.append((doc, offset, min(context, n - offset)))
-            offset += context
-        fill += n
-        if fill >= tokens_per_step:
-            out.append(step)
-            step, fill = [], 0
+        for off in range(offset if doc == 0 else 0, n, context):
+            if steps is not None and len(out) == steps:
+                return out
+            step.append((doc, off, min(context, n - off)))
+            fill += step[-1][2]
+            if fill >= tokens_per_step:
+                out.append(step)
+                step, fill = [], 0
     if step and incomplete and (steps is None or len(out) < steps):
         out.append(step)
     return out
+
+
+def cursor_after(step, lengths):
+    """Where the draw stands after a step: after its last piece's document, or inside it."""
+    d, off, n = step[-1]
+    return [d + 1, 0] if off + n == lengths[d] else [d, off + n]
 
 
 def pieces(window):
@@ -50,30 +54,38 @@ lengths_st = st.lists(st.one_of(st.just(0), st.integers(1, 60), st.integers(61, 
 @settings(max_examples=200, deadline=None)
 @given(lengths_st, st.integers(1, 300), st.integers(1, 100), st.one_of(st.none(), st.integers(0, 6)), st.booleans())
 def test_draw_windows_matches_a_plain_loop(lengths, tokens_per_step, context, steps, incomplete):
-    windows, ends = draw_windows(np.array(lengths, np.int64), tokens_per_step, context, steps, incomplete=incomplete)
+    windows, ends, first = draw_windows(np.array(lengths, np.int64), tokens_per_step, context, steps,
+                                        incomplete=incomplete)
     ref = reference_steps(lengths, tokens_per_step, context, steps, incomplete)
     assert [pieces(w) for w in windows] == ref
-    # each step ends right after its last document
-    assert ends.tolist() == [s[-1][0] + 1 for s in ref]
+    sizes = [sum(n for *_, n in s) for s in ref]  # within one piece of tokens_per_step, an incomplete last one under
+    assert all(tokens_per_step <= k < tokens_per_step + context for k in sizes[:-1])
+    assert all(k < tokens_per_step + context for k in sizes[-1:])
+    assert ends.tolist() == [cursor_after(s, lengths) for s in ref]
+    seen = {}
+    for k, s in enumerate(ref):
+        for d, *_ in s:
+            seen.setdefault(d, k)
+    assert {d: k for d, k in enumerate(first.tolist()) if k >= 0} == seen
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 400), max_size=60), st.integers(1, 300), st.data())
-def test_step_ends_with_a_step_begun_earlier(lengths, tokens_per_step, data):
+@given(st.lists(st.integers(0, 400), max_size=60), st.integers(1, 300), st.integers(1, 100), st.data())
+def test_step_ends_with_a_step_begun_earlier(lengths, tokens_per_step, context, data):
     filled = data.draw(st.integers(0, tokens_per_step - 1))
     steps = data.draw(st.one_of(st.none(), st.integers(1, 4)))
     incomplete = data.draw(st.booleans())
-    ends, fill = [], filled  # the plain loop, empty documents kept (they belong to the step they fall in)
-    for i, n in enumerate(lengths):
-        if steps is not None and len(ends) == steps:
-            break
-        fill += n
-        if fill >= tokens_per_step:
-            ends.append(i + 1)
-            fill = 0
-    if incomplete and (steps is None or len(ends) < steps) and (ends[-1] if ends else 0) < len(lengths):
-        ends.append(len(lengths))
-    got = step_ends(np.array(lengths, np.int64), tokens_per_step, steps=steps, filled=filled, incomplete=incomplete)
+    offset = data.draw(st.integers(0, max(0, (lengths[0] - 1) // context))) * context if lengths else 0
+    ref = reference_steps(lengths, tokens_per_step, context, steps, False, filled, offset)
+    ends = [cursor_after(s, lengths) for s in ref]
+    # positions: after a whole document, the next one (empty documents after it belong to the next step)
+    drawn = any(n for n in lengths[1:]) or (lengths and lengths[0] > offset)
+    last = ends[-1] if ends else [0, offset]
+    if incomplete and (steps is None or len(ends) < steps) and drawn and \
+            sum(lengths[last[0]:]) - last[1] > 0:
+        ends.append([len(lengths), 0])
+    got = step_ends(np.array(lengths, np.int64), tokens_per_step, context, steps=steps, filled=filled,
+                    offset=offset, incomplete=incomplete)
     assert got.tolist() == ends
 
 
@@ -95,28 +107,40 @@ def test_cut_pieces_matches_a_plain_loop(lengths, context):
     assert not np.shares_memory(window.doc, ids) and not np.shares_memory(window.length, lens)
 
 
+def test_cut_pieces_of_part_of_a_document():
+    """Tokens 8..21 of a 30-token document and 0..4 of another, context 4: pieces keep the document's grid; only
+    a first piece counts its document as split."""
+    window, split_docs, split_pieces = cut_pieces(np.array([7, 9]), np.array([30, 10]), 4, np.array([8, 0]),
+                                                  np.array([22, 4]))
+    assert pieces(window) == [(7, 8, 4), (7, 12, 4), (7, 16, 4), (7, 20, 2), (9, 0, 4)]
+    assert (split_docs, split_pieces) == (1, 5)
+
+
 def test_nothing_to_draw():
     for lengths in ([], [0, 0, 0]):
-        windows, ends = draw_windows(np.array(lengths, np.int64), 10, 4)
+        windows, ends, _ = draw_windows(np.array(lengths, np.int64), 10, 4)
         assert windows == [] and ends.tolist() == []
-    assert step_ends(np.zeros(0, np.int64), 10, incomplete=True).tolist() == []
-    assert step_ends(np.array([3, 4]), 10, steps=0, incomplete=True).tolist() == []
+    assert step_ends(np.zeros(0, np.int64), 10, 4, incomplete=True).tolist() == []
+    assert step_ends(np.array([3, 4]), 10, 4, steps=0, incomplete=True).tolist() == []
     window = cut_pieces(np.zeros(0, np.int64), np.zeros(0, np.int64), 4).window
     assert len(window.doc) == len(window.offset) == len(window.length) == 0
 
 
 def test_a_hand_worked_draw():
     lengths = np.array([5, 0, 3, 9, 1, 1, 1, 20, 2, 4])
-    windows, ends = draw_windows(lengths, 8, 6)
-    # [5, 0, 3] -> 8; [9] -> 9 cut 6 + 3; [1, 1, 1, 20] -> 23, 20 cut 6 + 6 + 6 + 2; [2, 4] -> 6, incomplete
-    assert ends.tolist() == [3, 4, 8, 10]
+    windows, ends, first = draw_windows(lengths, 8, 6)
+    # pieces of at most 6: [5, 0, 3] -> 8; [6, 3] -> 9; [1, 1, 1, 6] -> 9, the 20-token document goes on in the
+    # next steps: [6, 6] -> 12; [2] and [2, 4] -> 8
+    assert ends.tolist() == [[3, 0], [4, 0], [7, 6], [7, 18], [10, 0]]
     assert [pieces(w) for w in windows] == [
         [(0, 0, 5), (2, 0, 3)],
         [(3, 0, 6), (3, 6, 3)],
-        [(4, 0, 1), (5, 0, 1), (6, 0, 1), (7, 0, 6), (7, 6, 6), (7, 12, 6), (7, 18, 2)],
-        [(8, 0, 2), (9, 0, 4)],
+        [(4, 0, 1), (5, 0, 1), (6, 0, 1), (7, 0, 6)],
+        [(7, 6, 6), (7, 12, 6)],
+        [(7, 18, 2), (8, 0, 2), (9, 0, 4)],
     ]
-    assert draw_windows(lengths, 8, 6, incomplete=False)[1].tolist() == [3, 4, 8]
+    assert first.tolist() == [0, -1, 0, 1, 2, 2, 2, 2, 4, 4]
+    assert draw_windows(lengths[:-1], 8, 6, incomplete=False).ends.tolist() == [[3, 0], [4, 0], [7, 6], [7, 18]]
 
 
 # --- the three users ------------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ def docs(n=40, seed=0, max_len=120):
 
 
 def loader(ds, *, context=200, **kw):
-    cfg = PlanConfig(strategy=kw.pop("strategy", "fixed"), max_tokens=200, context=context, tokens_per_step=400,
+    cfg = PlanConfig(strategy=kw.pop("strategy", "fixed"), max_tokens=200, context=context,
+                     tokens_per_step=kw.pop("tokens_per_step", 400),
                      allow_slicing=False, num_micro_batches=kw.pop("num_micro_batches", None))
     return PackedLoader(IterableSource(ds), config=cfg, num_threads=0, append_eos=False, **kw)
 
@@ -315,7 +316,8 @@ def test_ddp_ranks_stay_in_step_over_an_empty_last_micro_batch(corpus):
     from helpers.distributed import run_ranks
 
     ga = 2
-    ld = loader(corpus, num_micro_batches=ga, epochs=None)
+    # 2 micro-batches of 200 hold any step of 200 tokens within one piece of 200 (a step holds up to 399)
+    ld = loader(corpus, num_micro_batches=ga, epochs=None, tokens_per_step=200)
     first = [b for _, b in zip(range(2 * ga), ld)]  # two steps of one loader: the two ranks' shares of a step
     toks = doc_tokens(ld, first)
     total = first[0].loss_tokens_in_step + first[ga].loss_tokens_in_step

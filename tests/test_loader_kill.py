@@ -4,7 +4,7 @@ new process from the last saved state; the stitched stream must equal one uninte
 match the source's tokens, and cover every token of the epoch exactly once over all ranks.
 
 The configurations cover Parquet token shards and gzipped JSON Lines text, `auto` (with and without slicing) and
-`wlb` (outliers queued across steps), one rank, two ranks in one process and two gloo ranks, PackedLoader and a
+`wlb` (outliers queued across steps), a corpus with two documents of 1,000 x tokens_per_step each, one rank, two ranks in one process and two gloo ranks, PackedLoader and a
 StatefulDataLoader with two workers, children forked from a clean parent and one configuration started as fresh
 interpreters. All configurations run in one clean parent process (started here), which forks the children.
 benchmarks/kill.py runs the same harness at random points, 1,000 of them.
@@ -46,6 +46,9 @@ CASES = {
     "jsonl.gz auto slicing dp2 local": case(source="jsonl.gz", strategy="auto", slicing=True, dp=2, kills=(EARLY,)),
     "parquet wlb dp1 workers2": case(source="parquet", strategy="wlb", workers=2, kills=(LATE,)),
     "jsonl.gz auto dp2 local workers2": case(source="jsonl.gz", strategy="auto", dp=2, workers=2, kills=(EARLY,)),
+    # two documents of 1,000 x tokens_per_step: kills and saves land inside them (steps end inside a document)
+    "giant wlb dp2 local": case(source="giant", strategy="wlb", dp=2, kills=(EARLY,)),
+    "giant auto slicing dp1": case(source="giant", strategy="auto", slicing=True, kills=(LATE,)),
 }
 
 

@@ -24,15 +24,20 @@ def long_tail_lengths(n: int, seed: int) -> np.ndarray:
     return np.clip(np.rint(np.where(rng.random(n) < 0.04, tail, body)), 1, 40000).astype(np.int64)
 
 
-def drawn_documents(lengths: np.ndarray, tokens_per_step: int, steps: int) -> int:
-    """How many documents `steps` steps draw: each takes documents until tokens_per_step is reached."""
-    i = 0
+def drawn_tokens(lengths: np.ndarray, tokens_per_step: int, context: int, steps: int) -> dict[int, int]:
+    """How many tokens of each document `steps` steps draw: each takes pieces of at most `context` tokens until
+    tokens_per_step is reached (a document's later pieces go to the next step)."""
+    out: dict[int, int] = {}
+    i, off = 0, 0
     for _ in range(steps):
         got = 0
         while i < len(lengths) and got < tokens_per_step:
-            got += int(lengths[i])
-            i += 1
-    return i
+            n = min(context, int(lengths[i]) - off)
+            got, off = got + n, off + n
+            out[i] = off
+            if off == lengths[i]:
+                i, off = i + 1, 0
+    return out
 
 
 def check_jsonl(text: str, lengths: np.ndarray, *, dp: int, max_tokens: int, context: int, tokens_per_step: int,
@@ -40,7 +45,8 @@ def check_jsonl(text: str, lengths: np.ndarray, *, dp: int, max_tokens: int, con
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
     assert [r["step"] for r in records] == list(range(len(records)))
     assert len(records) >= 1
-    n_docs = drawn_documents(lengths, tokens_per_step, steps)
+    drawn = drawn_tokens(lengths, tokens_per_step, context, steps)
+    n_docs = len(drawn)
     seen = {d: np.zeros(int(lengths[d]), np.int64) for d in range(n_docs)}
     slices = 0
     for rec in records:
@@ -65,7 +71,8 @@ def check_jsonl(text: str, lengths: np.ndarray, *, dp: int, max_tokens: int, con
                     chain_end[(doc, af)] = (e, pos)
                     seen[doc][s:e] += 1
     for d, arr in seen.items():
-        assert (arr == 1).all(), f"doc {d}: some token appears {int(arr.max())} times, some {int(arr.min())}"
+        assert (arr[:drawn[d]] == 1).all() and not arr[drawn[d]:].any(), \
+            f"doc {d}: some token appears {int(arr.max())} times, some {int(arr.min())}"
     if not slicing:
         assert slices == 0
     return records

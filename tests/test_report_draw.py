@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packloader.balancers.cost.resolve import load_cost_model
-from packloader.balancers.draw import step_ends
+from packloader.balancers.draw import draw_windows, step_ends
 from packloader.contracts import MicroBatch, ParallelConfig, Segment
 from packloader.report.advice import merged_model
 from packloader.report.draw import StepCounter, draw_steps
@@ -22,45 +22,89 @@ from packloader.report.lengths import LengthsError, read_lengths
 lengths_st = st.lists(st.integers(1, 5000), min_size=1, max_size=200)
 
 
-@settings(max_examples=60, deadline=None)
-@given(lengths_st, st.integers(1, 20000), st.integers(1, 6))
-def test_step_ends_and_counter_agree_with_a_plain_loop(lengths, target, steps):
-    bounds, fill = [], 0
-    for i, v in enumerate(lengths):  # documents until the step reaches the target, the crossing one included
-        fill += v
-        if fill >= target:
-            bounds.append(i + 1)
-            fill = 0
-            if len(bounds) == steps:
-                break
-    assert step_ends(np.array(lengths), target, steps=steps).tolist() == bounds
-    counter = StepCounter(target, steps)
+def reference_steps(lengths, target, context, steps=None, incomplete=False):
+    """Brute force: every piece (doc, offset, length) in stream order, steps taking pieces until they reach
+    the target (the crossing piece included)."""
+    out, cur, fill = [], [], 0
+    for d, n in enumerate(lengths):
+        for off in range(0, n, context):
+            cur.append((d, off, min(context, n - off)))
+            fill += cur[-1][2]
+            if fill >= target:
+                out.append(cur)
+                cur, fill = [], 0
+                if steps is not None and len(out) == steps:
+                    return out
+    if cur and incomplete:
+        out.append(cur)
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths_st, st.integers(1, 20000), st.integers(1, 3000), st.integers(1, 6))
+def test_step_ends_and_counter_agree_with_a_plain_loop(lengths, target, context, steps):
+    ref = reference_steps(lengths, target, context, steps)
+    ends = step_ends(np.array(lengths), target, context, steps=steps)
+    cursors = []
+    for step in ref:
+        d, off, n = step[-1]
+        cursors.append((d + 1, 0) if off + n == lengths[d] else (d, off + n))
+    assert [tuple(e) for e in ends.tolist()] == cursors
+    counter = StepCounter(target, steps, context)
     done = any(counter(np.array(lengths[i:i + 7])) for i in range(0, len(lengths), 7))
-    assert done == (len(bounds) == steps)
+    assert done == (len(ref) == steps)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 3000), max_size=120), st.integers(1, 5000), st.integers(1, 9))
-def test_step_counter_counts_like_a_plain_loop_across_batches(lengths, target, batch):
-    done, fill = 0, 0
-    for v in lengths:  # empty documents never end a step
-        fill += v
-        if v and fill >= target:
-            done, fill = done + 1, 0
-    counter = StepCounter(target, 10**9)
+@given(st.lists(st.integers(0, 3000), max_size=120), st.integers(1, 5000), st.integers(1, 700), st.integers(1, 9))
+def test_step_counter_counts_like_a_plain_loop_across_batches(lengths, target, context, batch):
+    ref = reference_steps([v for v in lengths if v], target, context)  # empty documents never end a step
+    counter = StepCounter(target, 10**9, context)
     for i in range(0, len(lengths), batch):
         counter(np.array(lengths[i:i + batch], np.int64))
-    assert (counter.done, counter.fill) == (done, fill)
+    assert counter.done == len(ref)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 9000), max_size=60), st.integers(1, 3000), st.integers(1, 700))
+def test_a_step_holds_tokens_per_step_within_one_piece(lengths, target, context):
+    """draw_windows against the brute force: the same pieces per step; each step but the last holds from
+    tokens_per_step to tokens_per_step + context - 1 tokens; the cursor and draw steps match."""
+    d = draw_windows(np.array(lengths, np.int64), target, context)
+    nonempty = [i for i, v in enumerate(lengths) if v]
+    ref = reference_steps([lengths[i] for i in nonempty], target, context, incomplete=True)
+    got = [list(zip(w.doc.tolist(), w.offset.tolist(), w.length.tolist())) for w in d.windows]
+    assert got == [[(nonempty[p], o, n) for p, o, n in step] for step in ref]
+    sizes = [sum(n for _, _, n in step) for step in ref]
+    assert all(target <= s < target + context for s in sizes[:-1])
+    first = {}
+    for s, step in enumerate(got):
+        for doc, _, _ in step:
+            first.setdefault(doc, s)
+    assert {i: int(s) for i, s in enumerate(d.first_step.tolist()) if s >= 0} == first
+
+
+def test_a_giant_document_spreads_over_steps_in_order():
+    """Hand-worked: tokens_per_step 10, context 4; a 30-token document after a 3-token one."""
+    d = draw_windows(np.array([3, 30, 5]), 10, 4)
+    # pieces: 0:[0,3) 1:[0,4) [4,8) ... [28,30) 2:[0,4) [4,5); steps close at 11, 12, 10 tokens, the last holds 5
+    assert [w.doc.tolist() for w in d.windows] == [[0, 1, 1], [1, 1, 1], [1, 1, 1], [2, 2]]
+    assert [w.offset.tolist() for w in d.windows] == [[0, 0, 4], [8, 12, 16], [20, 24, 28], [0, 4]]
+    assert [w.length.tolist() for w in d.windows] == [[3, 4, 4], [4, 4, 4], [4, 4, 2], [4, 1]]
+    assert d.ends.tolist() == [[1, 8], [1, 20], [2, 0], [3, 0]]
+    assert d.first_step.tolist() == [0, 0, 3]
 
 
 def test_draw_steps_windows_and_draw_steps():
     lengths = np.array([5, 3, 9, 1, 1, 1, 20, 2, 4])
-    d = draw_steps(lengths, tokens_per_step=8, context=6, steps=5)
-    # steps: [5, 3] -> 8; [9] -> 9; [1, 1, 1, 20] -> 23; [2, 4] -> 6 < 8 is incomplete and left out
-    assert d.steps == 3 and d.leftover_documents == 2
+    d = draw_steps(lengths, tokens_per_step=8, context=6, steps=4)
+    # pieces of 6: steps [5, 3] -> 8; [6, 3] -> 9; [1, 1, 1, 6] -> 9; [6, 6] of the 20-token document -> 12 (its
+    # last 2 tokens go to step 4, which is not drawn); the two documents after it are left over
+    assert d.steps == 4 and d.leftover_documents == 2
     assert d.doc_step.tolist() == [0, 0, 1, 2, 2, 2, 2]
     assert d.windows[1].length.tolist() == [6, 3] and d.windows[1].offset.tolist() == [0, 6]
-    assert d.windows[2].doc.tolist() == [3, 4, 5, 6, 6, 6, 6] and d.windows[2].length.tolist() == [1, 1, 1, 6, 6, 6, 2]
+    assert d.windows[2].doc.tolist() == [3, 4, 5, 6] and d.windows[2].length.tolist() == [1, 1, 1, 6]
+    assert d.windows[3].doc.tolist() == [6, 6] and d.windows[3].offset.tolist() == [6, 12]
     assert d.tokens == 40 and d.docs_cut == 2
     with pytest.raises(ValueError, match="fewer than one step"):
         draw_steps(lengths, tokens_per_step=1000, context=6, steps=1)

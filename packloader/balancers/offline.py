@@ -28,7 +28,7 @@ class PlanRun:
 def plan_run(lengths: np.ndarray, config: PlanConfig, steps: int, planner=None) -> PlanRun:
     """Plan every step of a run; the last one flushes whatever the planner still holds."""
     planner = planner or make_planner(config)
-    windows, _ = draw_windows(lengths, config.tokens_per_step, config.context, steps)
+    windows = draw_windows(lengths, config.tokens_per_step, config.context, steps).windows
     state = PlannerState()
     plans = []
     for s, w in enumerate(windows):

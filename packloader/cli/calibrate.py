@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tile", type=int, default=None, help="the kernel's tile (default: chosen by the fit)")
     p.add_argument("--name", default=None, help="profile name (default: model@device/backend/dtype/layers)")
     p.add_argument("--out", required=True, help="where to write the profile JSON")
+    p.add_argument("--slices", default=None, metavar="CSV", help="also time slices (q query tokens after p earlier "
+                   "keys, beside short documents), write their table here and fit the slice term against the profile")
     p.add_argument("--quiet", action="store_true", help="print only the fit")
 
 
@@ -78,4 +80,23 @@ def run(args: argparse.Namespace) -> int:
     save_profile(profile, args.out)
     print(format_fit(profile))
     print(f"wrote {args.out}")
+    if args.slices:
+        _slices(args, shape, profile, device, dtype, layers, max_len, say)
     return 0
+
+
+def _slices(args, shape, profile, device, dtype, layers, max_len, say) -> None:
+    """Time one layer's slices, scale them to the profile's layers, write the table and print the fitted term."""
+    import torch
+
+    from packloader.balancers.cost.slice_fit import fit_slice_term, format_slice_term, scaled_timings, write_slice_csv
+    from packloader.runtime.calibrate_slices import slice_grid, time_slices
+
+    qs, ps = slice_grid(max_len)
+    one = time_slices(shape, qs, ps, device=torch.device(device), dtype=dtype, backend=args.backend,
+                      filler_len=max(1, min(512, max_len // 8)), filler_tokens=max(1, max_len // 2),
+                      repeats=args.repeats, warmup=args.warmup, progress=say)
+    table = scaled_timings(one, layers)
+    write_slice_csv(table, args.slices)
+    print(format_slice_term(fit_slice_term(profile, table)))
+    print(f"wrote {args.slices}")

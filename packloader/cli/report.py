@@ -117,7 +117,7 @@ def _run(args: argparse.Namespace) -> int:
             source = open_source(args.inputs, column=args.column, format=args.format)
         stream = DocumentStream(source, args.tokenizer, seed=config.seed, shuffle=not args.no_shuffle)
         tokenizer = None if stream.pretokenized else args.tokenizer
-        lengths = source_lengths(stream, StepCounter(config.tokens_per_step, steps), progress=progress)
+        lengths = source_lengths(stream, StepCounter(config.tokens_per_step, steps, config.context), progress=progress)
         if not args.demo:
             label = lengths.origin
         skipped = getattr(source, "skipped", None)

@@ -16,7 +16,7 @@ from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
 from packloader.loader.chunks import ChunkLoader, ChunkNode
 from packloader.loader.distributed import RankExchange, resolve_dp_rank
-from packloader.loader.nodes import StepCollator, StepNode, StepReader
+from packloader.loader.nodes import StepCollator, StepNode, StepReader, StepWork
 from packloader.loader.state import LoaderOptions, validate_config, validate_options
 from packloader.sources.stream import DocumentStream
 
@@ -110,6 +110,20 @@ class LoaderPipeline:
         if self.stream.pretokenized and not self.stream.eos_appended:
             return None
         return getattr(self.stream.tokenizer, "name", type(self.stream.tokenizer).__name__)
+
+    def replay(self, config: PlanConfig, step_state: dict | None, span) -> StepWork:
+        """The step at `step_state` as `config` plans it, in this thread (elastic resume: the interrupted step as
+        the saving layout planned it). A registry planner for `config`, not this pipeline's planner object."""
+        mode = "local" if self.mode == "gather" else self.mode
+        chunk_node = ChunkNode(span, self.options.chunk_docs, None)
+        chunks = ParallelMapper(chunk_node, ChunkLoader(self.stream, mode, 0, 1), num_workers=0)
+        node = StepNode(chunk_node, chunks, self.stream, make_planner(config), config, 0, span=span, mode=mode,
+                        check_ranks=False, start_state=step_state)
+        try:
+            node.reset(None)
+            return node.next()
+        finally:
+            node.close()
 
     def build(self, *, span, exchange: RankExchange | None, max_epochs: int | None, start_epoch: int = 0,
               step_stride: int = 1, step_offset: int = 0, start_state: dict | None = None) -> "StepGraph":

@@ -7,8 +7,10 @@ for batch in loader:                   # one epoch per `for` (epochs=1); PackedB
 state = loader.state_dict()            # StatefulDataLoader conventions: load_state_dict(state) resumes here
 ```
 
-Every step the loader draws documents in the epoch's order until `config.tokens_per_step` tokens are reached, cuts
-documents longer than `config.context` into independent pieces (counted in `loader.stats`, never dropped), plans
+Every step the loader cuts documents longer than `config.context` into independent pieces (counted in
+`loader.stats`, never dropped) and draws pieces in the epoch's order until `config.tokens_per_step` tokens are
+reached: a step holds `tokens_per_step` within one piece (fewer than `tokens_per_step + context` tokens, whatever
+the documents), and the rest of a document it ends inside goes to the next steps (`balancers.draw`). It plans
 the step with the configured planner (every rank computes the same plan from the same lengths, and checks that
 with the other ranks), and collates only this rank's micro-batches. Each batch says its `step`, its
 `index_in_step`, this rank's `micro_batches_in_step` and the step's `loss_tokens_in_step` (all ranks).
@@ -24,7 +26,8 @@ Resume: the state is the planning stage's position (the first document not yet d
 planner's queue, the stats) and how many of the current step's micro-batches were yielded, so it does not
 depend on `num_threads`, `prefetch`, `chunk_docs`, `lengths` or the layout. A state saved inside the loop after
 a pass's last batch resumes into that pass, which yields nothing more (as the uninterrupted loop would end);
-the next `for` is the next epoch. A state saved after the loop resumes before the next pass.
+the next `for` is the next epoch. A state saved after the loop resumes before the next pass. At another layout
+(elastic resume, `loader.elastic`): any rank's state saved at a step boundary, or `merge_states` of every rank's.
 
 Ranks: `dp_rank` defaults to torch.distributed's rank when it is initialised and its world size equals
 `config.parallel.dp`; otherwise pass it. With torch.distributed initialised (world > 1) the ranks compare their
@@ -46,8 +49,9 @@ import msgspec
 from packloader.collate.batch import PackedBatch
 from packloader.contracts import LoaderStats, PlanConfig
 from packloader.loader.distributed import RankExchange, check_settings, next_instance, torch_rank_world
+from packloader.loader.elastic import elastic_start, same_layout
 from packloader.loader.graph import LoaderPipeline, ReadyStep, StepGraph
-from packloader.loader.state import STATE_FORMAT, LoaderOptions, check_state, fingerprint, validate_config
+from packloader.loader.state import STATE_FORMAT, LoaderOptions, check_state_shape, fingerprint, validate_config
 from packloader.loader.state_check import StateContext, check_skip, check_state_values, source_lengths
 from packloader.sources.stream import DocumentStream
 
@@ -247,35 +251,48 @@ class PackedLoader:
         }
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Resume from `state_dict()` (of this rank): the next batch is the one that followed when it was saved.
+        """Resume from `state_dict()`: the next batch is the one that followed when it was saved.
 
-        A state saved by a loader with another configuration, seed, shuffle, tokenizer, source or rank is refused,
-        with `strict=False` too: continuing it would drop and repeat tokens (`strict` is kept for the torch
-        signature only). So is a state whose numbers describe no point of this stream (`state_check.py`), naming
-        the field; a mid-step state's step is planned here, to check `skip` against it (the loader is left as it
-        was when refused)."""
-        check_state(state, self._fingerprint())
+        At another layout (dp, pp, cp, tp, num_micro_batches, strategy, max_tokens, tokens_per_step: elastic
+        resume, `loader.elastic`), pass any rank's state saved at a step boundary, or `merge_states` of every
+        rank's state of one save: the interrupted step's untrained remainder is planned for this layout first.
+        A state saved with another source, seed, shuffle, tokenizer, EOS setting or context is refused, with
+        `strict=False` too: continuing it would drop and repeat tokens (`strict` is kept for the torch signature
+        only). So is a state whose numbers describe no point of this stream (`state_check.py`), naming the field;
+        a mid-step state's step is planned here, to check `skip` against it (the loader is left as it was when
+        refused)."""
+        check_state_shape(state)
+        fp = self._fingerprint()
         n = self._p.stream.num_docs
-        check_state_values(state, StateContext(num_docs=n, span=(0, n), doc_lengths=source_lengths(self._p.stream)))
+        if state.get("ranks") is None:
+            check_state_values(state, StateContext(num_docs=n, span=(0, n), doc_lengths=source_lengths(self._p.stream)))
+        if state.get("ranks") is None and same_layout(state["fingerprint"], fp):
+            pos = state["loader"]
+            start, skip = pos["step_state"], int(pos["skip"])
+            next_epoch, pass_left, pass_open = int(state["next_epoch"]), state["pass_left"], bool(state["pass_open"])
+        else:
+            r = elastic_start(state, fp, lambda config, at: self._p.replay(config, at, lambda epoch: (0, n)))
+            start, skip = r.step_state, 0
+            next_epoch, pass_left, pass_open = r.next_epoch, r.pass_left, r.pass_open
         previous = self.state_dict()
-        self._apply(state)
+        self._apply(start, skip, next_epoch, pass_left, pass_open, state["stats"])
         if self._skip:  # mid-step: plan the step now, to check `skip` against it (it is the first one yielded)
             try:
-                self._plan_skipped_step(state["loader"]["step_state"]["k"])
+                self._plan_skipped_step(start["k"])
             except BaseException:
-                self._apply(previous)
+                was = previous["loader"]
+                self._apply(was["step_state"], was["skip"], previous["next_epoch"], previous["pass_left"],
+                            previous["pass_open"], previous["stats"])
                 raise
 
-    def _apply(self, state: dict) -> None:
+    def _apply(self, start: dict | None, skip: int, next_epoch: int, pass_left: int | None, pass_open: bool,
+               stats: dict) -> None:
         self._close_graph()
-        pos = state["loader"]
-        self._start, self._skip = pos["step_state"], int(pos["skip"])
+        self._start, self._skip = start, skip
         self._resume = (self._start, self._skip)
         self._cur, self._at = None, 0
-        self._next_epoch = int(state["next_epoch"])
-        self._pass_left = state["pass_left"]
-        self._pass_open = bool(state["pass_open"])
-        self._stats = msgspec.convert(state["stats"], LoaderStats)
+        self._next_epoch, self._pass_left, self._pass_open = next_epoch, pass_left, pass_open
+        self._stats = msgspec.convert(stats, LoaderStats)
 
     def _plan_skipped_step(self, step_number: int) -> None:
         step = self._fetch()

@@ -24,9 +24,10 @@ How each rank learns the lengths (`lengths=`):
   lengths are all-gathered through the rank store, and a rank reads and tokenizes again only those documents of
   its own micro-batches that another rank tokenized (about 2/W of the stream per rank instead of all of it).
 
-Resume: StepNode's state is small (the position of the first document not yet drawn, the step, the planner's
-state with its queue of delayed pieces, the lengths of those documents, the stats). On reset it restarts the
-chunk stage at that position, so nothing drawn is kept in the state: delayed pieces are re-read by id. Each
+Resume: StepNode's state is small (the position of the first document not yet drawn, with the tokens of it
+already drawn when a step ended inside it, the step, the planner's state with its queue of delayed pieces, the
+lengths of those documents, the stats, and after an elastic resume the interrupted step's untrained rest to plan
+first). On reset it restarts the chunk stage at that position, so nothing drawn is kept in the state: delayed pieces are re-read by id. Each
 StepWork carries the state before and after its step: those are the loader's resume points, so torchdata's own
 snapshots of the graph are not used, and a resume builds a new graph rather than resetting a running one.
 """
@@ -43,10 +44,12 @@ from torchdata.nodes import BaseNode
 
 from packloader.balancers.draw import cut_pieces, step_ends
 from packloader.balancers.planners.packing import FLUSH, flush_state
+from packloader.balancers.planners.registry import Window
 from packloader.collate.collate import collate_step, loss_tokens_in_plan
 from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerState, StepPlan
 from packloader.loader.chunks import Chunk, ChunkNode
 from packloader.loader.distributed import RankExchange, digest
+from packloader.loader.micro_batch_count import check_micro_batch_count
 from packloader.sources.order import split_range
 from packloader.sources.stream import DocumentStream
 
@@ -67,6 +70,7 @@ class StepWork:
     # StepNode states: replaying from `state_before` plans this step again; `state_after` plans the next one
     state_before: dict | None = None
     state_after: dict | None = None
+    step_lengths: dict[int, int] | None = None  # every document of the step's plan (all ranks)
 
 
 class StepNode(BaseNode[StepWork]):
@@ -111,7 +115,7 @@ class StepNode(BaseNode[StepWork]):
 
     def fresh_state(self, epoch: int | None = None) -> dict:
         e = self.start_epoch if epoch is None else epoch
-        return {"epoch": e, "pos": self.span(e)[0], "k": 0, "flushing": False,
+        return {"epoch": e, "pos": self.span(e)[0], "offset": 0, "k": 0, "flushing": False, "remainder": None,
                 "planner": msgspec.to_builtins(PlannerState()), "queued_lengths": [],
                 "stats": msgspec.to_builtins(LoaderStats())}
 
@@ -119,8 +123,10 @@ class StepNode(BaseNode[StepWork]):
         return {
             "epoch": self.epoch,
             "pos": self.pos,
+            "offset": self.offset,
             "k": self.k,
             "flushing": self.flushing,
+            "remainder": self.remainder,
             "planner": msgspec.to_builtins(self.pstate),
             "queued_lengths": [[d, n] for d, n in self.queued_lengths.items()],
             "stats": msgspec.to_builtins(self.stats),
@@ -133,7 +139,9 @@ class StepNode(BaseNode[StepWork]):
             if st is None:
                 st = self.fresh_state()
             self.epoch, self.pos, self.k = int(st["epoch"]), int(st["pos"]), int(st["k"])
+            self.offset = int(st["offset"])  # tokens of the document at `pos` drawn already
             self.flushing = bool(st["flushing"])
+            self.remainder = st.get("remainder")  # an interrupted step to finish first (elastic resume)
             self.pstate = msgspec.convert(st["planner"], PlannerState)
             self.queued_lengths = {int(d): int(n) for d, n in st["queued_lengths"]}
             self.stats = msgspec.convert(st["stats"], LoaderStats)
@@ -195,10 +203,11 @@ class StepNode(BaseNode[StepWork]):
             )
         chunk.lengths = lengths
 
-    def _draw(self) -> tuple[np.ndarray, np.ndarray, bool]:
-        """Documents (ids, lengths) until tokens_per_step is reached or the epoch ends; and whether it ended."""
-        target = self.config.tokens_per_step
-        ids, lens = [], []
+    def _draw(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+        """Documents (ids, whole lengths, first and end token drawn) until tokens_per_step is reached (within one
+        piece: the step may end inside a document, at `self.offset`) or the epoch ends; and whether it ended."""
+        target, context = self.config.tokens_per_step, self.config.context
+        ids, lens, starts, stops = [], [], [], []
         total = 0  # tokens drawn from earlier buffers
         while True:
             if self._buf_at >= len(self._buf_ids):
@@ -206,20 +215,31 @@ class StepNode(BaseNode[StepWork]):
                     break
                 continue
             rest = self._buf_len[self._buf_at :]
-            end = step_ends(rest, target, steps=1, filled=total)  # none: the buffer does not complete the step
-            take = int(end[0]) if len(end) else len(rest)
+            at = self.offset
+            end = step_ends(rest, target, context, steps=1, filled=total, offset=at)  # none: not a whole step here
+            k, e = (int(x) for x in end[0]) if len(end) else (len(rest), 0)
+            take = k + (e > 0)
+            start, stop = np.zeros(take, np.int64), rest[:take].copy()
+            if take:
+                start[0] = at
+                if e:
+                    stop[-1] = e
             ids.append(self._buf_ids[self._buf_at : self._buf_at + take])
             lens.append(rest[:take])
-            self._buf_at += take
+            starts.append(start)
+            stops.append(stop)
+            self._buf_at += k
+            self.offset = e
             if len(end):
                 break
-            total += int(rest.sum())
+            total += int(rest.sum()) - at
         if self._buf_at >= len(self._buf_ids) and not self._last_seen:
             self._pull()  # learn whether the epoch ends here (the next chunk may be the next epoch's)
         done = self._buf_at >= len(self._buf_ids) and (self._last_seen or self._pending is not None or self._exhausted)
         if ids:
-            return np.concatenate(ids), np.concatenate(lens), done
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), done
+            return np.concatenate(ids), np.concatenate(lens), np.concatenate(starts), np.concatenate(stops), done
+        z = np.zeros(0, np.int64)
+        return z, z, z, z, done
 
     # --- planning --------------------------------------------------------------------------------------------------
 
@@ -235,60 +255,46 @@ class StepNode(BaseNode[StepWork]):
                     return work
 
     def _next_step(self) -> StepWork | None:
+        if self.remainder is not None:
+            return self._remainder_step()
         cfg = self.config
         if self.flushing:
-            ids, lens, done = np.zeros(0, np.int64), np.zeros(0, np.int64), True
+            ids = lens = starts = stops = np.zeros(0, np.int64)
+            done = True
         else:
             if self._exhausted and self._buf_at >= len(self._buf_ids) and self._pending is None:
                 raise StopIteration
-            ids, lens, done = self._draw()
+            ids, lens, starts, stops, done = self._draw()
             if len(ids) == 0 and not self.pstate.queued:
                 if self._exhausted and self._pending is None:
                     raise StopIteration
                 self._advance_epoch()  # an epoch with nothing (left) to plan
                 return None
-            self.stats.documents += len(ids)
-            self.stats.tokens += int(lens.sum())
+            first = starts == 0  # documents whose first token is drawn now (the others were counted before)
+            self.stats.documents += int(first.sum())
+            self.stats.tokens += int((stops - starts).sum())
             empty = lens == 0
             if empty.any():
                 self.stats.empty_documents += int(empty.sum())
-                ids, lens = ids[~empty], lens[~empty]
-        window, split_docs, split_pieces = cut_pieces(ids, lens, cfg.context)
+                ids, lens, starts, stops = ids[~empty], lens[~empty], starts[~empty], stops[~empty]
+        window, split_docs, split_pieces = cut_pieces(ids, lens, cfg.context, starts, stops)
         self.stats.split_documents += split_docs
         self.stats.split_pieces += split_pieces
         doc_len = dict(zip(ids.tolist(), lens.tolist()))
         doc_len.update(self.queued_lengths)
 
         step = self.step_offset + self.k * self.step_stride
-        state_in = self.pstate
-        if done:
-            state_in = flush_state(state_in)
-        plan, new_state = self.planner.plan(window, state_in, step)
-        if FLUSH in new_state.extra:
-            new_state = msgspec.structs.replace(new_state, extra={k: v for k, v in new_state.extra.items() if k != FLUSH})
-        planned = sum(mb.num_tokens for r in plan.ranks for mb in r.micro_batches)
-        if len(plan.ranks) != cfg.parallel.dp:
-            raise RuntimeError(f"planner {cfg.strategy!r} returned {len(plan.ranks)} ranks for parallel.dp={cfg.parallel.dp}")
-        if done and new_state.queued and planned == 0:
-            raise RuntimeError(
-                f"planner {cfg.strategy!r} keeps {len(new_state.queued)} pieces queued at the end of epoch "
-                f"{self.epoch} although asked to flush (PlannerState.extra['flush']); every token must be planned "
-                "once per epoch"
-            )
+        plan, new_state = self._plan(window, flush_state(self.pstate) if done else self.pstate, step, done)
         loss_tokens = loss_tokens_in_plan(plan, doc_len)
         plan = msgspec.structs.replace(plan, loss_tokens=loss_tokens)
-
-        if self.exchange is not None and self.check_ranks:
-            self.exchange.check_plan(step, digest(window.doc, window.length), digest(msgspec.json.encode(plan)))
-
-        # this rank's part
-        mbs = plan.ranks[self.dp_rank].micro_batches
-        own_docs = {s.doc for mb in mbs for s in mb.segments}
-        tokens = {d: self._tokens[d] for d in own_docs if d in self._tokens}
-        lengths = {d: doc_len[d] for d in own_docs}
+        mbs, lengths, tokens = self._own_part(plan, window, doc_len)
         # carry the queue; forget what is planned
         self.queued_lengths = {q.doc: doc_len[q.doc] for q in new_state.queued}
         keep = set(self.queued_lengths)
+        if self.offset:  # the document the step ended inside: its next pieces are the next step's first
+            keep.add(int(self._buf_ids[self._buf_at]))
+            rest = int(self._buf_len[self._buf_at]) - self.offset
+            self.stats.delayed_pieces += -(-rest // cfg.context)
         for d in doc_len:
             if d not in keep:
                 self._tokens.pop(d, None)
@@ -296,8 +302,6 @@ class StepNode(BaseNode[StepWork]):
         self.k += 1
         self.stats.steps += 1
         self.stats.delayed_pieces += len(new_state.queued)
-        self.stats.rank_micro_batches += len(mbs)
-        self.stats.rank_tokens += sum(mb.num_tokens for mb in mbs)
         epoch = self.epoch
         last = False
         if done:
@@ -310,7 +314,54 @@ class StepNode(BaseNode[StepWork]):
         else:
             self.pos = int(self._buf_ids[self._buf_at]) % self.stream.num_docs if self._buf_at < len(self._buf_ids) \
                 else self._next_pos_after_buffer()
-        return StepWork(step, epoch, plan, mbs, lengths, tokens, loss_tokens, last, self.stats.copy())
+        return StepWork(step, epoch, plan, mbs, lengths, tokens, loss_tokens, last, self.stats.copy(),
+                        step_lengths=doc_len)
+
+    def _plan(self, window, state_in: PlannerState, step: int, done: bool,
+              remainder: bool = False) -> tuple[StepPlan, PlannerState]:
+        """The planner's plan of a window, checked: one RankPlan per DP rank, nothing kept after a flush, and the
+        pinned micro-batch count."""
+        cfg = self.config
+        plan, new_state = self.planner.plan(window, state_in, step)
+        if FLUSH in new_state.extra:
+            new_state = msgspec.structs.replace(new_state, extra={k: v for k, v in new_state.extra.items() if k != FLUSH})
+        planned = sum(mb.num_tokens for r in plan.ranks for mb in r.micro_batches)
+        if len(plan.ranks) != cfg.parallel.dp:
+            raise RuntimeError(f"planner {cfg.strategy!r} returned {len(plan.ranks)} ranks for parallel.dp={cfg.parallel.dp}")
+        if done and new_state.queued and planned == 0:
+            raise RuntimeError(
+                f"planner {cfg.strategy!r} keeps {len(new_state.queued)} pieces queued at the end of epoch "
+                f"{self.epoch} although asked to flush (PlannerState.extra['flush']); every token must be planned "
+                "once per epoch"
+            )
+        check_micro_batch_count(plan, cfg, int(window.length.sum()), sum(q.length for q in state_in.queued), remainder)
+        return plan, new_state
+
+    def _own_part(self, plan: StepPlan, window, doc_len: dict[int, int]):
+        """Check the plan with the other ranks; this rank's micro-batches, their documents' lengths and the tokens
+        at hand; count them in the stats."""
+        if self.exchange is not None and self.check_ranks:
+            self.exchange.check_plan(plan.step, digest(window.doc, window.offset, window.length),
+                                     digest(msgspec.json.encode(plan)))
+        mbs = plan.ranks[self.dp_rank].micro_batches
+        own_docs = {s.doc for mb in mbs for s in mb.segments}
+        self.stats.rank_micro_batches += len(mbs)
+        self.stats.rank_tokens += sum(mb.num_tokens for mb in mbs)
+        return mbs, {d: doc_len[d] for d in own_docs}, {d: self._tokens[d] for d in own_docs if d in self._tokens}
+
+    def _remainder_step(self) -> StepWork:
+        """An interrupted step's untrained pieces, planned again for this layout (elastic resume, `loader.elastic`)
+        as the same step number, with the step's loss normaliser; then the stream goes on from after that step."""
+        rem = self.remainder
+        window = Window(*(np.array(c, dtype=np.int64).reshape(-1) for c in zip(*rem["pieces"]))) if rem["pieces"] \
+            else Window(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        doc_len = {int(d): int(n) for d, n in rem["doc_lengths"]}
+        plan, _ = self._plan(window, flush_state(PlannerState()), int(rem["step"]), True, remainder=True)
+        plan = msgspec.structs.replace(plan, loss_tokens=int(rem["loss_tokens"]))
+        mbs, lengths, tokens = self._own_part(plan, window, doc_len)
+        self.remainder = None
+        return StepWork(plan.step, int(rem["epoch"]), plan, mbs, lengths, tokens, plan.loss_tokens, bool(rem["last"]),
+                        self.stats.copy(), step_lengths=doc_len)
 
     def _next_pos_after_buffer(self) -> int:
         if len(self._buf_ids):
@@ -319,6 +370,7 @@ class StepNode(BaseNode[StepWork]):
 
     def _advance_epoch(self) -> None:
         self.flushing = False
+        self.offset = 0
         self.epoch += 1
         self.pos = self.span(self.epoch)[0]
         self._last_seen = False

@@ -12,7 +12,7 @@ import msgspec
 from packloader.balancers.planners.registry import check_strategy
 from packloader.contracts import LoaderStats, PlanConfig, PlannerState, check_plan_config
 
-STATE_FORMAT = "packloader.loader/2"
+STATE_FORMAT = "packloader.loader/3"
 LengthsMode = Literal["auto", "column", "local", "gather"]
 Layout = Literal["flat", "hf"]
 
@@ -100,11 +100,13 @@ class _StepState(msgspec.Struct):
 
     epoch: int
     pos: int
+    offset: int  # tokens of the document at `pos` that earlier steps drew (a step ends inside a long document)
     k: int
     flushing: bool
     planner: PlannerState
     queued_lengths: list[tuple[int, int]]
     stats: LoaderStats
+    remainder: dict | None = None  # an interrupted step's untrained pieces, to plan first (elastic resume)
 
 
 class _Position(msgspec.Struct):
@@ -120,10 +122,17 @@ class _SavedState(msgspec.Struct):
     pass_open: bool
     stats: LoaderStats | None
     loader: _Position
+    ranks: list[_Position] | None = None  # `elastic.merge_states`: every saving rank's position, by DP rank
 
 
 def check_state(state, current_fingerprint: dict) -> None:
     """Refuse, naming the field, a state that is not a complete `state_dict()` of a loader configured like this one."""
+    check_state_shape(state)
+    check_fingerprint(state["fingerprint"], current_fingerprint)
+
+
+def check_state_shape(state) -> None:
+    """Refuse, naming the field, a state that is not a complete `state_dict()` (or `merge_states`) of this version."""
     if not isinstance(state, dict):
         raise TypeError(f"a PackedLoader state is the dict state_dict() returned, got {type(state).__name__}")
     if state.get("format") != STATE_FORMAT:
@@ -133,7 +142,6 @@ def check_state(state, current_fingerprint: dict) -> None:
         msgspec.convert(state, _SavedState)
     except msgspec.ValidationError as e:
         raise ValueError(f"this PackedLoader state is incomplete or damaged: {e}") from e
-    check_fingerprint(state["fingerprint"], current_fingerprint)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

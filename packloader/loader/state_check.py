@@ -105,6 +105,10 @@ def check_cursor(st: dict, ctx: StateContext, at: str) -> None:
         refuse(f"{at}.pos", st["pos"], f"{lo}..{hi - 1}, {what} ({ctx.num_docs} documents)")
     if hi == lo and st["pos"] != lo:
         refuse(f"{at}.pos", st["pos"], f"{lo} (this worker has no documents)")
+    offset = st.get("offset", 0)
+    if offset < 0 or (offset and (st["flushing"] or hi == lo)):
+        refuse(f"{at}.offset", offset, "0, or the tokens already drawn of the document at pos (>= 0) while the epoch "
+               "is being drawn")
     if st["k"] != stats["steps"]:
         refuse(f"{at}.k", st["k"], f"{stats['steps']}, the steps planned ({at}.stats.steps)")
     if st["flushing"] and not st["planner"]["queued"]:
@@ -117,14 +121,16 @@ def check_counts(st: dict, ctx: StateContext, at: str) -> None:
     _non_negative(stats, f"{at}.stats")
     lo, hi = ctx.span
     width = hi - lo
-    whole, part = (stats["epochs_completed"] + 1) * width, stats["epochs_completed"] * width + st["pos"] - lo
+    inside = 1 if st.get("offset", 0) > 0 else 0  # a step that ended inside the document at `pos` counted it
+    whole, part = (stats["epochs_completed"] + 1) * width, stats["epochs_completed"] * width + st["pos"] - lo + inside
     drawn, other = (whole, part) if st["flushing"] else (part, whole)
     if stats["documents"] != drawn and stats["documents"] == other:
         refuse(f"{at}.flushing", st["flushing"], f"{not st['flushing']}: {at}.stats.documents says the epoch is "
                + ("still being drawn" if st["flushing"] else "all drawn, its queue being flushed"))
     if stats["documents"] != drawn:
         how = ("every document of the epochs completed and of this one, which is being flushed" if st["flushing"]
-               else f"{stats['epochs_completed']} epochs of {width} documents and {st['pos'] - lo} before pos")
+               else f"{stats['epochs_completed']} epochs of {width} documents and {st['pos'] - lo + inside} before pos"
+               + (" and the one at pos, begun" if inside else ""))
         refuse(f"{at}.stats.documents", stats["documents"], f"{drawn}: {how}")
     if stats["rank_tokens"] > stats["tokens"]:
         refuse(f"{at}.stats.rank_tokens", stats["rank_tokens"], f"at most {stats['tokens']}, the tokens drawn")
@@ -135,7 +141,7 @@ def check_queue(st: dict, ctx: StateContext, at: str) -> None:
     `queued_lengths` gives, which the source confirms; and the planner's own counters non-negative."""
     n, (lo, hi) = ctx.num_docs, ctx.span
     epoch, pos = st["epoch"], st["pos"]
-    end = hi if st["flushing"] else pos
+    end = hi if st["flushing"] else pos + (1 if st.get("offset", 0) > 0 else 0)  # the one at pos, if begun
     first, last = epoch * n + lo, epoch * n + end  # ids of the documents drawn in this epoch: [first, last)
     next_step = ctx.step_offset + st["k"] * ctx.step_stride
     lengths = {int(d): int(x) for d, x in st["queued_lengths"]}

@@ -15,17 +15,21 @@ from packloader.balancers.planners.registry import Window
 class StepCounter:
     """Counts complete steps while lengths arrive in batches (to stop tokenizing as soon as enough is known)."""
 
-    def __init__(self, tokens_per_step: int, steps: int) -> None:
-        self.target, self.steps = int(tokens_per_step), int(steps)
-        self.fill = 0
+    def __init__(self, tokens_per_step: int, steps: int, context: int) -> None:
+        self.target, self.steps, self.context = int(tokens_per_step), int(steps), int(context)
         self.done = 0
+        self.rest = np.zeros(0, np.int64)  # the documents after the last step's end (fewer tokens than a step)
+        self.offset = 0  # tokens of rest[0] that the last step drew
 
     def __call__(self, lengths: np.ndarray) -> bool:
         lengths = np.asarray(lengths, dtype=np.int64)
-        lengths = lengths[lengths > 0]
-        ends = step_ends(lengths, self.target, filled=self.fill)
+        lengths = np.concatenate([self.rest, lengths[lengths > 0]])
+        ends = step_ends(lengths, self.target, self.context, offset=self.offset)
         self.done += len(ends)
-        self.fill = int(lengths[ends[-1]:].sum()) if len(ends) else self.fill + int(lengths.sum())
+        if len(ends):
+            k, self.offset = (int(x) for x in ends[-1])
+            lengths = lengths[k:]
+        self.rest = lengths
         return self.done >= self.steps
 
 
@@ -35,7 +39,7 @@ class Draw:
 
     windows: list[Window]
     lengths: np.ndarray  # every drawn document's length, in draw order (ids 0..n-1)
-    doc_step: np.ndarray  # the step that drew each document
+    doc_step: np.ndarray  # the step that drew each document (its first piece)
     tokens_per_step: int
     context: int
     leftover_documents: int  # documents after the last complete step (not drawn)
@@ -68,12 +72,13 @@ def draw_steps(lengths: np.ndarray, tokens_per_step: int, context: int, steps: i
         raise ValueError(f"tokens_per_step, context and steps must be >= 1, got {tokens_per_step}, {context}, {steps}")
     if (lengths <= 0).any():
         raise ValueError("draw_steps takes non-empty documents only (length >= 1)")
-    windows, bounds = draw_windows(lengths, tokens_per_step, context, steps, incomplete=False)
-    if len(bounds) == 0:
+    drawn = draw_windows(lengths, tokens_per_step, context, steps, incomplete=False)
+    if len(drawn.ends) == 0:
         raise ValueError(
             f"the documents hold {int(lengths.sum()):,} tokens, fewer than one step of --tokens-per-step "
             f"{tokens_per_step:,}; lower --tokens-per-step or give more data"
         )
-    doc_step = np.repeat(np.arange(len(bounds), dtype=np.int64), np.diff(bounds, prepend=0))
-    return Draw(windows, lengths[: int(bounds[-1])].copy(), doc_step, int(tokens_per_step), int(context),
-                leftover_documents=len(lengths) - int(bounds[-1]))
+    pos, offset = (int(x) for x in drawn.ends[-1])
+    end = pos + (offset > 0)  # a document the last step ended inside counts as drawn (its first piece was)
+    return Draw(drawn.windows, lengths[:end].copy(), drawn.first_step[:end].copy(), int(tokens_per_step), int(context),
+                leftover_documents=len(lengths) - end)

@@ -60,14 +60,17 @@ def long_tail_lengths(n: int, seed: int, scale: float, cap: int) -> np.ndarray:
     return np.minimum(rng.pareto(1.1, size=n) * scale + 1, cap).astype(np.int64)
 
 
-def write_parquet_corpus(d: Path, n: int = 240, seed: int = 0, shards: int = 4) -> tuple[list[str], list[list[np.ndarray]]]:
+def write_parquet_corpus(d: Path, n: int = 240, seed: int = 0, shards: int = 4,
+                         lengths: np.ndarray | None = None) -> tuple[list[str], list[list[np.ndarray]]]:
     """Token shards with a length column (`lengths="column"`); returns the paths and each shard's documents."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     d.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed + 1)
-    docs = [rng.integers(0, 50_000, size=int(k)).astype(np.int32) for k in long_tail_lengths(n, seed, 40, 2500)]
+    lengths = long_tail_lengths(n, seed, 40, 2500) if lengths is None else lengths
+    n = len(lengths)
+    docs = [rng.integers(0, 50_000, size=int(k)).astype(np.int32) for k in lengths]
     paths, per_shard = [], []
     for s, part in enumerate(np.array_split(np.arange(n), shards)):
         rows = [docs[i] for i in part]
@@ -101,9 +104,22 @@ def write_jsonl_corpus(d: Path, n: int = 200, seed: int = 0, shards: int = 3) ->
     return paths, per_shard
 
 
+GIANT_TOKENS_PER_STEP = 256  # the "giant" corpus's configurations draw this many tokens per step, all ranks
+GIANT_FACTOR = 1000  # its two giant documents hold this many steps' tokens each
+
+
+def giant_lengths(seed: int) -> np.ndarray:
+    """A long tail of short documents with two giant ones (1,000 steps' tokens, not a multiple of the context)."""
+    lengths = long_tail_lengths(60, seed, 20, 600)
+    giant = GIANT_FACTOR * GIANT_TOKENS_PER_STEP
+    return np.insert(lengths, [9, 41], [giant + 37, giant + 101])
+
+
 def write_corpus(kind: str, d: Path, seed: int = 0):
     if kind == "parquet":
         return write_parquet_corpus(d, seed=seed)
+    if kind == "giant":
+        return write_parquet_corpus(d, seed=seed, lengths=giant_lengths(seed), shards=3)
     if kind == "jsonl.gz":
         return write_jsonl_corpus(d, seed=seed)
     raise ValueError(f"unknown corpus kind {kind!r}")
@@ -114,7 +130,9 @@ def write_corpus(kind: str, d: Path, seed: int = 0):
 
 @dataclass(frozen=True)
 class KillConfig:
-    source: str = "parquet"  # "parquet" (token shards, length column) or "jsonl.gz" (text, bytes tokenizer)
+    # "parquet" (token shards, length column), "jsonl.gz" (text, bytes tokenizer) or "giant" (token shards with two
+    # documents of 1,000 steps' tokens each)
+    source: str = "parquet"
     strategy: str = "auto"  # "auto" or "wlb" (queues outliers)
     slicing: bool = False  # auto with slicing: context is twice max_tokens, so slimpack slices the long pieces
     dp: int = 1
@@ -134,10 +152,11 @@ class KillConfig:
 def plan_config(cfg: KillConfig):
     from packloader.contracts import ParallelConfig, PlanConfig
 
-    cap = 512
+    cap = 512 if cfg.source != "giant" else 64
     context = 2 * cap if cfg.slicing and cfg.strategy == "auto" else cap
     per_rank = 2048 if cfg.workers == 0 else 768  # a worker's item is a whole step: more, smaller steps
-    return PlanConfig(strategy=cfg.strategy, max_tokens=cap, context=context, tokens_per_step=per_rank * cfg.dp,
+    tokens_per_step = per_rank * cfg.dp if cfg.source != "giant" else GIANT_TOKENS_PER_STEP
+    return PlanConfig(strategy=cfg.strategy, max_tokens=cap, context=context, tokens_per_step=tokens_per_step,
                       allow_slicing=cfg.slicing, parallel=ParallelConfig(dp=cfg.dp), seed=cfg.seed)
 
 

@@ -1,0 +1,167 @@
+"""The slice term: what a SlimPack slice (q query tokens after p earlier keys of its document) costs beyond a
+whole document of q tokens, fitted to measured times.
+
+The cost model prices a slice as ``attn(q, 0) + 2*a*qt*p`` per pass (`coeffs.attn_time`): the q*p extra
+(query, key) pairs at the per-pair rate `a` of long documents. That is an assumption; a small slice may run
+nearer a short document's per-pair rate, or pay per key it reads whatever its q. The measured table (one row
+per (q, p): the slice's own seconds inside a packed varlen launch, forward and backward; p = 0 rows are whole
+documents) is fitted with
+
+    slice(q, p) = attn(q, 0) + x * 2*qt*p + y * p          qt = ceil(q / tile) * tile
+
+per pass, x and y non-negative, residuals relative to the measured time, the tile chosen from candidates as
+the attention fit does. The model's rule is x = a, y = 0: `SliceTerm.pair_ratio` (x / a) and the fit's error
+under the rule say how far the measurement is from it. What the planners price is unchanged; a profile with
+the term fitted is the evidence for changing it.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+import msgspec
+import numpy as np
+
+from packloader.balancers.cost.model import CostModel
+from packloader.contracts import CostProfile
+
+SLICE_CSV_COLUMNS = ("q", "p", "fwd_ms", "bwd_ms")
+TILES = (1, 16, 32, 64, 128, 256)
+
+
+class SliceTimings(msgspec.Struct, kw_only=True, frozen=True):
+    """Measured seconds of slices: row i is q[i] query tokens after p[i] earlier keys (p = 0: a whole document)."""
+
+    q: list[int]
+    p: list[int]
+    fwd: list[float]
+    bwd: list[float]
+
+    def __post_init__(self) -> None:
+        n = len(self.q)
+        if not (len(self.p) == len(self.fwd) == len(self.bwd) == n):
+            raise ValueError(f"slice timings: q, p, fwd, bwd differ in length ({n}, {len(self.p)}, {len(self.fwd)}, "
+                             f"{len(self.bwd)})")
+        for i in range(n):
+            if self.q[i] < 1 or self.p[i] < 0 or not (self.fwd[i] > 0 and self.bwd[i] > 0):
+                raise ValueError(f"slice timings row {i}: expected q >= 1, p >= 0 and positive times, got "
+                                 f"q={self.q[i]} p={self.p[i]} fwd={self.fwd[i]} bwd={self.bwd[i]}")
+
+
+class SlicePass(msgspec.Struct, kw_only=True, frozen=True):
+    x: float  # seconds per extra (query, key) pair, counted as 2*qt*p like the model's a
+    y: float  # seconds per earlier key read, whatever q is
+    pair_ratio: float  # x / the profile's a: 1.0 where the model's rule holds
+    mape_pct: float  # of this fit over the rows with p > 0
+    rule_mape_pct: float  # of the model's rule (x = a, y = 0) over the same rows
+
+
+class SliceTerm(msgspec.Struct, kw_only=True, frozen=True):
+    tile: int
+    fwd: SlicePass
+    bwd: SlicePass
+    rows: int  # rows with p > 0 the fit used
+
+
+def read_slice_csv(path: str | os.PathLike) -> SliceTimings:
+    """A measured slice table (columns q, p, fwd_ms, bwd_ms); a bad cell names the file and line."""
+    q, p, f, b = [], [], [], []
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        missing = [c for c in SLICE_CSV_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path}: missing column(s) {missing}; header is {reader.fieldnames}")
+        for line, row in enumerate(reader, start=2):
+            try:
+                qi, pi, fi, bi = int(row["q"]), int(row["p"]), float(row["fwd_ms"]), float(row["bwd_ms"])
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}, line {line}: expected integers q, p and numbers fwd_ms, bwd_ms, got {row}") from None
+            if qi < 1 or pi < 0 or not (fi > 0 and bi > 0):
+                raise ValueError(f"{path}, line {line}: expected q >= 1, p >= 0 and positive times, got {row}")
+            q.append(qi), p.append(pi), f.append(fi * 1e-3), b.append(bi * 1e-3)
+    return SliceTimings(q=q, p=p, fwd=f, bwd=b)
+
+
+def write_slice_csv(t: SliceTimings, path: str | os.PathLike) -> None:
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(SLICE_CSV_COLUMNS)
+        for row in zip(t.q, t.p, t.fwd, t.bwd):
+            w.writerow([row[0], row[1], f"{row[2] * 1e3:.6g}", f"{row[3] * 1e3:.6g}"])
+
+
+def _nnls2(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares of two non-negative coefficients (a negative one is dropped and the other refitted)."""
+    sol = np.linalg.lstsq(A, y, rcond=None)[0]
+    if (sol >= 0).all():
+        return sol
+    best, err = np.zeros(2), math.inf
+    for j in range(2):
+        c = max(0.0, float(A[:, j] @ y / max(A[:, j] @ A[:, j], 1e-300)))
+        e = float(np.sum((A[:, j] * c - y) ** 2))
+        if e < err:
+            best, err = np.where(np.arange(2) == j, c, 0.0), e
+    return best
+
+
+def _fit_pass(base: np.ndarray, rule: np.ndarray, meas: np.ndarray, q: np.ndarray, p: np.ndarray, tile: int,
+              a: float) -> SlicePass:
+    qt = np.ceil(q / tile) * tile
+    w = 1.0 / meas
+    A = np.stack([2.0 * qt * p, p.astype(np.float64)], axis=1) * w[:, None]
+    x, y = _nnls2(A, (meas - base) * w)
+    pred = base + x * 2.0 * qt * p + y * p
+    mp = float(np.mean(np.abs(pred - meas) / meas) * 100)
+    return SlicePass(x=float(x), y=float(y), pair_ratio=float(x / a) if a > 0 else math.inf, mape_pct=mp,
+                     rule_mape_pct=float(np.mean(np.abs(rule - meas) / meas) * 100))
+
+
+def fit_slice_term(profile: CostProfile, timings: SliceTimings, *, tile: int | None = None) -> SliceTerm:
+    """The slice term of `profile` fitted to `timings` (rows with p > 0; at least 2). The profile prices the
+    whole-document part attn(q, 0); its tile is used unless `tile` is given or the profile's is 1, in which
+    case the candidate with the smallest error is chosen."""
+    q, p = np.asarray(timings.q, dtype=np.float64), np.asarray(timings.p, dtype=np.float64)
+    rows = p > 0
+    if rows.sum() < 2:
+        raise ValueError(f"the slice fit needs at least 2 rows with p > 0, got {int(rows.sum())}")
+    q, p = q[rows], p[rows]
+    qi = q.astype(np.int64)
+    model = CostModel(profile)
+    base_f, base_b = model.segment_times(qi, np.zeros_like(qi))
+    rule_f, rule_b = model.segment_times(qi, p.astype(np.int64))
+    meas_f, meas_b = np.asarray(timings.fwd)[rows], np.asarray(timings.bwd)[rows]
+    af, ab = profile.attn_fwd.a, profile.attn_bwd.a
+    cands = [int(tile)] if tile is not None else ([profile.tile] if profile.tile > 1 else list(TILES))
+    best = None
+    for t in cands:
+        f = _fit_pass(base_f, rule_f, meas_f, q, p, t, af)
+        b = _fit_pass(base_b, rule_b, meas_b, q, p, t, ab)
+        if best is None or f.mape_pct + b.mape_pct < best[1].mape_pct + best[2].mape_pct - 1e-12:
+            best = (t, f, b)
+    return SliceTerm(tile=best[0], fwd=best[1], bwd=best[2], rows=int(rows.sum()))
+
+
+def slice_times(profile: CostProfile, term: SliceTerm, q, p) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of slices under the fitted term."""
+    q = np.asarray(q, dtype=np.int64)
+    p = np.asarray(p, dtype=np.int64)
+    base_f, base_b = CostModel(profile).segment_times(q, np.zeros_like(q))
+    qt = np.ceil(q / term.tile) * term.tile
+    return (base_f + term.fwd.x * 2.0 * qt * p + term.fwd.y * p,
+            base_b + term.bwd.x * 2.0 * qt * p + term.bwd.y * p)
+
+
+def scaled_timings(t: SliceTimings, factor: float) -> SliceTimings:
+    """The table times `factor` (one layer's attention measured, a pipeline stage's layers priced)."""
+    return SliceTimings(q=list(t.q), p=list(t.p), fwd=[x * factor for x in t.fwd], bwd=[x * factor for x in t.bwd])
+
+
+def format_slice_term(term: SliceTerm) -> str:
+    lines = [f"slice term (tile {term.tile}, {term.rows} slices): slice(q, p) = attn(q, 0) + x*2*qt*p + y*p"]
+    for name in ("fwd", "bwd"):
+        s = getattr(term, name)
+        lines.append(f"  {name}: x={s.x:.4e} ({s.pair_ratio:.3g} x the model's per-pair rate) y={s.y:.4e} per key   "
+                     f"MAPE {s.mape_pct:6.2f}%   the model's rule (x = a, y = 0): {s.rule_mape_pct:6.2f}%")
+    return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""benchmarks/gpu/run_all.py in its dry-run mode (CPU, reference attention, tiny shapes), so the GPU proof
+cannot rot while no GPU is around: every part runs to the end, the JSON holds each part's figures, the markdown
+section lands between its markers, and a budget too small to measure stops a part with what it has."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu" / "run_all.py"
+PARTS = ("calibrate", "slices", "accuracy", "balance", "runtime", "loader")
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(SCRIPT), "--dry-run", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.multiprocess
+def test_dry_run_runs_every_part(tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n## Other\n\nkept\n")
+    res = _run("--out", str(tmp_path / "out"), "--write-docs", str(docs))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "gpu-proof.json").read_text())
+    assert report["dry_run"] is True
+    env = report["environment"]
+    for key in ("torch", "cuda", "driver", "gpu", "attention_backend", "packages"):
+        assert key in env
+    assert env["attention_backend"] == "reference"
+    assert list(report["parts"]) == list(PARTS)
+    for name, part in report["parts"].items():
+        assert part["status"] == "done", (name, part.get("error"), part.get("traceback"))
+    p = report["parts"]
+    assert len(p["calibrate"]["shapes"]) == 1 and (tmp_path / "out" / "profile-tiny-dry-run.json").exists()
+    assert p["calibrate"]["cli"]["exit"] == 0 and "slice term" in p["calibrate"]["cli"]["output"]
+    assert (tmp_path / "out" / "cli-slices.csv").exists() and (tmp_path / "out" / "cli-profile.json").exists()
+    assert len(p["slices"]["rows"]) == p["slices"]["rows_planned"] == 9
+    assert (tmp_path / "out" / "slices.csv").read_text().startswith("q,p,fwd_ms,bwd_ms")
+    kinds = {r["kind"] for r in p["accuracy"]["rows"]}
+    assert kinds == {"one long", "many short", "mixed", "slices"}
+    assert {r["strategy"] for r in p["balance"]["rows"]} == {"fixed", "auto", "concat"}
+    assert all("error" not in r and r["steps"] >= 1 for r in p["balance"]["rows"])
+    # the runtime on CPU float32 against the float64 reference: errors of float32 rounding, not of logic
+    errs = p["runtime"]["distributed_max_rel_err"]
+    assert {k.split("/")[0] for k in errs} == {"cp", "remap"} and max(errs.values()) < 1e-4
+    assert max(p["runtime"]["slice_executor"].values()) < 1e-4
+    assert p["loader"]["batches"] == 6 and p["loader"]["loader_tokens_per_s"] > 0
+    text = docs.read_text()
+    assert "kept" in text and "<!-- SECTION:gpu-proof -->" in text and "DRY RUN" in text
+    assert (tmp_path / "out" / "gpu-proof.md").read_text().strip() in text
+
+
+def _run_all():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import run_all
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return run_all
+
+
+def test_a_spent_budget_stops_parts_and_keeps_the_run(tmp_path):
+    run_all = _run_all()
+    from gpu_report import render
+
+    ctx = run_all.make_ctx(run_all.parse(["--dry-run"]))
+    parts = {name: run_all.run_part(name, ctx, 0.0, tmp_path) for name in ("accuracy", "slices")}
+    assert parts["accuracy"]["status"] == "budget" and "time budget" in parts["accuracy"]["stopped"]
+    assert parts["slices"]["status"] == "done" and parts["slices"]["rows"] == []  # stopped before its first slice
+    md = render({"command": "x", "dry_run": True, "started": "now", "parts": parts,
+                 "environment": {"device": "cpu", "torch": "t", "dtype": "float32", "attention_backend": "reference"}})
+    assert "Stopped: time budget" in md and "**slices** (done" in md
+
+
+def test_parts_and_budgets_are_checked(capsys):
+    run_all = _run_all()
+    with pytest.raises(SystemExit) as e:
+        run_all.parse(["--parts", "calibrate,warp"])
+    assert e.value.code == 2 and "unknown part(s) ['warp']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_all.parse(["--budget-min", "0"])
+    # the selected parts share the minutes in the parts' proportions; the full run is the 25 minutes of the issue
+    full = run_all.budgets(list(run_all.PARTS), 25.0)
+    assert sum(full.values()) == pytest.approx(25 * 60)
+    two = run_all.budgets(["slices", "balance"], 11.0)
+    assert two["balance"] / two["slices"] == pytest.approx(run_all.PARTS["balance"][1] / run_all.PARTS["slices"][1])
+    assert sum(two.values()) == pytest.approx(11 * 60)
+
+
+def test_a_gpu_run_drops_pending_from_the_heading(tmp_path):
+    _run_all()
+    from gpu_report import write
+
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# B\n\n## GPU proof (pending a GPU)\n\nhow to run\n\n<!-- SECTION:gpu-proof -->\nold\n"
+                    "<!-- END:gpu-proof -->\n\n## Next\n")
+    write("dry figures", tmp_path / "a.md", str(docs))
+    assert "(pending a GPU)" in docs.read_text() and "dry figures" in docs.read_text()
+    write("gpu figures", tmp_path / "b.md", str(docs), measured=True)
+    text = docs.read_text()
+    assert "## GPU proof\n\nhow to run" in text and "gpu figures" in text and "old" not in text
+    assert text.endswith("## Next\n")

@@ -85,6 +85,9 @@ class StepPlan(msgspec.Struct, kw_only=True):
     planner: str = ""
     # Simulated peak memory of one GPU over the device's usable limit (> 1) when no candidate fit; 0 otherwise.
     memory_over: float = 0.0
+    # The pipeline schedule the planner chose for this step under PlanConfig.schedule "auto" ("" otherwise:
+    # the configured one); the simulator, scores and action lists follow it.
+    schedule: str = ""
     extra: dict[str, float] = {}  # for planners registered from outside; packloader's own leave it empty
 
 
@@ -113,7 +116,7 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 
 
 Strategy = Annotated[str, msgspec.Meta(min_length=1)]  # a name in the planner registry (available_strategies())
-Schedule = Literal["1f1b", "gpipe", "interleaved"]
+Schedule = Literal["1f1b", "gpipe", "interleaved", "zb-h1", "auto"]  # auto: the `auto` planner picks 1F1B or ZB-H1
 
 
 class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -401,6 +401,25 @@ def to_hf_with_slices(tmp):
     return b.to_hf
 
 
+def action_list_slice_order(tmp):
+    """Written action lists (a `packloader plan` record) whose stage 0 runs the backward of micro-batch 0 before
+    that of micro-batch 1, which holds the next slice of micro-batch 0's document."""
+    from packloader.contracts import MicroBatch, Segment
+    from packloader.runtime.pipeline import _readers
+    from packloader.runtime.pipeline_actions import engine_actions
+
+    mbs = [MicroBatch(segments=[Segment(0, 0, 8, 0)]), MicroBatch(segments=[Segment(0, 8, 16, 0)])]
+    lists = [[["F", 0, 0], ["F", 1, 0], ["B", 0, 0], ["B", 1, 0]], [["F", 0, 1], ["F", 1, 1], ["B", 1, 1], ["B", 0, 1]]]
+    return lambda: engine_actions(lists, 2, 2, readers=_readers(mbs))
+
+
+def action_list_missing_action(tmp):
+    from packloader.runtime.pipeline_actions import engine_actions
+
+    lists = [[["F", 0, 0], ["B", 0, 0], ["F", 1, 0]]]
+    return lambda: engine_actions(lists, 2, 1)
+
+
 def _config(**kw) -> PlanConfig:
     base = dict(strategy="fixed", max_tokens=256, context=256, tokens_per_step=1024)
     base.update(kw)
@@ -494,6 +513,11 @@ CASES = [
     Case("stdout_closed", stdout_closed, CliExit, ("exit 141: ",)),
     Case("to_hf_with_slices", to_hf_with_slices, SlicesNotSupported,
          ("PackedBatch.to_hf(): step 5, micro-batch 2 holds a slice of document 7", "allow_slicing=False")),
+    Case("action_list_slice_order", action_list_slice_order, ValueError,
+         ("action lists: pipeline rank 0, stage 0: backward of micro-batch 0 before that of micro-batch 1, which reads "
+          "its keys",)),
+    Case("action_list_missing_action", action_list_missing_action, ValueError,
+         ("action lists: pipeline rank 0 never runs [['B', 1, 0]]",)),
 ]
 
 

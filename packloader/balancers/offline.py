@@ -82,6 +82,8 @@ def plan_record(plan: StepPlan, actions: list | None = None) -> dict:
         rec["backward_order"] = orders
     if plan.delayed:
         rec["delayed"] = plan.delayed
+    if plan.schedule:  # chosen by the planner (schedule "auto")
+        rec["schedule"] = plan.schedule
     if actions is not None:
         rec["actions"] = actions
     return rec

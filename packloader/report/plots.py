@@ -182,8 +182,10 @@ def plot_timeline(path: str, sims: Sequence[tuple[str, object]], bounds: Sequenc
                 ylabels.append((y, f"rank {r} stage {s}"))
                 for v in range(s, res.pp * res.vpp, res.pp):
                     for u in range(res.m):
-                        for kind, col in ((0, "#6baed6"), (1, "#fd8d3c")):
+                        for kind, col in ((0, "#6baed6"), (1, "#fd8d3c"), (2, "#74c476")):
                             a, b = res.start[v, u, kind] * 1e3, res.finish[v, u, kind] * 1e3
+                            if a < 0:  # no weight-gradient task outside ZB-H1
+                                continue
                             ax.barh(y, b - a, left=a, height=0.8, color=col, edgecolor="white", linewidth=0.4)
                             if b - a > tmax / 45:
                                 ax.text((a + b) / 2, y, str(u), ha="center", va="center", fontsize=6)
@@ -199,9 +201,12 @@ def plot_timeline(path: str, sims: Sequence[tuple[str, object]], bounds: Sequenc
         ax.set_xlim(0, tmax * 1.02)
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("time within the step (ms); numbers are micro-batch indices")
-    fig.legend(handles=[Patch(color="#6baed6", label="forward"), Patch(color="#fd8d3c", label="backward"),
+    zb = any((r.start[..., 2] >= 0).any() for _, sim in sims for r in sim.ranks)
+    fig.legend(handles=[Patch(color="#6baed6", label="forward"),
+                        Patch(color="#fd8d3c", label="input gradient (B)" if zb else "backward"),
+                        *([Patch(color="#74c476", label="weight gradient (W)")] if zb else []),
                         Patch(color="#d62728", label="step end"), Patch(facecolor="white", edgecolor="k", ls="--", label="no-bubble ideal")],
-               loc="lower right", ncol=4, fontsize=8, frameon=False)
+               loc="lower right", ncol=5 if zb else 4, fontsize=8, frameon=False)
     _title(fig, axes[0, 0], f"One step ({step}) on every GPU: pipeline timeline per DP rank and stage", takeaway)
     return _save(fig, path)
 

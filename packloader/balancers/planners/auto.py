@@ -72,9 +72,9 @@ from packloader.balancers.planners.packing import (
     wants_flush,
 )
 from packloader.balancers.planners.registry import Planner, Window, register_planner
+from packloader.balancers.planners.schedule_choice import KIND_NAMES, fastest_schedule, schedule_kinds
 from packloader.balancers.planners.slimpack import SlimPackPlanner, default_packs
 from packloader.balancers.planners.wlb import WLBPlanner, default_micro_batches
-from packloader.balancers.sim.kernels import SCHEDULES, step_times_ranks_sliced
 from packloader.balancers.sim.peaks import packing_peaks, stage_bytes
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
@@ -155,8 +155,8 @@ class AutoPlanner:
         self.planners: dict[str, Solver] = {"wlb": self.wlb, "hydraulis": self.hydraulis, "fixed": self.fixed}
         if self.slimpack is not None:
             self.planners["slimpack"] = self.slimpack
-        kind = SCHEDULES[config.schedule]
-        self.kind = 0 if kind == 2 and config.parallel.vpp == 1 else kind
+        self.kinds = schedule_kinds(config)  # the schedules scored (schedule_choice), the default first
+        self.kind = self.kinds[0]
         # the device the cost model describes (H100 unless its profile says H200); None for a profile JSON
         device = "h200" if "h200" in self.model.profile.device.lower() else "h100"
         self.memory: MemoryModel | None = memory_model_for(config.model, config.parallel, config.schedule, device,
@@ -226,27 +226,22 @@ class AutoPlanner:
     # --- scoring ---------------------------------------------------------------------------------------------
 
     def step_time(self, packing: Packing, edges=None) -> float:
-        """The slowest rank's simulated step time of a packing (costs filled in)."""
-        cfg = self.config
-        dp, v = packing.rank_mbs.shape
-        order = packing.rank_mbs.ravel()
-        f = np.ascontiguousarray(packing.mb_fwd[order])
-        b = np.ascontiguousarray(packing.mb_bwd[order])
-        offsets = np.arange(dp + 1, dtype=np.int64) * v
-        e_off, e_src, e_dst = (edges or slice_edges_prefix(packing))[:3]
-        t = step_times_ranks_sliced(cfg.parallel.pp, cfg.parallel.vpp, self.kind, f, b, offsets, e_off, e_src, e_dst, 0.0)
-        if (t < 0).any():
-            return math.inf  # this micro-batch count deadlocks the interleaved schedule
-        return float(t.max())
+        """The slowest rank's simulated step time of a packing (costs filled in), under the schedule it gets
+        (`schedule_choice`: recorded in packing.schedule)."""
+        edges = edges or slice_edges_prefix(packing)
+        t, packing.schedule = fastest_schedule(packing, edges, self.config.parallel, self.kinds, self.model,
+                                               lambda k: self.peak_bytes(packing, edges, k), self.mem_limit)
+        return t
 
-    def peak_bytes(self, packing: Packing, edges=None) -> float:
+    def peak_bytes(self, packing: Packing, edges=None, kind: int | None = None) -> float:
         """Simulated peak memory of one GPU (max over DP ranks and pipeline stages, static memory included) of a
         packing with costs filled in; 0.0 without a memory model."""
         if self.memory is None:
             return 0.0
         p = self.config.parallel
         edges = edges or slice_edges_prefix(packing)
-        return float(packing_peaks(packing, self.memory, p.pp, p.vpp, self.kind, edges, self.mem_stages).max())
+        kind = (packing.schedule if packing.schedule >= 0 else self.kind) if kind is None else kind
+        return float(packing_peaks(packing, self.memory, p.pp, p.vpp, kind, edges, self.mem_stages).max())
 
     # --- planning --------------------------------------------------------------------------------------------
 
@@ -317,6 +312,7 @@ class AutoPlanner:
         packing.extra[DELAY_KEY] = [int(run_tokens + pieces.total_tokens - q_tokens), int(run_delay + piece_delay - q_delay)]
         plan = packing.to_step_plan(step)
         plan.planner = best.cand.planner
+        plan.schedule = KIND_NAMES[packing.schedule] if self.config.schedule == "auto" else ""
         plan.memory_over = over
         if over > 0:
             self.warn_memory(step, best.peak)

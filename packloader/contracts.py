@@ -262,3 +262,34 @@ class LoaderStats(msgspec.Struct, kw_only=True):
 
     def copy(self) -> "LoaderStats":
         return msgspec.structs.replace(self)
+
+
+class StepMetrics(msgspec.Struct, kw_only=True, frozen=True):
+    """What the loader knows about one optimizer step, for the trainer's logs (`PackedBatch.step_metrics`, the
+    same record on every micro-batch of the step, every rank computing the same one).
+
+    Times are the cost model's predictions (`cost_model` names it), not measurements: a team compares them with
+    its measured step times to see whether the plans it trains are priced right. Balance measures as in
+    `balancers.sim.metrics` (1.0 = perfectly even); token counts cover all ranks of the step.
+    """
+
+    step: int
+    epoch: int
+    planner: str  # the planner whose packing this is (auto: the candidate it chose)
+    micro_batches: int  # per DP rank (the fullest rank)
+    step_time: float  # predicted seconds: the slowest DP rank's simulated pipeline time, bubbles included
+    bound_time: float  # predicted seconds at perfect balance with this many micro-batches
+    imbalance: float  # imbalance degree (max micro-batch cost x micro-batches / total) of the worst rank
+    dp_spread: float  # slowest DP rank's simulated time / the mean rank's
+    bubble_share: float  # idle share of all DP x PP GPUs over the step
+    tokens: int  # tokens trained in this step
+    loss_tokens: int  # of which carry a loss target (the per-token normaliser)
+    padding_tokens: int  # padding the collated micro-batches carry (pad_to_multiple / pad_to_tokens); 0 without
+    queued_tokens: int  # tokens the planner holds back for later steps after this one (outlier delay)
+    # tokens trained in this step that the planner held back from an earlier one (the rest of a long document that
+    # a step ended inside follows in the next steps in order: LoaderStats.delayed_pieces counts those pieces)
+    delayed_tokens: int
+    delay_mean: float  # mean delay in steps over this step's tokens (0 for tokens trained when drawn)
+    delay_max: int  # the largest delay in steps of a token trained in this step
+    memory_over: float  # simulated peak memory over the device's usable limit when no plan fit; 0 otherwise
+    cost_model: str  # the cost profile that priced the plan (model, device, layout)

@@ -256,13 +256,36 @@ def pattern_matches_nothing(tmp):
                        "--tokenizer", "bytes", "--no-progress")
 
 
-def state_from_another_config(tmp):
+def _foreign_state(tmp):
+    """A loader and a state saved by one configured with another max_tokens and context."""
     docs = [np.arange(1, 1 + n, dtype=np.int32) for n in (5, 70, 30, 200, 12) * 10]
     a = PackedLoader(IterableSource(docs), config=_config(), num_threads=0)
     next(iter(a))
     state = a.state_dict()
     b = PackedLoader(IterableSource(docs), config=_config(max_tokens=512, context=512), num_threads=0)
+    return b, state
+
+
+def state_from_another_config(tmp):
+    b, state = _foreign_state(tmp)
     return lambda: b.load_state_dict(state)
+
+
+def state_from_another_config_not_strict(tmp):
+    b, state = _foreign_state(tmp)
+    return lambda: b.load_state_dict(state, strict=False)
+
+
+def config_file_unknown_key(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    (tmp / "run.json").write_text(json.dumps({"lengths": str(tmp / "ok.npy"), "parallel": {"dp": 2}, "max_tokenz": 8}))
+    return lambda: cli("plan", "--config", str(tmp / "run.json"))
+
+
+def model_shape_incomplete(tmp):
+    from packloader.balancers.cost.resolve import load_cost_model
+
+    return lambda: load_cost_model("shape:mine:hidden=4096,layers=32")
 
 
 def mid_step_state_at_another_layout(tmp):
@@ -461,6 +484,12 @@ CASES = [
          ("differently configured loader", "config.context: saved 256, now 512")),
     Case("mid_step_state_at_another_layout", mid_step_state_at_another_layout, ValueError,
          ("saved inside a step", "on DP rank 0 of dp=2", "merge_states([state of rank 0, ..., state of rank 1])")),
+    Case("state_from_another_config_not_strict", state_from_another_config_not_strict, ValueError,
+         ("differently configured loader", "so it is refused")),
+    Case("config_file_unknown_key", config_file_unknown_key, CliExit,
+         ("exit 2", "run.json: unknown key 'max_tokenz' for this command; expected one of:", "max_tokens")),
+    Case("model_shape_incomplete", model_shape_incomplete, KeyError,
+         ("shape:mine:hidden=4096,layers=32", "missing: heads, kv_heads, head_dim, ffn, vocab, gated_mlp")),
     Case("cli_number_zero", cli_number_zero, CliExit,
          ("exit 2", "argument --dp: must be >= 1 and <= 131,072 (field parallel.dp), got 0")),
     Case("cli_number_too_large", cli_number_too_large, CliExit, ("exit 2", "argument --max-tokens", "<= 1,099,511,627,776 (field max_tokens)")),

@@ -87,14 +87,15 @@ def plot_lengths(path: str, lengths: np.ndarray, doc_attention: np.ndarray, cont
 
 
 def plot_costs(path: str, costs: dict[str, np.ndarray], roles: dict[str, str], takeaway: str) -> str:
-    """One row per strategy: the time of each micro-batch (forward + backward on one pipeline stage)."""
+    """One row per strategy: the time of each micro-batch (forward + backward on one pipeline stage) over the
+    mean micro-batch of its step (`build._mb_costs`), so 1.0 is even whatever size a step's micro-batches are."""
     plt = _plt()
     names = list(costs)
     fig, ax = plt.subplots(figsize=(10, 1.0 + 0.55 * len(names) + 1.6))
     fig.subplots_adjust(top=1 - 1.25 / fig.get_figheight(), bottom=0.75 / fig.get_figheight(), left=0.17, right=0.98)
     rng = np.random.default_rng(0)
     for i, n in enumerate(names):
-        c = np.asarray(costs[n]) * 1e3
+        c = np.asarray(costs[n])
         y = len(names) - 1 - i
         if len(c) == 0:
             continue
@@ -103,15 +104,16 @@ def plot_costs(path: str, costs: dict[str, np.ndarray], roles: dict[str, str], t
         ax.scatter(show, y + rng.uniform(-0.22, 0.22, len(show)), s=6, alpha=0.35, color=col, linewidths=0)
         ax.boxplot([c], positions=[y], vert=False, widths=0.6, whis=(0, 100), showfliers=False,
                    medianprops={"color": "k"}, boxprops={"color": "k"}, whiskerprops={"color": "k"}, capprops={"color": "k"})
-        med = float(np.median(c))
-        ax.text(c.max(), y + 0.32, f" slowest {c.max() / med:.1f}x the median" if med > 0 else "", fontsize=8, va="center")
+        ax.text(c.max(), y + 0.32, f" slowest {c.max():.2f}x its step's mean", fontsize=8, va="center")
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels([f"{n}\n({roles.get(n, '')})" for n in reversed(names)], fontsize=9)
-    ax.set_xlabel("time of one micro-batch, forward + backward on one pipeline stage (ms)")
+    ax.set_xlabel("time of one micro-batch (forward + backward on one pipeline stage) / the mean micro-batch of its step")
     ax.grid(axis="x", alpha=0.3)
-    top = max((float(np.max(v)) for v in costs.values() if len(v)), default=1.0) * 1e3
-    ax.set_xlim(0, top * 1.2)
-    ax.set_title("each dot is one micro-batch of one step; box: middle half, line: median, whiskers: min to max", fontsize=9, loc="left", color="#555555")
+    ax.axvline(1.0, color="#555555", lw=0.8, ls="--")
+    top = max((float(np.max(v)) for v in costs.values() if len(v)), default=1.0)
+    ax.set_xlim(0, top * 1.25)
+    ax.set_title("each dot: one micro-batch of one step; dashed: the step's mean; box: middle half, line: median, "
+                 "whiskers: min to max", fontsize=9, loc="left", color="#555555")
     _title(fig, ax, "How even are the micro-batches?", takeaway)
     return _save(fig, path)
 

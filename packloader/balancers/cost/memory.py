@@ -21,13 +21,16 @@ optimizer state are sharded over dp).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+import msgspec
+
 from packloader.balancers.cost.presets import ModelShape, device_spec, get_shape
 from packloader.balancers.cost.profile_io import PROFILES_DIR
-from packloader.contracts import ParallelConfig
+from packloader.contracts import ParallelConfig, PlanConfig
 
 Recompute = Literal["none", "selective", "full"]
 GiB = 1024**3
@@ -205,3 +208,37 @@ def max_tokens_for_memory(
         distributed_optimizer=distributed_optimizer,
     )
     return mm.tokens_that_fit(num_micro_batches, tile, user_cap)
+
+
+def fit_advice(memory: MemoryModel, max_tokens: int, context: int | None, tile: int = 128) -> str:
+    """What to change so a step fits `memory`'s device: the largest max_tokens (and context, when pieces are
+    longer and cannot be sliced; None when they can) that fits this layout, and the smallest tp (up to 8, dividing the heads) at which today's max_tokens
+    fits. The memory model's uniform estimate, a starting point for the simulated check, not a guarantee."""
+    fit = memory.tokens_that_fit(tile=tile)
+    parts = []
+    if 0 < fit < max_tokens:
+        parts.append(f"max_tokens <= {fit:,} (now {max_tokens:,})")
+        if context is not None and context > fit:
+            parts.append(f"context <= {fit:,} (now {context:,}), or slicing allowed")
+    elif fit == 0:
+        parts.append("the weights and optimizer state alone do not fit: more tp, pp or dp (distributed optimizer)")
+    p = memory.parallel
+    for tp in (2, 4, 8):
+        if tp <= p.tp or memory.shape.heads % tp:
+            continue
+        wider = dataclasses.replace(memory, parallel=msgspec.structs.replace(p, tp=tp))
+        if wider.tokens_that_fit(tile=tile) >= max(tile, min(max_tokens, context or max_tokens)):
+            parts.append(f"tp {tp} (now {p.tp})")
+            break
+    parts.append(f"more pp (now {p.pp})")
+    return "; ".join(parts)
+
+
+
+def over_memory_text(memory: MemoryModel, cfg: PlanConfig, peak: float, device: str) -> str:
+    """The warning when no plan fits: the peak against the usable memory, the layout, and `fit_advice`."""
+    p, limit = cfg.parallel, memory.limit_bytes()
+    return (f"no candidate plan fits in memory: the lowest simulated peak, {peak / GiB:.1f} GiB, is {peak / limit:.2f}x "
+            f"the {limit / GiB:.1f} GiB usable of the {memory.memory_gib:g} GiB {device.upper()} ({cfg.model}, dp "
+            f"{p.dp}, pp {p.pp}, cp {p.cp}, tp {p.tp}, max_tokens {cfg.max_tokens:,}, context {cfg.context:,}). "
+            f"Change: {fit_advice(memory, cfg.max_tokens, None if cfg.allow_slicing else cfg.context)}")

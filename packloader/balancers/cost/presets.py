@@ -57,10 +57,22 @@ class ModelShape(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     ffn: int
     vocab: int
     gated_mlp: bool = True  # SwiGLU: three FFN matrices (gate, up, down) instead of two
+    head_size: int = 0  # the attention head's dimension where it is not hidden / heads (0: hidden / heads)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    def spec(self) -> str:
+        """The shape as a `PlanConfig.model` string (`get_shape` reads it back): plain text, so a config holding
+        it is the same on every rank and in every DataLoader worker, and serialises with the config."""
+        return (f"shape:{self.name}:hidden={self.hidden},layers={self.layers},heads={self.heads},"
+                f"kv_heads={self.kv_heads},head_dim={self.head_dim},ffn={self.ffn},vocab={self.vocab},"
+                f"gated_mlp={int(self.gated_mlp)}")
 
     @property
     def kv_dim(self) -> int:
@@ -68,7 +80,7 @@ class ModelShape(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
 
     def linear_params_per_layer(self) -> int:
         """Weights of the GEMMs of one layer: Q, K, V, O projections and the MLP."""
-        attn = self.hidden * (self.hidden + 2 * self.kv_dim) + self.hidden * self.hidden
+        attn = self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
         mlp = (3 if self.gated_mlp else 2) * self.hidden * self.ffn
         return attn + mlp
 
@@ -83,7 +95,7 @@ class ModelShape(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
         write), rotary on Q and K, the SwiGLU product (read gate and up, write one), two residual adds."""
         h, kv, f = self.hidden, self.kv_dim, self.ffn
         norms = 2 * (2 * h) * 2
-        rotary = 2 * (h + kv) * 2
+        rotary = 2 * (self.q_dim + kv) * 2
         swiglu = 3 * f * 2 if self.gated_mlp else 2 * f * 2
         residual = 2 * (3 * h) * 2
         return norms + rotary + swiglu + residual
@@ -133,7 +145,33 @@ def preset_names() -> list[str]:
     return sorted(MODEL_SHAPES)
 
 
+SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab", "gated_mlp")
+
+
+def parse_shape_spec(text: str) -> ModelShape:
+    """`ModelShape.spec()`'s string back: ``shape:NAME:hidden=...,layers=...,...`` (every key of SHAPE_KEYS)."""
+    parts = text.split(":", 2)
+    if len(parts) != 3:
+        raise KeyError(f"model {text!r}: expected 'shape:NAME:key=value,...' with keys {', '.join(SHAPE_KEYS)}")
+    values: dict[str, int] = {}
+    for item in filter(None, parts[2].split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in SHAPE_KEYS or not value.strip().isdigit():
+            raise KeyError(f"model {text!r}: {item!r} is not one of {', '.join(SHAPE_KEYS)} = a whole number")
+        values[key.strip()] = int(value)
+    missing = [k for k in SHAPE_KEYS if k not in values]
+    low = [k for k in SHAPE_KEYS[:-1] if values.get(k, 1) < 1] + (["gated_mlp"] if values.get("gated_mlp", 0) > 1 else [])
+    if missing or low:
+        raise KeyError(f"model {text!r}: needs {', '.join(SHAPE_KEYS[:-1])} (each >= 1) and gated_mlp (0 or 1); "
+                       f"missing: {', '.join(missing) or 'none'}; out of range: {', '.join(low) or 'none'}")
+    return ModelShape(name=parts[1] or "model", hidden=values["hidden"], layers=values["layers"],
+                      heads=values["heads"], kv_heads=values["kv_heads"], ffn=values["ffn"], vocab=values["vocab"],
+                      gated_mlp=bool(values["gated_mlp"]), head_size=values["head_dim"])
+
+
 def get_shape(name: str) -> ModelShape:
+    if name.startswith("shape:"):
+        return parse_shape_spec(name)
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
     if key not in MODEL_SHAPES:

@@ -51,6 +51,7 @@ State: the winner's queue is the new state (only wlb queues); a flush plans ever
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -58,7 +59,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.coeffs import doc_time_split
-from packloader.balancers.cost.memory import GiB, MemoryModel, memory_limit_bytes, memory_model_for
+from packloader.balancers.cost.memory import GiB, MemoryModel, memory_limit_bytes, memory_model_for, over_memory_text
 from packloader.balancers.planners.base import Solver, StepLayout
 from packloader.balancers.planners.fixed import FixedPlanner
 from packloader.balancers.planners.hydraulis import HydraulisPlanner
@@ -85,6 +86,8 @@ DELAY_MEAN_MAX = 0.5  # steps: the run's mean delay over all tokens, what is que
 QUEUE_MAX_SHARE = 0.5  # of config.tokens_per_step: the most tokens held back after a step
 RUN_SHARES = (0.5, 0.25, 1e-9)  # memory fallback: runs of at most this share of a rank's packs (1e-9: pp packs)
 DELAY_KEY = "auto_delay"  # PlannerState.extra: [tokens trained so far, token-steps of delay so far]
+
+log = logging.getLogger("packloader.planner")
 
 
 @dataclass(frozen=True)
@@ -311,7 +314,15 @@ class AutoPlanner:
         plan.planner = best.cand.planner
         plan.schedule = KIND_NAMES[packing.schedule] if self.config.schedule == "auto" else ""
         plan.memory_over = over
+        if over > 0:
+            self.warn_memory(step, best.peak)
         return plan, packing.state()
+
+    def warn_memory(self, step: int, peak: float) -> None:
+        """No candidate fits: a warning the first time (later steps at debug level; `memory_summary` counts
+        them), saying by how much and what to change."""
+        level = logging.WARNING if self.memory_over_steps <= 1 else logging.DEBUG
+        log.log(level, "step %d: %s", step, over_memory_text(self.memory, self.config, peak, self.device))
 
     def bounded_runs(self, listed: list[Candidate], pieces: Pieces, step: int, flush: bool, small: bool,
                      total_work: float) -> list["_Result"]:
@@ -386,7 +397,7 @@ class AutoPlanner:
                 f"{self.device.upper()}: " + "; ".join(parts))
         if self.memory_over_steps:
             text += (f"; in {self.memory_over_steps} steps no candidate fit and the lowest peak was taken "
-                     f"(StepPlan.extra['memory_over'])")
+                     f"(StepPlan.memory_over)")
         return text
 
     def fits(self, r: "_Result") -> bool:

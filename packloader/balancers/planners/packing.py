@@ -12,6 +12,7 @@ plan` after its last step) passes a state with ``extra["flush"] = [1]`` (`flush_
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 import msgspec
@@ -47,6 +48,8 @@ def carried_extra(state: PlannerState) -> dict[str, list[int]]:
 
 
 _MODELS: dict[tuple, CostModel] = {}
+log = logging.getLogger("packloader.cost")
+DEFAULT_MODEL = PlanConfig().model
 
 
 def cost_model_for(config: PlanConfig) -> CostModel:
@@ -56,6 +59,12 @@ def cost_model_for(config: PlanConfig) -> CostModel:
     model = _MODELS.get(key)
     if model is None:
         model = _MODELS[key] = load_cost_model(config.model, config.parallel, device=config.device, cost=config.cost)
+        note = ""
+        if config.model == DEFAULT_MODEL:
+            note = (" (PlanConfig.model's default: to price your own model, pass model=packloader.model_spec(its "
+                    "Hugging Face or Megatron config), or a profile from `packloader calibrate`)")
+        log.info("plans are priced as %s on %s by cost model %s%s; %s", config.model, config.device.upper(),
+                 model.name, note, model.profile.source or model.profile.device)
     return model
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, check_policy
+from packloader.sources.paths import refuse_duplicates, walk_glob
 from packloader.sources.reader import ShardedSource
 
 
@@ -53,7 +54,7 @@ class DirectorySource(ShardedSource):
         self.errors = errors
         excluded = set(exclude_dirs)
         files = []
-        for p in self.root.glob(pattern):
+        for p in map(Path, walk_glob(pattern, root=str(self.root), include_hidden=include_hidden)):
             parts = p.relative_to(self.root).parts
             if excluded.intersection(parts[:-1]):
                 continue
@@ -63,6 +64,7 @@ class DirectorySource(ShardedSource):
                 files.append((p.relative_to(self.root).as_posix(), str(p)))
         files.sort()
         paths = [p for _, p in files]
+        refuse_duplicates(paths)
         if errors == "skip":
             paths = [p for p in paths if self._utf8_or_count(p)]
         if not paths:

@@ -18,7 +18,6 @@ built, never at `import packloader`.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from pathlib import Path
 from typing import Iterator
@@ -137,8 +136,7 @@ class MdsSource(ShardedSource):
         reader = self._readers[k]
         raw = self._shard_path(k)
         if os.path.exists(raw):
-            with open(raw, "rb") as f:
-                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            buf = Path(raw).read_bytes()  # never a memory map: a mapped file truncated by a writer is SIGBUS
         elif reader.zip_data is not None and os.path.exists(os.path.join(self.directory, reader.zip_data.basename)):
             zpath = os.path.join(self.directory, reader.zip_data.basename)
             try:
@@ -153,7 +151,7 @@ class MdsSource(ShardedSource):
         offsets = np.frombuffer(buf, np.uint32, count=n + 1, offset=4).astype(np.int64)
         if np.frombuffer(buf, np.uint32, count=1)[0] != n or offsets[-1] > len(buf) or np.any(np.diff(offsets) < 0):
             raise SourceError(f"{raw}: corrupt MDS shard (its offset table does not match {n} samples)")
-        return held.put(k, (buf, offsets), 0 if isinstance(buf, mmap.mmap) else len(buf))
+        return held.put(k, (buf, offsets), len(buf))
 
     def _decode(self, k: int, raw_row: int, buf, offsets) -> RawDocument:
         reader = self._readers[k]

@@ -67,7 +67,8 @@ def write_parquet_corpus(d: Path, n: int = 240, seed: int = 0, shards: int = 4) 
 
     d.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed + 1)
-    docs = [rng.integers(0, 50_000, size=int(k)).astype(np.int32) for k in long_tail_lengths(n, seed, 40, 2500)]
+    docs = [rng.integers(0, 256, size=int(k)).astype(np.int32)  # in the vocabulary of the tokenizer named, bytes
+            for k in long_tail_lengths(n, seed, 40, 2500)]
     paths, per_shard = [], []
     for s, part in enumerate(np.array_split(np.arange(n), shards)):
         rows = [docs[i] for i in part]

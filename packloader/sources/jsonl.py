@@ -94,7 +94,8 @@ def _zstd_frames(path: str) -> bytes:
 def line_index(buf, chunk: int = 1 << 23) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(starts, ends, line_numbers) of the non-blank lines of `buf`; ends exclude the newline; numbers are 1-based."""
     arr = np.frombuffer(buf, dtype=np.uint8) if len(buf) else np.zeros(0, np.uint8)
-    return index_chunks(arr[off : off + chunk] for off in range(0, arr.size, chunk))
+    bom = 3 if bytes(arr[:3]) == _BOM else 0
+    return index_chunks((arr[off : off + chunk] for off in range(0, arr.size, chunk)), skip=bom)
 
 
 def file_line_index(f, chunk: int = 1 << 23) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -102,23 +103,23 @@ def file_line_index(f, chunk: int = 1 << 23) -> tuple[np.ndarray, np.ndarray, np
     def chunks():
         while data := f.read(chunk):
             yield np.frombuffer(data, dtype=np.uint8)
-    return index_chunks(chunks())
+    bom = 3 if os.pread(f.fileno(), 3, 0) == _BOM else 0
+    return index_chunks(chunks(), skip=bom)
 
 
-def index_chunks(chunks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def index_chunks(chunks, skip: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`line_index` over consecutive chunks of a byte stream: one pass, a few chunks of temporary memory.
 
     A line is a segment between newlines; it is blank when it holds only spaces, tabs and carriage returns. Within a
     chunk, a cumulative count of non-whitespace bytes tells each segment's blankness; a line that runs over a chunk
-    boundary carries its "seen a non-blank byte" into the next chunk. A UTF-8 byte order mark at the start is
-    skipped."""
+    boundary carries its "seen a non-blank byte" into the next chunk. The first `skip` bytes (a UTF-8 byte order
+    mark) count as blank."""
     starts, ends, numbers = [], [], []
-    off, line_start, carry, line_no = 0, 0, False, 0
+    off, line_start, carry, line_no = 0, skip, False, 0
     for a in chunks:
         nonws = ~((a == 32) | (a == 10) | (a == 13) | (a == 9))
-        if off == 0 and a.size >= 3 and bytes(a[:3]) == _BOM:
-            nonws[:3] = False
-            line_start = 3
+        if off < skip:
+            nonws[: skip - off] = False
         nl = np.flatnonzero(a == 10)
         c = np.concatenate(([0], np.cumsum(nonws, dtype=np.int64)))
         seg_starts = np.concatenate(([0], nl + 1))

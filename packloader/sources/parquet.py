@@ -224,7 +224,11 @@ class ParquetSource(ShardedSource):
         files = self._cache().setdefault("files", LruCache(max_items=16))
         pf = files.get(shard)
         if pf is None:
-            pf = self._open(self._paths[shard])
+            try:
+                pf = self._open(self._paths[shard])
+            except (SourceError, FileNotFoundError):
+                self._watch[shard].check()  # a file changed since the source opened says so
+                raise
             self._watch[shard].check()  # the file opened is the one indexed
             files.put(shard, pf)
         return pf

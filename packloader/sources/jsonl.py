@@ -111,7 +111,7 @@ def index_chunks(chunks, skip: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndar
     """`line_index` over consecutive chunks of a byte stream: one pass, a few chunks of temporary memory.
 
     A line is a segment between newlines; it is blank when it holds only spaces, tabs and carriage returns. Within a
-    chunk, a cumulative count of non-whitespace bytes tells each segment's blankness; a line that runs over a chunk
+    chunk, an OR-reduction of "not whitespace" over each segment tells its blankness; a line that runs over a chunk
     boundary carries its "seen a non-blank byte" into the next chunk. The first `skip` bytes (a UTF-8 byte order
     mark) count as blank."""
     starts, ends, numbers = [], [], []
@@ -121,10 +121,11 @@ def index_chunks(chunks, skip: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndar
         if off < skip:
             nonws[: skip - off] = False
         nl = np.flatnonzero(a == 10)
-        c = np.concatenate(([0], np.cumsum(nonws, dtype=np.int64)))
         seg_starts = np.concatenate(([0], nl + 1))
-        seg_ends = np.concatenate((nl, [a.size]))
-        has = (c[seg_ends] - c[seg_starts]) > 0
+        valid = seg_starts < a.size  # a chunk ending in a newline opens an empty segment past its end
+        has = np.zeros(seg_starts.size, dtype=bool)
+        if valid.any():  # segment i reduces [start_i, start_i+1): its bytes and its newline (blank)
+            has[valid] = np.logical_or.reduceat(nonws, seg_starts[valid])
         has[0] |= carry
         if nl.size:
             closed = has[: nl.size]

@@ -377,3 +377,17 @@ def test_the_chunked_line_index_matches_a_plain_split():
             got = line_index(data, chunk=chunk)
             assert list(zip(*(x.tolist() for x in got))) == want, (data, chunk)
     assert [x.tolist() for x in index_chunks(iter([]))] == [[], [], []]
+
+
+def test_directory_shards_are_known_by_their_files_names_and_sizes(tmp_path):
+    d = tmp_path / "txt"
+    d.mkdir()
+    for i in range(3):
+        (d / f"f{i}.txt").write_text(f"text {i}")
+    before = open_source(d).identities
+    (d / "f1.txt").write_text("a longer text")
+    assert open_source(d).identities != before
+    (d / "f1.txt").write_text("text 1")
+    assert open_source(d).identities == before
+    (d / "f3.txt").write_text("one more")
+    assert open_source(d).identities != before

@@ -9,7 +9,8 @@ shard), and hashing every byte of a terabyte corpus at every start is too slow. 
   tokenize` also records a digest of every token it wrote (`packloader.tokens_blake2b`), so for its shards the
   footer hash covers the tokens themselves. A change inside page data that keeps every size and statistic is
   caught by the page checksums on read, where the file has them.
-- Any other file (JSONL, compressed JSONL, MDS shards, text files): its size and a hash of its first and last
+- A directory of text files: each shard (a group of files) by its files' relative names and sizes.
+- Any other file (JSONL, compressed JSONL, MDS shards): its size and a hash of its first and last
   1 MiB and of 16 blocks of 64 KiB spread evenly between (the whole file when it is at most 4 MiB). Every change of
   size, of the head or the tail (a rewritten or appended JSONL's first or last lines) is caught; an edit of the
   same size that falls only between the sampled blocks of a file over 4 MiB is not.
@@ -71,6 +72,13 @@ def file_identity(path: str) -> str:
             sizes = [_HEAD] + [_BLOCK] * _BLOCKS + [_HEAD]
             parts = [os.pread(f.fileno(), n, off) for off, n in zip(offsets, sizes)]
     return f"{size}:{_digest(parts)}"
+
+
+def file_set_identity(names, sizes) -> str:
+    """`files:hash` of a group of files' relative names and sizes (a shard of a directory of text files): a file
+    added, removed, renamed or resized changes it; an edit of the same size does not."""
+    parts = [f"{n}\0{int(z)}\0".encode() for n, z in zip(names, sizes)]
+    return f"{len(parts)} files:{_digest(parts)}"
 
 
 def shard_identity(source, shard: int) -> str | None:

@@ -26,6 +26,7 @@ import numpy as np
 
 from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, SourceError
+from packloader.sources.identity import file_identity
 from packloader.sources.reader import LruCache, ShardedSource
 
 DEFAULT_COLUMNS = ("text", "content", "tokens", "input_ids")
@@ -84,6 +85,8 @@ class MdsSource(ShardedSource):
             self._check_column(k, reader)
         self._col = [r.column_names.index(self.column) for r in self._readers]
         names = [self._display_name(k) for k in range(len(self._readers))]
+        # content identities (sources/identity.py) for the saved state and the ranks' start-up check
+        self.identities = [file_identity(n) if os.path.exists(n) else None for n in names]
         self._open_shards(names, [r.samples for r in self._readers])
 
     @property
@@ -107,6 +110,15 @@ class MdsSource(ShardedSource):
             found = [c for c in DEFAULT_COLUMNS if c in names]
             if not found:
                 raise SourceError(f"{where}: no text or token column among {names}; pass column=...")
+            encodings = dict(zip(names, reader.column_encodings))
+            text = [c for c in found if encodings[c] == "str"]
+            tokens = [c for c in found if encodings[c].startswith("ndarray")]
+            if text and tokens:
+                raise SourceError(
+                    f"{where}: holds text ({', '.join(map(repr, text))}) and tokens ({', '.join(map(repr, tokens))}); "
+                    f"which to train is not guessed: pass column={tokens[0]!r} to read the tokens as stored, or "
+                    f"column={text[0]!r} to tokenize the text"
+                )
             self.column = found[0]
         if self.column not in names:
             raise SourceError(f"{where}: no column {self.column!r}; the shard has columns {names}")

@@ -2,7 +2,7 @@
 
 Each shard is indexed once, when the source opens: the byte offsets of its non-blank lines (blank and
 whitespace-only lines are not documents; line numbers in errors still count them, 1-based, as an editor does).
-The index costs 24 bytes per document and two vectorised passes over the shard's bytes (a few seconds per GB).
+The index costs 24 bytes per document and one vectorised pass over the shard's bytes, read in chunks.
 
 Plain files are read with plain reads (`os.pread` of each requested line), never memory-mapped: a mapped file
 truncated by another process kills the reader with SIGBUS, which Python cannot catch. Each shard's identity

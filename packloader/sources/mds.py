@@ -5,9 +5,10 @@ shard metadata and its `mds_decode` for the column encoding, but not through `St
 in /dev/shm (nothing left behind by a crashed run), no `RANK`/`WORLD_SIZE` environment variables read, no process
 group created, and order, sharding and resume stay with packloader's loader.
 
-Each `index.json` shard is one packloader shard. An uncompressed shard file is memory-mapped; a compressed one
-(`compression="zstd"` etc., only the `.zstd` file present) is decompressed whole into memory when first read and the
-most recent ones are kept up to `cache_bytes`. Only the chosen column of a sample is decoded, so a `pkl` column next
+Each `index.json` shard is one packloader shard. An uncompressed shard file is read whole into memory (never
+memory-mapped: a mapped file truncated by another process kills the reader with SIGBUS); a compressed one
+(`compression="zstd"` etc., only the `.zstd` file present) is decompressed whole into memory; either is read when
+first needed and the most recent ones are kept up to `cache_bytes`. Only the chosen column of a sample is decoded, so a `pkl` column next
 to it is never unpickled. The text column must have the `str` encoding; a token column an integer `ndarray`
 encoding such as `ndarray:int32`.
 

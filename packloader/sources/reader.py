@@ -132,7 +132,7 @@ class ShardedSource:
         return tls.cache
 
     def _process_cache(self) -> dict:
-        """A dict shared by this process's threads, for immutable things (mapped files, decompressed bytes)."""
+        """A dict shared by this process's threads, for immutable things (open files, decompressed bytes)."""
         if self._pcache_pid != os.getpid():
             self._pcache = {}
             self._pcache_pid = os.getpid()

@@ -10,16 +10,17 @@ Detection, in order:
   `format=` reads one kind on purpose;
 - files: by extension (.parquet / .pq; .jsonl, .jsonl.gz, .jsonl.zst, .json, .json.gz, .ndjson); all must agree;
 - a path that does not exist but holds a glob character (`*`, `?`, `[`): its matches.
-A path that does not exist is a FileNotFoundError naming it.
+A path that does not exist is a FileNotFoundError naming it. Globs and directories are walked by `paths.walk_glob`:
+symlinked directories are followed, a link back into the walk (a loop) is not, and a file named twice (the same
+path twice, a symlinked alias, a hard link) is refused naming both paths (`paths.refuse_duplicates`).
 """
 
 from __future__ import annotations
 
-import glob as globlib
 import os
-from pathlib import Path
 from typing import Sequence
 
+from packloader.sources.paths import has_magic, refuse_duplicates, walk_glob
 from packloader.sources.reader import ShardedSource
 
 FORMATS = ("parquet", "jsonl", "mds", "directory")
@@ -42,8 +43,8 @@ def _expand(paths: Sequence[str]) -> list[str]:
     for p in paths:
         if os.path.exists(p):
             out.append(p)
-        elif any(c in p for c in "*?["):
-            matches = sorted(globlib.glob(p, recursive=True))
+        elif has_magic(p):
+            matches = walk_glob(p)
             if not matches:
                 raise FileNotFoundError(f"no files match {p}")
             out.extend(matches)
@@ -54,9 +55,8 @@ def _expand(paths: Sequence[str]) -> list[str]:
 
 def _files_under(path: str, pattern: str = "**/*") -> list[str]:
     """The files `pattern` matches under `path`, hidden ones (any part starting with ".") left out."""
-    root = Path(path)
-    return sorted(str(p) for p in root.glob(pattern)
-                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    return [p for p in walk_glob(pattern, root=path)
+            if os.path.isfile(p) and not any(part.startswith(".") for part in os.path.relpath(p, path).split(os.sep))]
 
 
 def _is_side_file(path: str) -> bool:
@@ -119,6 +119,7 @@ def open_source(
     if not paths:
         raise ValueError("open_source needs at least one path")
     paths = _expand(paths)
+    refuse_duplicates(paths)
 
     dirs = [p for p in paths if os.path.isdir(p)]
     if dirs:

@@ -10,6 +10,9 @@ Detection, in order:
   `format=` reads one kind on purpose;
 - files: by extension (.parquet / .pq; .jsonl, .jsonl.gz, .jsonl.zst, .json, .json.gz, .ndjson); all must agree;
 - a path that does not exist but holds a glob character (`*`, `?`, `[`): its matches.
+First, `special_paths.open_special` takes what these rules do not: URLs (an error: unsupported), Megatron `.bin`/`.idx`
+pairs (`format="megatron"`), Arrow files (`.arrow`, `format="arrow"`) and `datasets` `save_to_disk` folders
+(`format="hf-disk"`).
 A path that does not exist is a FileNotFoundError naming it.
 """
 
@@ -22,7 +25,7 @@ from typing import Sequence
 
 from packloader.sources.reader import ShardedSource
 
-FORMATS = ("parquet", "jsonl", "mds", "directory")
+FORMATS = ("parquet", "jsonl", "mds", "directory", "arrow", "megatron", "hf-disk")
 _PARQUET = (".parquet", ".pq")
 _JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd", ".json", ".json.gz", ".json.zst", ".ndjson", ".ndjson.gz",
           ".ndjson.zst")
@@ -112,6 +115,11 @@ def open_source(
     """
     if format is not None and format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    from packloader.sources.special_paths import open_special  # URLs, Megatron pairs, Arrow files, save_to_disk folders
+
+    special = open_special(path_or_paths, column=column, format=format, empty=empty)
+    if special is not None:
+        return special
     if isinstance(path_or_paths, (str, os.PathLike)):
         paths = [os.fspath(path_or_paths)]
     else:

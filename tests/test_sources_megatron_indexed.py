@@ -63,12 +63,12 @@ def test_pairs_are_shards_in_the_order_given_and_open_source_finds_them(tmp_path
 def test_packed_loader_trains_every_token_once_and_resumes_exactly(tmp_path):
     docs = docs_of(60, seed=4, vocab=1000)
     prefix = write_pair(tmp_path / "c", docs)
-    loader = PackedLoader(prefix, config=small_config(), num_threads=0, tokenizer="bytes")
+    loader = PackedLoader(prefix, config=small_config(), num_threads=0, tokenizer=None)
     assert loader.lengths_mode == "column"  # lengths come from the index, no tokens read to plan
     check_exactly_once(loader, docs)
     for threads in (0, 2):
         check_exact_resume(lambda: PackedLoader(prefix, config=small_config(), num_threads=threads, epochs=2,
-                                                tokenizer="bytes"), stop=7)
+                                                tokenizer=None), stop=7)
 
 
 def test_a_truncated_bin_is_an_error_naming_it(tmp_path):

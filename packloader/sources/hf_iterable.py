@@ -10,6 +10,9 @@ block read later must match: a dataset that does not resume to the same rows thr
 shuffle buffer, whose content datasets does not save; a generator that yields other rows) is an error naming the
 block, never other documents trained silently.
 
+The source reads from where iterating the dataset given would start (its start, or a state loaded into it), and
+works on a copy of it, so the caller's dataset is never moved.
+
 Columns: the rule of `arrow_table.choose_column` (text or tokens; both is an error asking for `column=`), from
 the dataset's features, or its first row's values when it has none.
 """
@@ -62,7 +65,8 @@ class IterableDatasetSource(ShardedSource):
         super().__init__(empty=empty)
         if block_rows < 1:
             raise ValueError(f"block_rows must be >= 1, got {block_rows}")
-        self._ds, self.block_rows, self.cache_blocks = ds, int(block_rows), int(cache_blocks)
+        # a copy: restoring block states must not move the caller's dataset (nor a second source built on it)
+        self._ds, self.block_rows, self.cache_blocks = copy.deepcopy(ds), int(block_rows), int(cache_blocks)
         self.label = name or f"datasets.IterableDataset({getattr(ds, 'info', None) and ds.info.dataset_name or ''})"
         self.vocab_size = None
         self._lock = threading.Lock()

@@ -48,14 +48,14 @@ def strings_are_paths(items: list[str], label: str = "the list") -> bool:
     if all(exist):
         return True
     pathlike = [e or looks_like_path(s) for s, e in zip(items, exist)]
-    if all(pathlike) and not any(exist):
+    if all(pathlike):
         return True  # open_source names the missing path (or says a URL is unsupported)
     if not any(pathlike):
         return False
     path = next(s for s, p in zip(items, pathlike) if p)
     text = next(s for s, p in zip(items, pathlike) if not p)
     raise SourceError(
-        f"{label} of {len(items)} strings mixes paths ({sum(pathlike)}, e.g. {excerpt(path)}) and texts "
+        f"{label} of {len(items)} strings mixes paths ({sum(pathlike)}, e.g. {excerpt(path, 200)}) and texts "
         f"({len(items) - sum(pathlike)}, e.g. {excerpt(text)}); a list of strings is read as paths when every one "
         "names an existing file, and as texts when none looks like a path: pass only paths, or the texts as "
         "[{'text': ...}] dicts"

@@ -1,0 +1,230 @@
+"""Hugging Face datasets (Dataset, DatasetDict splits, save_to_disk folders, Arrow files, IterableDataset), Python
+lists and generators, and unsupported sources, as PackedLoader sources: exactly once and exact resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from helpers.source_resume import check_exact_resume, check_exactly_once, small_config
+
+from packloader.loader.loader import PackedLoader
+from packloader.sources.arrow_table import ArrowTableSource
+from packloader.sources.dispatch import open_any
+from packloader.sources.errors import EmptyDocumentError, SourceError
+from packloader.sources.hf_datasets import dataset_source
+from packloader.sources.hf_iterable import IterableDatasetSource
+from packloader.sources.open import open_source
+from packloader.sources.unsupported import UnsupportedSourceError
+
+datasets = pytest.importorskip("datasets")
+
+
+def texts_of(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "délta", "ε", "zeta", "long-word-here"]
+    return [f"#{i} " + " ".join(rng.choice(words, size=int(rng.integers(1, 120)))) for i in range(n)]
+
+
+def token_docs(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1000, size=int(rng.integers(1, 300))).tolist() for _ in range(n)]
+
+
+def bytes_tokens(text: str) -> list[int]:
+    """The bytes tokenizer by hand: UTF-8 bytes, then EOS 256."""
+    return list(text.encode("utf-8")) + [256]
+
+
+def read_all(src) -> list:
+    return [d if isinstance(d, str) else d.tolist() for k, s in enumerate(src.shards)
+            for d in src.read(k, np.arange(s.num_rows))]
+
+
+def loader(source, **kw) -> PackedLoader:
+    kw.setdefault("tokenizer", "bytes")
+    return PackedLoader(source, config=small_config(), num_threads=kw.pop("threads", 0), **kw)
+
+
+# --- Dataset, DatasetDict, save_to_disk, Arrow files -------------------------------------------------------------
+
+def test_a_dataset_of_text_is_tokenized_every_token_once_and_resumes_exactly():
+    texts = texts_of(50)
+    ds = datasets.Dataset.from_dict({"text": texts, "id": list(range(50))})
+    check_exactly_once(loader(ds), [bytes_tokens(t) for t in texts])
+    check_exact_resume(lambda: loader(ds, epochs=2, threads=2), stop=9)
+
+
+def test_a_dataset_of_input_ids_is_used_as_stored_with_lengths_from_the_column():
+    docs = token_docs(60, seed=1)
+    ds = datasets.Dataset.from_dict({"input_ids": docs, "attention_mask": [[1] * len(d) for d in docs]})
+    lo = loader(ds, tokenizer=None)
+    assert lo.lengths_mode == "column"
+    check_exactly_once(lo, docs)
+    check_exact_resume(lambda: loader(ds, tokenizer=None, epochs=2), stop=11)
+
+
+def test_text_beside_tokens_asks_which_column():
+    ds = datasets.Dataset.from_dict({"text": ["ab", "cd"], "input_ids": [[1, 2], [3]]})
+    with pytest.raises(SourceError, match=r"holds text \('text'\) and tokens \('input_ids'\); .*pass column='input_ids'"):
+        loader(ds)
+    assert read_all(open_any(ds, column="input_ids")) == [[1, 2], [3]]
+    assert read_all(open_any(ds, column="text")) == ["ab", "cd"]
+
+
+def test_a_shuffled_or_selected_dataset_reads_the_rows_it_shows():
+    ds = datasets.Dataset.from_dict({"tokens": token_docs(30, seed=2)}).shuffle(seed=3).select(range(5, 25))
+    assert read_all(open_any(ds)) == [ds[i]["tokens"] for i in range(len(ds))]
+    assert open_any(ds).lengths(0).tolist() == [len(ds[i]["tokens"]) for i in range(len(ds))]
+
+
+def test_a_datasetdict_split_and_the_choice_of_split():
+    texts = texts_of(20, seed=4)
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts}),
+                               "test": datasets.Dataset.from_dict({"text": ["x"]})})
+    assert read_all(open_any(dd["train"])) == texts
+    with pytest.raises(SourceError, match=r"has splits \['train', 'test'\]; .*dd\['train'\]"):
+        open_any(dd)
+    assert read_all(open_any(datasets.DatasetDict({"train": dd["train"]}))) == texts
+
+
+def test_a_save_to_disk_folder_is_a_dataset_not_jsonl(tmp_path):
+    texts = texts_of(40, seed=5)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    src = open_source(str(tmp_path / "saved"))
+    assert read_all(src) == texts and src.shards[0].name == str(tmp_path / "saved")
+    check_exactly_once(loader(str(tmp_path / "saved")), [bytes_tokens(t) for t in texts])
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts}),
+                               "validation": datasets.Dataset.from_dict({"text": ["v"]})})
+    dd.save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(SourceError, match=r"dd has splits \['train', 'validation'\]"):
+        open_source(str(tmp_path / "dd"))
+    assert read_all(open_source(str(tmp_path / "dd" / "train"))) == texts
+
+
+def test_arrow_files_in_stream_and_file_format(tmp_path):
+    docs = token_docs(25, seed=6)
+    ds = datasets.Dataset.from_dict({"input_ids": docs})
+    ds.save_to_disk(str(tmp_path / "s"))
+    stream_file = next((tmp_path / "s").glob("*.arrow"))  # datasets writes the IPC stream format
+    table = pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32())), "n": [len(d) for d in docs]})
+    with pa.ipc.new_file(str(tmp_path / "f.arrow"), table.schema) as w:
+        w.write_table(table)
+    assert read_all(open_source(str(stream_file))) == docs
+    assert read_all(open_source(str(tmp_path / "f.arrow"))) == docs
+    both = open_source([str(stream_file), str(tmp_path / "f.arrow")], column=None)
+    assert [s.num_rows for s in both.shards] == [25, 25]
+    check_exact_resume(lambda: loader([str(stream_file), str(tmp_path / "f.arrow")], tokenizer=None), stop=5)
+    (tmp_path / "bad.arrow").write_bytes(b"not arrow at all" * 10)
+    with pytest.raises(SourceError, match=r"bad\.arrow: not a readable Arrow IPC file or stream"):
+        open_source(str(tmp_path / "bad.arrow"))
+
+
+def test_null_and_empty_rows_are_named_or_skipped_and_counted():
+    ds = datasets.Dataset.from_dict({"text": ["a", None, "c"]})
+    with pytest.raises(SourceError, match=r"row 1, column 'text': null, expected text"):
+        list(open_any(ds).read(0, np.arange(3)))
+    ds = datasets.Dataset.from_dict({"input_ids": [[1], [], [2, 3]]})
+    with pytest.raises(EmptyDocumentError, match=r"row 1, column 'input_ids': empty document \(no tokens\)"):
+        list(open_any(ds).read(0, np.arange(3)))
+    src = dataset_source(ds, empty="skip")
+    assert read_all(src) == [[1], [2, 3]] and src.skipped["empty documents"] == 1
+
+
+# --- IterableDataset -----------------------------------------------------------------------------------------------
+
+def _generator(n, seed):
+    def gen():
+        for t in texts_of(n, seed):
+            yield {"text": t}
+    return gen
+
+
+@pytest.mark.parametrize("kind", ["arrow", "generator"])
+def test_an_iterable_dataset_is_read_through_its_state_dict_once_and_resumes_exactly(kind):
+    texts = texts_of(70, seed=7)
+    if kind == "arrow":
+        ids = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset(num_shards=3)
+    else:
+        ids = datasets.IterableDataset.from_generator(_generator(70, 7))
+    src = IterableDatasetSource(ids, block_rows=16)
+    assert [s.num_rows for s in src.shards] == [16, 16, 16, 16, 6]
+    assert read_all(src) == texts
+    # blocks read out of order, each restored through the dataset's own state_dict
+    assert list(src.read(3, np.array([5, 0]))) == [texts[53], texts[48]]
+    check_exactly_once(loader(src), [bytes_tokens(t) for t in texts])
+    check_exact_resume(lambda: loader(IterableDatasetSource(ids, block_rows=16), epochs=2, threads=2), stop=10)
+
+
+def test_an_iterable_dataset_of_tokens_plans_from_recorded_lengths():
+    docs = token_docs(40, seed=8)
+    ids = datasets.Dataset.from_dict({"input_ids": docs}).to_iterable_dataset()
+    lo = loader(ids, tokenizer=None)
+    assert lo.lengths_mode == "column"
+    check_exactly_once(lo, docs)
+
+
+def test_an_iterable_dataset_that_does_not_resume_exactly_is_refused():
+    ids = datasets.Dataset.from_dict({"text": texts_of(40, seed=9)}).to_iterable_dataset()
+    src = IterableDatasetSource(ids.shuffle(seed=1, buffer_size=8), block_rows=10)
+    with pytest.raises(SourceError, match=r"rows 10\.\.19: restored through the dataset's state_dict, .* does not "
+                                          r"resume exactly"):
+        list(src.read(1, np.arange(10)))
+
+
+# --- Python lists and generators -----------------------------------------------------------------------------------
+
+def test_a_list_of_texts_is_texts_and_never_paths():
+    texts = ["hello world", "a second document", "ünïcödé text"]
+    assert read_all(open_any(texts)) == texts
+    check_exactly_once(loader(texts), [bytes_tokens(t) for t in texts])
+
+
+def test_a_list_of_paths_is_paths_and_a_mix_is_refused(tmp_path):
+    for i in range(2):
+        (tmp_path / f"{i}.jsonl").write_text('{"text": "doc %d"}\n' % i)
+    paths = [str(tmp_path / "0.jsonl"), str(tmp_path / "1.jsonl")]
+    assert read_all(open_any(paths)) == ["doc 0", "doc 1"]
+    with pytest.raises(FileNotFoundError, match=r"missing\.jsonl"):
+        open_any([paths[0], str(tmp_path / "missing.jsonl")])
+    with pytest.raises(SourceError, match=r"mixes paths \(1, e\.g\. .*0\.jsonl'\) and texts \(1, e\.g\. 'a document "
+                                          r"with a long first line x{20,30}\.\.\.\)"):
+        open_any([paths[0], "a document with a long first line " + "x" * 500])
+
+
+def test_lists_of_dicts_token_arrays_and_generators():
+    rows = [{"text": t, "meta": i} for i, t in enumerate(texts_of(12, seed=10))]
+    assert read_all(open_any(rows)) == [r["text"] for r in rows]
+    assert read_all(open_any(iter(rows))) == [r["text"] for r in rows]
+    docs = token_docs(9, seed=11)
+    assert read_all(open_any([np.asarray(d) for d in docs])) == docs
+    assert read_all(open_any(d for d in docs)) == docs
+    with pytest.raises(SourceError, match=r"holds text \('text'\) and tokens \('tokens'\)"):
+        open_any([{"text": "a", "tokens": [1]}])
+    with pytest.raises(SourceError, match=r"row 1, column 'text': null"):
+        list(open_any([{"text": "a"}, {"body": "b"}]).read(0, np.arange(2)))
+    with pytest.raises(SourceError, match=r"row 1: dict .*expected texts like row 0"):
+        open_any(["a text", {"text": "b"}])
+
+
+# --- unsupported ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("url", ["s3://bucket/shards/*.parquet", "gs://b/x.jsonl", "hf://datasets/org/name",
+                                 "https://example.com/a.parquet", "az://container/a.parquet"])
+def test_urls_are_unsupported_and_the_error_lists_what_is(url):
+    for call in (lambda: open_source(url), lambda: loader(url), lambda: open_any([url])):
+        with pytest.raises(UnsupportedSourceError, match=r"URLs are not supported .*supported: local paths"):
+            call()
+
+
+def test_filesystem_objects_and_unknown_objects_are_unsupported():
+    import pyarrow.fs
+
+    with pytest.raises(UnsupportedSourceError, match=r"a filesystem object \(pyarrow\._fs\.LocalFileSystem\) is not "
+                                                     r"supported .*supported: local paths"):
+        loader(pyarrow.fs.LocalFileSystem())
+    with pytest.raises(UnsupportedSourceError, match=r"builtins\.object is not a supported source; supported:"):
+        loader(object())
+    with pytest.raises(TypeError):  # still a TypeError, as before
+        loader({"text": "a dict is not a source"})
+    assert isinstance(open_any(pa.table({"text": ["a", "b"]})), ArrowTableSource)

@@ -133,11 +133,14 @@ def test_null_and_empty_rows_are_named_or_skipped_and_counted():
 
 # --- IterableDataset -----------------------------------------------------------------------------------------------
 
-def _generator(n, seed):
-    def gen():
-        for t in texts_of(n, seed):
-            yield {"text": t}
-    return gen
+def text_rows(n, seed):
+    """A module-level generator, so the IterableDataset built on it pickles."""
+    for t in texts_of(n, seed):
+        yield {"text": t}
+
+
+def _generated(n, seed):
+    return datasets.IterableDataset.from_generator(text_rows, gen_kwargs={"n": n, "seed": seed})
 
 
 @pytest.mark.parametrize("kind", ["arrow", "generator"])
@@ -146,7 +149,7 @@ def test_an_iterable_dataset_is_read_through_its_state_dict_once_and_resumes_exa
     if kind == "arrow":
         ids = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset(num_shards=3)
     else:
-        ids = datasets.IterableDataset.from_generator(_generator(70, 7))
+        ids = _generated(70, 7)
     src = IterableDatasetSource(ids, block_rows=16)
     assert [s.num_rows for s in src.shards] == [16, 16, 16, 16, 6]
     assert read_all(src) == texts
@@ -228,3 +231,15 @@ def test_filesystem_objects_and_unknown_objects_are_unsupported():
     with pytest.raises(TypeError):  # still a TypeError, as before
         loader({"text": "a dict is not a source"})
     assert isinstance(open_any(pa.table({"text": ["a", "b"]})), ArrowTableSource)
+
+
+def test_sources_survive_pickling_for_spawned_workers(tmp_path):
+    import pickle
+
+    texts = texts_of(30, seed=12)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "p"))
+    saved = open_source(str(tmp_path / "p"))
+    ids = IterableDatasetSource(_generated(30, 12), block_rows=8)
+    for src in (saved, open_any(datasets.Dataset.from_dict({"text": texts}).shuffle(seed=1)), ids):
+        assert read_all(pickle.loads(pickle.dumps(src))) == read_all(src)
+    assert len(pickle.dumps(saved)) < 4096  # the memory-mapped Dataset travels by its files' paths

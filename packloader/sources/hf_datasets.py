@@ -56,12 +56,28 @@ def dataset_source(ds, *, column: str | None = None, empty: str = "error", name:
         return IterableDatasetSource(ds, column=column, empty=empty, name=name)
     if not isinstance(ds, datasets.Dataset):
         raise TypeError(f"expected a datasets.Dataset, IterableDataset or DatasetDict, got {type(ds).__name__}")
-    label = name or dataset_name(ds)
-    indices = ds._indices  # the index mapping of a shuffled/selected Dataset (None: rows as stored)
-    mapping = None if indices is None else np.asarray(indices.column(0).to_numpy(), dtype=np.int64)
-    src = ArrowTableSource([(label, ds.data.table, mapping)], column=column, empty=empty)
-    src.identities = [f"datasets fingerprint {ds._fingerprint}"]  # how a saved state knows the data again
-    return src
+    return DatasetSource(ds, column=column, empty=empty, name=name)
+
+
+class DatasetSource(ArrowTableSource):
+    """A `Dataset`'s table as one shard. Pickled (spawned workers) through the `Dataset`, which datasets pickles by
+    its Arrow files' paths when memory-mapped, rather than through a copy of the table."""
+
+    def __init__(self, ds, *, column: str | None = None, empty: str = "error", name: str | None = None) -> None:
+        self._dataset = ds
+        indices = ds._indices  # the index mapping of a shuffled/selected Dataset (None: rows as stored)
+        mapping = None if indices is None else np.asarray(indices.column(0).to_numpy(), dtype=np.int64)
+        super().__init__([(name or dataset_name(ds), ds.data.table, mapping)], column=column, empty=empty)
+        self.identities = [f"datasets fingerprint {ds._fingerprint}"]  # how a saved state knows the data again
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_columns"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._columns = [self._dataset.data.table.column(self.column)]
 
 
 def disk_source(path: str, *, column: str | None = None, empty: str = "error"):

@@ -67,7 +67,8 @@ class IterableDatasetSource(ShardedSource):
             raise ValueError(f"block_rows must be >= 1, got {block_rows}")
         # a copy: restoring block states must not move the caller's dataset (nor a second source built on it)
         self._ds, self.block_rows, self.cache_blocks = copy.deepcopy(ds), int(block_rows), int(cache_blocks)
-        self.label = name or f"datasets.IterableDataset({getattr(ds, 'info', None) and ds.info.dataset_name or ''})"
+        info_name = getattr(getattr(ds, "info", None), "dataset_name", None)
+        self.label = name or (f"datasets.IterableDataset({info_name})" if info_name else "datasets.IterableDataset")
         self.vocab_size = None
         self._lock = threading.Lock()
         self.column, self._pretokenized = None, False

@@ -243,3 +243,20 @@ def test_sources_survive_pickling_for_spawned_workers(tmp_path):
     for src in (saved, open_any(datasets.Dataset.from_dict({"text": texts}).shuffle(seed=1)), ids):
         assert read_all(pickle.loads(pickle.dumps(src))) == read_all(src)
     assert len(pickle.dumps(saved)) < 4096  # the memory-mapped Dataset travels by its files' paths
+
+
+@pytest.mark.multiprocess
+def test_spawned_dataloader_workers_read_a_saved_dataset_every_token_once(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from packloader.loader.check import TokenLedger
+    from packloader.loader.dataset import PackedDataset
+
+    texts = texts_of(90, seed=13)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "w"))
+    ds = PackedDataset(str(tmp_path / "w"), tokenizer="bytes", config=small_config(900))
+    steps = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn"))
+    ledger = TokenLedger(ds._p.stream)
+    for mbs in steps:
+        ledger.add(mbs)
+    assert ledger.check_epoch(0) == sum(len(bytes_tokens(t)) for t in texts)

@@ -118,3 +118,33 @@ def test_empty_documents_are_an_error_or_skipped_and_counted(tmp_path):
     src = MegatronIndexedSource(prefix, empty="skip")
     assert [d.tolist() for d in read_all(src)] == [[0, 1, 2, 3, 4], [0, 1, 2]]
     assert src.skipped["empty documents"] == 1
+
+
+def _rank_segments(rank, world, prefix):
+    from packloader.contracts import ParallelConfig, PlanConfig
+
+    cfg = PlanConfig(strategy="fixed", max_tokens=256, context=256, tokens_per_step=500 * world,
+                     parallel=ParallelConfig(dp=world))
+    loader = PackedLoader(prefix, tokenizer=None, config=cfg, num_threads=1, timeout=60)
+    assert loader.dp_rank == rank and loader.lengths_mode == "column"
+    out = [[(s.doc, s.start, s.end) for s in b.segments] for b in loader]
+    loader.close()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_gloo_ranks_cover_every_token_once(tmp_path):
+    from helpers.distributed import run_ranks
+
+    from packloader.loader.check import TokenLedger
+    from packloader.sources.stream import DocumentStream
+
+    docs = docs_of(80, seed=9, vocab=1000)
+    prefix = write_pair(tmp_path / "g", docs)
+    per_rank = run_ranks(_rank_segments, 2, prefix)
+    assert all(per_rank)
+    stream = DocumentStream(MegatronIndexedSource(prefix), tokenizer=None, seed=0)
+    ledger = TokenLedger(stream)
+    for segs in (s for rank in per_rank for s in rank):
+        ledger.add([{"segments": [tuple(x) for x in segs]}])
+    assert ledger.check_epoch(0) == sum(len(d) for d in docs)

@@ -39,8 +39,8 @@ def open_special(path_or_paths, *, column: str | None, format: str | None, empty
     if format == "megatron" or (expanded and all(p.endswith((".bin", ".idx")) or is_megatron_prefix(p)
                                                  for p in expanded)):
         return MegatronIndexedSource(expanded, empty=empty)
-    arrow = [p for p in expanded if os.path.isdir(p)] or expanded
-    if len(arrow) == 1 and os.path.isdir(arrow[0]):
+    arrow = expanded
+    if len(arrow) == 1 and os.path.isdir(arrow[0]):  # a directory among files is open_source's error
         from packloader.sources.hf_datasets import disk_source, is_disk_folder
 
         if format == "hf-disk" or is_disk_folder(arrow[0]):

@@ -148,3 +148,11 @@ def test_gloo_ranks_cover_every_token_once(tmp_path):
     for segs in (s for rank in per_rank for s in rank):
         ledger.add([{"segments": [tuple(x) for x in segs]}])
     assert ledger.check_epoch(0) == sum(len(d) for d in docs)
+
+
+def test_a_negative_token_id_is_an_error_naming_the_document(tmp_path):
+    prefix = write_pair(tmp_path / "n", [np.arange(4), np.array([3, -7, 2])], dtype=np.int32)
+    src = MegatronIndexedSource(prefix)
+    assert next(src.read(0, np.array([0]))).tolist() == [0, 1, 2, 3]
+    with pytest.raises(SourceError, match=r"n\.bin, document 1: token id -7 at position 1, expected an id in \[0, 2\^31\)"):
+        list(src.read(0, np.array([1])))

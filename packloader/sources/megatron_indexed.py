@@ -14,12 +14,13 @@ preprocessing appends the end-of-document id itself when asked to), cast to int3
 Everything the index claims is checked when the source opens: the header, the file's size against the counts,
 offsets against lengths, document indices against the sequence count, and the `.bin` size against the tokens the
 index describes, so a truncated or corrupt pair is an error naming the file before any batch. `.bin` is read by
-memory map (numpy), one map per process. `parse_index` takes any buffer (bytes, a memory map), the seam for
+memory map (numpy over `mmap`), one map per process. `parse_index` takes any buffer (bytes, a memory map), the seam for
 readers of other storage.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from typing import Iterator, Sequence
@@ -35,6 +36,7 @@ _HEAD = len(MAGIC) + 8 + 1 + 8 + 8
 # megatron.core.datasets.indexed_dataset.DType codes; float codes (6, 7) hold no token ids
 TOKEN_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
 _FLOAT_CODES = {6: "float64", 7: "float32"}
+_I32 = np.iinfo(np.int32).max
 
 
 class MegatronIndex:
@@ -136,27 +138,38 @@ class MegatronIndexedSource(ShardedSource):
         return True
 
     def _tokens(self, shard: int) -> np.ndarray:
+        """The shard's tokens as a plain array over a read-only memory map of `.bin` (one map per process)."""
         cache = self._process_cache()
-        mm = cache.get(shard)
-        if mm is None:
+        tokens = cache.get(shard)
+        if tokens is None:
             index = self._index[shard]
             if index.total_tokens == 0:
-                mm = np.zeros(0, dtype=index.dtype)
+                tokens = np.zeros(0, dtype=index.dtype)
             else:
-                mm = np.memmap(self._names[shard], dtype=index.dtype, mode="r", shape=(index.total_tokens,))
-            cache[shard] = mm
-        return mm
+                with open(self._names[shard], "rb") as f:
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                tokens = np.frombuffer(mapped, dtype=index.dtype, count=index.total_tokens)
+            cache[shard] = tokens
+        return tokens
 
     def _read_raw(self, shard: int, raw_rows: np.ndarray) -> Iterator[RawDocument]:
         index, tokens = self._index[shard], self._tokens(shard)
-        for r in raw_rows.tolist():
-            a = int(index.starts[r])
-            doc = tokens[a : a + int(index.lengths[r])]
-            if doc.size and doc.dtype.kind == "i" and (doc.min() < 0 or doc.max() > np.iinfo(np.int32).max):
-                pos = int(np.flatnonzero((doc < 0) | (doc > np.iinfo(np.int32).max))[0])
-                raise SourceError(f"{self._location(shard, r)}: token id {int(doc[pos])} at position {pos}, "
-                                  "expected an id in [0, 2^31)")
-            yield np.asarray(doc, dtype=np.int32)
+        starts, lengths = index.starts[raw_rows].tolist(), index.lengths[raw_rows].tolist()
+        docs = [tokens[a : a + n].astype(np.int32) for a, n in zip(starts, lengths)]  # copies: no view outlives a read
+        if tokens.dtype.kind == "i" and tokens.dtype.itemsize >= 4 and docs:
+            for r, a, n in zip(raw_rows.tolist(), starts, lengths):  # int32/int64 files: ids must be in [0, 2^31)
+                doc = tokens[a : a + n]
+                if n and (doc.min() < 0 or doc.max() > _I32):
+                    pos = int(np.flatnonzero((doc < 0) | (doc > _I32))[0])
+                    raise SourceError(f"{self._location(shard, r)}: token id {int(doc[pos])} at position {pos}, "
+                                      "expected an id in [0, 2^31)")
+        elif tokens.dtype.kind == "i" and docs:  # int8/int16: only negatives are out of range
+            for r, d in zip(raw_rows.tolist(), docs):
+                if d.size and d.min() < 0:
+                    pos = int(np.flatnonzero(d < 0)[0])
+                    raise SourceError(f"{self._location(shard, r)}: token id {int(d[pos])} at position {pos}, "
+                                      "expected an id >= 0")
+        yield from docs
 
     def _raw_lengths(self, shard: int) -> np.ndarray:
         return self._index[shard].lengths

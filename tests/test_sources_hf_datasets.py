@@ -260,3 +260,13 @@ def test_spawned_dataloader_workers_read_a_saved_dataset_every_token_once(tmp_pa
     for mbs in steps:
         ledger.add(mbs)
     assert ledger.check_epoch(0) == sum(len(bytes_tokens(t)) for t in texts)
+
+
+def test_open_source_takes_the_same_objects_as_the_loader(tmp_path):
+    texts = texts_of(6, seed=14)
+    assert read_all(open_source(datasets.Dataset.from_dict({"text": texts}))) == texts
+    assert read_all(open_source(texts)) == texts
+    (tmp_path / "a.jsonl").write_text('{"text": "from a file"}\n')
+    assert read_all(open_source(p for p in [tmp_path / "a.jsonl"])) == ["from a file"]  # a generator of paths
+    with pytest.raises(ValueError, match="at least one path"):
+        open_source([])

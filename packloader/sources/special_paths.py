@@ -1,6 +1,7 @@
 """`open_special`: the hook `open_source` calls first, for the path kinds it does not detect itself: URLs (an error:
 unsupported, listing what is), Megatron `.bin`/`.idx` pairs, Arrow files (`.arrow`, or a folder of them) and
-`datasets` `save_to_disk` folders. It returns None for everything `open_source` reads.
+`datasets` `save_to_disk` folders; objects in place of paths go to `objects.open_object`. What it does not take
+(local Parquet, JSONL, MDS, directories) goes back to `open_source` as a list of paths.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import glob as globlib
 import os
 
-from packloader.sources.unsupported import unsupported_object, unsupported_url, url_scheme
+from packloader.sources.unsupported import unsupported_url, url_scheme
 
 
 def _expand_magic(paths: list[str]) -> list[str]:
@@ -20,16 +21,21 @@ def _expand_magic(paths: list[str]) -> list[str]:
 
 
 def open_special(path_or_paths, *, column: str | None, format: str | None, empty: str):  # noqa: A002
-    """A source for URLs, Megatron pairs, Arrow files and save_to_disk folders; None for what open_source reads."""
+    """(source, None) for objects, URLs (an error), Megatron pairs, Arrow files and save_to_disk folders;
+    (None, paths) for the paths open_source reads itself (a one-shot iterator of paths comes back as a list)."""
+    if not isinstance(path_or_paths, (str, os.PathLike)):
+        from packloader.sources.objects import open_object
+
+        source, path_or_paths = open_object(path_or_paths, column=column, empty=empty)
+        if source is not None:
+            return source, None
+    paths = [os.fspath(path_or_paths)] if isinstance(path_or_paths, (str, os.PathLike)) else list(path_or_paths)
+    return _open_paths(paths, column=column, format=format, empty=empty), paths
+
+
+def _open_paths(paths: list[str], *, column: str | None, format: str | None, empty: str):  # noqa: A002
     from packloader.sources.megatron_indexed import MegatronIndexedSource, is_megatron_prefix
 
-    if not isinstance(path_or_paths, (str, os.PathLike, list, tuple)):
-        raise unsupported_object(path_or_paths)
-    raw = [path_or_paths] if isinstance(path_or_paths, (str, os.PathLike)) else list(path_or_paths)
-    for p in raw:
-        if not isinstance(p, (str, os.PathLike)):
-            raise unsupported_object(p)
-    paths = [os.fspath(p) for p in raw]
     for p in paths:
         if url_scheme(p):
             raise unsupported_url(p)

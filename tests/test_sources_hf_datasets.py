@@ -270,3 +270,10 @@ def test_open_source_takes_the_same_objects_as_the_loader(tmp_path):
     assert read_all(open_source(p for p in [tmp_path / "a.jsonl"])) == ["from a file"]  # a generator of paths
     with pytest.raises(ValueError, match="at least one path"):
         open_source([])
+
+
+def test_a_mistyped_path_is_never_trained_as_text(tmp_path):
+    for typo in (["corpus"], [str(tmp_path / "missing")], ["shards-*.parquet"], ["s3://b/x.parquet"]):
+        with pytest.raises((FileNotFoundError, UnsupportedSourceError)):
+            open_any(typo)
+    assert read_all(open_any([{"text": "one-word"}])) == ["one-word"]  # one-word texts go as dicts

@@ -2,10 +2,11 @@
 
 Semantics (documented in the README's sources and in `docs/bad-input.md`):
 - a list or tuple of `str` is a list of paths when every string names an existing file or directory or a glob
-  that matches; a list where none does and none looks like a path (no whitespace, a data-file extension, a URL
-  scheme, a glob character or a path separator) is a list of texts, one document each; anything between is an
-  error naming the first string of each kind (at most 60 characters), never a text read as a path or a path
-  trained as text;
+  that matches, or looks like one (no whitespace, or a URL: then the missing path is named, or the URL refused);
+  a list where every string holds whitespace (as documents do and paths rarely do) and none names a file is a
+  list of texts, one document each; anything between is an error quoting one string of each kind (a text cut to
+  60 characters), never a text read as a path or a mistyped path trained as text. One-word texts: pass them as
+  `[{"text": ...}]` dicts;
 - a list of dicts is a table: the column rule of Parquet picks the text or token key (both: an error asking for
   `column=`), a row without it is an error naming the row;
 - a list of integer arrays or lists is pre-tokenized documents (`IterableSource`);
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import glob as globlib
 import os
-import re
 
 import numpy as np
 import pyarrow as pa
@@ -28,14 +28,10 @@ from packloader.sources.base import IterableSource
 from packloader.sources.errors import SourceError
 from packloader.sources.unsupported import excerpt, url_scheme
 
-_PATHLIKE_SUFFIX = re.compile(r"\.(parquet|pq|jsonl|json|ndjson|gz|zst|zstd|arrow|bin|idx|txt|mds)$", re.I)
-
 
 def looks_like_path(s: str) -> bool:
-    if any(c.isspace() for c in s) or not s:
-        return False
-    return bool(url_scheme(s) or _PATHLIKE_SUFFIX.search(s) or any(c in s for c in "*?[") or "/" in s
-                or os.sep in s)
+    """A string without whitespace (as paths are, and documents rarely), or a URL."""
+    return not any(c.isspace() for c in s) or url_scheme(s) is not None
 
 
 def _exists(s: str) -> bool:
@@ -57,8 +53,8 @@ def strings_are_paths(items: list[str], label: str = "the list") -> bool:
     raise SourceError(
         f"{label} of {len(items)} strings mixes paths ({sum(pathlike)}, e.g. {excerpt(path, 200)}) and texts "
         f"({len(items) - sum(pathlike)}, e.g. {excerpt(text)}); a list of strings is read as paths when every one "
-        "names an existing file, and as texts when none looks like a path: pass only paths, or the texts as "
-        "[{'text': ...}] dicts"
+        "names an existing file, and as texts when every one holds whitespace and none names a file: pass only "
+        "paths, or the texts as [{'text': ...}] dicts"
     )
 
 

@@ -277,3 +277,33 @@ def test_a_mistyped_path_is_never_trained_as_text(tmp_path):
         with pytest.raises((FileNotFoundError, UnsupportedSourceError)):
             open_any(typo)
     assert read_all(open_any([{"text": "one-word"}])) == ["one-word"]  # one-word texts go as dicts
+
+
+def _rank_segments(rank, world, n, seed):
+    from packloader.contracts import ParallelConfig, PlanConfig
+
+    cfg = PlanConfig(strategy="fixed", max_tokens=256, context=256, tokens_per_step=500 * world,
+                     parallel=ParallelConfig(dp=world))
+    ds = datasets.Dataset.from_dict({"text": texts_of(n, seed)})  # built in each rank: the ranks must agree on it
+    loader = PackedLoader(ds, tokenizer="bytes", config=cfg, lengths="gather", num_threads=1, timeout=60)
+    assert loader.dp_rank == rank and loader.lengths_mode == "gather"
+    out = [[(s.doc, s.start, s.end) for s in b.segments] for b in loader]
+    loader.close()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_gloo_ranks_share_tokenizing_a_dataset_and_cover_every_token_once():
+    from helpers.distributed import run_ranks
+
+    from packloader.loader.check import TokenLedger
+    from packloader.sources.stream import DocumentStream
+
+    texts = texts_of(60, 15)
+    per_rank = run_ranks(_rank_segments, 2, 60, 15)
+    assert all(per_rank)
+    stream = DocumentStream(open_any(datasets.Dataset.from_dict({"text": texts})), tokenizer="bytes", seed=0)
+    ledger = TokenLedger(stream)
+    for segs in (s for rank in per_rank for s in rank):
+        ledger.add([{"segments": [tuple(x) for x in segs]}])
+    assert ledger.check_epoch(0) == sum(len(bytes_tokens(t)) for t in texts)

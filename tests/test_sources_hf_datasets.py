@@ -307,3 +307,18 @@ def test_gloo_ranks_share_tokenizing_a_dataset_and_cover_every_token_once():
     for segs in (s for rank in per_rank for s in rank):
         ledger.add([{"segments": [tuple(x) for x in segs]}])
     assert ledger.check_epoch(0) == sum(len(bytes_tokens(t)) for t in texts)
+
+
+def test_the_arrow_reader_takes_a_file_object_as_well_as_a_path():
+    """The seam for other storage: an Arrow stream read from a file object, errors naming the name given."""
+    import io
+
+    from packloader.sources.arrow_table import read_arrow_file
+
+    table = pa.table({"tokens": pa.array([[1, 2], [3]], pa.list_(pa.int32()))})
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    assert read_arrow_file("mem://t.arrow", io.BytesIO(sink.getvalue())).equals(table)
+    with pytest.raises(SourceError, match=r"mem://x\.arrow: not a readable Arrow IPC"):
+        read_arrow_file("mem://x.arrow", io.BytesIO(b"garbage" * 20))

@@ -156,3 +156,16 @@ def test_a_negative_token_id_is_an_error_naming_the_document(tmp_path):
     assert next(src.read(0, np.array([0]))).tolist() == [0, 1, 2, 3]
     with pytest.raises(SourceError, match=r"n\.bin, document 1: token id -7 at position 1, expected an id in \[0, 2\^31\)"):
         list(src.read(0, np.array([1])))
+
+
+def test_the_index_parses_from_bytes_as_well_as_a_file(tmp_path):
+    """The seam for other storage: parse_index takes any buffer; errors name the name given."""
+    from packloader.sources.megatron_indexed import parse_index
+
+    docs = docs_of(6, 10)
+    prefix = write_pair(tmp_path / "b", docs)
+    index = parse_index((tmp_path / "b.idx").read_bytes(), "mem://b.idx")
+    assert index.lengths.tolist() == [len(d) for d in docs] and index.dtype == np.uint16
+    with pytest.raises(SourceError, match=r"mem://b\.idx: not a readable Megatron index"):
+        parse_index((tmp_path / "b.idx").read_bytes()[:-1], "mem://b.idx")
+    assert prefix

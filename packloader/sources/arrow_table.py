@@ -146,11 +146,12 @@ class ArrowTableSource(ShardedSource):
         return self._column_lengths(shard) == 0
 
 
-def read_arrow_file(path: str) -> pa.Table:
-    """An Arrow IPC file, memory-mapped: the random-access file format, else the stream format (which `datasets`
-    writes); anything else is an error naming the file."""
+def read_arrow_file(path: str, file=None) -> pa.Table:
+    """An Arrow IPC file: the random-access file format, else the stream format (which `datasets` writes); anything
+    else is an error naming `path`. Read by memory map, or from `file` (a seekable file-like object or pyarrow
+    NativeFile) when given: the seam for storage other than local files."""
     try:
-        source = pa.memory_map(path, "r")
+        source = pa.memory_map(path, "r") if file is None else file
     except OSError as e:
         raise SourceError(f"{path}: cannot be opened ({e})") from e
     try:

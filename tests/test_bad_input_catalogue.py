@@ -38,6 +38,7 @@ from packloader.sources.open import open_source
 from packloader.sources.parquet import ParquetSource
 from packloader.sources.pretokenize import tokenize_to_parquet
 from packloader.sources.tokenizers import get_tokenizer
+from packloader.sources.unsupported import UnsupportedSourceError
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "bad-input.md"
 
@@ -480,6 +481,88 @@ def parquet_truncated_while_read(tmp):
     return _truncated_while_read(Path(shutil.move(path, tmp / "cut.parquet")))
 
 
+def _megatron_pair(tmp: Path, name: str) -> str:
+    """A .bin/.idx pair written by megatron-core's own IndexedDatasetBuilder."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(tmp / f"{name}.bin"), dtype=np.uint16)
+    for n in (5, 9, 3):
+        builder.add_document(torch.arange(n), [n])
+    builder.finalize(str(tmp / f"{name}.idx"))
+    return str(tmp / name)
+
+
+def megatron_truncated_bin(tmp):
+    prefix = _megatron_pair(tmp, "t")
+    data = Path(prefix + ".bin").read_bytes()
+    Path(prefix + ".bin").write_bytes(data[:10])
+    return lambda: open_source(prefix + ".bin")
+
+
+def megatron_truncated_idx(tmp):
+    prefix = _megatron_pair(tmp, "t")
+    data = Path(prefix + ".idx").read_bytes()
+    Path(prefix + ".idx").write_bytes(data[:-4])
+    return lambda: open_source(prefix + ".idx")
+
+
+def megatron_bad_header(tmp):
+    prefix = _megatron_pair(tmp, "bad")
+    data = Path(prefix + ".idx").read_bytes()
+    Path(prefix + ".idx").write_bytes(b"NOTANIDX!" + data[9:])
+    return lambda: open_source(prefix, format="megatron")
+
+
+def arrow_not_readable(tmp):
+    (tmp / "bad.arrow").write_bytes(b"not an arrow file" * 8)
+    return lambda: open_source(tmp / "bad.arrow")
+
+
+def hf_text_beside_tokens(tmp):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"text": ["ab", "cd"], "input_ids": [[1, 2], [3]]})
+    return lambda: PackedLoader(ds, config=_config(), num_threads=0)
+
+
+def hf_datasetdict_splits(tmp):
+    import datasets
+
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]}),
+                               "test": datasets.Dataset.from_dict({"text": ["b"]})})
+    return lambda: PackedLoader(dd, config=_config(), num_threads=0)
+
+
+def hf_iterable_not_resumable(tmp):
+    import datasets
+
+    from packloader.sources.hf_iterable import IterableDatasetSource
+
+    ids = datasets.Dataset.from_dict({"text": [f"doc {i}" for i in range(40)]}).to_iterable_dataset()
+    src = IterableDatasetSource(ids.shuffle(seed=1, buffer_size=8), block_rows=10)
+    return lambda: list(src.read(1, np.arange(10)))
+
+
+def list_mixes_paths_and_texts(tmp):
+    (tmp / "a.jsonl").write_text('{"text": "x"}\n')
+    return lambda: PackedLoader([str(tmp / "a.jsonl"), "a text, not a path"], config=_config(), num_threads=0)
+
+
+def url_unsupported(tmp):
+    return lambda: PackedLoader("s3://bucket/shards/*.parquet", config=_config(), num_threads=0)
+
+
+def filesystem_object_unsupported(tmp):
+    import pyarrow.fs
+
+    return lambda: PackedLoader(pyarrow.fs.LocalFileSystem(), config=_config(), num_threads=0)
+
+
+def unknown_object_unsupported(tmp):
+    return lambda: PackedLoader(object(), config=_config(), num_threads=0)
+
+
 def _config(**kw) -> PlanConfig:
     base = dict(strategy="fixed", max_tokens=256, context=256, tokens_per_step=1024)
     base.update(kw)
@@ -567,6 +650,27 @@ CASES = [
     Case("stdout_closed", stdout_closed, CliExit, ("exit 141: ",)),
     Case("to_hf_with_slices", to_hf_with_slices, SlicesNotSupported,
          ("PackedBatch.to_hf(): step 5, micro-batch 2 holds a slice of document 7", "allow_slicing=False")),
+    Case("megatron_truncated_bin", megatron_truncated_bin, SourceError,
+         ("t.bin: 10 bytes, but", "t.idx describes 17 uint16 tokens (34 bytes): truncated")),
+    Case("megatron_truncated_idx", megatron_truncated_idx, SourceError,
+         ("t.idx: not a readable Megatron index (", "truncated")),
+    Case("megatron_bad_header", megatron_bad_header, SourceError,
+         ("bad.idx: not a readable Megatron index (header b'NOTANIDX!', expected b'MMIDIDX\\x00\\x00')",)),
+    Case("arrow_not_readable", arrow_not_readable, SourceError, ("bad.arrow: not a readable Arrow IPC file or stream",)),
+    Case("hf_text_beside_tokens", hf_text_beside_tokens, SourceError,
+         ("holds text ('text') and tokens ('input_ids'); which to train is not guessed: pass column='input_ids'",)),
+    Case("hf_datasetdict_splits", hf_datasetdict_splits, SourceError,
+         ("has splits ['train', 'test']; which to train is not guessed: pass one split, e.g. dd['train']",)),
+    Case("hf_iterable_not_resumable", hf_iterable_not_resumable, SourceError,
+         ("datasets.IterableDataset, rows 10..19: restored through the dataset's state_dict", "does not resume exactly")),
+    Case("list_mixes_paths_and_texts", list_mixes_paths_and_texts, SourceError,
+         ("the list of 2 strings mixes paths (1, e.g.", "a.jsonl", "and texts (1, e.g. 'a text, not a path')")),
+    Case("url_unsupported", url_unsupported, UnsupportedSourceError,
+         ("s3://bucket/shards/*.parquet: s3:// URLs are not supported", "supported: local paths")),
+    Case("filesystem_object_unsupported", filesystem_object_unsupported, UnsupportedSourceError,
+         ("a filesystem object (pyarrow._fs.LocalFileSystem) is not supported", "supported: local paths")),
+    Case("unknown_object_unsupported", unknown_object_unsupported, UnsupportedSourceError,
+         ("builtins.object is not a supported source; supported: local paths",)),
     Case("mixed_tokenizers", mixed_tokenizers, SourceError,
          ("a-bytes.parquet and ", "b-tekken.parquet were tokenized differently", "tokenizer 'bytes'",
           "tokenizer 'tekken'")),

@@ -10,6 +10,10 @@ Detection, in order:
   `format=` reads one kind on purpose;
 - files: by extension (.parquet / .pq; .jsonl, .jsonl.gz, .jsonl.zst, .json, .json.gz, .ndjson); all must agree;
 - a path that does not exist but holds a glob character (`*`, `?`, `[`): its matches.
+First, `special_paths.open_special` takes what these rules do not: objects in place of paths (`datasets` objects,
+lists of texts or dicts, generators: `objects.py`), URLs (an error: unsupported), Megatron `.bin`/`.idx` pairs
+(`format="megatron"`), Arrow files (`.arrow`, `format="arrow"`) and `datasets` `save_to_disk` folders
+(`format="hf-disk"`).
 A path that does not exist is a FileNotFoundError naming it. Globs and directories are walked by `paths.walk_glob`:
 symlinked directories are followed, a link back into the walk (a loop) is not, and a file named twice (the same
 path twice, a symlinked alias, a hard link) is refused naming both paths (`paths.refuse_duplicates`).
@@ -23,7 +27,7 @@ from typing import Sequence
 from packloader.sources.paths import has_magic, refuse_duplicates, walk_glob
 from packloader.sources.reader import ShardedSource
 
-FORMATS = ("parquet", "jsonl", "mds", "directory")
+FORMATS = ("parquet", "jsonl", "mds", "directory", "arrow", "megatron", "hf-disk")
 _PARQUET = (".parquet", ".pq")
 _JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd", ".json", ".json.gz", ".json.zst", ".ndjson", ".ndjson.gz",
           ".ndjson.zst")
@@ -105,6 +109,7 @@ def open_source(
     errors: str = "error",
 ) -> ShardedSource:
     """Open shards as a `Source`. `column` is the Parquet column, JSONL field or MDS column (None: auto-detect).
+    Objects in place of paths (a `datasets` object, a list of texts or dicts, a generator) are opened too.
 
     `empty="skip"` leaves empty documents out and counts them (`source.skipped`); `pattern` selects the files of a
     directory (format detection included); `files_per_shard` and `errors` apply to a plain directory of text files
@@ -112,6 +117,11 @@ def open_source(
     """
     if format is not None and format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    from packloader.sources.special_paths import open_special  # objects, URLs, Megatron, Arrow, save_to_disk
+
+    special, path_or_paths = open_special(path_or_paths, column=column, format=format, empty=empty)
+    if special is not None:
+        return special
     if isinstance(path_or_paths, (str, os.PathLike)):
         paths = [os.fspath(path_or_paths)]
     else:

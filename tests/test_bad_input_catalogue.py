@@ -11,8 +11,12 @@ import contextlib
 import gzip
 import io
 import json
+import os
 import random
 import re
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,11 +32,13 @@ from packloader.contracts import ParallelConfig, PlanConfig
 from packloader.loader.loader import PackedLoader
 from packloader.sources.base import IterableSource
 from packloader.sources.errors import EmptyDocumentError, NonUtf8Error, SourceError
+from packloader.sources.identity import ShardChanged
 from packloader.sources.jsonl import JsonlSource
 from packloader.sources.open import open_source
 from packloader.sources.parquet import ParquetSource
 from packloader.sources.pretokenize import tokenize_to_parquet
 from packloader.sources.tokenizers import get_tokenizer
+from packloader.sources.unsupported import UnsupportedSourceError
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "bad-input.md"
 
@@ -399,6 +405,185 @@ def to_hf_with_slices(tmp):
     b = collate([Segment(8, 0, 2, 0), Segment(7, 4, 10, 0)], {7: np.arange(100, 110), 8: np.array([1, 2])},
                 step=5, index_in_step=2)
     return b.to_hf
+# --- what the user did not mean: shards known by content, files read twice, tokenizers, columns (issue 22) -----------
+
+
+def mixed_tokenizers(tmp):
+    out = []
+    for name, tok in (("a-bytes", "bytes"), ("b-tekken", "tekken")):
+        summary = tokenize_to_parquet(IterableSource(texts(8)), get_tokenizer(tok, num_threads=1), tmp / tok,
+                                      progress=False)
+        out.append(shutil.move(summary.files[0], tmp / f"{name}.parquet"))
+    return lambda: ParquetSource(out)
+
+
+def token_beyond_named_tokenizer(tmp):
+    p = token_table(tmp / "ids.parquet", [[1, 2, 3], [4, 300]], length=False)
+    return lambda: list(PackedLoader(str(p), tokenizer="bytes", config=_config(), num_threads=0, shuffle=False))
+
+
+def unknown_tokenizer_for_tokens(tmp):
+    p = token_table(tmp / "ids.parquet", [[1, 2, 3], [4, 5]])
+    return lambda: PackedLoader(str(p), tokenizer="tekkenn", config=_config(), num_threads=0)
+
+
+def parquet_text_beside_tokens(tmp):
+    pq.write_table(pa.table({"text": ["a b", "c"], "input_ids": pa.array([[1, 2], [3]], pa.list_(pa.int32()))}),
+                   tmp / "both.parquet")
+    return lambda: open_source(tmp / "both.parquet")
+
+
+def jsonl_text_beside_tokens(tmp):
+    p = jsonl(tmp / "both.jsonl", ['{"text": "a b", "tokens": [1, 2]}'])
+    return lambda: open_source(p)
+
+
+def shard_listed_twice(tmp):
+    p = token_table(tmp / "twice.parquet", [[1, 2], [3]])
+    return lambda: open_source([str(p), str(p)])
+
+
+def shard_through_symlink_alias(tmp):
+    (tmp / "d" / "sub").mkdir(parents=True)
+    jsonl(tmp / "d" / "sub" / "x.jsonl", ['{"text": "once"}'])
+    os.symlink("sub", tmp / "d" / "alias")
+    return lambda: open_source(tmp / "d")
+
+
+def _resume_after(tmp, change):
+    paths = [token_table(tmp / f"s{i}.parquet", [[i + 1] * (3 + (r * 7) % 11) for r in range(30)]) for i in range(2)]
+    a = PackedLoader([str(p) for p in paths], tokenizer="bytes", config=_config(), num_threads=0)
+    next(iter(a))
+    state = a.state_dict()
+    change(paths[1])
+    b = PackedLoader(str(tmp / "s*.parquet"), tokenizer="bytes", config=_config(), num_threads=0)
+    return lambda: b.load_state_dict(state)
+
+
+def _replace(path):
+    token_table(path.with_suffix(".new"), [[9] * (5 + r % 3) for r in range(30)])  # same name and row count
+    os.replace(path.with_suffix(".new"), path)
+
+
+def shard_replaced_before_resume(tmp):
+    return _resume_after(tmp, _replace)
+
+
+def shard_deleted_before_resume(tmp):
+    return _resume_after(tmp, os.unlink)
+
+
+def shard_replaced_while_open(tmp):
+    p = tmp / "live.parquet"
+    pq.write_table(pa.table({"tokens": pa.array([[1] * (r + 1) for r in range(40)], pa.list_(pa.int32()))}), p,
+                   row_group_size=5)
+    src = ParquetSource(p)
+    list(src.read(0, np.arange(2)))
+    _replace(p)
+    return lambda: read_all(src)
+
+
+def _truncated_while_read(path: Path):
+    src = open_source(path)
+    list(src.read(0, np.arange(2)))
+
+    def run():
+        with open(path, "r+b") as f:  # another process cuts the shard in place (SIGBUS under a memory map)
+            f.truncate(0)
+        for row in range(src.shards[0].num_rows):
+            list(src.read(0, np.array([row])))
+    return run
+
+
+def jsonl_truncated_while_read(tmp):
+    return _truncated_while_read(jsonl(tmp / "cut.jsonl", [json.dumps({"text": t}) for t in texts(400)]))
+
+
+def parquet_truncated_while_read(tmp):
+    path, _ = tokenized(tmp)
+    return _truncated_while_read(Path(shutil.move(path, tmp / "cut.parquet")))
+
+
+def _megatron_pair(tmp: Path, name: str) -> str:
+    """A .bin/.idx pair written by megatron-core's own IndexedDatasetBuilder."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(tmp / f"{name}.bin"), dtype=np.uint16)
+    for n in (5, 9, 3):
+        builder.add_document(torch.arange(n), [n])
+    builder.finalize(str(tmp / f"{name}.idx"))
+    return str(tmp / name)
+
+
+def megatron_truncated_bin(tmp):
+    prefix = _megatron_pair(tmp, "t")
+    data = Path(prefix + ".bin").read_bytes()
+    Path(prefix + ".bin").write_bytes(data[:10])
+    return lambda: open_source(prefix + ".bin")
+
+
+def megatron_truncated_idx(tmp):
+    prefix = _megatron_pair(tmp, "t")
+    data = Path(prefix + ".idx").read_bytes()
+    Path(prefix + ".idx").write_bytes(data[:-4])
+    return lambda: open_source(prefix + ".idx")
+
+
+def megatron_bad_header(tmp):
+    prefix = _megatron_pair(tmp, "bad")
+    data = Path(prefix + ".idx").read_bytes()
+    Path(prefix + ".idx").write_bytes(b"NOTANIDX!" + data[9:])
+    return lambda: open_source(prefix, format="megatron")
+
+
+def arrow_not_readable(tmp):
+    (tmp / "bad.arrow").write_bytes(b"not an arrow file" * 8)
+    return lambda: open_source(tmp / "bad.arrow")
+
+
+def hf_text_beside_tokens(tmp):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"text": ["ab", "cd"], "input_ids": [[1, 2], [3]]})
+    return lambda: PackedLoader(ds, config=_config(), num_threads=0)
+
+
+def hf_datasetdict_splits(tmp):
+    import datasets
+
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]}),
+                               "test": datasets.Dataset.from_dict({"text": ["b"]})})
+    return lambda: PackedLoader(dd, config=_config(), num_threads=0)
+
+
+def hf_iterable_not_resumable(tmp):
+    import datasets
+
+    from packloader.sources.hf_iterable import IterableDatasetSource
+
+    ids = datasets.Dataset.from_dict({"text": [f"doc {i}" for i in range(40)]}).to_iterable_dataset()
+    src = IterableDatasetSource(ids.shuffle(seed=1, buffer_size=8), block_rows=10)
+    return lambda: list(src.read(1, np.arange(10)))
+
+
+def list_mixes_paths_and_texts(tmp):
+    (tmp / "a.jsonl").write_text('{"text": "x"}\n')
+    return lambda: PackedLoader([str(tmp / "a.jsonl"), "a text, not a path"], config=_config(), num_threads=0)
+
+
+def url_unsupported(tmp):
+    return lambda: PackedLoader("s3://bucket/shards/*.parquet", config=_config(), num_threads=0)
+
+
+def filesystem_object_unsupported(tmp):
+    import pyarrow.fs
+
+    return lambda: PackedLoader(pyarrow.fs.LocalFileSystem(), config=_config(), num_threads=0)
+
+
+def unknown_object_unsupported(tmp):
+    return lambda: PackedLoader(object(), config=_config(), num_threads=0)
 
 
 def action_list_slice_order(tmp):
@@ -518,6 +703,55 @@ CASES = [
           "its keys",)),
     Case("action_list_missing_action", action_list_missing_action, ValueError,
          ("action lists: pipeline rank 0 never runs [['B', 1, 0]]",)),
+    Case("megatron_truncated_bin", megatron_truncated_bin, SourceError,
+         ("t.bin: 10 bytes, but", "t.idx describes 17 uint16 tokens (34 bytes): truncated")),
+    Case("megatron_truncated_idx", megatron_truncated_idx, SourceError,
+         ("t.idx: not a readable Megatron index (", "truncated")),
+    Case("megatron_bad_header", megatron_bad_header, SourceError,
+         ("bad.idx: not a readable Megatron index (header b'NOTANIDX!', expected b'MMIDIDX\\x00\\x00')",)),
+    Case("arrow_not_readable", arrow_not_readable, SourceError, ("bad.arrow: not a readable Arrow IPC file or stream",)),
+    Case("hf_text_beside_tokens", hf_text_beside_tokens, SourceError,
+         ("holds text ('text') and tokens ('input_ids'); which to train is not guessed: pass column='input_ids'",)),
+    Case("hf_datasetdict_splits", hf_datasetdict_splits, SourceError,
+         ("has splits ['train', 'test']; which to train is not guessed: pass one split, e.g. dd['train']",)),
+    Case("hf_iterable_not_resumable", hf_iterable_not_resumable, SourceError,
+         ("datasets.IterableDataset, rows 10..19: restored through the dataset's state_dict", "does not resume exactly")),
+    Case("list_mixes_paths_and_texts", list_mixes_paths_and_texts, SourceError,
+         ("the list of 2 strings mixes paths (1, e.g.", "a.jsonl", "and texts (1, e.g. 'a text, not a path')")),
+    Case("url_unsupported", url_unsupported, UnsupportedSourceError,
+         ("s3://bucket/shards/*.parquet: s3:// URLs are not supported", "supported: local paths")),
+    Case("filesystem_object_unsupported", filesystem_object_unsupported, UnsupportedSourceError,
+         ("a filesystem object (pyarrow._fs.LocalFileSystem) is not supported", "supported: local paths")),
+    Case("unknown_object_unsupported", unknown_object_unsupported, UnsupportedSourceError,
+         ("builtins.object is not a supported source; supported: local paths",)),
+    Case("mixed_tokenizers", mixed_tokenizers, SourceError,
+         ("a-bytes.parquet and ", "b-tekken.parquet were tokenized differently", "tokenizer 'bytes'",
+          "tokenizer 'tekken'")),
+    Case("token_beyond_named_tokenizer", token_beyond_named_tokenizer, SourceError,
+         ("ids.parquet, row 1: token id 300 at position 1", "[0, 257), the vocabulary of tokenizer 'bytes'",
+          "tokenizer=None")),
+    Case("unknown_tokenizer_for_tokens", unknown_tokenizer_for_tokens, ValueError, ("unknown tokenizer 'tekkenn'",)),
+    Case("parquet_text_beside_tokens", parquet_text_beside_tokens, SourceError,
+         ("both.parquet: holds text ('text') and tokens ('input_ids')", "column='input_ids'", "column='text'")),
+    Case("jsonl_text_beside_tokens", jsonl_text_beside_tokens, SourceError,
+         ("both.jsonl, line 1: holds text ('text') and tokens ('tokens')", "field='tokens'", "field='text'")),
+    Case("shard_listed_twice", shard_listed_twice, SourceError, ("twice.parquet and ", "are the same file")),
+    Case("shard_through_symlink_alias", shard_through_symlink_alias, SourceError,
+         ("d/alias/x.jsonl and ", "d/sub/x.jsonl are the same file", "symlink")),
+    Case("shard_replaced_before_resume", shard_replaced_before_resume, ValueError,
+         ("differently configured loader", "source.s1.parquet: saved '30 rows, ")),
+    Case("shard_deleted_before_resume", shard_deleted_before_resume, ValueError,
+         ("differently configured loader", "source.s1.parquet: saved '30 rows, ", "now None")),
+    Case("shard_replaced_while_open", shard_replaced_while_open, ShardChanged,
+         ("live.parquet: the file changed since the source opened it", "size and content hash")),
+]
+
+# Cases that killed the process (SIGBUS) run in a child process of their own: a signal fails the case, not the suite.
+OWN_PROCESS = [
+    Case("jsonl_truncated_while_read", jsonl_truncated_while_read, ShardChanged,
+         ("cut.jsonl: the file changed since the source opened it",)),
+    Case("parquet_truncated_while_read", parquet_truncated_while_read, ShardChanged,
+         ("cut.parquet: the file changed since the source opened it",)),
 ]
 
 
@@ -534,6 +768,35 @@ def test_bad_input(case: Case, tmp_path):
         with pytest.raises(case.raises) as info:
             thunk()
         message = str(info.value)
+    for fragment in case.fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+CHILD = """
+import json, sys
+from pathlib import Path
+import test_bad_input_catalogue as cat
+case = next(c for c in cat.OWN_PROCESS if c.name == sys.argv[1])
+thunk = case.build(Path(sys.argv[2]))
+try:
+    thunk()
+    print(json.dumps(["nothing raised", ""]))
+except Exception as e:
+    print(json.dumps([type(e).__name__, str(e)]))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", OWN_PROCESS, ids=[c.name for c in OWN_PROCESS])
+def test_bad_input_in_a_process_of_its_own(case: Case, tmp_path):
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", CHILD, case.name, str(tmp_path)], capture_output=True, text=True,
+                          timeout=150, env=env, cwd=here)
+    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by that signal): {proc.stderr[-3000:]}"
+    kind, message = json.loads(proc.stdout.splitlines()[-1])
+    assert kind == case.raises.__name__, (kind, message)
     for fragment in case.fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
 
@@ -577,9 +840,9 @@ def test_empty_documents_follow_one_rule(tmp_path):
 def test_the_docs_list_every_case():
     """docs/bad-input.md has one table row per case, holding every fragment of its message."""
     rows = {m.group(1): line for line in DOCS.read_text().splitlines() if (m := re.match(r"\| `([a-z0-9_]+)` \|", line))}
-    names = [c.name for c in CASES if not c.name.startswith("corrupt_parquet_pages_seed")] + ["corrupt_parquet_pages"]
-    assert sorted(rows) == sorted(names)
-    for case in CASES:
+    names = [c.name for c in CASES + OWN_PROCESS if not c.name.startswith("corrupt_parquet_pages_seed")]
+    assert sorted(rows) == sorted(names + ["corrupt_parquet_pages"])
+    for case in CASES + OWN_PROCESS:
         line = rows["corrupt_parquet_pages" if case.name.startswith("corrupt_parquet_pages_seed") else case.name]
         for fragment in case.fragments:
             assert fragment.replace("|", "\\|") in line, (case.name, fragment)

@@ -140,7 +140,7 @@ def _disagrees(rank, world, paths, differ):
         if "tokens_per_step" in differ:
             kw["config"] = msgspec.structs.replace(_config(world), tokens_per_step=kw.pop("tokens_per_step"))
     try:
-        loader = PackedLoader(paths[rank] if isinstance(paths[0], list) else paths, **kw)
+        loader = PackedLoader(paths[rank] if isinstance(paths[0], list) or hasattr(paths[0], "shards") else paths, **kw)
     except RuntimeError as e:
         return str(e)
     finally:
@@ -165,17 +165,37 @@ def test_ranks_configured_differently_fail_before_the_first_step_naming_the_fiel
         assert "before the first step: ranks disagree on the loader settings" in msg and field in msg, msg
 
 
-def test_ranks_reading_different_data_disagree_on_the_plan_naming_the_lengths(tmp_path):
-    """Same shard names and row counts (the settings check passes), other contents: the step check names the
-    lengths, on every rank."""
+def test_a_rank_reading_a_stale_copy_of_a_shard_fails_before_the_first_step_naming_it(tmp_path):
+    """Each rank reads its own copy of the shards: rank 1's copy of tok-000 is byte for byte rank 0's (another
+    directory is fine), its tok-001 is a stale one with the same name and row count but other tokens. Every rank
+    refuses before the first step, naming tok-001 and not tok-000."""
+    import shutil
+
     from helpers.docs import token_docs, write_token_shards
 
-    paths = []
-    for r in range(2):
-        d = tmp_path / f"rank{r}"
-        d.mkdir()
-        paths.append(write_token_shards(d, token_docs(200, seed=10 + r), shards=2))
+    docs = token_docs(200, seed=10)
+    paths = [write_token_shards(tmp_path, docs, shards=2)]
+    (tmp_path / "copy").mkdir()
+    stale = docs[:100] + token_docs(100, seed=11)  # tok-001 holds rows 100..199: same count, other documents
+    stale_paths = write_token_shards(tmp_path / "copy", stale, shards=2)
+    shutil.copyfile(paths[0][0], stale_paths[0])  # tok-000: an exact copy
+    paths.append(stale_paths)
     results = run_ranks(_disagrees, 2, paths, {}, timeout=120)
+    for msg in results:
+        assert "before the first step: ranks disagree on the loader settings" in msg, msg
+        assert "source.tok-001.parquet: ranks [0] have '100 rows, " in msg and "ranks [1] have '100 rows, " in msg, msg
+        assert "tok-000" not in msg, msg
+
+
+def test_ranks_reading_different_data_disagree_on_the_plan_naming_the_lengths(tmp_path):
+    """In-memory sources with the same name and row count (nothing identifies their content, so the settings check
+    passes), other contents: the step check names the lengths, on every rank."""
+    from helpers.docs import token_docs
+
+    from packloader.sources.base import IterableSource
+
+    sources = [IterableSource(token_docs(200, seed=10 + r), name="same") for r in range(2)]
+    results = run_ranks(_disagrees, 2, sources, {}, timeout=120)
     for msg in results:
         assert "step 0: ranks disagree on the plan" in msg and "ranks [0]" in msg and "ranks [1]" in msg, msg
         assert "lengths of the documents drawn for the step differ" in msg, msg

@@ -7,6 +7,7 @@ The configurations cover Parquet token shards and gzipped JSON Lines text, `auto
 `wlb` (outliers queued across steps), a corpus with two documents of 1,000 x tokens_per_step each, one rank, two ranks in one process and two gloo ranks, PackedLoader and a
 StatefulDataLoader with two workers, children forked from a clean parent and one configuration started as fresh
 interpreters. All configurations run in one clean parent process (started here), which forks the children.
+A shard replaced between a save and the resume (same name and row count, other documents) is refused, naming it.
 benchmarks/kill.py runs the same harness at random points, 1,000 of them.
 """
 
@@ -102,6 +103,20 @@ def test_the_harness_sees_a_lost_and_a_repeated_micro_batch(tmp_path):
     extra = kh.RunResult("x")
     h.verify(ref + [[0, 9, 0, 1, 1, [[n + 5, 0, 4]], "", "", None]], extra)
     assert extra.extra_epoch_tokens == 4 and extra.repeated == 4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("source", ["parquet", "jsonl.gz"])
+def test_a_shard_replaced_between_save_and_resume_is_refused_naming_it(tmp_path, source):
+    """Killed after saving; one shard then replaced by another with the same name and row count; the resumed
+    process refuses the state, naming that shard and no other (children start as fresh interpreters)."""
+    from helpers import kill_harness as kh
+
+    cfg = kh.KillConfig(source=source, strategy="wlb")
+    msg = kh.run_replaced_shard(cfg, tmp_path, at=4, shard=1)
+    name = "tok-001.parquet" if source == "parquet" else "text-001.jsonl.gz"
+    assert "this state was saved by a differently configured loader" in msg and f"source.{name}: saved " in msg, msg
+    assert "-000." not in msg.split("differently configured loader", 1)[1].split("\n")[0], msg
 
 
 @pytest.mark.multiprocess

@@ -47,8 +47,8 @@ def test_text_and_tokens_random_order(tmp_path, compression):
     _write(tmp_path / "mds", samples, compression)
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     text = MdsSource(tmp_path / "mds", column="text")
-    tokens = MdsSource(tmp_path / "mds")  # picks "text" first, so name the token column ...
-    assert tokens.column == "text"
+    with pytest.raises(SourceError, match=r"shard.00000.mds: holds text \('text'\) and tokens \('tokens'\)"):
+        MdsSource(tmp_path / "mds")  # both kinds and no column named: which to train is not guessed
     tokens = MdsSource(tmp_path / "mds", column="tokens")
     assert len(text.shards) > 2 and sum(s.num_rows for s in text.shards) == 150
     assert not text.pretokenized and tokens.pretokenized
@@ -78,7 +78,7 @@ def test_missing_index(tmp_path):
 def test_missing_shard_file(tmp_path):
     _write(tmp_path / "mds", _samples(40))
     (tmp_path / "mds" / "shard.00001.mds").unlink()
-    src = MdsSource(tmp_path / "mds")
+    src = MdsSource(tmp_path / "mds", column="text")
     with pytest.raises(FileNotFoundError, match=r"shard\.00001\.mds"):
         list(src.read(1, [0]))
 
@@ -87,7 +87,7 @@ def test_corrupt_shard(tmp_path):
     _write(tmp_path / "mds", _samples(40))
     (tmp_path / "mds" / "shard.00000.mds").write_bytes(b"\x07\x00")
     with pytest.raises(SourceError, match=r"shard\.00000\.mds: truncated MDS shard"):
-        list(MdsSource(tmp_path / "mds").read(0, [0]))
+        list(MdsSource(tmp_path / "mds", column="text").read(0, [0]))
 
 
 def test_wrong_column_encoding_and_missing_column(tmp_path):
@@ -102,10 +102,10 @@ def test_empty_text_error_or_skip(tmp_path):
     samples = _samples(12)
     samples[4]["text"] = ""
     _write(tmp_path / "mds", samples, size_limit=1 << 20)
-    src = MdsSource(tmp_path / "mds")
+    src = MdsSource(tmp_path / "mds", column="text")
     with pytest.raises(EmptyDocumentError, match=r"shard\.00000\.mds, row 4: empty document"):
         list(src.read(0, np.arange(12)))
-    skipping = MdsSource(tmp_path / "mds", empty="skip")
+    skipping = MdsSource(tmp_path / "mds", column="text", empty="skip")
     assert skipping.shards[0].num_rows == 11 and skipping.skipped["empty documents"] == 1
     assert list(skipping.read(0, [4])) == [samples[5]["text"]]
 
@@ -117,7 +117,7 @@ def test_non_utf8_text(tmp_path):
     pos = data.find(b"sample 1")
     data[pos : pos + 6] = b"\xff\xfe\xfd\xfc\xfb\xfa"
     path.write_bytes(bytes(data))
-    src = MdsSource(tmp_path / "mds")
+    src = MdsSource(tmp_path / "mds", column="text")
     with pytest.raises(NonUtf8Error, match=r"shard\.00000\.mds, row 1, column 'text': text is not valid UTF-8"):
         list(src.read(0, [0, 1]))
 

@@ -3,11 +3,9 @@ steps, collating, with prefetching; built fresh on every resume (see `loader.py`
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Sequence
 
 from torchdata.nodes import ParallelMapper, Prefetcher
 
@@ -22,14 +20,9 @@ from packloader.sources.stream import DocumentStream
 
 
 def _open(source, column: str | None):
-    if isinstance(source, (str, os.PathLike)) or (isinstance(source, Sequence) and not hasattr(source, "shards")
-                                                   and all(isinstance(p, (str, os.PathLike)) for p in source)):
-        from packloader.sources.open import open_source
+    from packloader.sources.dispatch import open_any
 
-        return open_source(source, column=column)
-    if not hasattr(source, "shards") or not hasattr(source, "read"):
-        raise TypeError(f"source must be a path, a list of paths or a Source, got {type(source).__name__}")
-    return source
+    return open_any(source, column=column)
 
 
 def _unwrap(e: BaseException) -> BaseException:

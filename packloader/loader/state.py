@@ -3,14 +3,13 @@ makes `load_state_dict` refuse a state saved by a differently configured loader.
 
 from __future__ import annotations
 
-import hashlib
-import os
 from typing import Annotated, Literal
 
 import msgspec
 
 from packloader.balancers.planners.registry import check_strategy
 from packloader.contracts import LoaderStats, PlanConfig, PlannerState, check_plan_config
+from packloader.sources.identity import shard_fingerprints
 
 STATE_FORMAT = "packloader.loader/3"
 LengthsMode = Literal["auto", "column", "local", "gather"]
@@ -70,13 +69,11 @@ def validate_options(**kwargs) -> LoaderOptions:
     return msgspec.convert(kwargs, LoaderOptions)
 
 
-def source_fingerprint(source) -> str:
-    """Shard base names and row counts: the same data in another directory still matches."""
-    h = hashlib.blake2b(digest_size=8)
-    for s in source.shards:
-        h.update(os.path.basename(str(s.name)).encode())
-        h.update(str(s.num_rows).encode())
-    return h.hexdigest()
+def source_fingerprint(source) -> dict[str, str]:
+    """Each shard, by its path under the shards' common directory, with its row count and content identity
+    (`sources.identity.shard_identity`): the same data in another directory still matches, and a refusal names the
+    shard that was replaced, deleted or renamed."""
+    return shard_fingerprints(source)
 
 
 def fingerprint(*, config: PlanConfig, options: LoaderOptions, source, tokenizer_name: str | None, dp_rank: int,

@@ -13,6 +13,10 @@ _LAZY = {
     "get_tokenizer": "packloader.sources.tokenizers",
     "tokenize_to_parquet": "packloader.sources.pretokenize",
     "SourceError": "packloader.sources.errors",
+    "MegatronIndexedSource": "packloader.sources.megatron_indexed",
+    "ArrowTableSource": "packloader.sources.arrow_table",
+    "IterableDatasetSource": "packloader.sources.hf_iterable",
+    "UnsupportedSourceError": "packloader.sources.unsupported",
 }
 
 __all__ = ["DocKey", "Document", "IterableSource", "RawDocument", "ShardInfo", "Source", "Tokenizer", *_LAZY]

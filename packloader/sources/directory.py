@@ -12,6 +12,7 @@ Empty files are found from their size, at no cost.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -20,6 +21,8 @@ import numpy as np
 
 from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, check_policy
+from packloader.sources.identity import file_set_identity
+from packloader.sources.paths import refuse_duplicates, walk_glob
 from packloader.sources.reader import ShardedSource
 
 
@@ -53,7 +56,7 @@ class DirectorySource(ShardedSource):
         self.errors = errors
         excluded = set(exclude_dirs)
         files = []
-        for p in self.root.glob(pattern):
+        for p in map(Path, walk_glob(pattern, root=str(self.root), include_hidden=include_hidden)):
             parts = p.relative_to(self.root).parts
             if excluded.intersection(parts[:-1]):
                 continue
@@ -63,6 +66,7 @@ class DirectorySource(ShardedSource):
                 files.append((p.relative_to(self.root).as_posix(), str(p)))
         files.sort()
         paths = [p for _, p in files]
+        refuse_duplicates(paths)
         if errors == "skip":
             paths = [p for p in paths if self._utf8_or_count(p)]
         if not paths:
@@ -75,6 +79,9 @@ class DirectorySource(ShardedSource):
             f"{self.root} [files {a}..{b - 1} of {n}, {pattern}]" for a, b in zip(self._bounds[:-1], self._bounds[1:])
         ]
         self._open_shards(names, [b - a for a, b in zip(self._bounds[:-1], self._bounds[1:])])
+        # a shard's identity (sources/identity.py): its files' names and sizes, cheap for thousands of small files
+        self.identities = [file_set_identity([os.path.relpath(p, self.root) for p in paths[a:b]], self._sizes[a:b])
+                           for a, b in zip(self._bounds[:-1], self._bounds[1:])]
 
     @property
     def pretokenized(self) -> bool:

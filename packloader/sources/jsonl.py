@@ -2,14 +2,21 @@
 
 Each shard is indexed once, when the source opens: the byte offsets of its non-blank lines (blank and
 whitespace-only lines are not documents; line numbers in errors still count them, 1-based, as an editor does).
-The index costs 24 bytes per document and two vectorised passes over the shard's bytes (a few seconds per GB).
+The index costs 24 bytes per document and one vectorised pass over the shard's bytes, read in chunks.
 
-Plain files are memory-mapped, so a row is a slice of the mapping. A compressed shard has no random access: it is
+Plain files are read with plain reads (`os.pread` of each requested line), never memory-mapped: a mapped file
+truncated by another process kills the reader with SIGBUS, which Python cannot catch. Each shard's identity
+(`identity.py`: size and a hash of sampled blocks) is taken when the source opens, and checked after every read,
+so a shard rewritten or truncated by another process is a `ShardChanged` error naming it. A compressed
+shard has no random access: it is
 decompressed whole into memory, once to build its index at open and again whenever a read needs it and it is not
 the shard kept in memory (the most recently used compressed shards are kept up to `cache_bytes`, at least one).
 Memory is therefore about one decompressed shard, and a random order over many compressed shards decompresses a
 shard once per visit: store large corpora as Parquet (`packloader tokenize`) or plain JSONL instead. A compressed
 shard cut short (.gz without its end-of-stream marker, .zst ending inside a frame) is an error, not a shorter shard.
+
+Field choice: `field=None` picks the first of text, content, tokens, input_ids in the first object; an object
+holding both a text and a token field is an error asking for `field=` (`column=` in `open_source` and the loader).
 
 Rows are decoded with msgspec into a one-field struct, so other fields are skipped without building Python objects;
 a malformed line, a missing field, a wrong type or bytes that are not UTF-8 are errors naming file and line.
@@ -18,7 +25,6 @@ a malformed line, a missing field, a wrong type or bytes that are not UTF-8 are 
 from __future__ import annotations
 
 import gzip
-import mmap
 import os
 from pathlib import Path
 from typing import Annotated, Any, Iterator, Sequence
@@ -28,6 +34,8 @@ import numpy as np
 
 from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, SourceError
+from packloader.sources.identity import FileWatch, changed, file_identity
+from packloader.sources.paths import refuse_duplicates
 from packloader.sources.reader import LruCache, ShardedSource
 
 DEFAULT_FIELDS = ("text", "content", "tokens", "input_ids")
@@ -45,7 +53,8 @@ def compression_of(path: str) -> str | None:
 
 
 def load_bytes(path: str):
-    """The shard's bytes: a read-only memory map for plain files, decompressed bytes for .gz and .zst."""
+    """The shard's bytes, decompressed for .gz and .zst, read whole for plain files (the source itself reads
+    plain files line by line: `JsonlSource`)."""
     if not Path(path).exists():
         raise FileNotFoundError(f"JSONL shard not found: {path}")
     kind = compression_of(path)
@@ -55,10 +64,7 @@ def load_bytes(path: str):
                 return f.read()
         if kind == "zstd":
             return _zstd_frames(path)
-        if os.path.getsize(path) == 0:
-            return b""
-        with open(path, "rb") as f:
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return Path(path).read_bytes()
     except SourceError:
         raise
     except (OSError, EOFError, ValueError) as e:  # gzip: BadGzipFile is an OSError; zstandard: ZstdError
@@ -85,33 +91,59 @@ def _zstd_frames(path: str) -> bytes:
     return b"".join(out)
 
 
-def line_index(buf, chunk: int = 1 << 24) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(starts, ends, line_numbers) of the non-blank lines of `buf`; ends exclude the newline; numbers are 1-based.
-
-    Two passes over the bytes in chunks (newlines, then "any non-whitespace byte per line" with a reduceat), so
-    the temporary memory is a few chunks, not a copy of the shard.
-    """
+def line_index(buf, chunk: int = 1 << 23) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(starts, ends, line_numbers) of the non-blank lines of `buf`; ends exclude the newline; numbers are 1-based."""
     arr = np.frombuffer(buf, dtype=np.uint8) if len(buf) else np.zeros(0, np.uint8)
-    bom = 3 if arr.size >= 3 and bytes(arr[:3]) == _BOM else 0
-    arr = arr[bom:]
-    n = arr.size
-    newlines = [np.flatnonzero(arr[off : off + chunk] == 10) + off for off in range(0, n, chunk)]
-    ends = np.concatenate(newlines) if newlines else np.zeros(0, np.int64)
-    starts = np.concatenate(([0], ends + 1))
-    if starts[-1] < n:  # a last line without a newline
-        ends = np.concatenate((ends, [n]))
-    else:
-        starts = starts[:-1]
-    nonblank = np.zeros(len(starts), dtype=bool)
-    for off in range(0, n, chunk):
-        a = arr[off : off + chunk]
+    bom = 3 if bytes(arr[:3]) == _BOM else 0
+    return index_chunks((arr[off : off + chunk] for off in range(0, arr.size, chunk)), skip=bom)
+
+
+def file_line_index(f, chunk: int = 1 << 23) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`line_index` of an open file, read in chunks (never mapped, never whole in memory)."""
+    def chunks():
+        while data := f.read(chunk):
+            yield np.frombuffer(data, dtype=np.uint8)
+    bom = 3 if os.pread(f.fileno(), 3, 0) == _BOM else 0
+    return index_chunks(chunks(), skip=bom)
+
+
+def index_chunks(chunks, skip: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`line_index` over consecutive chunks of a byte stream: one pass, a few chunks of temporary memory.
+
+    A line is a segment between newlines; it is blank when it holds only spaces, tabs and carriage returns. Within a
+    chunk, an OR-reduction of "not whitespace" over each segment tells its blankness; a line that runs over a chunk
+    boundary carries its "seen a non-blank byte" into the next chunk. The first `skip` bytes (a UTF-8 byte order
+    mark) count as blank."""
+    starts, ends, numbers = [], [], []
+    off, line_start, carry, line_no = 0, skip, False, 0
+    for a in chunks:
         nonws = ~((a == 32) | (a == 10) | (a == 13) | (a == 9))
-        lo = int(np.searchsorted(starts, off, side="right")) - 1  # the line this chunk begins inside
-        hi = int(np.searchsorted(starts, off + a.size, side="left"))
-        local = np.maximum(starts[lo:hi] - off, 0)  # strictly increasing: every line holds at least its newline
-        nonblank[lo:hi] |= np.logical_or.reduceat(nonws, local)
-    numbers = np.arange(1, len(starts) + 1, dtype=np.int64)
-    return starts[nonblank].astype(np.int64) + bom, ends[nonblank].astype(np.int64) + bom, numbers[nonblank]
+        if off < skip:
+            nonws[: skip - off] = False
+        nl = np.flatnonzero(a == 10)
+        seg_starts = np.concatenate(([0], nl + 1))
+        valid = seg_starts < a.size  # a chunk ending in a newline opens an empty segment past its end
+        has = np.zeros(seg_starts.size, dtype=bool)
+        if valid.any():  # segment i reduces [start_i, start_i+1): its bytes and its newline (blank)
+            has[valid] = np.logical_or.reduceat(nonws, seg_starts[valid])
+        has[0] |= carry
+        if nl.size:
+            closed = has[: nl.size]
+            s = np.concatenate(([line_start], off + nl[:-1] + 1))
+            starts.append(s[closed])
+            ends.append((off + nl)[closed])
+            numbers.append((line_no + 1 + np.arange(nl.size))[closed])
+            line_no += nl.size
+            line_start = off + int(nl[-1]) + 1
+        carry = bool(has[-1])
+        off += a.size
+    if off > line_start and carry:  # a last line without a newline
+        starts.append([line_start])
+        ends.append([off])
+        numbers.append([line_no + 1])
+    def cat(parts):
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    return cat(starts), cat(ends), cat(numbers)
 
 
 def _json_type(value: Any) -> str:
@@ -135,16 +167,26 @@ class JsonlSource(ShardedSource):
         if not paths:
             raise ValueError("JsonlSource needs at least one file")
         self._paths = sorted(str(p) for p in paths)
+        refuse_duplicates(self._paths)
         self.cache_bytes = int(cache_bytes)
         self.field = field
         self._pretokenized: bool | None = None
         self._index: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._watch: list[FileWatch] = []
         for i, path in enumerate(self._paths):
-            buf = load_bytes(path)
-            self._index.append(line_index(buf))
+            if not Path(path).exists():
+                raise FileNotFoundError(f"JSONL shard not found: {path}")
+            self._watch.append(FileWatch(path, file_identity))
+            if compression_of(path) is None:
+                f = open(path, "rb", buffering=0)
+                self._index.append(file_line_index(f))
+                self._remember(i, f)
+            else:
+                self._index.append(line_index(self._remember(i, load_bytes(path))))
+            self._watch[i].check()  # the file indexed is the one identified
             if self._pretokenized is None and len(self._index[-1][0]):
-                self._detect(path, buf, self._index[-1])
-            self._remember(i, buf)
+                self._detect(path, self._buffer(i), i)
+        self.identities = [w.identity for w in self._watch]  # what a saved state and the other ranks compare
         if self._pretokenized is None:
             raise SourceError(f"{self._paths[0]}: no documents (every shard is empty or blank)")
         value_type: Any = list[TokenId] if self._pretokenized else str
@@ -156,9 +198,9 @@ class JsonlSource(ShardedSource):
     def pretokenized(self) -> bool:
         return bool(self._pretokenized)
 
-    def _detect(self, path: str, buf, index) -> None:
-        start, end, number = (int(x[0]) for x in index)
-        line = bytes(buf[start:end])
+    def _detect(self, path: str, buf, shard: int) -> None:
+        start, end, number = (int(x[0]) for x in self._index[shard])
+        line = self._lines(shard, buf, [0])[0]
         try:
             obj = msgspec.json.decode(line)
         except (msgspec.DecodeError, UnicodeDecodeError) as e:
@@ -171,6 +213,15 @@ class JsonlSource(ShardedSource):
                 raise SourceError(
                     f"{path}, line {number}: no text or token field among {sorted(obj)}; expected one of "
                     f"{list(DEFAULT_FIELDS)} or pass field=..."
+                )
+            text = [f for f in found if isinstance(obj[f], str)]
+            tokens = [f for f in found if isinstance(obj[f], list)]
+            if text and tokens:
+                raise SourceError(
+                    f"{path}, line {number}: holds text ({', '.join(map(repr, text))}) and tokens "
+                    f"({', '.join(map(repr, tokens))}); which to train is not guessed: pass field={tokens[0]!r} "
+                    f"(column= in open_source and PackedLoader, --column) to read the tokens as stored, or "
+                    f"field={text[0]!r} to tokenize the text"
                 )
             self.field = found[0]
         if self.field not in obj:
@@ -201,16 +252,39 @@ class JsonlSource(ShardedSource):
         return f"{self._paths[shard]}, line {int(self._index[shard][2][raw_row])}"
 
     def _buffers(self) -> LruCache:
-        """Up to 64 mapped plain shards and up to `cache_bytes` of decompressed ones (always the newest)."""
+        """Up to 64 open plain shards and up to `cache_bytes` of decompressed ones (always the newest)."""
         return self._process_cache().setdefault("buffers", LruCache(max_bytes=self.cache_bytes, max_items=64))
 
     def _buffer(self, shard: int):
+        """An open file (plain shards, read line by line) or the decompressed bytes (compressed shards)."""
         buf = self._buffers().get(shard)
-        return buf if buf is not None else self._remember(shard, load_bytes(self._paths[shard]))
+        if buf is not None:
+            return buf
+        path = self._paths[shard]
+        if not os.path.exists(path):
+            raise changed(path, "it was deleted or renamed")
+        buf = open(path, "rb", buffering=0) if compression_of(path) is None else load_bytes(path)
+        self._watch[shard].check()  # the file opened or decompressed is the one indexed
+        return self._remember(shard, buf)
 
     def _remember(self, shard: int, buf):
-        size = 0 if isinstance(buf, mmap.mmap) else len(buf)  # a mapping costs address space, not memory
+        size = len(buf) if isinstance(buf, bytes) else 0  # an open file costs a descriptor, not memory
         return self._buffers().put(shard, buf, size)
+
+    def _lines(self, shard: int, buf, raw_rows) -> list[bytes]:
+        """The bytes of these lines, checked to come from the file the source indexed."""
+        starts, ends, _ = self._index[shard]
+        spans = [(int(starts[r]), int(ends[r])) for r in raw_rows]
+        if isinstance(buf, bytes):
+            return [buf[a:b] for a, b in spans]
+        out = [os.pread(buf.fileno(), b - a, a) for a, b in spans]
+        self._watch[shard].check()
+        short = next((i for i, ((a, b), got) in enumerate(zip(spans, out)) if len(got) != b - a), None)
+        if short is not None:  # the file shrank although its identity held: still a changed file
+            a, b = spans[short]
+            raise changed(self._paths[shard], f"bytes {a}..{b} of line {int(self._index[shard][2][raw_rows[short]])} "
+                                              f"are gone (the file is shorter than when indexed)")
+        return out
 
     def _decode(self, shard: int, raw_row: int, line: bytes) -> RawDocument:
         try:
@@ -226,13 +300,11 @@ class JsonlSource(ShardedSource):
         return value
 
     def _read_raw(self, shard: int, raw_rows: np.ndarray) -> Iterator[RawDocument]:
-        starts, ends, _ = self._index[shard]
-        buf = self._buffer(shard)
-        for r in raw_rows.tolist():
-            yield self._decode(shard, r, buf[int(starts[r]) : int(ends[r])])
+        rows = raw_rows.tolist()
+        for r, line in zip(rows, self._lines(shard, self._buffer(shard), rows)):
+            yield self._decode(shard, r, line)
 
     def _empty_rows(self, shard: int) -> np.ndarray:
-        starts, ends, _ = self._index[shard]
-        buf = self._buffer(shard)
-        spans = zip(range(len(starts)), starts.tolist(), ends.tolist())
-        return np.array([len(self._decode(shard, r, buf[s:e])) == 0 for r, s, e in spans], dtype=bool)
+        rows = list(range(len(self._index[shard][0])))
+        lines = self._lines(shard, self._buffer(shard), rows)
+        return np.array([len(self._decode(shard, r, line)) == 0 for r, line in zip(rows, lines)], dtype=bool)

@@ -5,9 +5,10 @@ shard metadata and its `mds_decode` for the column encoding, but not through `St
 in /dev/shm (nothing left behind by a crashed run), no `RANK`/`WORLD_SIZE` environment variables read, no process
 group created, and order, sharding and resume stay with packloader's loader.
 
-Each `index.json` shard is one packloader shard. An uncompressed shard file is memory-mapped; a compressed one
-(`compression="zstd"` etc., only the `.zstd` file present) is decompressed whole into memory when first read and the
-most recent ones are kept up to `cache_bytes`. Only the chosen column of a sample is decoded, so a `pkl` column next
+Each `index.json` shard is one packloader shard. An uncompressed shard file is read whole into memory (never
+memory-mapped: a mapped file truncated by another process kills the reader with SIGBUS); a compressed one
+(`compression="zstd"` etc., only the `.zstd` file present) is decompressed whole into memory; either is read when
+first needed and the most recent ones are kept up to `cache_bytes`. Only the chosen column of a sample is decoded, so a `pkl` column next
 to it is never unpickled. The text column must have the `str` encoding; a token column an integer `ndarray`
 encoding such as `ndarray:int32`.
 
@@ -18,7 +19,6 @@ built, never at `import packloader`.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from pathlib import Path
 from typing import Iterator
@@ -27,6 +27,7 @@ import numpy as np
 
 from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, SourceError
+from packloader.sources.identity import file_identity
 from packloader.sources.reader import LruCache, ShardedSource
 
 DEFAULT_COLUMNS = ("text", "content", "tokens", "input_ids")
@@ -85,6 +86,8 @@ class MdsSource(ShardedSource):
             self._check_column(k, reader)
         self._col = [r.column_names.index(self.column) for r in self._readers]
         names = [self._display_name(k) for k in range(len(self._readers))]
+        # content identities (sources/identity.py) for the saved state and the ranks' start-up check
+        self.identities = [file_identity(n) if os.path.exists(n) else None for n in names]
         self._open_shards(names, [r.samples for r in self._readers])
 
     @property
@@ -108,6 +111,15 @@ class MdsSource(ShardedSource):
             found = [c for c in DEFAULT_COLUMNS if c in names]
             if not found:
                 raise SourceError(f"{where}: no text or token column among {names}; pass column=...")
+            encodings = dict(zip(names, reader.column_encodings))
+            text = [c for c in found if encodings[c] == "str"]
+            tokens = [c for c in found if encodings[c].startswith("ndarray")]
+            if text and tokens:
+                raise SourceError(
+                    f"{where}: holds text ({', '.join(map(repr, text))}) and tokens ({', '.join(map(repr, tokens))}); "
+                    f"which to train is not guessed: pass column={tokens[0]!r} to read the tokens as stored, or "
+                    f"column={text[0]!r} to tokenize the text"
+                )
             self.column = found[0]
         if self.column not in names:
             raise SourceError(f"{where}: no column {self.column!r}; the shard has columns {names}")
@@ -137,8 +149,7 @@ class MdsSource(ShardedSource):
         reader = self._readers[k]
         raw = self._shard_path(k)
         if os.path.exists(raw):
-            with open(raw, "rb") as f:
-                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            buf = Path(raw).read_bytes()  # never a memory map: a mapped file truncated by a writer is SIGBUS
         elif reader.zip_data is not None and os.path.exists(os.path.join(self.directory, reader.zip_data.basename)):
             zpath = os.path.join(self.directory, reader.zip_data.basename)
             try:
@@ -153,7 +164,7 @@ class MdsSource(ShardedSource):
         offsets = np.frombuffer(buf, np.uint32, count=n + 1, offset=4).astype(np.int64)
         if np.frombuffer(buf, np.uint32, count=1)[0] != n or offsets[-1] > len(buf) or np.any(np.diff(offsets) < 0):
             raise SourceError(f"{raw}: corrupt MDS shard (its offset table does not match {n} samples)")
-        return held.put(k, (buf, offsets), 0 if isinstance(buf, mmap.mmap) else len(buf))
+        return held.put(k, (buf, offsets), len(buf))
 
     def _decode(self, k: int, raw_row: int, buf, offsets) -> RawDocument:
         reader = self._readers[k]

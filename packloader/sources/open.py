@@ -10,19 +10,24 @@ Detection, in order:
   `format=` reads one kind on purpose;
 - files: by extension (.parquet / .pq; .jsonl, .jsonl.gz, .jsonl.zst, .json, .json.gz, .ndjson); all must agree;
 - a path that does not exist but holds a glob character (`*`, `?`, `[`): its matches.
-A path that does not exist is a FileNotFoundError naming it.
+First, `special_paths.open_special` takes what these rules do not: objects in place of paths (`datasets` objects,
+lists of texts or dicts, generators: `objects.py`), URLs (an error: unsupported), Megatron `.bin`/`.idx` pairs
+(`format="megatron"`), Arrow files (`.arrow`, `format="arrow"`) and `datasets` `save_to_disk` folders
+(`format="hf-disk"`).
+A path that does not exist is a FileNotFoundError naming it. Globs and directories are walked by `paths.walk_glob`:
+symlinked directories are followed, a link back into the walk (a loop) is not, and a file named twice (the same
+path twice, a symlinked alias, a hard link) is refused naming both paths (`paths.refuse_duplicates`).
 """
 
 from __future__ import annotations
 
-import glob as globlib
 import os
-from pathlib import Path
 from typing import Sequence
 
+from packloader.sources.paths import has_magic, refuse_duplicates, walk_glob
 from packloader.sources.reader import ShardedSource
 
-FORMATS = ("parquet", "jsonl", "mds", "directory")
+FORMATS = ("parquet", "jsonl", "mds", "directory", "arrow", "megatron", "hf-disk")
 _PARQUET = (".parquet", ".pq")
 _JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd", ".json", ".json.gz", ".json.zst", ".ndjson", ".ndjson.gz",
           ".ndjson.zst")
@@ -42,8 +47,8 @@ def _expand(paths: Sequence[str]) -> list[str]:
     for p in paths:
         if os.path.exists(p):
             out.append(p)
-        elif any(c in p for c in "*?["):
-            matches = sorted(globlib.glob(p, recursive=True))
+        elif has_magic(p):
+            matches = walk_glob(p)
             if not matches:
                 raise FileNotFoundError(f"no files match {p}")
             out.extend(matches)
@@ -54,9 +59,8 @@ def _expand(paths: Sequence[str]) -> list[str]:
 
 def _files_under(path: str, pattern: str = "**/*") -> list[str]:
     """The files `pattern` matches under `path`, hidden ones (any part starting with ".") left out."""
-    root = Path(path)
-    return sorted(str(p) for p in root.glob(pattern)
-                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    return [p for p in walk_glob(pattern, root=path)
+            if os.path.isfile(p) and not any(part.startswith(".") for part in os.path.relpath(p, path).split(os.sep))]
 
 
 def _is_side_file(path: str) -> bool:
@@ -105,6 +109,7 @@ def open_source(
     errors: str = "error",
 ) -> ShardedSource:
     """Open shards as a `Source`. `column` is the Parquet column, JSONL field or MDS column (None: auto-detect).
+    Objects in place of paths (a `datasets` object, a list of texts or dicts, a generator) are opened too.
 
     `empty="skip"` leaves empty documents out and counts them (`source.skipped`); `pattern` selects the files of a
     directory (format detection included); `files_per_shard` and `errors` apply to a plain directory of text files
@@ -112,6 +117,11 @@ def open_source(
     """
     if format is not None and format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    from packloader.sources.special_paths import open_special  # objects, URLs, Megatron, Arrow, save_to_disk
+
+    special, path_or_paths = open_special(path_or_paths, column=column, format=format, empty=empty)
+    if special is not None:
+        return special
     if isinstance(path_or_paths, (str, os.PathLike)):
         paths = [os.fspath(path_or_paths)]
     else:
@@ -119,6 +129,7 @@ def open_source(
     if not paths:
         raise ValueError("open_source needs at least one path")
     paths = _expand(paths)
+    refuse_duplicates(paths)
 
     dirs = [p for p in paths if os.path.isdir(p)]
     if dirs:

@@ -7,7 +7,19 @@ per-thread LRU cache (`cache_bytes`, always at least the current one), so consec
 group decode nothing. A request that spans several row groups not yet cached decodes them concurrently first, in a
 small per-process thread pool (`decode_threads`, default min(4, CPUs); 1 turns it off): Arrow releases the GIL
 while decoding, and a training step's documents, spread by the shuffle, touch many row groups at once.
-Files are opened with `memory_map=True`.
+Files are read with plain reads, never memory-mapped (a mapped file truncated by another process kills the
+reader with SIGBUS); each shard's identity (`identity.py`: size and footer hash) is taken when the source opens,
+and every handle opened and every row group read is followed by a check that the file is still that one, so a
+shard rewritten by another process is a `ShardChanged` error naming it.
+
+Column choice: `column=None` picks the text column (`text`, `content`) or the token column (`tokens`,
+`input_ids`); a file holding both kinds (Hugging Face datasets often keep the text beside its tokens) is an error
+asking for `column=` (`PackedLoader(..., column="tokens")`), since reading either silently could train what the
+user did not mean.
+
+Tokenizer metadata: shards written by `packloader tokenize` record their tokenizer, vocabulary and EOS in the
+schema metadata; shards that record different ones (bytes beside Tekken ids) are refused, naming both files and
+both tokenizers. `source.metadata` is that common record.
 
 Token columns may be `list`/`large_list` of any integer type; values are cast to int32 (an out-of-range value is an
 error naming the file and column), and every id must lie in [0, vocab_size): `vocab_size` is the argument, else the
@@ -34,9 +46,12 @@ import pyarrow.parquet as pq
 
 from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, SourceError
+from packloader.sources.identity import FileWatch, parquet_identity
+from packloader.sources.paths import refuse_duplicates
 from packloader.sources.reader import LruCache, ShardedSource, group_positions
 
 DEFAULT_COLUMNS = ("text", "content", "tokens", "input_ids")
+TOKENIZER_KEYS = ("packloader.tokenizer", "packloader.vocab_size", "packloader.eos_id", "packloader.eos_appended")
 DEFAULT_LENGTH_COLUMN = "length"
 _INT32_LIMIT = 2**31
 
@@ -53,6 +68,13 @@ def _decode_pool(threads: int) -> ThreadPoolExecutor:
         if pool is None:
             pool = _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="packloader-parquet")
         return pool
+
+
+def _identity(path: str) -> str:
+    try:
+        return parquet_identity(path)
+    except SourceError:
+        return "unreadable"  # a file that is not Parquet: opening it names the problem
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -87,21 +109,25 @@ class ParquetSource(ShardedSource):
         if not paths:
             raise ValueError("ParquetSource needs at least one file")
         self._paths = sorted(str(p) for p in paths)
+        refuse_duplicates(self._paths)
         self.cache_bytes = int(cache_bytes)
         self.column: str | None = column
         self.length_column: str | None = None
         self._pretokenized: bool | None = None
         self._rg_starts: list[np.ndarray] = []
-        self.metadata: dict[str, str] = {}  # key-value metadata of the first file's schema (tokenizer, eos)
+        self.metadata: dict[str, str] = {}  # key-value metadata of the first file with a tokenizer record
+        self._metadata_from: str | None = None
+        self._watch: list[FileWatch] = []
         for path in self._paths:
+            if not Path(path).exists():
+                raise FileNotFoundError(f"Parquet shard not found: {path}")
+            self._watch.append(FileWatch(path, _identity))
             pf = self._open(path)
             self._check_schema(path, pf.schema_arrow, length_column)
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
             self._rg_starts.append(np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]))
-            if not self.metadata:
-                meta = pf.schema_arrow.metadata or {}
-                self.metadata = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in meta.items()
-                                 if k != b"ARROW:schema"}
+            self._check_metadata(path, pf.schema_arrow.metadata or {})
+        self.identities = [w.identity for w in self._watch]  # what a saved state and the other ranks compare
         recorded = self.metadata.get("packloader.vocab_size", "")
         self.vocab_size: int | None = int(vocab_size) if vocab_size is not None else (
             int(recorded) if recorded.isdigit() else None)
@@ -118,9 +144,29 @@ class ParquetSource(ShardedSource):
         if not Path(path).exists():
             raise FileNotFoundError(f"Parquet shard not found: {path}")
         try:
-            return pq.ParquetFile(path, memory_map=True, page_checksum_verification=True)
+            return pq.ParquetFile(path, memory_map=False, page_checksum_verification=True)
         except (pa.ArrowException, OSError) as e:
             raise SourceError(f"{path}: not a readable Parquet file ({e})") from e
+
+    def _check_metadata(self, path: str, raw: dict) -> None:
+        """Every shard that records a tokenizer records the same one (ids of one vocabulary are not another's)."""
+        meta = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items() if k != b"ARROW:schema"}
+        record = {k: meta[k] for k in TOKENIZER_KEYS if k in meta}
+        if not record:
+            return
+        if self._metadata_from is None:
+            self.metadata, self._metadata_from = meta, path
+            return
+        first = {k: self.metadata[k] for k in TOKENIZER_KEYS if k in self.metadata}
+        if record != first:
+            def desc(r: dict) -> str:
+                return (f"tokenizer {r.get('packloader.tokenizer', '?')!r}, vocabulary {r.get('packloader.vocab_size', '?')}, "
+                        f"EOS id {r.get('packloader.eos_id', '?')!r}, EOS appended {r.get('packloader.eos_appended', '?')}")
+            raise SourceError(
+                f"{self._metadata_from} and {path} were tokenized differently ({self._metadata_from}: {desc(first)}; "
+                f"{path}: {desc(record)}); token ids of one vocabulary are not another's, so they are not read "
+                "together. Tokenize every shard with one tokenizer (`packloader tokenize --tokenizer ...`)"
+            )
 
     def _check_schema(self, path: str, schema: pa.Schema, length_column: str | None) -> None:
         names = schema.names
@@ -130,6 +176,15 @@ class ParquetSource(ShardedSource):
                 raise SourceError(
                     f"{path}: no text or token column found among {names}; expected one of {list(DEFAULT_COLUMNS)} "
                     "or pass column=..."
+                )
+            text = [c for c in found if _is_text(schema.field(c).type)]
+            tokens = [c for c in found if _is_token_list(schema.field(c).type)]
+            if text and tokens:
+                raise SourceError(
+                    f"{path}: holds text ({', '.join(map(repr, text))}) and tokens ({', '.join(map(repr, tokens))}); "
+                    f"which to train is not guessed: pass column={tokens[0]!r} to read the tokens as stored, or "
+                    f"column={text[0]!r} to tokenize the text (PackedLoader(..., column=...), open_source(..., "
+                    "column=...), --column)"
                 )
             self.column = found[0]
         if self.column not in names:
@@ -168,7 +223,15 @@ class ParquetSource(ShardedSource):
     def _file(self, shard: int) -> pq.ParquetFile:
         files = self._cache().setdefault("files", LruCache(max_items=16))
         pf = files.get(shard)
-        return pf if pf is not None else files.put(shard, self._open(self._paths[shard]))
+        if pf is None:
+            try:
+                pf = self._open(self._paths[shard])
+            except (SourceError, FileNotFoundError):
+                self._watch[shard].check()  # a file changed since the source opened says so
+                raise
+            self._watch[shard].check()  # the file opened is the one indexed
+            files.put(shard, pf)
+        return pf
 
     def _blocks(self) -> LruCache:
         return self._cache().setdefault("blocks", LruCache(max_bytes=self.cache_bytes))
@@ -204,11 +267,13 @@ class ParquetSource(ShardedSource):
         try:
             table = self._file(shard).read_row_group(group, columns=columns)
         except (pa.ArrowException, OSError) as e:
+            self._watch[shard].check()  # a file changed meanwhile says so, rather than "corrupt"
             a, b = int(self._rg_starts[shard][group]), int(self._rg_starts[shard][group + 1])
             raise SourceError(
                 f"{path}: row group {group} (rows {a}..{b - 1}), column {self.column!r}: cannot be read, the file is "
                 f"corrupt or truncated ({e})"
             ) from e
+        self._watch[shard].check()  # the bytes just read are the indexed file's
         start = int(self._rg_starts[shard][group])
         arr = table.column(self.column).combine_chunks()
         if arr.null_count:
@@ -301,9 +366,11 @@ class ParquetSource(ShardedSource):
         try:
             col = self._file(shard).read(columns=[self.length_column]).column(0).combine_chunks()
         except (pa.ArrowException, OSError) as e:
+            self._watch[shard].check()
             raise SourceError(
                 f"{path}, column {self.length_column!r}: cannot be read, the file is corrupt or truncated ({e})"
             ) from e
+        self._watch[shard].check()
         if col.null_count:
             row = int(pc.index(col.is_null(), True).as_py())
             raise SourceError(f"{path}, row {row}, column {self.length_column!r}: null, expected a length")
@@ -316,6 +383,7 @@ class ParquetSource(ShardedSource):
         try:
             col = self._file(shard).read(columns=[self.column]).column(0)
         except (pa.ArrowException, OSError) as e:
+            self._watch[shard].check()
             raise SourceError(
                 f"{self._paths[shard]}, column {self.column!r}: cannot be read, the file is corrupt or truncated ({e})"
             ) from e

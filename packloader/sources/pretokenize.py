@@ -4,7 +4,9 @@ Output: `part-00000.parquet`, `part-00001.parquet`, ... in `out_dir`, each with 
 `length: int32` (zstd, no dictionary encoding, CRC page checksums that `ParquetSource` verifies, row groups of about `row_group_tokens` tokens), documents in source
 order (shard by shard, row by row). A new file starts once the current one holds `shard_tokens` tokens. The schema
 metadata records the tokenizer, its EOS id and whether EOS was appended (`packloader.eos_appended`), so a reader
-knows not to append it again; `ParquetSource(...).metadata` exposes it.
+knows not to append it again; `ParquetSource(...).metadata` exposes it. Each file's footer also records a BLAKE2b
+digest of its tokens and row lengths (`packloader.tokens_blake2b`), so the footer hash that identifies a shard
+(`sources/identity.py`) changes with any token.
 
 A reader thread reads the next batch of documents while the tokenizer encodes the current one in its own threads;
 files are written under a temporary name and renamed when complete.
@@ -12,6 +14,7 @@ files are written under a temporary name and renamed when complete.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import sys
@@ -101,6 +104,7 @@ class _ShardWriter:
         self._file_tokens = 0
         self._pending: list[np.ndarray] = []
         self._pending_tokens = 0
+        self._digest = hashlib.blake2b(digest_size=16)
 
     def add(self, docs: list[np.ndarray]) -> None:
         for d in docs:
@@ -128,6 +132,8 @@ class _ShardWriter:
             self._flush_row_group()
             return
         values = np.concatenate(self._pending).astype(np.int32, copy=False)
+        self._digest.update(lengths.astype("<i8").tobytes())
+        self._digest.update(values.astype("<i4", copy=False).tobytes())
         tokens = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
         table = pa.Table.from_arrays([tokens, pa.array(lengths.astype(np.int32))], schema=self.schema)
         if self._writer is None:
@@ -142,10 +148,12 @@ class _ShardWriter:
     def _close_file(self) -> None:
         self._flush_row_group()
         if self._writer is not None:
+            self._writer.add_key_value_metadata({"packloader.tokens_blake2b": self._digest.hexdigest()})
             self._writer.close()
             os.replace(self._tmp, self.files[-1])
             self._writer, self._tmp = None, None
         self._file_tokens = 0
+        self._digest = hashlib.blake2b(digest_size=16)
 
     def close(self) -> None:
         self._close_file()

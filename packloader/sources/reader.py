@@ -95,6 +95,10 @@ class ShardedSource:
             raise empty_error(self._location(shard, int(np.flatnonzero(raw == 0)[0])), "tokens")
         return np.asarray(raw if keep is None else raw[keep], dtype=np.int64)
 
+    def location(self, shard: int, row: int) -> str:
+        """Where a row of the row space sits in its file, as errors name it (file and row, or line)."""
+        return self._location(shard, self.raw_row(shard, row))
+
     def raw_row(self, shard: int, row: int) -> int:
         """The row a `DocKey` row stands for in the file (they differ only where empty rows were skipped)."""
         return int(self._raw_rows(shard, np.array([row]))[0])
@@ -128,7 +132,7 @@ class ShardedSource:
         return tls.cache
 
     def _process_cache(self) -> dict:
-        """A dict shared by this process's threads, for immutable things (mapped files, decompressed bytes)."""
+        """A dict shared by this process's threads, for immutable things (open files, decompressed bytes)."""
         if self._pcache_pid != os.getpid():
             self._pcache = {}
             self._pcache_pid = os.getpid()

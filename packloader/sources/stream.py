@@ -8,6 +8,11 @@ EOS: for text sources the tokenizer's EOS id is appended to every document when 
 of a pre-tokenized source are used as stored, except for shards written by `packloader tokenize` with
 `eos_appended=false` in their metadata, which get the EOS id recorded there (or the tokenizer's) when `append_eos`.
 
+Token ids: a source that knows its vocabulary (Parquet shards from `packloader tokenize` record it) checks ids
+itself; for token rows that record none, every id is checked against the vocabulary of the tokenizer the user
+named (the default, "tekken", included): an id outside it is an error naming the shard, row and position, since
+it would train as another vocabulary's token. `tokenizer=None` reads such ids unchecked.
+
 Thread-safe: the loader reads from several threads at once (sources keep per-thread handles). Picklable: spawned
 dataloader workers rebuild their caches.
 """
@@ -22,6 +27,7 @@ import msgspec
 import numpy as np
 
 from packloader.sources.base import DocKey, Source
+from packloader.sources.errors import SourceError
 from packloader.sources.order import EpochOrder
 
 
@@ -56,6 +62,10 @@ class DocumentStream:
             raise ValueError(f"the source has no documents (shards {names}{'...' if len(source.shards) > 3 else ''})")
         self.seed, self.shuffle, self.append_eos = int(seed), bool(shuffle), bool(append_eos)
         self.pretokenized = bool(source.pretokenized)
+        if isinstance(tokenizer, str):
+            from packloader.sources.tokenizers import check_tokenizer_spec
+
+            check_tokenizer_spec(tokenizer)  # a name that names nothing is an error, whether or not it is used
         self._tokenizer_spec = tokenizer
         self._tokenizer_threads = tokenizer_threads
         self._init_caches()
@@ -73,6 +83,11 @@ class DocumentStream:
                 raise ValueError(f"append_eos=True but tokenizer {self.tokenizer!r} has no EOS id; pass append_eos=False")
             self.eos_appended = True
         self._has_column: bool | None = None
+        self.vocab_size: int | None = None  # checked here: token rows whose source records no vocabulary
+        self.vocab_of: str | None = None
+        if self.pretokenized and getattr(source, "vocab_size", None) is None and tokenizer is not None:
+            self.vocab_size = int(self.tokenizer.vocab_size)
+            self.vocab_of = getattr(self.tokenizer, "name", str(tokenizer))
 
     def _init_caches(self) -> None:
         self._lock = threading.Lock()
@@ -185,9 +200,24 @@ class DocumentStream:
         for s in np.unique(shards).tolist():
             where = np.flatnonzero(shards == s)
             raw = list(self.source.read(int(s), rows[where]))
+            if self.vocab_size is not None:
+                self._check_ids(int(s), rows[where], raw)
             for i, doc in zip(where.tolist(), self._finish(raw)):
                 out[i] = doc
         return out  # type: ignore[return-value]
+
+    def _check_ids(self, shard: int, rows: np.ndarray, docs: list) -> None:
+        for row, d in zip(rows.tolist(), docs):
+            d = np.asarray(d)
+            if d.size and (int(d.min()) < 0 or int(d.max()) >= self.vocab_size):
+                pos = int(np.flatnonzero((d < 0) | (d >= self.vocab_size))[0])
+                where = getattr(self.source, "location", None)
+                place = where(shard, row) if where is not None else f"{self.source.shards[shard].name}, row {row}"
+                raise SourceError(
+                    f"{place}: token id {int(d[pos])} at position {pos}, expected an id in [0, {self.vocab_size}), "
+                    f"the vocabulary of tokenizer {self.vocab_of!r}, the tokenizer named (the shard records none): "
+                    "pass the tokenizer the shard was written with, or tokenizer=None to read its ids unchecked"
+                )
 
     def _finish(self, raw: list) -> list[np.ndarray]:
         if not self.pretokenized:

@@ -280,6 +280,17 @@ class HFTokenizer:
 TOKENIZERS = ("tekken", "cl100k", "bytes", "hf:/path/to/tokenizer.json")
 
 
+def check_tokenizer_spec(spec: str) -> None:
+    """A ValueError unless `spec` names a tokenizer `get_tokenizer` can build (checked without building it)."""
+    if spec in ("tekken", "cl100k", "cl100k_base", "bytes"):
+        return
+    if spec.startswith("hf:"):
+        if not Path(spec[3:]).exists():
+            raise FileNotFoundError(f"tokenizer file not found: {spec[3:]} (tokenizer {spec!r})")
+        return
+    raise ValueError(f"unknown tokenizer {spec!r}; expected one of {list(TOKENIZERS)}")
+
+
 def get_tokenizer(spec: str = DEFAULT_TOKENIZER, *, num_threads: int | None = None, eos: str | int | None = None):
     """A tokenizer by name: "tekken" (default), "cl100k", "bytes", or "hf:PATH" to a local tokenizer.json.
 

@@ -7,7 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
-def token_docs(n=300, seed=0, max_len=300, vocab=1000):
+def token_docs(n=300, seed=0, max_len=300, vocab=256):
+    """Ids below 256: inside the vocabulary of every tokenizer the tests name, "bytes" (257) included (token rows
+    that record no vocabulary are checked against the tokenizer named)."""
     rng = np.random.default_rng(seed)
     lengths = np.minimum(rng.pareto(1.2, size=n) * 30 + 1, max_len).astype(int)
     return [rng.integers(0, vocab, size=int(k)).astype(np.int32) for k in lengths]

@@ -70,7 +70,8 @@ def write_parquet_corpus(d: Path, n: int = 240, seed: int = 0, shards: int = 4,
     rng = np.random.default_rng(seed + 1)
     lengths = long_tail_lengths(n, seed, 40, 2500) if lengths is None else lengths
     n = len(lengths)
-    docs = [rng.integers(0, 50_000, size=int(k)).astype(np.int32) for k in lengths]
+    docs = [rng.integers(0, 256, size=int(k)).astype(np.int32)  # in the vocabulary of the tokenizer named, bytes
+            for k in lengths]
     paths, per_shard = [], []
     for s, part in enumerate(np.array_split(np.arange(n), shards)):
         rows = [docs[i] for i in part]
@@ -576,6 +577,30 @@ class Harness:
         result.token_errors = len(self.check_source(got))
         ref = self.reference
         result.order_errors = sum(a != b for a, b in zip(got, ref)) + abs(len(got) - len(ref))
+
+
+def replace_shard(cfg: KillConfig, paths: list[str], shard: int, workdir: Path) -> None:
+    """Put another shard in place of `paths[shard]`: the same name and row count, other documents (a corpus
+    re-exported under the same names)."""
+    new, _ = write_corpus(cfg.source, workdir / "replacement", seed=cfg.seed + 1000)
+    os.replace(new[shard], paths[shard])
+
+
+def run_replaced_shard(cfg: KillConfig, workdir: Path, at: int = 4, shard: int = 1) -> str:
+    """Save at round `at` and die right after; replace one shard between the save and the resume; resume. The
+    resumed child must refuse the saved state: returns its error (an AssertionError if it resumed)."""
+    paths, docs = write_corpus(cfg.source, workdir / "corpus", seed=cfg.seed)
+    h = Harness(cfg, paths, docs, workdir, fork=False)
+    wd = workdir / "replaced"
+    wd.mkdir(parents=True, exist_ok=True)
+    first = h._run_child(wd, None, {"at": at, "phase": "saved"}, [at], None)
+    assert first.killed and saved_counts(wd, "all") == {at}, first
+    replace_shard(cfg, paths, shard, workdir)
+    try:
+        h._run_child(wd, at, None, [], None)
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError(f"{cfg.name}: resumed onto a replaced {paths[shard]} without an error")
 
 
 def random_kills(rng: random.Random, rounds: int, count: int, reference_seconds: float,

@@ -25,7 +25,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from packloader.balancers.cost.presets import ModelShape, device_spec, get_shape
+from packloader.balancers.cost.devices import load_device
+from packloader.balancers.cost.presets import ModelShape, get_shape
 from packloader.balancers.cost.profile_io import PROFILES_DIR
 from packloader.contracts import ParallelConfig
 
@@ -163,8 +164,8 @@ class MemoryModel:
 
 def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, schedule: str = "1f1b", device: str = "h100",
                      memory_gib: float | None = None) -> "MemoryModel | None":
-    """The memory model of a preset name on `device` (default recompute; `memory_gib` overrides the device's
-    memory, PlanConfig.memory_gib), or None when `model_spec` is a calibration profile (a JSON path or a
+    """The memory model of a preset name on `device` (a device profile name: its memory and usable share; default
+    recompute; `memory_gib` overrides the device's memory, PlanConfig.memory_gib), or None when `model_spec` is a calibration profile (a JSON path or a
     bundled profile), whose model shape and so memory are unknown."""
     from pathlib import Path
 
@@ -175,8 +176,9 @@ def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, sc
         shape = get_shape(text)
     except KeyError:
         return None
-    dev = device_spec(device)
-    return MemoryModel(shape, parallel or ParallelConfig(), memory_gib=memory_gib or dev.memory_gib, schedule=schedule)
+    dev = load_device(device)
+    return MemoryModel(shape, parallel or ParallelConfig(), memory_gib=memory_gib or dev.memory_gib, schedule=schedule,
+                       usable_fraction=dev.usable_fraction, reserve_gib=dev.reserve_gib)
 
 
 def memory_limit_bytes(memory: "MemoryModel | None") -> float | None:
@@ -195,6 +197,8 @@ def max_tokens_for_memory(
     tile: int = 128,
     user_cap: int | None = None,
     distributed_optimizer: bool = True,
+    usable_fraction: float = 0.92,
+    reserve_gib: float = 2.0,
 ) -> int:
     """Hydraulis's MaxLen: the most tokens a micro-batch may hold for a parallel configuration, or the user's
     cap when that is lower."""
@@ -202,6 +206,6 @@ def max_tokens_for_memory(
         shape = get_shape(shape)
     mm = MemoryModel(
         shape, parallel or ParallelConfig(), memory_gib=memory_gib, recompute=recompute, schedule=schedule,
-        distributed_optimizer=distributed_optimizer,
+        distributed_optimizer=distributed_optimizer, usable_fraction=usable_fraction, reserve_gib=reserve_gib,
     )
     return mm.tokens_that_fit(num_micro_batches, tile, user_cap)

@@ -44,8 +44,6 @@ PROFILE_NAME = "h100-llama2-7b-layer"  # what build_profile fits (h100.json's me
 MEASURED_DIR = PROFILES_DIR / "measured"
 ATTENTION_CSV = MEASURED_DIR / "h100-attention.csv"
 LINEAR_CSV = MEASURED_DIR / "h100-linear.csv"
-# What was measured: attention 32 heads x 128 (MHA), GEMMs of hidden 4096 / FFN 11008, one layer.
-MEASURED_SHAPE = presets.MODEL_SHAPES["llama2-7b"]
 SOURCE = ("one NVIDIA H100 80GB HBM3 (SXM), torch 2.11 + CUDA 13.0, bf16, 2026-11-22: varlen_attn causal 32 heads x 128 "
           "in 32K-token packs; one Llama-7B layer's GEMMs (hidden 4096, FFN 11008) + SwiGLU")
 MAX_FIT_ERROR = 0.03  # the largest relative error allowed on any measured row

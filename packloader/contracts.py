@@ -112,9 +112,9 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     vpp: Annotated[int, msgspec.Meta(ge=1, le=VPP_MAX)] = 1  # virtual pipeline stages per rank (interleaved 1F1B)
 
 
+DeviceName = Annotated[str, msgspec.Meta(min_length=1)]  # a device profile name (balancers.cost.devices.load_device)
 Strategy = Annotated[str, msgspec.Meta(min_length=1)]  # a name in the planner registry (available_strategies())
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
-DeviceName = Annotated[str, msgspec.Meta(min_length=1)]  # a device profile name (balancers.cost.devices.load_device)
 
 
 class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -154,8 +154,8 @@ class AutoPlanner:
             self.planners["slimpack"] = self.slimpack
         kind = SCHEDULES[config.schedule]
         self.kind = 0 if kind == 2 and config.parallel.vpp == 1 else kind
-        # the device the plan is for (its profile file's memory); no memory model for a profile JSON
-        device = config.device
+        # the device the cost model describes (H100 unless its profile says H200); None for a profile JSON
+        device = config.device  # a device profile's name: its file gives the memory (cost/devices.py)
         self.memory: MemoryModel | None = memory_model_for(config.model, config.parallel, config.schedule, device,
                                                                   config.memory_gib)
         self.mem_limit = memory_limit_bytes(self.memory)

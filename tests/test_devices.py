@@ -150,6 +150,10 @@ def test_register_device_adds_one_file(tmp_path, monkeypatch):
     dev = register_device(path)
     assert load_device("regx") == dev and dev.memory_gib == 40.0 and dev.file == str(path.resolve())
     assert cost_model_for(PlanConfig(device="regx")).profile.device == "analytic:a100x-bf16"
+    clash = write_device(tmp_path / "other", dict(A100X, name="regx"))
+    with pytest.raises(ValueError, match="device 'regx' is defined twice"):
+        register_device(clash)
+    assert load_device("regx") == dev  # the refused file left the search path as it was
 
 
 def test_unknown_device_lists_the_known_ones(device_dir, tmp_path, capsys):

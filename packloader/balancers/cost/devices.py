@@ -104,7 +104,11 @@ def register_device(path: str | os.PathLike) -> Device:
     dev = read_device(p)
     if p not in _REGISTERED:
         _REGISTERED.insert(0, p)
-    known_devices()  # a name clash with another file is an error now, not at first use
+        try:
+            known_devices()  # a name clash with another file is an error now, not at first use
+        except ValueError:
+            _REGISTERED.remove(p)
+            raise
     return dev
 
 

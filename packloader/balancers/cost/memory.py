@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from packloader.balancers.cost.devices import load_device
+from packloader.balancers.cost.devices import DEFAULT_DEVICE, load_device
 from packloader.balancers.cost.presets import ModelShape, get_shape
 from packloader.balancers.cost.profile_io import PROFILES_DIR
 from packloader.contracts import ParallelConfig
@@ -162,11 +162,11 @@ class MemoryModel:
         return self.static_bytes(stage) + per_token * tokens_per_micro_batch
 
 
-def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, schedule: str = "1f1b", device: str = "h100",
+def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, schedule: str = "1f1b", device: str = DEFAULT_DEVICE,
                      memory_gib: float | None = None) -> "MemoryModel | None":
     """The memory model of a preset name on `device` (a device profile name: its memory and usable share; default
-    recompute; `memory_gib` overrides the device's memory, PlanConfig.memory_gib), or None when `model_spec` is a calibration profile (a JSON path or a
-    bundled profile), whose model shape and so memory are unknown."""
+    recompute; `memory_gib` overrides the device's memory, PlanConfig.memory_gib), or None when `model_spec` is a
+    calibration profile (a JSON path or a bundled profile), whose model shape and so memory are unknown."""
     from pathlib import Path
 
     text = str(model_spec)

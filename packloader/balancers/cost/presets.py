@@ -204,4 +204,3 @@ def analytic_stage_profiles(shape: ModelShape, parallel: ParallelConfig | None =
         pr = analytic_profile(shape, parallel, device, layers=n, head_fraction=head)
         out.append(msgspec.structs.replace(pr, name=f"{pr.name}/stage{s}"))
     return out
-

@@ -115,6 +115,7 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     vpp: Annotated[int, msgspec.Meta(ge=1, le=VPP_MAX)] = 1  # virtual pipeline stages per rank (interleaved 1F1B)
 
 
+DeviceName = Annotated[str, msgspec.Meta(min_length=1)]  # a device profile name (balancers.cost.devices.load_device)
 Strategy = Annotated[str, msgspec.Meta(min_length=1)]  # a name in the planner registry (available_strategies())
 Schedule = Literal["1f1b", "gpipe", "interleaved", "zb-h1", "auto"]  # auto: the `auto` planner picks 1F1B or ZB-H1
 
@@ -131,13 +132,14 @@ class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     allow_slicing: bool = True  # only where the runtime that runs the plan supports slices
     schedule: Schedule = "1f1b"
     model: str = "llama3-8b"  # a preset name or a calibration profile path
-    # The GPU the plan is for. A preset is priced with the measured H100 profile scaled to it on an H100; on
-    # an H200 (no measurements shipped) with the analytic model, unless `model` is a profile path.
-    device: Literal["h100", "h200"] = "h100"
+    # The GPU the plan is for: a device profile name (packloader/profiles/devices/: h100, h200; more from
+    # PACKLOADER_DEVICE_PATH or register_device). A preset is priced with the device's measured profile scaled
+    # to it where the device file names one (h100), else with the analytic model, unless `model` is a profile path.
+    device: DeviceName = "h100"
     # "measured": the shipped H100 timings (packloader/profiles/); "analytic": the FLOP-rate model of presets.py.
     cost: Literal["measured", "analytic"] = "measured"
     seed: Annotated[int, msgspec.Meta(ge=0, le=SEED_MAX)] = 0
-    # GPU memory the memory check allows, in GiB; None = the device's own (80 GiB H100, 141 GiB H200)
+    # GPU memory the memory check allows, in GiB; None = the device file's (80 GiB h100, 141 GiB h200)
     memory_gib: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
 
 

@@ -358,6 +358,19 @@ def cli_tokens_per_step_below_max_tokens(tmp):
                        "--quiet")
 
 
+def device_unknown(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--device", "b200", "--quiet")
+
+
+def device_file_misnamed(tmp):
+    from packloader.balancers.cost.devices import DEVICES_DIR, register_device
+
+    spec = json.loads((DEVICES_DIR / "h200.json").read_text())
+    (tmp / "b200.json").write_text(json.dumps(dict(spec, name="h200")))
+    return lambda: register_device(tmp / "b200.json")
+
+
 def lengths_forty_digits(tmp):
     (tmp / "big.txt").write_text("10\n" + "1234567890" * 4 + "\n")
     return lambda: cli("plan", "--lengths", str(tmp / "big.txt"), "--quiet")
@@ -691,6 +704,10 @@ CASES = [
          ("state field loader.step_state.epoch = 7: expected 0, the epochs completed",)),
     Case("cli_tokens_per_step_below_max_tokens", cli_tokens_per_step_below_max_tokens, CliExit,
          ("exit 2", "(--tokens-per-step, --max-tokens)", "tokens_per_step=512 is below max_tokens=1024")),
+    Case("device_unknown", device_unknown, CliExit,
+         ("exit 2", "--device 'b200': unknown device 'b200'; known devices: h100, h200", "PACKLOADER_DEVICE_PATH")),
+    Case("device_file_misnamed", device_file_misnamed, ValueError,
+         ("b200.json: its name field is 'h200'; expected the file's name 'b200'",)),
     Case("lengths_forty_digits", lengths_forty_digits, CliExit,
          ("exit 2", "big.txt, line 2", "is beyond the largest length 9,223,372,036,854,775,807")),
     Case("lengths_uint64_max", lengths_uint64_max, CliExit,

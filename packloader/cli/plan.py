@@ -70,6 +70,7 @@ def build_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
+    from packloader.balancers.cost.devices import load_device
     from packloader.balancers.offline import plan_record, plan_run
     from packloader.balancers.planners.packing import cost_model_for
     from packloader.balancers.planners.registry import make_planner
@@ -84,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
     if not config.allow_slicing and config.context > config.max_tokens:
         return _fail(f"--context {config.context} exceeds --max-tokens {config.max_tokens} with --no-slicing: a piece "
                      f"that long fits no micro-batch; lower --context or allow slicing")
+    try:
+        load_device(config.device)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(f"--device {config.device!r}: {e}")
     try:
         model = cost_model_for(config)
     except (ValueError, FileNotFoundError, KeyError) as e:

@@ -38,7 +38,7 @@ class ReportOptions(msgspec.Struct, kw_only=True):
 
     steps: int = 8
     strategies: Sequence[str] = BASELINES + PACKLOADER
-    device: str = "h100"
+    device: str | None = None  # a device profile name; None: the PlanConfig's
     out_dir: str | None = None  # None: no files, only the Report
     plots: bool = True
     advice: bool = True
@@ -111,10 +111,11 @@ def _build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions |
     from tqdm.auto import tqdm
 
     opt = options or ReportOptions()
-    if config.device != opt.device:  # the planners price the device the report is for
+    if opt.device is not None and config.device != opt.device:  # the planners price the device the report is for
         config = msgspec.structs.replace(config, device=opt.device)
-    model = load_cost_model(config.model, config.parallel, device=opt.device, cost=config.cost)
-    memory = memory_model_for(config.model, config, opt.device)
+    device = config.device
+    model = load_cost_model(config.model, config.parallel, device=device, cost=config.cost)
+    memory = memory_model_for(config.model, config, device)
     draw: Draw = draw_steps(lengths.lengths, config.tokens_per_step, config.context, opt.steps)
     notes = list(opt.notes)
     if model.profile.source.startswith("analytic: no measured"):
@@ -127,7 +128,7 @@ def _build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions |
     if memory is not None:
         mem_cap = memory.tokens_that_fit(tile=model.profile.tile)
         if mem_cap == 0:
-            notes.append(f"{config.model} does not fit on one {opt.device.upper()} under this layout even without activations "
+            notes.append(f"{config.model} does not fit on one {device.upper()} under this layout even without activations "
                          f"(weights, gradients and optimizer state); raise --tp or --pp: memory figures show how far off it is")
         elif config.max_tokens > mem_cap:
             notes.append(f"--max-tokens {config.max_tokens:,} exceeds what {config.model} fits in one micro-batch on this layout "
@@ -136,7 +137,7 @@ def _build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions |
         notes.append("peak memory is not reported: the cost profile does not name a model shape (use a preset for --model)")
     p = config.parallel
     settings = Settings(
-        input=opt.input or lengths.origin, tokenizer=opt.tokenizer, model=config.model, cost_profile=model.name, device=opt.device,
+        input=opt.input or lengths.origin, tokenizer=opt.tokenizer, model=config.model, cost_profile=model.name, device=device,
         dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, vpp=p.vpp, schedule=config.schedule, gpus=p.dp * p.pp * p.cp * p.tp,
         tokens_per_step=config.tokens_per_step, max_tokens=config.max_tokens, context=config.context, steps=draw.steps,
         seed=config.seed, memory_cap_tokens=mem_cap,

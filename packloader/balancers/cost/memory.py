@@ -28,7 +28,8 @@ from typing import Literal
 
 import msgspec
 
-from packloader.balancers.cost.presets import ModelShape, device_spec, get_shape
+from packloader.balancers.cost.devices import DEFAULT_DEVICE, load_device
+from packloader.balancers.cost.presets import ModelShape, get_shape
 from packloader.balancers.cost.profile_io import PROFILES_DIR
 from packloader.contracts import ParallelConfig, PlanConfig
 
@@ -164,11 +165,11 @@ class MemoryModel:
         return self.static_bytes(stage) + per_token * tokens_per_micro_batch
 
 
-def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, schedule: str = "1f1b", device: str = "h100",
+def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, schedule: str = "1f1b", device: str = DEFAULT_DEVICE,
                      memory_gib: float | None = None) -> "MemoryModel | None":
-    """The memory model of a preset name on `device` (default recompute; `memory_gib` overrides the device's
-    memory, PlanConfig.memory_gib), or None when `model_spec` is a calibration profile (a JSON path or a
-    bundled profile), whose model shape and so memory are unknown."""
+    """The memory model of a preset name on `device` (a device profile name: its memory and usable share; default
+    recompute; `memory_gib` overrides the device's memory, PlanConfig.memory_gib), or None when `model_spec` is a
+    calibration profile (a JSON path or a bundled profile), whose model shape and so memory are unknown."""
     from pathlib import Path
 
     text = str(model_spec)
@@ -178,8 +179,9 @@ def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, sc
         shape = get_shape(text)
     except KeyError:
         return None
-    dev = device_spec(device)
-    return MemoryModel(shape, parallel or ParallelConfig(), memory_gib=memory_gib or dev.memory_gib, schedule=schedule)
+    dev = load_device(device)
+    return MemoryModel(shape, parallel or ParallelConfig(), memory_gib=memory_gib or dev.memory_gib, schedule=schedule,
+                       usable_fraction=dev.usable_fraction, reserve_gib=dev.reserve_gib)
 
 
 def memory_limit_bytes(memory: "MemoryModel | None") -> float | None:
@@ -198,6 +200,8 @@ def max_tokens_for_memory(
     tile: int = 128,
     user_cap: int | None = None,
     distributed_optimizer: bool = True,
+    usable_fraction: float = 0.92,
+    reserve_gib: float = 2.0,
 ) -> int:
     """Hydraulis's MaxLen: the most tokens a micro-batch may hold for a parallel configuration, or the user's
     cap when that is lower."""
@@ -205,7 +209,7 @@ def max_tokens_for_memory(
         shape = get_shape(shape)
     mm = MemoryModel(
         shape, parallel or ParallelConfig(), memory_gib=memory_gib, recompute=recompute, schedule=schedule,
-        distributed_optimizer=distributed_optimizer,
+        distributed_optimizer=distributed_optimizer, usable_fraction=usable_fraction, reserve_gib=reserve_gib,
     )
     return mm.tokens_that_fit(num_micro_batches, tile, user_cap)
 

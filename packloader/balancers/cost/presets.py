@@ -19,7 +19,9 @@ The analytic profile (`analytic_profile`) turns a model shape into the per-pipel
 * floors: a per-layer launch/latency floor for each micro-batch (``lin.c``), and the flash kernel's tile for
   short segments (a 64-token document costs what a 128-token one does): ``CostProfile.tile``.
 
-Device constants (`DeviceSpec`) are the *achieved* rates on one H100 SXM in bf16, not the datasheet peaks:
+Device constants (`devices.DeviceSpec`, the ``rates`` of a device profile file, packloader/profiles/devices/) are
+*achieved* rates, not datasheet peaks; the shipped h100.json holds one H100 SXM's in bf16 (h200.json the same
+with the H200's HBM3e bandwidth, 3.6 TB/s):
 
 =====================  ==========  ===========================================================================
 constant               value       where it comes from
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import msgspec
 
+from packloader.balancers.cost.devices import DEFAULT_DEVICE, DeviceSpec, load_device
 from packloader.contracts import CostProfile, ParallelConfig, Poly
 
 
@@ -100,25 +103,6 @@ class ModelShape(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
         residual = 2 * (3 * h) * 2
         return norms + rotary + swiglu + residual
 
-
-class DeviceSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Achieved rates of one accelerator (see the module docstring for the H100 numbers)."""
-
-    name: str = "h100-bf16"
-    attn_fwd_tflops: float = 310.0
-    attn_bwd_tflops: float = 287.0
-    attn_bwd_flops_ratio: float = 2.5
-    gemm_fwd_tflops: float = 600.0
-    gemm_bwd_tflops: float = 571.0
-    hbm_tbps: float = 2.6
-    layer_floor_fwd_us: float = 15.0
-    layer_floor_bwd_us: float = 30.0
-    memory_gib: float = 80.0
-    tile: int = 128
-
-
-H100 = DeviceSpec()
-H200 = DeviceSpec(name="h200-bf16", hbm_tbps=3.6, memory_gib=141.0)
 
 MODEL_SHAPES: dict[str, ModelShape] = {
     s.name: s
@@ -187,7 +171,7 @@ def layers_per_stage(shape: ModelShape, parallel: ParallelConfig) -> float:
 def analytic_profile(
     shape: ModelShape,
     parallel: ParallelConfig | None = None,
-    device: DeviceSpec = H100,
+    device: DeviceSpec | None = None,
     *,
     include_head: bool = True,
     layers: float | None = None,
@@ -200,8 +184,10 @@ def analytic_profile(
     overrides the layers per stage (e.g. 1 for a one-layer profile); `include_head` spreads the LM head's
     GEMM evenly over the stages (it runs on the last one; the mean keeps every stage's time equal, which is
     what the per-micro-batch balance needs); `head_fraction` puts that share of it on this stage instead.
+    `device`: the rates of a device profile (default: the default device's).
     """
     parallel = parallel or ParallelConfig()
+    device = device or load_device(DEFAULT_DEVICE).rates
     L = layers_per_stage(shape, parallel) if layers is None else float(layers)
     shard = parallel.tp * parallel.cp
     # attention: pairs = (q^2 + 2qp)/2, 4*heads*head_dim FLOPs per pair forward
@@ -245,7 +231,8 @@ def stage_layers(shape: ModelShape, pp: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
-def analytic_stage_profiles(shape: ModelShape, parallel: ParallelConfig | None = None, device: DeviceSpec = H100) -> list[CostProfile]:
+def analytic_stage_profiles(shape: ModelShape, parallel: ParallelConfig | None = None,
+                            device: DeviceSpec | None = None) -> list[CostProfile]:
     """One profile per pipeline stage: its own layer count, the LM head on the last stage (for
     `simulator.simulate_rank(stage_models=...)`, where stage times differ)."""
     parallel = parallel or ParallelConfig()
@@ -255,11 +242,3 @@ def analytic_stage_profiles(shape: ModelShape, parallel: ParallelConfig | None =
         pr = analytic_profile(shape, parallel, device, layers=n, head_fraction=head)
         out.append(msgspec.structs.replace(pr, name=f"{pr.name}/stage{s}"))
     return out
-
-
-def device_spec(device: str):
-    """The presets' DeviceSpec of a device name ("h100" or "h200")."""
-    dev = {"h100": H100, "h200": H200}.get(device.lower())
-    if dev is None:
-        raise ValueError(f"unknown device {device!r}; expected h100 or h200")
-    return dev

@@ -158,7 +158,7 @@ class AutoPlanner:
         self.kinds = schedule_kinds(config)  # the schedules scored (schedule_choice), the default first
         self.kind = self.kinds[0]
         # the device the cost model describes (H100 unless its profile says H200); None for a profile JSON
-        device = "h200" if "h200" in self.model.profile.device.lower() else "h100"
+        device = config.device  # a device profile's name: its file gives the memory (cost/devices.py)
         self.memory: MemoryModel | None = memory_model_for(config.model, config.parallel, config.schedule, device,
                                                                   config.memory_gib)
         self.mem_limit = memory_limit_bytes(self.memory)

@@ -10,7 +10,7 @@ from torch.utils.data import IterableDataset
 from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
 from packloader.loader.graph import LoaderPipeline, StepGraph
-from packloader.loader.state import STATE_FORMAT, check_state, fingerprint, validate_config
+from packloader.loader.state import STATE_FORMAT, check_state, fingerprint
 from packloader.loader.state_check import StateContext, check_state_values, source_lengths
 from packloader.sources.order import split_range
 
@@ -90,9 +90,8 @@ class PackedDataset(IterableDataset):
         options.setdefault("lengths", "auto")
         if options.get("lengths") == "gather":
             options["lengths"] = "local"  # workers have no process group to gather through
-        cfg = validate_config(config)
-        self._p = LoaderPipeline(source, tokenizer=tokenizer, config=cfg, dp_rank=dp_rank, column=column, planner=planner,
-                            seed=cfg.seed if seed is None else seed, check_ranks=False, **options)
+        self._p = LoaderPipeline(source, tokenizer=tokenizer, config=config, dp_rank=dp_rank, column=column, planner=planner,
+                                 seed=seed, check_ranks=False, **options)
         self._epoch = 0
 
     def set_epoch(self, epoch: int) -> None:

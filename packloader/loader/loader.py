@@ -51,7 +51,14 @@ from packloader.contracts import LoaderStats, PlanConfig
 from packloader.loader.distributed import RankExchange, check_settings, next_instance, torch_rank_world
 from packloader.loader.elastic import elastic_start, same_layout
 from packloader.loader.graph import LoaderPipeline, ReadyStep, StepGraph
-from packloader.loader.state import STATE_FORMAT, LoaderOptions, check_state_shape, fingerprint, validate_config
+from packloader.loader.state import (
+    STATE_FORMAT,
+    LoaderOptions,
+    check_state_shape,
+    fingerprint,
+    options_doc,
+    options_signature,
+)
 from packloader.loader.state_check import StateContext, check_skip, check_state_values, source_lengths
 from packloader.sources.stream import DocumentStream
 
@@ -61,47 +68,15 @@ class PackedLoader:
 
     `source`: a `Source`, or a path / glob / list of paths for `open_source` (`column` picks the column or field).
     `tokenizer`: a name for `get_tokenizer` ("tekken", "cl100k", "bytes", "hf:PATH") or a Tokenizer; only used for
-    text sources. `lengths`: "auto" (a length column when the source has one, else "local"), "column", "local"
-    (every rank tokenizes the whole stream) or "gather" (ranks split the tokenizing and all-gather lengths).
-    `layout`: "flat" (`[T]`) or "hf" (`[1, T]`). `pad_to_multiple` / `pad_to_tokens`: the padded variant.
-    `num_threads`: threads that read/tokenize and that collate (0: everything in the calling thread, no
-    prefetching). `prefetch`: steps planned and collated ahead. `planner`: a Planner object to use instead of
-    `make_planner(config)` (for planners outside the registry).
+    text sources. `config`: a PlanConfig or its dict (validated by `validate_config`). `dp_rank`: this rank (default
+    torch.distributed's). `planner`: a Planner object to use instead of `make_planner(config)` (for planners outside
+    the registry). The other keyword arguments are `LoaderOptions` fields:
     """
 
-    def __init__(
-        self,
-        source,
-        *,
-        tokenizer: Any = "tekken",
-        config: PlanConfig | dict,
-        dp_rank: int | None = None,
-        seed: int | None = None,
-        shuffle: bool = True,
-        append_eos: bool = True,
-        layout: str = "flat",
-        pad_to_multiple: int | None = None,
-        pad_to_tokens: int | None = None,
-        pad_id: int | None = None,
-        epochs: int | None = 1,
-        lengths: str = "auto",
-        num_threads: int = 2,
-        prefetch: int = 2,
-        chunk_docs: int = 256,
-        check_ranks: bool = True,
-        timeout: float = 300.0,
-        name: str = "loader",
-        column: str | None = None,
-        planner=None,
-    ) -> None:
-        cfg = validate_config(config)
-        self._p = LoaderPipeline(
-            source, tokenizer=tokenizer, config=cfg, dp_rank=dp_rank, column=column, planner=planner,
-            seed=cfg.seed if seed is None else seed, shuffle=shuffle, append_eos=append_eos, layout=layout,
-            pad_to_multiple=pad_to_multiple, pad_to_tokens=pad_to_tokens, pad_id=pad_id, epochs=epochs,
-            lengths=lengths, num_threads=num_threads, prefetch=prefetch, chunk_docs=chunk_docs,
-            check_ranks=check_ranks, timeout=timeout, name=name,
-        )
+    def __init__(self, source, *, tokenizer: Any = "tekken", config: PlanConfig | dict, dp_rank: int | None = None,
+                 column: str | None = None, planner=None, **options: Any) -> None:
+        self._p = LoaderPipeline(source, tokenizer=tokenizer, config=config, dp_rank=dp_rank, column=column,
+                                 planner=planner, **options)
         o = self._p.options
         self.exchange: RankExchange | None = None
         if (o.check_ranks or self._p.mode == "gather") and torch_rank_world() is not None:
@@ -315,3 +290,8 @@ class PackedLoader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# The options' keyword arguments and their documentation, generated from LoaderOptions.
+PackedLoader.__init__.__signature__ = options_signature(PackedLoader.__init__)
+PackedLoader.__doc__ = (PackedLoader.__doc__ or "").rstrip() + "\n" + options_doc() + "\n"

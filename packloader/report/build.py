@@ -12,6 +12,7 @@ import numpy as np
 
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.resolve import load_cost_model
+from packloader.balancers.planners.config_rules import validate_config
 from packloader.balancers.sim.simulator import simulate_step
 from packloader.contracts import PlanConfig, plan_encoder
 from packloader.report import plots
@@ -86,6 +87,7 @@ def build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions | 
     opt = options or ReportOptions()
     if config.device != opt.device:  # the planners price the device the report is for
         config = msgspec.structs.replace(config, device=opt.device)
+    config = validate_config(config, strategy_rules=False)  # each strategy is run (or reported refused) on its own
     model = load_cost_model(config.model, config.parallel, device=opt.device, cost=config.cost)
     memory = memory_model_for(config.model, config, opt.device)
     draw: Draw = draw_steps(lengths.lengths, config.tokens_per_step, config.context, opt.steps)

@@ -62,7 +62,7 @@ gradient of a sliced document crosses micro-batches on the same stage only, so n
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -128,11 +128,6 @@ def simulated_actions(micro_batches: Sequence[MicroBatch], pp: int, *, vpp: int 
             acts.append(_Action(vs, FULL_BACKWARD if isb else FORWARD, u))
         out[s] = acts
     return out
-
-
-def _order_of(actions: Iterable[_Action], pp: int) -> list[tuple[str, int, int]]:
-    return [("B" if a.computation_type == FULL_BACKWARD else "F", int(a.microbatch_index), a.stage_index // pp)
-            for a in actions]
 
 
 # ---------------------------------------------------------------------------------------------- schedule

@@ -105,10 +105,6 @@ def base_profile(path: str | None = None) -> CostProfile:
     return load_profile(path or PROFILES_DIR / f"{PROFILE_NAME}.json")
 
 
-def _scale(p: Poly, k: float) -> Poly:
-    return Poly(p.a * k, p.b * k, p.c * k)
-
-
 def measured_profile(
     shape: presets.ModelShape,
     parallel: ParallelConfig | None = None,

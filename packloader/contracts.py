@@ -45,16 +45,12 @@ class Segment(msgspec.Struct, frozen=True, array_like=True):
         return self.end - self.start
 
 
-CPMode = Literal["sequence", "document", "hierarchical"]
-
-
 class MicroBatch(msgspec.Struct, kw_only=True):
     """One forward/backward unit on one DP rank (or on a DP-Merge group of ranks)."""
 
     segments: list[Segment]
     fwd_cost: float = 0.0
     bwd_cost: float = 0.0
-    cp_mode: CPMode | None = None
     # DP-Merge (SlimPack): the DP ranks that run this micro-batch together as context parallelism. None means
     # the micro-batch belongs to the rank whose list holds it.
     dp_group: list[int] | None = None

@@ -9,7 +9,6 @@ _EXPORTS = {
     "PackedDataset": "packloader.loader.dataset",
     "LoaderStats": "packloader.contracts",
     "LoaderOptions": "packloader.loader.state",
-    "TokenLedger": "packloader.loader.check",
 }
 
 __all__ = sorted(_EXPORTS)

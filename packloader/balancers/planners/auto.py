@@ -390,7 +390,7 @@ class AutoPlanner:
                 f"{self.device.upper()}: " + "; ".join(parts))
         if self.memory_over_steps:
             text += (f"; in {self.memory_over_steps} steps no candidate fit and the lowest peak was taken "
-                     f"(StepPlan.extra['memory_over'])")
+                     f"(StepPlan.memory_over)")
         return text
 
     def fits(self, r: "_Result") -> bool:

@@ -52,12 +52,12 @@ from packloader.loader.distributed import RankExchange, check_settings, next_ins
 from packloader.loader.elastic import elastic_start, same_layout
 from packloader.loader.graph import LoaderPipeline, ReadyStep, StepGraph
 from packloader.loader.state import (
-    STATE_FORMAT,
     LoaderOptions,
     check_state_shape,
     fingerprint,
     options_doc,
     options_signature,
+    saved_state,
 )
 from packloader.loader.state_check import StateContext, check_skip, check_state_values, source_lengths
 from packloader.sources.stream import DocumentStream
@@ -215,15 +215,9 @@ class PackedLoader:
         It does not depend on `num_threads`, `prefetch`, `chunk_docs`, `lengths`, the layout or the padding:
         a loader that differs from the saving one only in those resumes it exactly."""
         step_state, skip = self._resume
-        return {
-            "format": STATE_FORMAT,
-            "fingerprint": self._fingerprint(),
-            "next_epoch": self._next_epoch,
-            "pass_left": self._pass_left,
-            "pass_open": self._pass_open,
-            "stats": msgspec.to_builtins(self.stats),
-            "loader": {"step_state": step_state, "skip": skip},
-        }
+        return saved_state(fingerprint=self._fingerprint(), step_state=step_state, skip=skip,
+                           next_epoch=self._next_epoch, pass_left=self._pass_left, pass_open=self._pass_open,
+                           stats=self.stats)
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Resume from `state_dict()`: the next batch is the one that followed when it was saved.
@@ -236,15 +230,14 @@ class PackedLoader:
         only). So is a state whose numbers describe no point of this stream (`state_check.py`), naming the field;
         a mid-step state's step is planned here, to check `skip` against it (the loader is left as it was when
         refused)."""
-        check_state_shape(state)
+        saved = check_state_shape(state)  # the SavedState (msgspec.convert); the checks below read the plain dict
         fp = self._fingerprint()
         n = self._p.stream.num_docs
-        if state.get("ranks") is None:
+        if saved.ranks is None:
             check_state_values(state, StateContext(num_docs=n, span=(0, n), doc_lengths=source_lengths(self._p.stream)))
-        if state.get("ranks") is None and same_layout(state["fingerprint"], fp):
-            pos = state["loader"]
-            start, skip = pos["step_state"], int(pos["skip"])
-            next_epoch, pass_left, pass_open = int(state["next_epoch"]), state["pass_left"], bool(state["pass_open"])
+        if saved.ranks is None and same_layout(saved.fingerprint, fp):
+            start, skip = state["loader"]["step_state"], saved.loader.skip
+            next_epoch, pass_left, pass_open = int(saved.next_epoch), saved.pass_left, saved.pass_open
         else:
             r = elastic_start(state, fp, lambda config, at: self._p.replay(config, at, lambda epoch: (0, n)))
             start, skip = r.step_state, 0

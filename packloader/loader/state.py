@@ -102,34 +102,51 @@ def fingerprint(*, config: PlanConfig, options: LoaderOptions, source, tokenizer
     }
 
 
-class _StepState(msgspec.Struct):
-    """The StepNode state a saved loader state resumes from (checked on load, used as the plain dict)."""
+class StepState(msgspec.Struct, kw_only=True):
+    """Where the planning stage stands: StepNode's state, and the step part of a saved state. Declared once here:
+    StepNode builds it (`get_state`, as `msgspec.to_builtins`) and resumes from it (`msgspec.convert`)."""
 
     epoch: int
-    pos: int
+    pos: int  # the first document of the epoch's order not yet drawn (in full)
     offset: int  # tokens of the document at `pos` that earlier steps drew (a step ends inside a long document)
-    k: int
-    flushing: bool
-    planner: PlannerState
-    queued_lengths: list[tuple[int, int]]
-    stats: LoaderStats
+    k: int  # the next step's number
+    flushing: bool  # the epoch's documents are all drawn: the planner is flushing its queue
     remainder: dict | None = None  # an interrupted step's untrained pieces, to plan first (elastic resume)
+    planner: PlannerState
+    queued_lengths: list[Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]]  # [doc, length] pairs
+    stats: LoaderStats
 
 
-class _Position(msgspec.Struct):
-    step_state: _StepState | None  # None: the start
+class Position(msgspec.Struct, kw_only=True):
+    step_state: StepState | None  # None: the start
     skip: Annotated[int, msgspec.Meta(ge=0)]  # micro-batches of the step from step_state already yielded
 
 
-class _SavedState(msgspec.Struct):
+class SavedState(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A loader's `state_dict()` (or `PackedDataset` worker's), declared once: built by `saved_state`, checked on
+    load by `check_state_shape` (`msgspec.convert`)."""
+
     format: str
     fingerprint: dict
     next_epoch: int | None
     pass_left: int | None
     pass_open: bool
     stats: LoaderStats | None
-    loader: _Position
-    ranks: list[_Position] | None = None  # `elastic.merge_states`: every saving rank's position, by DP rank
+    loader: Position
+    ranks: list[Position] | None = None  # `elastic.merge_states`: every saving rank's position, by DP rank
+
+
+def step_state(**fields) -> dict:
+    """A StepNode state as the plain dict the loaders save (validated on the way, so a field never goes missing)."""
+    return msgspec.to_builtins(StepState(**fields))
+
+
+def saved_state(*, fingerprint: dict, step_state: dict | None, skip: int, next_epoch: int | None = None,
+                pass_left: int | None = None, pass_open: bool = False, stats: LoaderStats | None = None) -> dict:
+    """A `state_dict()`: plain Python data (torch.save/pickle), `msgspec.to_builtins` of a SavedState."""
+    position = Position(step_state=None if step_state is None else msgspec.convert(step_state, StepState), skip=skip)
+    return msgspec.to_builtins(SavedState(format=STATE_FORMAT, fingerprint=fingerprint, next_epoch=next_epoch,
+                                          pass_left=pass_left, pass_open=pass_open, stats=stats, loader=position))
 
 
 def check_state(state, current_fingerprint: dict) -> None:
@@ -138,7 +155,7 @@ def check_state(state, current_fingerprint: dict) -> None:
     check_fingerprint(state["fingerprint"], current_fingerprint)
 
 
-def check_state_shape(state) -> None:
+def check_state_shape(state) -> SavedState:
     """Refuse, naming the field, a state that is not a complete `state_dict()` (or `merge_states`) of this version."""
     if not isinstance(state, dict):
         raise TypeError(f"a PackedLoader state is the dict state_dict() returned, got {type(state).__name__}")
@@ -146,7 +163,7 @@ def check_state_shape(state) -> None:
         raise ValueError(f"not a PackedLoader state of this version: its 'format' is {state.get('format')!r}, "
                          f"expected {STATE_FORMAT!r}")
     try:
-        msgspec.convert(state, _SavedState)
+        return msgspec.convert(state, SavedState)
     except msgspec.ValidationError as e:
         raise ValueError(f"this PackedLoader state is incomplete or damaged: {e}") from e
 

@@ -335,6 +335,12 @@ def cli_tokens_per_step_below_max_tokens(tmp):
                        "--quiet")
 
 
+def cli_context_beyond_max_tokens_unsliced(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--strategy", "fixed", "--max-tokens", "1024",
+                       "--context", "2048", "--tokens-per-step", "4096", "--quiet")
+
+
 def lengths_forty_digits(tmp):
     (tmp / "big.txt").write_text("10\n" + "1234567890" * 4 + "\n")
     return lambda: cli("plan", "--lengths", str(tmp / "big.txt"), "--quiet")
@@ -643,6 +649,9 @@ CASES = [
          ("state field loader.step_state.epoch = 7: expected 0, the epochs completed",)),
     Case("cli_tokens_per_step_below_max_tokens", cli_tokens_per_step_below_max_tokens, CliExit,
          ("exit 2", "(--tokens-per-step, --max-tokens)", "tokens_per_step=512 is below max_tokens=1024")),
+    Case("cli_context_beyond_max_tokens_unsliced", cli_context_beyond_max_tokens_unsliced, CliExit,
+         ("exit 2", "(--context, --max-tokens, --no-slicing, --strategy)",
+          "PlanConfig.context=2048 exceeds max_tokens=1024 with strategy='fixed', which does not slice")),
     Case("lengths_forty_digits", lengths_forty_digits, CliExit,
          ("exit 2", "big.txt, line 2", "is beyond the largest length 9,223,372,036,854,775,807")),
     Case("lengths_uint64_max", lengths_uint64_max, CliExit,

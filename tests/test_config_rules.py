@@ -9,11 +9,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from packloader import PackedLoader
+from packloader import PackedLoader, validate_config
 from packloader.balancers.offline import plan_run
 from packloader.cli.main import main
 from packloader.contracts import ConfigError, PlanConfig
-from packloader.loader.state import validate_config
 from packloader.report.build import ReportOptions, build_report
 from packloader.sources.base import IterableSource
 from packloader.sources.lengths_file import Lengths

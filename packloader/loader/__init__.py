@@ -9,6 +9,7 @@ _EXPORTS = {
     "PackedDataset": "packloader.loader.dataset",
     "LoaderStats": "packloader.contracts",
     "LoaderOptions": "packloader.loader.state",
+    "SavedState": "packloader.loader.state",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,5 +1,6 @@
-"""What the loader counts and checks about itself: its options (validated), its stats, and the fingerprint that
-makes `load_state_dict` refuse a state saved by a differently configured loader."""
+"""What the loader declares and checks about itself: its options and its saved state, each declared once as a
+Struct (keyword arguments, docs and `state_dict()` are generated from them), and the fingerprint that makes
+`load_state_dict` refuse a state saved by a differently configured loader."""
 
 from __future__ import annotations
 

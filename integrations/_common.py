@@ -4,7 +4,6 @@ placeholder row of an empty micro-batch."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
@@ -97,9 +96,3 @@ def unshifted_labels(batch: PackedBatch) -> torch.Tensor:
             # a predecessor whose packloader label is -100 (none inside a segment) would not predict: keep in step
             out[o + 1 : o + q][lab[o : o + q - 1] == IGNORE_INDEX] = IGNORE_INDEX
     return out
-
-
-def to_device(x: Any, device: Any, non_blocking: bool = True) -> Any:
-    if torch.is_tensor(x) and device is not None:
-        return x.to(device, non_blocking=non_blocking)
-    return x

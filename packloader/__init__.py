@@ -48,6 +48,8 @@ _EXPORTS: dict[str, str] = {
     "CostProfile": "packloader.contracts",
     "Poly": "packloader.contracts",
     "LinTable": "packloader.contracts",
+    "ConfigError": "packloader.contracts",
+    "validate_config": "packloader.balancers.planners.config_rules",
     "Window": "packloader.balancers.planners.registry",
     "Planner": "packloader.balancers.planners.registry",
     "make_planner": "packloader.balancers.planners.registry",

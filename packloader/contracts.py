@@ -45,16 +45,12 @@ class Segment(msgspec.Struct, frozen=True, array_like=True):
         return self.end - self.start
 
 
-CPMode = Literal["sequence", "document", "hierarchical"]
-
-
 class MicroBatch(msgspec.Struct, kw_only=True):
     """One forward/backward unit on one DP rank (or on a DP-Merge group of ranks)."""
 
     segments: list[Segment]
     fwd_cost: float = 0.0
     bwd_cost: float = 0.0
-    cp_mode: CPMode | None = None
     # DP-Merge (SlimPack): the DP ranks that run this micro-batch together as context parallelism. None means
     # the micro-batch belongs to the rank whose list holds it.
     dp_group: list[int] | None = None
@@ -143,16 +139,27 @@ class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     memory_gib: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
 
 
+class ConfigError(ValueError):
+    """A PlanConfig refused: the message says what is expected; `fields` names the PlanConfig fields involved
+    (`parallel.dp` for a nested one), so a CLI can name its flags."""
+
+    def __init__(self, message: str, *, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
 def check_plan_config(config: PlanConfig) -> None:
     """The rules between PlanConfig fields that a run needs (msgspec checks each field alone), as a ValueError
     naming the fields and what is expected. Not in `__post_init__`: planners derive sub-configs (e.g. `auto`'s
     non-slicing candidates) that break these rules and never see an over-long piece. The rules that depend on
     the planner (a known strategy, one that slices when context > max_tokens) are the planner registry's
-    (`balancers.planners.registry.check_strategy`)."""
+    (`balancers.planners.registry.check_strategy`); `balancers.planners.config_rules.validate_config` applies
+    them all."""
     if config.tokens_per_step < config.max_tokens:
-        raise ValueError(
+        raise ConfigError(
             f"PlanConfig.tokens_per_step={config.tokens_per_step} is below max_tokens={config.max_tokens}: expected "
-            "tokens_per_step >= max_tokens (a step draws at least one full micro-batch of tokens)"
+            "tokens_per_step >= max_tokens (a step draws at least one full micro-batch of tokens)",
+            fields=("tokens_per_step", "max_tokens"),
         )
 
 

@@ -369,6 +369,10 @@ def device_file_misnamed(tmp):
     spec = json.loads((DEVICES_DIR / "h200.json").read_text())
     (tmp / "b200.json").write_text(json.dumps(dict(spec, name="h200")))
     return lambda: register_device(tmp / "b200.json")
+def cli_context_beyond_max_tokens_unsliced(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--strategy", "fixed", "--max-tokens", "1024",
+                       "--context", "2048", "--tokens-per-step", "4096", "--quiet")
 
 
 def lengths_forty_digits(tmp):
@@ -708,6 +712,9 @@ CASES = [
          ("exit 2", "--device 'b200': unknown device 'b200'; known devices: h100, h200", "PACKLOADER_DEVICE_PATH")),
     Case("device_file_misnamed", device_file_misnamed, ValueError,
          ("b200.json: its name field is 'h200'; expected the file's name 'b200'",)),
+    Case("cli_context_beyond_max_tokens_unsliced", cli_context_beyond_max_tokens_unsliced, CliExit,
+         ("exit 2", "(--context, --max-tokens, --no-slicing, --strategy)",
+          "PlanConfig.context=2048 exceeds max_tokens=1024 with strategy='fixed', which does not slice")),
     Case("lengths_forty_digits", lengths_forty_digits, CliExit,
          ("exit 2", "big.txt, line 2", "is beyond the largest length 9,223,372,036,854,775,807")),
     Case("lengths_uint64_max", lengths_uint64_max, CliExit,

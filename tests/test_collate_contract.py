@@ -60,7 +60,7 @@ def test_collate_matches_reference(mb):
     assert b.doc_ids.tolist() == [s.doc for s in segments]
     assert b.num_loss_tokens == sum(l != IGNORE_INDEX for l in labels)
     assert (b.step, b.index_in_step, b.micro_batches_in_step, b.loss_tokens_in_step) == (3, 1, 2, 999)
-    assert b.cu_seqlens_padded is None and b.cp is None
+    assert b.cu_seqlens_padded is None
     if all(s.attend_from == s.start for s in segments):
         hf = b.to_hf()
         assert hf["input_ids"].shape == (1, len(ids)) and hf["max_length_q"] == b.max_seqlen

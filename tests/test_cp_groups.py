@@ -14,7 +14,7 @@ D = 4
 
 
 def _plan() -> StepPlan:
-    outlier = MicroBatch(segments=[Segment(7, 0, 29, 0), Segment(8, 0, 3, 0)], dp_group=[1, 2], cp_mode="document")
+    outlier = MicroBatch(segments=[Segment(7, 0, 29, 0), Segment(8, 0, 3, 0)], dp_group=[1, 2])
     everyone = MicroBatch(segments=[Segment(9, 0, 41, 0), Segment(10, 0, 1, 0), Segment(11, 0, 6, 0)],
                           dp_group=[3, 2, 1, 0])
     plain = MicroBatch(segments=[Segment(1, 0, 5, 0)])
@@ -59,7 +59,7 @@ def _rank(rank: int, world: int) -> dict:
             continue
         q, k, v, w = _data(mb, seed=i)
         ref = _reference(mb, q, k, v, w)
-        shard = dp_merge_shard(mb, dp_rank=rank)
+        shard = dp_merge_shard(mb, dp_rank=rank, mode="document" if mb.dp_group == [1, 2] else None)
         idx = torch.from_numpy(shard.token_index)
         ql, kl, vl = (t[idx].clone().requires_grad_(True) for t in (q, k, v))
         out = dp_merge_attention(ql, kl, vl, mb, dp_rank=rank, shard=shard, groups=cache, backend="reference")

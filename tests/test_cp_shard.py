@@ -189,8 +189,8 @@ def test_unit_estimate_without_cost_module():
 
 
 def test_shard_micro_batch_uses_segments_and_refuses_slices():
-    mb = MicroBatch(segments=[Segment(0, 0, 9, 0), Segment(1, 64, 70, 64)], cp_mode="document")
-    plan = shard_micro_batch(mb, 2, cost=COST)
+    mb = MicroBatch(segments=[Segment(0, 0, 9, 0), Segment(1, 64, 70, 64)])
+    plan = shard_micro_batch(mb, 2, mode="document", cost=COST)
     assert plan.mode == "document"
     pos = np.concatenate([r.position_ids for r in plan.ranks])
     assert sorted(pos.tolist()) == sorted(list(range(9)) + list(range(6)))  # the piece at 64 restarts at 0

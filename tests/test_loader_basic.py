@@ -13,9 +13,9 @@ from helpers.planners import DelayingPlanner
 
 from packloader.balancers.planners.registry import available_strategies
 from packloader.contracts import ParallelConfig, PlanConfig
-from packloader.loader.check import TokenLedger, check_batch_tokens
 from packloader.loader.loader import PackedLoader
 from packloader.sources.base import IterableSource
+from tests.helpers.ledger import TokenLedger, check_batch_tokens
 
 
 def config(**kw):

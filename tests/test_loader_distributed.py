@@ -8,8 +8,8 @@ import pytest
 from helpers.distributed import run_ranks
 
 from packloader.contracts import ParallelConfig, PlanConfig
-from packloader.loader.check import TokenLedger
 from packloader.loader.loader import PackedLoader
+from tests.helpers.ledger import TokenLedger
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from packloader.contracts import ParallelConfig, PlanConfig
-from packloader.loader.check import TokenLedger
 from packloader.loader.loader import PackedLoader
 from packloader.sources.base import IterableSource
+from tests.helpers.ledger import TokenLedger
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

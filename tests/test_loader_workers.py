@@ -7,8 +7,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 from packloader.contracts import ParallelConfig, PlanConfig
-from packloader.loader.check import TokenLedger, check_batch_tokens
 from packloader.loader.dataset import PackedDataset
+from tests.helpers.ledger import TokenLedger, check_batch_tokens
 
 
 def _config(dp=1):

@@ -249,8 +249,8 @@ def test_sources_survive_pickling_for_spawned_workers(tmp_path):
 def test_spawned_dataloader_workers_read_a_saved_dataset_every_token_once(tmp_path):
     from torch.utils.data import DataLoader
 
-    from packloader.loader.check import TokenLedger
     from packloader.loader.dataset import PackedDataset
+    from tests.helpers.ledger import TokenLedger
 
     texts = texts_of(90, seed=13)
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "w"))
@@ -296,8 +296,8 @@ def _rank_segments(rank, world, n, seed):
 def test_gloo_ranks_share_tokenizing_a_dataset_and_cover_every_token_once():
     from helpers.distributed import run_ranks
 
-    from packloader.loader.check import TokenLedger
     from packloader.sources.stream import DocumentStream
+    from tests.helpers.ledger import TokenLedger
 
     texts = texts_of(60, 15)
     per_rank = run_ranks(_rank_segments, 2, 60, 15)

@@ -136,8 +136,8 @@ def _rank_segments(rank, world, prefix):
 def test_gloo_ranks_cover_every_token_once(tmp_path):
     from helpers.distributed import run_ranks
 
-    from packloader.loader.check import TokenLedger
     from packloader.sources.stream import DocumentStream
+    from tests.helpers.ledger import TokenLedger
 
     docs = docs_of(80, seed=9, vocab=1000)
     prefix = write_pair(tmp_path / "g", docs)

@@ -8,11 +8,11 @@ drawn document appears exactly once over the run and nothing stays queued.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
 from packloader.balancers.draw import draw_windows
+from packloader.balancers.planners.config_rules import validate_config
 from packloader.balancers.planners.packing import flush_state
 from packloader.balancers.planners.registry import Window, make_planner
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
@@ -26,8 +26,11 @@ class PlanRun:
 
 
 def plan_run(lengths: np.ndarray, config: PlanConfig, steps: int, planner=None) -> PlanRun:
-    """Plan every step of a run; the last one flushes whatever the planner still holds."""
-    planner = planner or make_planner(config)
+    """Plan every step of a run; the last one flushes whatever the planner still holds. Without a `planner`
+    object, `config` is validated as the loader validates it and the registry's planner is used."""
+    if planner is None:
+        config = validate_config(config)
+        planner = make_planner(config)
     windows = draw_windows(lengths, config.tokens_per_step, config.context, steps).windows
     state = PlannerState()
     plans = []
@@ -87,8 +90,3 @@ def plan_record(plan: StepPlan, actions: list | None = None) -> dict:
     if actions is not None:
         rec["actions"] = actions
     return rec
-
-
-def iter_records(run: PlanRun) -> Iterator[dict]:
-    for plan in run.plans:
-        yield plan_record(plan)

@@ -63,14 +63,13 @@ def _fail(msg: str) -> int:
 
 
 def build_config(args: argparse.Namespace):
-    """The PlanConfig from the arguments; msgspec validates it and names the offending flag."""
+    """The PlanConfig from the arguments, validated as the library validates it; a refusal names the flags."""
     return config_from_args(args, strategy=args.strategy)
 
 
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from packloader.balancers.cost.devices import load_device
     from packloader.balancers.offline import plan_record, plan_run
     from packloader.balancers.planners.packing import cost_model_for
     from packloader.balancers.planners.registry import make_planner
@@ -82,17 +81,7 @@ def run(args: argparse.Namespace) -> int:
         config = build_config(args)
     except ValueError as e:
         return _fail(str(e))
-    if not config.allow_slicing and config.context > config.max_tokens:
-        return _fail(f"--context {config.context} exceeds --max-tokens {config.max_tokens} with --no-slicing: a piece "
-                     f"that long fits no micro-batch; lower --context or allow slicing")
-    try:
-        load_device(config.device)
-    except (ValueError, FileNotFoundError) as e:
-        return _fail(f"--device {config.device!r}: {e}")
-    try:
-        model = cost_model_for(config)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        return _fail(f"--model {config.model!r}: {e}")
+    model = cost_model_for(config)  # loaded by the validation already (`validate_config`)
     try:
         # document ids are positions in the file: empty documents stay in place (skipped when drawn) and counted
         read = read_lengths(args.lengths, args.column, empty="keep", column_flag="--column")

@@ -71,7 +71,8 @@ def _config(args: argparse.Namespace):
         tps = config.tokens_per_step
     else:
         tps = config.parallel.dp * config.max_tokens * max(4, 2 * config.parallel.pp)
-    return config_from_args(args, strategy="fixed", defaults=defaults, tokens_per_step=tps)
+    # "fixed" is a placeholder: each strategy is run on its own, so the planner's rules are not the whole run's
+    return config_from_args(args, strategy="fixed", defaults=defaults, strategy_rules=False, tokens_per_step=tps)
 
 
 def _run(args: argparse.Namespace) -> int:

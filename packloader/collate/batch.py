@@ -44,8 +44,6 @@ class PackedBatch:
     micro_batches_in_step: int  # how many micro-batches this rank runs in this step
     # Padded variant for CUDA graphs / TransformerEngine: each segment padded to a multiple, total to a fixed count.
     cu_seqlens_padded: torch.Tensor | None = None
-    # Context parallelism: this CP rank's shard and its attention metadata (packloader.collate.cp_shard).
-    cp: Any | None = None
     layout: str = "flat"  # "flat": [T] token tensors, "hf": [1, T]
     # DP-Merge: the DP ranks that share this micro-batch (its MicroBatch.dp_group); None: this rank's alone
     dp_group: list[int] | None = None

@@ -303,8 +303,7 @@ def _assemble(mode, cp, L, pos0, lay, owner, pad, sharded, fwd, bwd, lin, estima
 
 def shard_micro_batch(mb: MicroBatch, cp_size: int, *, mode: str | None = None, **kwargs: Any) -> CPShardPlan:
     """plan_cp_shards for a planner's MicroBatch: its segments' lengths, position offsets (start - attend_from, the
-    collate's: 0 for every segment here, since slices are refused), and mode (`mode`, else the micro-batch's
-    `cp_mode`, else adaptive).
+    collate's: 0 for every segment here, since slices are refused), and mode (`mode`, else adaptive).
 
     Slices (``attend_from < start``, SlimPack) need their document's earlier keys from a KV cache that lives
     outside the micro-batch; CP sharding of those is not supported and is refused here.
@@ -316,4 +315,4 @@ def shard_micro_batch(mb: MicroBatch, cp_size: int, *, mode: str | None = None, 
                 "context-parallel sharding of slices is not supported: plan with allow_slicing=False when CP > 1")
     lengths = [s.end - s.start for s in mb.segments]
     offsets = [s.start - s.attend_from for s in mb.segments]
-    return plan_cp_shards(lengths, cp_size, mode or mb.cp_mode or "adaptive", position_offsets=offsets, **kwargs)
+    return plan_cp_shards(lengths, cp_size, mode or "adaptive", position_offsets=offsets, **kwargs)

@@ -9,7 +9,7 @@ _EXPORTS = {
     "PackedDataset": "packloader.loader.dataset",
     "LoaderStats": "packloader.contracts",
     "LoaderOptions": "packloader.loader.state",
-    "TokenLedger": "packloader.loader.check",
+    "SavedState": "packloader.loader.state",
 }
 
 __all__ = sorted(_EXPORTS)

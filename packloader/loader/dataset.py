@@ -10,7 +10,7 @@ from torch.utils.data import IterableDataset
 from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
 from packloader.loader.graph import LoaderPipeline, StepGraph
-from packloader.loader.state import STATE_FORMAT, check_state, fingerprint, validate_config
+from packloader.loader.state import check_state, fingerprint, saved_state
 from packloader.loader.state_check import StateContext, check_state_values, source_lengths
 from packloader.sources.order import split_range
 
@@ -51,8 +51,7 @@ class _StepIterator:
                            dp_rank=p.dp_rank, eos_appended=p.stream.eos_appended, span=self.span)
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "fingerprint": self._fingerprint(), "next_epoch": None, "pass_left": None,
-                "pass_open": False, "stats": None, "loader": {"step_state": self._position, "skip": 0}}
+        return saved_state(fingerprint=self._fingerprint(), step_state=self._position, skip=0)
 
     def load_state_dict(self, state: dict) -> None:
         check_state(state, self._fingerprint())
@@ -90,9 +89,8 @@ class PackedDataset(IterableDataset):
         options.setdefault("lengths", "auto")
         if options.get("lengths") == "gather":
             options["lengths"] = "local"  # workers have no process group to gather through
-        cfg = validate_config(config)
-        self._p = LoaderPipeline(source, tokenizer=tokenizer, config=cfg, dp_rank=dp_rank, column=column, planner=planner,
-                            seed=cfg.seed if seed is None else seed, check_ranks=False, **options)
+        self._p = LoaderPipeline(source, tokenizer=tokenizer, config=config, dp_rank=dp_rank, column=column, planner=planner,
+                                 seed=seed, check_ranks=False, **options)
         self._epoch = 0
 
     def set_epoch(self, epoch: int) -> None:

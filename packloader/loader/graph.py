@@ -65,8 +65,8 @@ class LoaderPipeline:
     """What PackedLoader and PackedDataset share: options, stream, planner, and the node graph."""
 
     def __init__(self, source, *, tokenizer, config, dp_rank, column, planner=None, **options) -> None:
-        self.config: PlanConfig = validate_config(config)
-        self.options: LoaderOptions = validate_options(**options)
+        self.config: PlanConfig = validate_config(config)  # the one place the loaders validate it
+        self.options: LoaderOptions = validate_options(self.config, **options)
         if self.options.pad_to_tokens is not None and self.options.pad_to_tokens < self.config.max_tokens:
             raise ValueError(
                 f"pad_to_tokens={self.options.pad_to_tokens} is below config.max_tokens={self.config.max_tokens}: "

@@ -51,7 +51,14 @@ from packloader.contracts import LoaderStats, PlanConfig
 from packloader.loader.distributed import RankExchange, check_settings, next_instance, torch_rank_world
 from packloader.loader.elastic import elastic_start, same_layout
 from packloader.loader.graph import LoaderPipeline, ReadyStep, StepGraph
-from packloader.loader.state import STATE_FORMAT, LoaderOptions, check_state_shape, fingerprint, validate_config
+from packloader.loader.state import (
+    LoaderOptions,
+    check_state_shape,
+    fingerprint,
+    options_doc,
+    options_signature,
+    saved_state,
+)
 from packloader.loader.state_check import StateContext, check_skip, check_state_values, source_lengths
 from packloader.sources.stream import DocumentStream
 
@@ -61,47 +68,15 @@ class PackedLoader:
 
     `source`: a `Source`, or a path / glob / list of paths for `open_source` (`column` picks the column or field).
     `tokenizer`: a name for `get_tokenizer` ("tekken", "cl100k", "bytes", "hf:PATH") or a Tokenizer; only used for
-    text sources. `lengths`: "auto" (a length column when the source has one, else "local"), "column", "local"
-    (every rank tokenizes the whole stream) or "gather" (ranks split the tokenizing and all-gather lengths).
-    `layout`: "flat" (`[T]`) or "hf" (`[1, T]`). `pad_to_multiple` / `pad_to_tokens`: the padded variant.
-    `num_threads`: threads that read/tokenize and that collate (0: everything in the calling thread, no
-    prefetching). `prefetch`: steps planned and collated ahead. `planner`: a Planner object to use instead of
-    `make_planner(config)` (for planners outside the registry).
+    text sources. `config`: a PlanConfig or its dict (validated by `validate_config`). `dp_rank`: this rank (default
+    torch.distributed's). `planner`: a Planner object to use instead of `make_planner(config)` (for planners outside
+    the registry). The other keyword arguments are `LoaderOptions` fields:
     """
 
-    def __init__(
-        self,
-        source,
-        *,
-        tokenizer: Any = "tekken",
-        config: PlanConfig | dict,
-        dp_rank: int | None = None,
-        seed: int | None = None,
-        shuffle: bool = True,
-        append_eos: bool = True,
-        layout: str = "flat",
-        pad_to_multiple: int | None = None,
-        pad_to_tokens: int | None = None,
-        pad_id: int | None = None,
-        epochs: int | None = 1,
-        lengths: str = "auto",
-        num_threads: int = 2,
-        prefetch: int = 2,
-        chunk_docs: int = 256,
-        check_ranks: bool = True,
-        timeout: float = 300.0,
-        name: str = "loader",
-        column: str | None = None,
-        planner=None,
-    ) -> None:
-        cfg = validate_config(config)
-        self._p = LoaderPipeline(
-            source, tokenizer=tokenizer, config=cfg, dp_rank=dp_rank, column=column, planner=planner,
-            seed=cfg.seed if seed is None else seed, shuffle=shuffle, append_eos=append_eos, layout=layout,
-            pad_to_multiple=pad_to_multiple, pad_to_tokens=pad_to_tokens, pad_id=pad_id, epochs=epochs,
-            lengths=lengths, num_threads=num_threads, prefetch=prefetch, chunk_docs=chunk_docs,
-            check_ranks=check_ranks, timeout=timeout, name=name,
-        )
+    def __init__(self, source, *, tokenizer: Any = "tekken", config: PlanConfig | dict, dp_rank: int | None = None,
+                 column: str | None = None, planner=None, **options: Any) -> None:
+        self._p = LoaderPipeline(source, tokenizer=tokenizer, config=config, dp_rank=dp_rank, column=column,
+                                 planner=planner, **options)
         o = self._p.options
         self.exchange: RankExchange | None = None
         if (o.check_ranks or self._p.mode == "gather") and torch_rank_world() is not None:
@@ -240,15 +215,9 @@ class PackedLoader:
         It does not depend on `num_threads`, `prefetch`, `chunk_docs`, `lengths`, the layout or the padding:
         a loader that differs from the saving one only in those resumes it exactly."""
         step_state, skip = self._resume
-        return {
-            "format": STATE_FORMAT,
-            "fingerprint": self._fingerprint(),
-            "next_epoch": self._next_epoch,
-            "pass_left": self._pass_left,
-            "pass_open": self._pass_open,
-            "stats": msgspec.to_builtins(self.stats),
-            "loader": {"step_state": step_state, "skip": skip},
-        }
+        return saved_state(fingerprint=self._fingerprint(), step_state=step_state, skip=skip,
+                           next_epoch=self._next_epoch, pass_left=self._pass_left, pass_open=self._pass_open,
+                           stats=self.stats)
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Resume from `state_dict()`: the next batch is the one that followed when it was saved.
@@ -261,15 +230,14 @@ class PackedLoader:
         only). So is a state whose numbers describe no point of this stream (`state_check.py`), naming the field;
         a mid-step state's step is planned here, to check `skip` against it (the loader is left as it was when
         refused)."""
-        check_state_shape(state)
+        saved = check_state_shape(state)  # the SavedState (msgspec.convert); the checks below read the plain dict
         fp = self._fingerprint()
         n = self._p.stream.num_docs
-        if state.get("ranks") is None:
+        if saved.ranks is None:
             check_state_values(state, StateContext(num_docs=n, span=(0, n), doc_lengths=source_lengths(self._p.stream)))
-        if state.get("ranks") is None and same_layout(state["fingerprint"], fp):
-            pos = state["loader"]
-            start, skip = pos["step_state"], int(pos["skip"])
-            next_epoch, pass_left, pass_open = int(state["next_epoch"]), state["pass_left"], bool(state["pass_open"])
+        if saved.ranks is None and same_layout(saved.fingerprint, fp):
+            start, skip = state["loader"]["step_state"], saved.loader.skip
+            next_epoch, pass_left, pass_open = int(saved.next_epoch), saved.pass_left, saved.pass_open
         else:
             r = elastic_start(state, fp, lambda config, at: self._p.replay(config, at, lambda epoch: (0, n)))
             start, skip = r.step_state, 0
@@ -315,3 +283,8 @@ class PackedLoader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# The options' keyword arguments and their documentation, generated from LoaderOptions.
+PackedLoader.__init__.__signature__ = options_signature(PackedLoader.__init__)
+PackedLoader.__doc__ = (PackedLoader.__doc__ or "").rstrip() + "\n" + options_doc() + "\n"

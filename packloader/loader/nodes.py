@@ -50,6 +50,7 @@ from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerSta
 from packloader.loader.chunks import Chunk, ChunkNode
 from packloader.loader.distributed import RankExchange, digest
 from packloader.loader.micro_batch_count import check_micro_batch_count
+from packloader.loader.state import StepState, step_state
 from packloader.loader.step_metrics import padding_of, step_metrics
 from packloader.sources.order import split_range
 from packloader.sources.stream import DocumentStream
@@ -117,22 +118,13 @@ class StepNode(BaseNode[StepWork]):
 
     def fresh_state(self, epoch: int | None = None) -> dict:
         e = self.start_epoch if epoch is None else epoch
-        return {"epoch": e, "pos": self.span(e)[0], "offset": 0, "k": 0, "flushing": False, "remainder": None,
-                "planner": msgspec.to_builtins(PlannerState()), "queued_lengths": [],
-                "stats": msgspec.to_builtins(LoaderStats())}
+        return step_state(epoch=int(e), pos=int(self.span(e)[0]), offset=0, k=0, flushing=False, planner=PlannerState(),
+                          queued_lengths=[], stats=LoaderStats())
 
     def get_state(self) -> dict:
-        return {
-            "epoch": self.epoch,
-            "pos": self.pos,
-            "offset": self.offset,
-            "k": self.k,
-            "flushing": self.flushing,
-            "remainder": self.remainder,
-            "planner": msgspec.to_builtins(self.pstate),
-            "queued_lengths": [[d, n] for d, n in self.queued_lengths.items()],
-            "stats": msgspec.to_builtins(self.stats),
-        }
+        return step_state(epoch=int(self.epoch), pos=int(self.pos), offset=int(self.offset), k=int(self.k),
+                          flushing=bool(self.flushing), remainder=self.remainder, planner=self.pstate,
+                          queued_lengths=[[int(d), int(n)] for d, n in self.queued_lengths.items()], stats=self.stats)
 
     def reset(self, initial_state: dict | None = None) -> None:
         with self._lock:
@@ -140,13 +132,13 @@ class StepNode(BaseNode[StepWork]):
             st = initial_state if initial_state is not None else self.start_state
             if st is None:
                 st = self.fresh_state()
-            self.epoch, self.pos, self.k = int(st["epoch"]), int(st["pos"]), int(st["k"])
-            self.offset = int(st["offset"])  # tokens of the document at `pos` drawn already
-            self.flushing = bool(st["flushing"])
-            self.remainder = st.get("remainder")  # an interrupted step to finish first (elastic resume)
-            self.pstate = msgspec.convert(st["planner"], PlannerState)
-            self.queued_lengths = {int(d): int(n) for d, n in st["queued_lengths"]}
-            self.stats = msgspec.convert(st["stats"], LoaderStats)
+            st = msgspec.convert(st, StepState)
+            self.epoch, self.pos, self.k, self.offset = st.epoch, st.pos, st.k, st.offset
+            self.flushing = st.flushing
+            self.remainder = st.remainder  # an interrupted step to finish first (elastic resume)
+            self.pstate = st.planner
+            self.queued_lengths = {d: n for d, n in st.queued_lengths}
+            self.stats = st.stats
             # what was drawn from the chunk stage but not yet into a window (not part of the state: re-read)
             self._buf_ids = np.zeros(0, np.int64)
             self._buf_len = np.zeros(0, np.int64)

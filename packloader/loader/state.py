@@ -1,14 +1,17 @@
-"""What the loader counts and checks about itself: its options (validated), its stats, and the fingerprint that
-makes `load_state_dict` refuse a state saved by a differently configured loader."""
+"""What the loader declares and checks about itself: its options and its saved state, each declared once as a
+Struct (keyword arguments, docs and `state_dict()` are generated from them), and the fingerprint that makes
+`load_state_dict` refuse a state saved by a differently configured loader."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated, Literal
 
 import msgspec
+import msgspec.inspect as mi
 
-from packloader.balancers.planners.registry import check_strategy
-from packloader.contracts import LoaderStats, PlanConfig, PlannerState, check_plan_config
+from packloader.balancers.planners.config_rules import validate_config as validate_config  # the one validation
+from packloader.contracts import LoaderStats, PlanConfig, PlannerState
 from packloader.sources.identity import shard_fingerprints
 
 STATE_FORMAT = "packloader.loader/3"
@@ -16,57 +19,65 @@ LengthsMode = Literal["auto", "column", "local", "gather"]
 Layout = Literal["flat", "hf"]
 
 
+def _doc(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
 class LoaderOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """The loader's own knobs (PlanConfig holds the planning ones). Validated with msgspec: a bad value is an
-    error naming the field, e.g. ``Expected `int` >= 1 - at `$.pad_to_multiple```."""
+    """The loader's own knobs (PlanConfig holds the planning ones), declared once: `PackedLoader`'s and
+    `PackedDataset`'s keyword arguments, their documentation (`options_doc`) and their validation come from here.
+    A bad value is an error naming the field, e.g. ``Expected `int` >= 1 - at `$.pad_to_multiple```."""
 
-    seed: Annotated[int, msgspec.Meta(ge=0)] = 0
-    shuffle: bool = True
-    append_eos: bool = True
-    layout: Layout = "flat"
-    pad_to_multiple: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    pad_to_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    pad_id: Annotated[int, msgspec.Meta(ge=0)] | None = None
-    epochs: Annotated[int, msgspec.Meta(ge=1)] | None = 1  # per `for` pass; None: never stop
-    lengths: LengthsMode = "auto"
-    num_threads: Annotated[int, msgspec.Meta(ge=0)] = 2  # threads reading/tokenizing and collating
-    prefetch: Annotated[int, msgspec.Meta(ge=1)] = 2  # steps planned and collated ahead of the trainer
-    chunk_docs: Annotated[int, msgspec.Meta(ge=1)] = 256  # documents read/tokenized per task
-    check_ranks: bool = True
-    timeout: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # seconds to wait for other ranks
-    name: str = "loader"
-
-
-def validate_config(config) -> PlanConfig:
-    """A PlanConfig, validated: each field (msgspec checks constraints when converting, not in the constructor),
-    the rules between fields (`check_plan_config`, and the planner's `check_strategy`), and that `model` names a preset or a cost profile (the `fixed`
-    strategy never loads it, so a typo would otherwise pass unnoticed)."""
-    raw = msgspec.to_builtins(config) if isinstance(config, PlanConfig) else config
-    if not isinstance(raw, dict):
-        raise TypeError(f"config must be a PlanConfig or a dict, got {type(config).__name__}")
-    cfg = msgspec.convert(raw, PlanConfig)
-    check_plan_config(cfg)
-    check_strategy(cfg)
-    check_model(cfg)
-    return cfg
+    seed: Annotated[Annotated[int, msgspec.Meta(ge=0)] | None, _doc(
+        "seed of the epoch order (None: config.seed)")] = None
+    shuffle: Annotated[bool, _doc("shuffle the documents' order every epoch")] = True
+    append_eos: Annotated[bool, _doc("end every document with the tokenizer's EOS token")] = True
+    layout: Annotated[Layout, _doc('"flat" (`[T]` tensors) or "hf" (`[1, T]`)')] = "flat"
+    pad_to_multiple: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, _doc(
+        "the padded variant: pad each micro-batch to a multiple of this many tokens")] = None
+    pad_to_tokens: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, _doc(
+        "the padded variant: pad each micro-batch to this many tokens (at least config.max_tokens)")] = None
+    pad_id: Annotated[Annotated[int, msgspec.Meta(ge=0)] | None, _doc(
+        "the padding token (None: EOS, else 0)")] = None
+    epochs: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, _doc(
+        "epochs per `for` pass (None: never stop)")] = 1
+    lengths: Annotated[LengthsMode, _doc(
+        '"auto" (a length column when the source has one, else "local"), "column", "local" (every rank tokenizes '
+        'the whole stream) or "gather" (ranks split the tokenizing and all-gather lengths)')] = "auto"
+    num_threads: Annotated[int, msgspec.Meta(ge=0), _doc(
+        "threads that read/tokenize and that collate (0: everything in the calling thread, no prefetching)")] = 2
+    prefetch: Annotated[int, msgspec.Meta(ge=1), _doc("steps planned and collated ahead of the trainer")] = 2
+    chunk_docs: Annotated[int, msgspec.Meta(ge=1), _doc("documents read/tokenized per task")] = 256
+    check_ranks: Annotated[bool, _doc(
+        "with torch.distributed: compare settings and every step's plan across ranks")] = True
+    timeout: Annotated[float, msgspec.Meta(gt=0), _doc("seconds to wait for other ranks")] = 300.0
+    name: Annotated[str, _doc("the name the ranks' exchange uses in the process group's store")] = "loader"
 
 
-def check_model(config: PlanConfig) -> None:
-    from packloader.balancers.cost.presets import preset_names
-    from packloader.balancers.planners.packing import cost_model_for
-
-    try:
-        cost_model_for(config)
-    except (KeyError, ValueError, OSError, msgspec.DecodeError) as e:
-        why = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        raise ValueError(
-            f"PlanConfig.model={config.model!r} is not usable ({why}); expected a model preset "
-            f"({', '.join(preset_names())}) or the path of a cost profile JSON (`packloader calibrate` writes one)"
-        ) from e
+def validate_options(config: PlanConfig, **kwargs) -> LoaderOptions:
+    """The options from keyword arguments (unknown or bad ones refused naming the field), the seed resolved."""
+    options = msgspec.convert(kwargs, LoaderOptions)
+    return msgspec.structs.replace(options, seed=config.seed) if options.seed is None else options
 
 
-def validate_options(**kwargs) -> LoaderOptions:
-    return msgspec.convert(kwargs, LoaderOptions)
+def options_doc() -> str:
+    """The options' documentation, one line each, from the Struct (for the loaders' docstrings)."""
+    lines = []
+    for f in mi.type_info(LoaderOptions).fields:
+        info = (f.type.extra_json_schema or {}) if isinstance(f.type, mi.Metadata) else {}
+        lines.append(f"    `{f.name}` (default {f.default!r}): {info.get('description', '')}")
+    return "\n".join(lines)
+
+
+def options_signature(func, options_at: str = "options") -> inspect.Signature:
+    """`func`'s signature with its `**options` replaced by LoaderOptions' fields as keyword arguments, so that
+    help() and editors show them."""
+    sig = inspect.signature(func)
+    params = [p for p in sig.parameters.values() if p.name != options_at]
+    taken = {p.name for p in params}
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+               for f in mi.type_info(LoaderOptions).fields if f.name not in taken]
+    return sig.replace(parameters=params)
 
 
 def source_fingerprint(source) -> dict[str, str]:
@@ -92,34 +103,51 @@ def fingerprint(*, config: PlanConfig, options: LoaderOptions, source, tokenizer
     }
 
 
-class _StepState(msgspec.Struct):
-    """The StepNode state a saved loader state resumes from (checked on load, used as the plain dict)."""
+class StepState(msgspec.Struct, kw_only=True):
+    """Where the planning stage stands: StepNode's state, and the step part of a saved state. Declared once here:
+    StepNode builds it (`get_state`, as `msgspec.to_builtins`) and resumes from it (`msgspec.convert`)."""
 
     epoch: int
-    pos: int
+    pos: int  # the first document of the epoch's order not yet drawn (in full)
     offset: int  # tokens of the document at `pos` that earlier steps drew (a step ends inside a long document)
-    k: int
-    flushing: bool
-    planner: PlannerState
-    queued_lengths: list[tuple[int, int]]
-    stats: LoaderStats
+    k: int  # the next step's number
+    flushing: bool  # the epoch's documents are all drawn: the planner is flushing its queue
     remainder: dict | None = None  # an interrupted step's untrained pieces, to plan first (elastic resume)
+    planner: PlannerState
+    queued_lengths: list[Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]]  # [doc, length] pairs
+    stats: LoaderStats
 
 
-class _Position(msgspec.Struct):
-    step_state: _StepState | None  # None: the start
+class Position(msgspec.Struct, kw_only=True):
+    step_state: StepState | None  # None: the start
     skip: Annotated[int, msgspec.Meta(ge=0)]  # micro-batches of the step from step_state already yielded
 
 
-class _SavedState(msgspec.Struct):
+class SavedState(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A loader's `state_dict()` (or `PackedDataset` worker's), declared once: built by `saved_state`, checked on
+    load by `check_state_shape` (`msgspec.convert`)."""
+
     format: str
     fingerprint: dict
     next_epoch: int | None
     pass_left: int | None
     pass_open: bool
     stats: LoaderStats | None
-    loader: _Position
-    ranks: list[_Position] | None = None  # `elastic.merge_states`: every saving rank's position, by DP rank
+    loader: Position
+    ranks: list[Position] | None = None  # `elastic.merge_states`: every saving rank's position, by DP rank
+
+
+def step_state(**fields) -> dict:
+    """A StepNode state as the plain dict the loaders save (validated on the way, so a field never goes missing)."""
+    return msgspec.to_builtins(StepState(**fields))
+
+
+def saved_state(*, fingerprint: dict, step_state: dict | None, skip: int, next_epoch: int | None = None,
+                pass_left: int | None = None, pass_open: bool = False, stats: LoaderStats | None = None) -> dict:
+    """A `state_dict()`: plain Python data (torch.save/pickle), `msgspec.to_builtins` of a SavedState."""
+    position = Position(step_state=None if step_state is None else msgspec.convert(step_state, StepState), skip=skip)
+    return msgspec.to_builtins(SavedState(format=STATE_FORMAT, fingerprint=fingerprint, next_epoch=next_epoch,
+                                          pass_left=pass_left, pass_open=pass_open, stats=stats, loader=position))
 
 
 def check_state(state, current_fingerprint: dict) -> None:
@@ -128,7 +156,7 @@ def check_state(state, current_fingerprint: dict) -> None:
     check_fingerprint(state["fingerprint"], current_fingerprint)
 
 
-def check_state_shape(state) -> None:
+def check_state_shape(state) -> SavedState:
     """Refuse, naming the field, a state that is not a complete `state_dict()` (or `merge_states`) of this version."""
     if not isinstance(state, dict):
         raise TypeError(f"a PackedLoader state is the dict state_dict() returned, got {type(state).__name__}")
@@ -136,7 +164,7 @@ def check_state_shape(state) -> None:
         raise ValueError(f"not a PackedLoader state of this version: its 'format' is {state.get('format')!r}, "
                          f"expected {STATE_FORMAT!r}")
     try:
-        msgspec.convert(state, _SavedState)
+        return msgspec.convert(state, SavedState)
     except msgspec.ValidationError as e:
         raise ValueError(f"this PackedLoader state is incomplete or damaged: {e}") from e
 

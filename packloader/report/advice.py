@@ -6,7 +6,7 @@ heterogeneous grouping of data-parallel ranks, each backed by a simulation over 
   (the planner's choice, pp, 2pp, 4pp), each planned over the first few drawn steps (then drained, see
   run.py); the best few whose simulated peak memory fits the device are planned again over every drawn step,
   and the first that still fits is the advice, compared with the fastest baseline at the user's settings.
-* Grouping (Hydraulis, seed 003, section 5's strategy proposal): merge g DP ranks into one group that runs
+* Grouping (the Hydraulis paper, section 5's strategy proposal): merge g DP ranks into one group that runs
   context parallelism over g GPUs, so the group takes micro-batches g times as long (cap x g) at 1/g of the
   per-GPU work (ideal sharding; the per-micro-batch and per-segment floors do not shrink). k such groups plus
   the remaining plain ranks keep the GPU count. HydraulisPlanner dispatches the step's pieces to this mix

@@ -14,6 +14,7 @@ import numpy as np
 
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.resolve import load_cost_model
+from packloader.balancers.planners.config_rules import validate_config
 from packloader.balancers.sim.simulator import simulate_step
 from packloader.contracts import PlanConfig, plan_encoder
 from packloader.report import plots
@@ -113,6 +114,7 @@ def _build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions |
     opt = options or ReportOptions()
     if opt.device is not None and config.device != opt.device:  # the planners price the device the report is for
         config = msgspec.structs.replace(config, device=opt.device)
+    config = validate_config(config, strategy_rules=False)  # each strategy is run (or reported refused) on its own
     device = config.device
     model = load_cost_model(config.model, config.parallel, device=device, cost=config.cost)
     memory = memory_model_for(config.model, config, device)

@@ -22,7 +22,7 @@ shapes. tests/helpers/pipeline_model.py is a complete small example (a Llama-lik
 
 What runs, and why it matches the simulator:
 
-* The action lists are the simulator's (`balancers.simulator.build_ops`, the order `SimResult.order(rank)`
+* The action lists are the simulator's (`balancers.sim.kernels.build_ops`, the order `SimResult.order(rank)`
   scores), turned into the engine's `_Action`s (virtual stage c*pp + s on rank s, the engine's loop mapping)
   and lowered with the engine's own `_add_send_recv`; or the lists `packloader plan` wrote for the step
   (`step_plan(..., actions=record["actions"][dp_rank])`), checked by `pipeline_actions.engine_actions` and run
@@ -125,7 +125,7 @@ def rank_backward_order(micro_batches: Sequence[MicroBatch], backward_order: Seq
 def simulated_actions(micro_batches: Sequence[MicroBatch], pp: int, *, vpp: int = 1, schedule: str = "1f1b",
                       backward_order: Sequence[int] | None = None) -> dict[int, list[_Action]]:
     """Per pipeline rank, the compute actions (forward / full backward per stage and micro-batch) in the order
-    the simulator scores (`simulator.build_ops`): stage c*pp + s of model chunk c runs on rank s."""
+    the simulator scores (`sim.kernels.build_ops`): stage c*pp + s of model chunk c runs on rank s."""
     kind = SCHEDULES.get(schedule)
     if kind is None or schedule not in RUNS:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(RUNS)}")

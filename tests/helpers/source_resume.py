@@ -9,8 +9,8 @@ from typing import Callable
 import numpy as np
 
 from packloader.contracts import PlanConfig
-from packloader.loader.check import TokenLedger
 from packloader.loader.loader import PackedLoader
+from tests.helpers.ledger import TokenLedger
 
 
 def small_config(tokens_per_step: int = 600) -> PlanConfig:

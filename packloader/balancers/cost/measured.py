@@ -116,10 +116,6 @@ def base_profile(path: str | None = None) -> CostProfile:
     return _load_cached(str(path or _device_with_measurements(load_device(DEFAULT_DEVICE)).measured_profile_path()))
 
 
-def _scale(p: Poly, k: float) -> Poly:
-    return Poly(p.a * k, p.b * k, p.c * k)
-
-
 def measured_profile(
     shape: presets.ModelShape,
     parallel: ParallelConfig | None = None,

@@ -1,4 +1,5 @@
-"""Hydraulis (seed 003): two-stage sequence assignment.
+"""Hydraulis (the paper "Hydraulis: Balancing Large Transformer Model Training via Co-designing Parallel
+Strategies and Data Assignment"): two-stage sequence assignment.
 
 Stage one (section 6.2, Algorithm 1 of Appendix D.2) dispatches the step's pieces across DP ranks (Hydraulis'
 pipelines): over several trials, pieces in a random order (trial 0: longest first) each go to the rank that

@@ -1,4 +1,5 @@
-"""SlimPack (seed 002): slice-level packing into MicroPacks, asymmetric forward/backward balance, DP-Merge.
+"""SlimPack (the paper "SlimPack: Fine-Grained Asymmetric Packing for Balanced and Efficient Variable-Length
+LLM Training"): slice-level packing into MicroPacks, asymmetric forward/backward balance, DP-Merge.
 
 Per step:
 

@@ -1,4 +1,5 @@
-"""WLB-LLM (seed 004): variable-length packing on total workload with multi-level outlier-delay queues.
+"""WLB-LLM (the paper "WLB-LLM: Workload-Balance 4D Parallelism for Large Language Model Training"):
+variable-length packing on total workload with multi-level outlier-delay queues.
 
 Per step (Algorithm 1 of the paper):
 

@@ -1,5 +1,5 @@
 """Checks on what a loader yielded: every token of every document exactly once per epoch, tokens equal to the
-source's, and batch fields consistent. Used by the tests; also handy to audit a real run on a sample."""
+source's, and batch fields consistent: the tests' independent reference (kept out of the package)."""
 
 from __future__ import annotations
 

@@ -709,7 +709,7 @@ CASES = [
     Case("cli_tokens_per_step_below_max_tokens", cli_tokens_per_step_below_max_tokens, CliExit,
          ("exit 2", "(--tokens-per-step, --max-tokens)", "tokens_per_step=512 is below max_tokens=1024")),
     Case("device_unknown", device_unknown, CliExit,
-         ("exit 2", "--device 'b200': unknown device 'b200'; known devices: h100, h200", "PACKLOADER_DEVICE_PATH")),
+         ("exit 2", "invalid configuration (--device): PlanConfig.device='b200': unknown device 'b200'; known devices: h100, h200", "PACKLOADER_DEVICE_PATH")),
     Case("device_file_misnamed", device_file_misnamed, ValueError,
          ("b200.json: its name field is 'h200'; expected the file's name 'b200'",)),
     Case("cli_context_beyond_max_tokens_unsliced", cli_context_beyond_max_tokens_unsliced, CliExit,

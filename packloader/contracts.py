@@ -7,7 +7,7 @@ Tensors never live here: the collated batch is in `packloader.collate.batch`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -136,6 +136,9 @@ class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     seed: Annotated[int, msgspec.Meta(ge=0, le=SEED_MAX)] = 0
     # GPU memory the memory check allows, in GiB; None = the device's own (80 GiB H100, 141 GiB H200)
     memory_gib: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    # options per planner name, each checked against that planner's options Struct (its registry entry); `auto`
+    # passes each candidate its own
+    planner_options: dict[str, dict[str, Any]] = {}
 
 
 def check_plan_config(config: PlanConfig) -> None:

@@ -77,10 +77,10 @@ def _config(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace) -> int:
+    from packloader.balancers.planners.registry import report_strategies
     from packloader.report.build import ReportOptions, build_report
     from packloader.report.draw import StepCounter
     from packloader.report.lengths import read_lengths, source_lengths
-    from packloader.report.run import BASELINES, PACKLOADER
     from packloader.report.table import render_text
     from packloader.sources.lengths_file import check_pieces
 
@@ -93,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     from packloader.balancers.cost.resolve import load_cost_model
 
     load_cost_model(config.model, config.parallel, device=device)  # a bad --model fails here, before tokenizing
-    strategies = tuple(x.strip() for x in args.strategies.split(",") if x.strip()) if args.strategies else BASELINES + PACKLOADER
+    strategies = tuple(x.strip() for x in args.strategies.split(",") if x.strip()) if args.strategies else report_strategies()
     if not strategies:
         raise ValueError("--strategies names no strategy")
     progress = not args.no_progress

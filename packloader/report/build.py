@@ -28,14 +28,14 @@ from packloader.report.figures import (
 )
 from packloader.report.html import render_html
 from packloader.report.lengths import Lengths
-from packloader.report.run import BASELINES, PACKLOADER, StrategyRun, run_strategy
+from packloader.report.run import StrategyRun, run_strategy
 
 
 class ReportOptions(msgspec.Struct, kw_only=True):
     """What `build_report` does besides planning (the layout is the PlanConfig)."""
 
     steps: int = 8
-    strategies: Sequence[str] = BASELINES + PACKLOADER
+    strategies: Sequence[str] = ()  # empty: the registry's report strategies (`report_strategies`)
     device: str = "h100"
     out_dir: str | None = None  # None: no files, only the Report
     plots: bool = True

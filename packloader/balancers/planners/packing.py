@@ -4,9 +4,8 @@ The numba kernels (beside each planner) work on flat arrays; this module turns a
 those arrays (`Pieces`), and the kernels' answer (`Packing`: segments, micro-batch ids, ranks, DP-Merge
 groups, backward orders, what stays queued) into the msgspec StepPlan with costs filled in.
 
-Flushing: a caller that wants every queued piece planned now (the loader at the end of an epoch, `packloader
-plan` after its last step) passes a state with ``extra["flush"] = [1]`` (`flush_state`). Planners that delay
-(wlb) then hold nothing back by choice; the returned state never carries the flag.
+Flushing (plan every queued piece now: the end of an epoch, `packloader plan` after its last step) is per call,
+`StepLayout.flush`, never carried in the state.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 from numba import njit
 
@@ -25,38 +23,8 @@ from packloader.balancers.cost.coeffs import (
     segment_times_kernel,
 )
 from packloader.balancers.cost.model import CostModel
-from packloader.balancers.cost.resolve import load_cost_model
-from packloader.balancers.planners.registry import Window
-from packloader.contracts import MicroBatch, PlanConfig, PlannerState, QueuedDoc, RankPlan, Segment, StepPlan
-
-FLUSH = "flush"
-
-
-def wants_flush(state: PlannerState) -> bool:
-    return bool(state.extra.get(FLUSH))
-
-
-def flush_state(state: PlannerState) -> PlannerState:
-    """A copy of `state` asking the planner to plan everything it holds."""
-    return msgspec.structs.replace(state, extra={**state.extra, FLUSH: [1]})
-
-
-def carried_extra(state: PlannerState) -> dict[str, list[int]]:
-    """The planner-specific extras to carry to the next step (the flush flag is per call)."""
-    return {k: v for k, v in state.extra.items() if k != FLUSH}
-
-
-_MODELS: dict[tuple, CostModel] = {}
-
-
-def cost_model_for(config: PlanConfig) -> CostModel:
-    """The config's cost model (preset name or profile path, on `config.device`, `config.cost`), loaded once per
-    process."""
-    key = (config.model, config.parallel, config.device, config.cost)
-    model = _MODELS.get(key)
-    if model is None:
-        model = _MODELS[key] = load_cost_model(config.model, config.parallel, device=config.device, cost=config.cost)
-    return model
+from packloader.balancers.planners.registry import Window, cost_model_for  # noqa: F401 (re-exported)
+from packloader.contracts import MicroBatch, PlannerState, QueuedDoc, RankPlan, Segment, StepPlan
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import sys
 
 from packloader.cli import numbers
 from packloader.cli.layout_options import add_layout_arguments, config_from_args
+from packloader.cli.plugins import add_plugin_argument, load
 
 EXIT_BAD_INPUT = 2
 
@@ -31,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--column", default="length", help="the Parquet column holding the lengths (default: length)")
     p.add_argument("--steps", type=numbers.steps, default=1, help="steps to plan (fewer if the documents run out)")
     p.add_argument("--strategy", default="auto", help="planner: auto (default), fixed, wlb, hydraulis, slimpack, ...")
+    add_plugin_argument(p)
     add_layout_arguments(p.add_argument_group("layout and model"))
     p.add_argument("--out", default="-", help="where to write the JSON lines (default: stdout)")
     p.add_argument("--quiet", action="store_true", help="no summary on stderr")
@@ -57,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from packloader.sources.lengths_file import LengthsError, check_pieces, read_lengths
 
     try:
+        load(args)
         config = build_config(args)
     except ValueError as e:
         return _fail(str(e))

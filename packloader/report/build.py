@@ -12,6 +12,7 @@ import numpy as np
 
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.resolve import load_cost_model
+from packloader.balancers.planners.registry import report_strategies
 from packloader.balancers.sim.simulator import simulate_step
 from packloader.contracts import PlanConfig, plan_encoder
 from packloader.report import plots
@@ -116,9 +117,10 @@ def build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions | 
     )
     runs: dict[str, StrategyRun] = {}
     figs: list[StrategyFigures] = []
-    bar = tqdm(total=len(opt.strategies) * draw.steps, desc="plan", unit="step", disable=not opt.progress, leave=False, dynamic_ncols=True)
+    strategies = tuple(opt.strategies) or report_strategies()
+    bar = tqdm(total=len(strategies) * draw.steps, desc="plan", unit="step", disable=not opt.progress, leave=False, dynamic_ncols=True)
     try:
-        for name in opt.strategies:
+        for name in strategies:
             bar.set_postfix_str(name, refresh=True)
             before = bar.n
             run = run_strategy(name, config, draw, tick=bar.update)

@@ -202,6 +202,11 @@ def check_strategy(config: PlanConfig) -> None:
             f"{config.context} tokens fits no micro-batch; expected context <= max_tokens, or allow_slicing=True "
             f"with strategy in {slicing_strategies()}"
         )
+    check_planner_options(config)
+
+
+def check_planner_options(config: PlanConfig) -> None:
+    """config.planner_options names registered planners, and each one's options fit its options Struct."""
     for name, raw in config.planner_options.items():
         if name not in _REGISTRY:
             _load_builtins()

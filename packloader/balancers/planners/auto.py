@@ -97,8 +97,8 @@ class Candidate:
 def micro_batch_counts(base: int, small: bool, ladder: tuple[int, ...] = (2,)) -> list[int | None]:
     """The counts tried around a planner's default `base`: the default itself and, for small problems, each
     multiple in `ladder` (a finer balance and a smaller pipeline fill share, for more per-micro-batch floors).
-    In a pipeline, slimpack climbs its entry's pipeline_ladder up to 8x its default: against the no-bubble ideal the fill and
-    drain, (pp - 1) / m of the step, is what is left once slicing has balanced the micro-batches."""
+    In a pipeline, slimpack climbs its entry's pipeline_ladder up to 8x its default: against the no-bubble ideal
+    the fill and drain, (pp - 1) / m of the step, is what is left once slicing has balanced the micro-batches."""
     return [None] + [k * base for k in ladder] if small else [None]
 
 

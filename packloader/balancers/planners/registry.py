@@ -85,7 +85,7 @@ class AutoUse:
     # candidate at the planner's own choice
     default_count: Callable[[Any, Any, PlanConfig], int] | None = None
     ladder: tuple[int, ...] = (2,)  # multiples of the default count also tried on small problems
-    pipeline_ladder: tuple[int, ...] | None = None  # the ladder in a pipeline with slicing (None: `ladder`)
+    pipeline_ladder: tuple[int, ...] | None = None  # the ladder in a pipeline, PP > 1 (None: `ladder`)
     defer: Literal["default", "counts"] | None = None  # in a pipeline with slicing: planned only when no slicing count fits
     max_work: int | None = None  # dropped above pieces x DP ranks
     whole_pieces: bool = False  # plans every piece, whole: skipped once PP x the largest piece's time cannot win

@@ -112,3 +112,21 @@ def test_packloader_report_loads_the_plugin(fresh, tmp_path, capsys):
     assert (mine["status"], mine["role"], mine["description"]) == ("ok", "packloader", "round robin in draw order (a test plugin)")
     # and among the report's default strategies, after the shipped packloader planners of lower report_order
     assert report_strategies()[-3:] == ("slimpack", NAME, "auto")
+
+
+def test_a_shipped_planners_options_reach_it_alone_and_inside_auto():
+    """wlb's `fill` from PlanConfig.planner_options: 16 pieces of 1000 tokens under a 4096 cap make
+    ceil(16000 / (4096 x fill)) micro-batches, 5 at the default 0.9 and 8 at 0.5 (worked by hand)."""
+    window = Window.from_lengths(np.full(16, 1000))
+    base = PlanConfig(strategy="wlb", parallel=ParallelConfig(dp=1), max_tokens=4096, context=4096,
+                      tokens_per_step=16000)
+    counts = {}
+    for fill in (None, 0.5):
+        cfg = base if fill is None else msgspec.structs.replace(base, planner_options={"wlb": {"fill": fill}})
+        plan, _ = make_planner(cfg).plan(window, PlannerState(), StepLayout(0, flush=True))
+        counts[fill] = len(plan.ranks[0].micro_batches)
+        auto = AutoPlanner(msgspec.structs.replace(cfg, strategy="auto"))
+        auto.plan(window, PlannerState(), StepLayout(0, flush=True))
+        wlb_counts = {c.micro_batches for c, _ in auto.last_scores if c.planner == "wlb"}
+        assert wlb_counts == {None, 2 * counts[fill]}  # its default, and twice it (auto's ladder on small steps)
+    assert counts == {None: 5, 0.5: 8}

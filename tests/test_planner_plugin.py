@@ -130,3 +130,23 @@ def test_a_shipped_planners_options_reach_it_alone_and_inside_auto():
         wlb_counts = {c.micro_batches for c, _ in auto.last_scores if c.planner == "wlb"}
         assert wlb_counts == {None, 2 * counts[fill]}  # its default, and twice it (auto's ladder on small steps)
     assert counts == {None: 5, 0.5: 8}
+
+
+def test_auto_and_the_report_runner_name_no_planner():
+    """What they know of planners comes from the registry: no string constant in their code is a planner's name
+    (docstrings aside)."""
+    import ast
+    from pathlib import Path
+
+    import packloader.balancers.planners.auto as auto_mod
+    import packloader.report.run as run_mod
+    from packloader.balancers.planners.registry import available_strategies
+
+    names = set(available_strategies())
+    for mod in (auto_mod, run_mod):
+        tree = ast.parse(Path(mod.__file__).read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        named = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) not in docs} & names
+        # "auto" registers itself under its own name; nothing else
+        assert named <= ({"auto"} if mod is auto_mod else set()), (mod.__name__, named)

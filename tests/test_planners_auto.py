@@ -9,9 +9,10 @@ from helpers.planners import candidate_plans
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packloader.balancers.planners.auto import AutoPlanner, slice_edges, slice_edges_prefix
+from packloader.balancers.planners.auto import AutoPlanner
 from packloader.balancers.planners.fixed import best_fit_decreasing, bfd_pack
 from packloader.balancers.planners.packing import Pieces, cost_model_for
+from packloader.balancers.planners.packing_measures import slice_edges, slice_edges_prefix
 from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.simulator import slice_edges_of

@@ -64,7 +64,8 @@ from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.memory import GiB, MemoryModel, memory_limit_bytes, memory_model_for
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.base import PackingPlanner
-from packloader.balancers.planners.packing import Packing, Pieces, slice_edges_kernel
+from packloader.balancers.planners.packing import Packing, Pieces
+from packloader.balancers.planners.packing_measures import imbalance_degree, slice_edges_prefix
 from packloader.balancers.planners.registry import (
     AutoUse,
     NoOptions,
@@ -100,32 +101,6 @@ def micro_batch_counts(base: int, small: bool, ladder: tuple[int, ...] = (2,)) -
     In a pipeline, slimpack climbs its entry's pipeline_ladder up to 8x its default: against the no-bubble ideal
     the fill and drain, (pp - 1) / m of the step, is what is left once slicing has balanced the micro-batches."""
     return [None] + [k * base for k in ladder] if small else [None]
-
-
-def slice_edges(packing: Packing) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-rank slice edges (CSR offsets, source position, destination position) of a Packing: an edge from
-    the micro-batch holding a slice's prefix end to the slice's micro-batch, positions local to each rank (a
-    DP-Merge micro-batch is listed by each member rank, so its edges appear on each)."""
-    return slice_edges_prefix(packing)[:3]
-
-
-def slice_edges_prefix(packing: Packing) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`slice_edges` and, per edge, the tokens of keys the slice attends to before its start (its prefix, whose
-    key/value gradients the simulator holds between the two backwards). One numba call
-    (kernels.slice_edges_kernel); tests check it against the simulator's `slice_edges_of` on the StepPlan."""
-    a = [np.ascontiguousarray(x, np.int64) for x in (packing.seg_doc, packing.seg_start, packing.seg_end, packing.seg_af,
-                                                      packing.seg_mb, packing.rank_mbs)]
-    return slice_edges_kernel(*a)
-
-
-def imbalance_degree(packing: Packing) -> float:
-    """WLB-LLM's imbalance degree of the worst rank: max micro-batch cost x count / total (costs filled in)."""
-    c = (packing.mb_fwd + packing.mb_bwd)[packing.rank_mbs]
-    tot = c.sum(axis=1)
-    ok = tot > 0
-    if not ok.any():
-        return 1.0
-    return float((c.max(axis=1)[ok] * c.shape[1] / tot[ok]).max())
 
 
 class AutoPlanner:

@@ -214,7 +214,7 @@ def _listings(rank_mbs):
 
 @njit(cache=True)
 def slice_edges_kernel(seg_doc, seg_start, seg_end, seg_af, seg_mb, rank_mbs):
-    """Per-rank slice edges of a plan given as segment arrays (what `auto.slice_edges_prefix` returns): for
+    """Per-rank slice edges of a plan given as segment arrays (what `packing_measures.slice_edges_prefix` returns): for
     each slice (attend_from < start), an edge from the micro-batch holding the segment of its document that
     ends where the slice starts to the slice's micro-batch, on every rank listing the slice's micro-batch (a
     DP-Merge one is listed by each member) that also lists the source; positions local to the rank, edges

@@ -6,9 +6,34 @@ The public API is re-exported here; submodules are imported lazily so `import pa
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The version, in one place: pyproject.toml's `version`. A source checkout reads that file (right before any
+    install); an installed package reads its distribution's metadata, which was built from it."""
+    import re
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if pyproject.is_file():
+        text = pyproject.read_text(encoding="utf-8")
+        m = re.search(r'^version\s*=\s*"([^"]+)"', text, re.MULTILINE)
+        if m and re.search(r'^name\s*=\s*"packloader"', text, re.MULTILINE):
+            return m.group(1)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("packloader")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
+
+# One logger for the package, quiet unless the application configures logging (the CLIs: --log-level).
+logging.getLogger("packloader").addHandler(logging.NullHandler())
 
 # name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -47,6 +72,7 @@ _EXPORTS: dict[str, str] = {
     "PackedDataset": "packloader.loader.dataset",
     "merge_states": "packloader.loader.elastic",
     "LoaderStats": "packloader.contracts",
+    "StepMetrics": "packloader.contracts",
     "PackedBatch": "packloader.collate.batch",
     "collate": "packloader.collate.collate",
     "collate_step": "packloader.collate.collate",
@@ -54,7 +80,13 @@ _EXPORTS: dict[str, str] = {
     "shard_micro_batch": "packloader.collate.cp_shard",
     "CostModel": "packloader.balancers.cost.model",
     "load_cost_model": "packloader.balancers.cost.resolve",
+    "model_spec": "packloader.balancers.cost.from_config",
+    "shape_from_config": "packloader.balancers.cost.from_config",
     "measured_profile": "packloader.balancers.cost.measured",
+    "Device": "packloader.balancers.cost.devices",
+    "register_device": "packloader.balancers.cost.devices",
+    "load_device": "packloader.balancers.cost.devices",
+    "known_devices": "packloader.balancers.cost.devices",
     "simulate_step": "packloader.balancers.sim.simulator",
     "step_actions": "packloader.balancers.sim.actions",
     "score_plans": "packloader.balancers.sim.metrics",

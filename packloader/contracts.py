@@ -85,6 +85,9 @@ class StepPlan(msgspec.Struct, kw_only=True):
     planner: str = ""
     # Simulated peak memory of one GPU over the device's usable limit (> 1) when no candidate fit; 0 otherwise.
     memory_over: float = 0.0
+    # The pipeline schedule the planner chose for this step under PlanConfig.schedule "auto" ("" otherwise:
+    # the configured one); the simulator, scores and action lists follow it.
+    schedule: str = ""
     extra: dict[str, float] = {}  # for planners registered from outside; packloader's own leave it empty
 
 
@@ -112,8 +115,9 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     vpp: Annotated[int, msgspec.Meta(ge=1, le=VPP_MAX)] = 1  # virtual pipeline stages per rank (interleaved 1F1B)
 
 
+DeviceName = Annotated[str, msgspec.Meta(min_length=1)]  # a device profile name (balancers.cost.devices.load_device)
 Strategy = Annotated[str, msgspec.Meta(min_length=1)]  # a name in the planner registry (available_strategies())
-Schedule = Literal["1f1b", "gpipe", "interleaved"]
+Schedule = Literal["1f1b", "gpipe", "interleaved", "zb-h1", "auto"]  # auto: the `auto` planner picks 1F1B or ZB-H1
 
 
 class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -128,13 +132,14 @@ class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     allow_slicing: bool = True  # only where the runtime that runs the plan supports slices
     schedule: Schedule = "1f1b"
     model: str = "llama3-8b"  # a preset name or a calibration profile path
-    # The GPU the plan is for. A preset is priced with the measured H100 profile scaled to it on an H100; on
-    # an H200 (no measurements shipped) with the analytic model, unless `model` is a profile path.
-    device: Literal["h100", "h200"] = "h100"
+    # The GPU the plan is for: a device profile name (packloader/profiles/devices/: h100, h200; more from
+    # PACKLOADER_DEVICE_PATH or register_device). A preset is priced with the device's measured profile scaled
+    # to it where the device file names one (h100), else with the analytic model, unless `model` is a profile path.
+    device: DeviceName = "h100"
     # "measured": the shipped H100 timings (packloader/profiles/); "analytic": the FLOP-rate model of presets.py.
     cost: Literal["measured", "analytic"] = "measured"
     seed: Annotated[int, msgspec.Meta(ge=0, le=SEED_MAX)] = 0
-    # GPU memory the memory check allows, in GiB; None = the device's own (80 GiB H100, 141 GiB H200)
+    # GPU memory the memory check allows, in GiB; None = the device file's (80 GiB h100, 141 GiB h200)
     memory_gib: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
     # options per planner name, each checked against that planner's options Struct (its registry entry); `auto`
     # passes each candidate its own
@@ -262,3 +267,34 @@ class LoaderStats(msgspec.Struct, kw_only=True):
 
     def copy(self) -> "LoaderStats":
         return msgspec.structs.replace(self)
+
+
+class StepMetrics(msgspec.Struct, kw_only=True, frozen=True):
+    """What the loader knows about one optimizer step, for the trainer's logs (`PackedBatch.step_metrics`, the
+    same record on every micro-batch of the step, every rank computing the same one).
+
+    Times are the cost model's predictions (`cost_model` names it), not measurements: a team compares them with
+    its measured step times to see whether the plans it trains are priced right. Balance measures as in
+    `balancers.sim.metrics` (1.0 = perfectly even); token counts cover all ranks of the step.
+    """
+
+    step: int
+    epoch: int
+    planner: str  # the planner whose packing this is (auto: the candidate it chose)
+    micro_batches: int  # per DP rank (the fullest rank)
+    step_time: float  # predicted seconds: the slowest DP rank's simulated pipeline time, bubbles included
+    bound_time: float  # predicted seconds at perfect balance with this many micro-batches
+    imbalance: float  # imbalance degree (max micro-batch cost x micro-batches / total) of the worst rank
+    dp_spread: float  # slowest DP rank's simulated time / the mean rank's
+    bubble_share: float  # idle share of all DP x PP GPUs over the step
+    tokens: int  # tokens trained in this step
+    loss_tokens: int  # of which carry a loss target (the per-token normaliser)
+    padding_tokens: int  # padding the collated micro-batches carry (pad_to_multiple / pad_to_tokens); 0 without
+    queued_tokens: int  # tokens the planner holds back for later steps after this one (outlier delay)
+    # tokens trained in this step that the planner held back from an earlier one (the rest of a long document that
+    # a step ended inside follows in the next steps in order: LoaderStats.delayed_pieces counts those pieces)
+    delayed_tokens: int
+    delay_mean: float  # mean delay in steps over this step's tokens (0 for tokens trained when drawn)
+    delay_max: int  # the largest delay in steps of a token trained in this step
+    memory_over: float  # simulated peak memory over the device's usable limit when no plan fit; 0 otherwise
+    cost_model: str  # the cost profile that priced the plan (model, device, layout)

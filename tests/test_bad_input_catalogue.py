@@ -262,13 +262,36 @@ def pattern_matches_nothing(tmp):
                        "--tokenizer", "bytes", "--no-progress")
 
 
-def state_from_another_config(tmp):
+def _foreign_state(tmp):
+    """A loader and a state saved by one configured with another max_tokens and context."""
     docs = [np.arange(1, 1 + n, dtype=np.int32) for n in (5, 70, 30, 200, 12) * 10]
     a = PackedLoader(IterableSource(docs), config=_config(), num_threads=0)
     next(iter(a))
     state = a.state_dict()
     b = PackedLoader(IterableSource(docs), config=_config(max_tokens=512, context=512), num_threads=0)
+    return b, state
+
+
+def state_from_another_config(tmp):
+    b, state = _foreign_state(tmp)
     return lambda: b.load_state_dict(state)
+
+
+def state_from_another_config_not_strict(tmp):
+    b, state = _foreign_state(tmp)
+    return lambda: b.load_state_dict(state, strict=False)
+
+
+def config_file_unknown_key(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    (tmp / "run.json").write_text(json.dumps({"lengths": str(tmp / "ok.npy"), "parallel": {"dp": 2}, "max_tokenz": 8}))
+    return lambda: cli("plan", "--config", str(tmp / "run.json"))
+
+
+def model_shape_incomplete(tmp):
+    from packloader.balancers.cost.resolve import load_cost_model
+
+    return lambda: load_cost_model("shape:mine:hidden=4096,layers=32")
 
 
 def mid_step_state_at_another_layout(tmp):
@@ -349,6 +372,19 @@ def planner_options_unknown_planner(tmp):
     from packloader.loader.state import validate_config
 
     return lambda: validate_config(dict(strategy="wlb", planner_options={"slimpak": {}}))
+
+
+def device_unknown(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--device", "b200", "--quiet")
+
+
+def device_file_misnamed(tmp):
+    from packloader.balancers.cost.devices import DEVICES_DIR, register_device
+
+    spec = json.loads((DEVICES_DIR / "h200.json").read_text())
+    (tmp / "b200.json").write_text(json.dumps(dict(spec, name="h200")))
+    return lambda: register_device(tmp / "b200.json")
 
 
 def lengths_forty_digits(tmp):
@@ -579,6 +615,25 @@ def unknown_object_unsupported(tmp):
     return lambda: PackedLoader(object(), config=_config(), num_threads=0)
 
 
+def action_list_slice_order(tmp):
+    """Written action lists (a `packloader plan` record) whose stage 0 runs the backward of micro-batch 0 before
+    that of micro-batch 1, which holds the next slice of micro-batch 0's document."""
+    from packloader.contracts import MicroBatch, Segment
+    from packloader.runtime.pipeline import _readers
+    from packloader.runtime.pipeline_actions import engine_actions
+
+    mbs = [MicroBatch(segments=[Segment(0, 0, 8, 0)]), MicroBatch(segments=[Segment(0, 8, 16, 0)])]
+    lists = [[["F", 0, 0], ["F", 1, 0], ["B", 0, 0], ["B", 1, 0]], [["F", 0, 1], ["F", 1, 1], ["B", 1, 1], ["B", 0, 1]]]
+    return lambda: engine_actions(lists, 2, 2, readers=_readers(mbs))
+
+
+def action_list_missing_action(tmp):
+    from packloader.runtime.pipeline_actions import engine_actions
+
+    lists = [[["F", 0, 0], ["B", 0, 0], ["F", 1, 0]]]
+    return lambda: engine_actions(lists, 2, 1)
+
+
 def _config(**kw) -> PlanConfig:
     base = dict(strategy="fixed", max_tokens=256, context=256, tokens_per_step=1024)
     base.update(kw)
@@ -643,6 +698,12 @@ CASES = [
          ("differently configured loader", "config.context: saved 256, now 512")),
     Case("mid_step_state_at_another_layout", mid_step_state_at_another_layout, ValueError,
          ("saved inside a step", "on DP rank 0 of dp=2", "merge_states([state of rank 0, ..., state of rank 1])")),
+    Case("state_from_another_config_not_strict", state_from_another_config_not_strict, ValueError,
+         ("differently configured loader", "so it is refused")),
+    Case("config_file_unknown_key", config_file_unknown_key, CliExit,
+         ("exit 2", "run.json: unknown key 'max_tokenz' for this command; expected one of:", "max_tokens")),
+    Case("model_shape_incomplete", model_shape_incomplete, KeyError,
+         ("shape:mine:hidden=4096,layers=32", "missing: heads, kv_heads, head_dim, ffn, vocab, gated_mlp")),
     Case("cli_number_zero", cli_number_zero, CliExit,
          ("exit 2", "argument --dp: must be >= 1 and <= 131,072 (field parallel.dp), got 0")),
     Case("cli_number_too_large", cli_number_too_large, CliExit, ("exit 2", "argument --max-tokens", "<= 1,099,511,627,776 (field max_tokens)")),
@@ -665,6 +726,10 @@ CASES = [
          ("exit 2", "--plugin no_such_planners: cannot import it", "that calls register_planner")),
     Case("planner_options_unknown_planner", planner_options_unknown_planner, ValueError,
          ("planner_options names 'slimpak', which is no planner", "expected names from [")),
+    Case("device_unknown", device_unknown, CliExit,
+         ("exit 2", "--device 'b200': unknown device 'b200'; known devices: h100, h200", "PACKLOADER_DEVICE_PATH")),
+    Case("device_file_misnamed", device_file_misnamed, ValueError,
+         ("b200.json: its name field is 'h200'; expected the file's name 'b200'",)),
     Case("lengths_forty_digits", lengths_forty_digits, CliExit,
          ("exit 2", "big.txt, line 2", "is beyond the largest length 9,223,372,036,854,775,807")),
     Case("lengths_uint64_max", lengths_uint64_max, CliExit,
@@ -672,6 +737,11 @@ CASES = [
     Case("stdout_closed", stdout_closed, CliExit, ("exit 141: ",)),
     Case("to_hf_with_slices", to_hf_with_slices, SlicesNotSupported,
          ("PackedBatch.to_hf(): step 5, micro-batch 2 holds a slice of document 7", "allow_slicing=False")),
+    Case("action_list_slice_order", action_list_slice_order, ValueError,
+         ("action lists: pipeline rank 0, stage 0: backward of micro-batch 0 before that of micro-batch 1, which reads "
+          "its keys",)),
+    Case("action_list_missing_action", action_list_missing_action, ValueError,
+         ("action lists: pipeline rank 0 never runs [['B', 1, 0]]",)),
     Case("megatron_truncated_bin", megatron_truncated_bin, SourceError,
          ("t.bin: 10 bytes, but", "t.idx describes 17 uint16 tokens (34 bytes): truncated")),
     Case("megatron_truncated_idx", megatron_truncated_idx, SourceError,

@@ -18,8 +18,8 @@ from packloader.sources.base import IterableSource
 def corpus(seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     lengths = np.minimum(rng.pareto(1.1, 150) * 60 + 1, 3000).astype(np.int64)
-    docs = [rng.integers(0, 1000, size=int(k)).astype(np.int32) for k in lengths]
-    docs.insert(11, rng.integers(0, 1000, size=9000).astype(np.int32))  # spreads over several steps
+    docs = [rng.integers(0, 256, size=int(k)).astype(np.int32) for k in lengths]
+    docs.insert(11, rng.integers(0, 256, size=9000).astype(np.int32))  # spreads over several steps
     return docs
 
 

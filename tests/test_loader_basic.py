@@ -279,8 +279,9 @@ def test_state_from_another_configuration_is_refused():
     # strict=False too: another seed's position would lose and repeat tokens
     with pytest.raises(ValueError, match="seed: saved 0, now 1"):
         b.load_state_dict(state, strict=False)
-    c = PackedLoader(IterableSource(docs), config=config(tokens_per_step=1100), num_threads=0)
-    with pytest.raises(ValueError, match="config.tokens_per_step: saved 1024, now 1100"):
+    # tokens_per_step, max_tokens and the layout may change (elastic resume); the context may not
+    c = PackedLoader(IterableSource(docs), config=config(context=128), num_threads=0)
+    with pytest.raises(ValueError, match="config.context: saved 256, now 128"):
         c.load_state_dict(state, strict=False)
 
 

@@ -129,7 +129,7 @@ def test_batched_ranks_match_single_simulations():
     f = rng.random(8 * 12)
     b = 2.2 * f
     off = np.arange(0, 8 * 12 + 1, 12)
-    got = step_times_ranks(4, 1, 0, f, b, off, 0.0)
+    got = step_times_ranks(4, 1, 0, f, b, 0.5 * b, off, 0.0)
     for r in range(8):
         assert got[r] == pytest.approx(simulate(f[off[r]:off[r + 1]], b[off[r]:off[r + 1]], pp=4).step_time)
 
@@ -188,7 +188,8 @@ def test_batched_sliced_fast_path_matches_simulate():
     from packloader.balancers.sim.kernels import step_times_ranks_sliced
 
     rng = np.random.default_rng(2)
-    for pp, vpp, kind, sched in [(1, 1, 0, "1f1b"), (4, 1, 0, "1f1b"), (3, 1, 1, "gpipe"), (2, 2, 2, "interleaved")]:
+    for pp, vpp, kind, sched in [(1, 1, 0, "1f1b"), (4, 1, 0, "1f1b"), (3, 1, 1, "gpipe"), (2, 2, 2, "interleaved"),
+                                  (4, 1, 3, "zb-h1")]:
         R, m = 6, 8
         f = rng.random(R * m) + 0.05
         b = 2.5 * f
@@ -201,7 +202,7 @@ def test_batched_sliced_fast_path_matches_simulate():
             e_src += [a for a, _ in edges]
             e_dst += [c for _, c in edges]
             e_off.append(len(e_src))
-        got = step_times_ranks_sliced(pp, vpp, kind, f, b, off, np.array(e_off), np.array(e_src, dtype=np.int64),
+        got = step_times_ranks_sliced(pp, vpp, kind, f, b, 0.5 * b, off, np.array(e_off), np.array(e_src, dtype=np.int64),
                                       np.array(e_dst, dtype=np.int64), 0.0)
         for r in range(R):
             ref = simulate(f[off[r]:off[r + 1]], b[off[r]:off[r + 1]], pp=pp, vpp=vpp, schedule=sched,

@@ -19,9 +19,9 @@ TPS = 256
 def corpus(seed: int = 0) -> list[np.ndarray]:
     """Short documents around two giant ones (100 and 40 steps' tokens, not multiples of the context)."""
     rng = np.random.default_rng(seed)
-    docs = [rng.integers(0, 1000, size=int(k)).astype(np.int32) for k in rng.integers(1, 90, size=60)]
-    docs.insert(7, rng.integers(0, 1000, size=100 * TPS + 13).astype(np.int32))
-    docs.insert(30, rng.integers(0, 1000, size=40 * TPS + CONTEXT - 1).astype(np.int32))
+    docs = [rng.integers(0, 256, size=int(k)).astype(np.int32) for k in rng.integers(1, 90, size=60)]
+    docs.insert(7, rng.integers(0, 256, size=100 * TPS + 13).astype(np.int32))
+    docs.insert(30, rng.integers(0, 256, size=40 * TPS + CONTEXT - 1).astype(np.int32))
     return docs
 
 

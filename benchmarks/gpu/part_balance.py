@@ -93,7 +93,7 @@ def run(ctx: Ctx, budget: Budget, out_dir) -> dict:
     torch.manual_seed(ctx.seed)
     model = Layers(shape, LAYERS_TIMED).to(ctx.device, ctx.dtype)
     lengths = long_tail_lengths(200_000, ctx.seed, scale=st["scale"])
-    windows, _ = draw_windows(lengths, st["tokens_per_step"], st["cap"], st["steps"], incomplete=False)
+    windows = draw_windows(lengths, st["tokens_per_step"], st["cap"], st["steps"], incomplete=False).windows
     par = ParallelConfig(dp=st["dp"], pp=st["pp"])
     stage_layers = presets.layers_per_stage(presets.get_shape("llama2-7b"), par)
     factor = stage_layers / LAYERS_TIMED  # the timed layers -> one pipeline stage of Llama-2-7B

@@ -63,7 +63,7 @@ class Step:
 
 
 def _loader(paths, cfg) -> PackedLoader:
-    return PackedLoader(paths, tokenizer="bytes", config=cfg, seed=0, num_threads=2, prefetch=4, append_eos=False)
+    return PackedLoader(paths, tokenizer=None, config=cfg, seed=0, num_threads=2, prefetch=4, append_eos=False)
 
 
 def _rate(it, consume, n: int, sync) -> tuple[float, float, int]:

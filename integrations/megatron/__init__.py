@@ -84,6 +84,11 @@ document's earlier slices in earlier micro-batches of the same step):
   ``calculate_per_token_loss=False``, DP-Merge micro-batches (``MicroBatch.dp_group``). An iterator without
   ``slices=True`` refuses the first sliced batch at PP > 1, naming ``pipeline_model_parallel_size``.
 * CP > 1 with slices is refused too (``packloader.collate.cp_shard`` does not shard slices).
+
+Step metrics: ``MegatronDataIterator`` logs each step's ``packloader.StepMetrics`` once, at its first micro-batch
+(logger ``packloader.megatron``, level INFO: predicted step time, imbalance, DP spread, bubbles, tokens, loss
+tokens, padding, queue and delay), and every batch dict carries the record as ``batch["step_metrics"]`` for the
+training script's own logger (e.g. next to Megatron's measured iteration time).
 """
 
 

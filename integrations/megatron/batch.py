@@ -3,6 +3,7 @@ provider, the forward step and loss, and the config checks (see the package docs
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 from packloader.collate.batch import IGNORE_INDEX, PackedBatch
+from packloader.loader.step_metrics import format_step_metrics
 
 from .._common import check_micro_batches, flat, pipeline_alternative, placeholder_batch, refuse_slices
 from .._lazy import require
@@ -17,6 +19,8 @@ from .._lazy import require
 SLICES_PP_ALTERNATIVE = "plan with PlanConfig(allow_slicing=False)"
 
 CP_LAYOUTS = ("packloader", "te")
+
+log = logging.getLogger("packloader.megatron")
 
 
 def _packed_seq_params_cls():
@@ -154,6 +158,7 @@ def megatron_batch(
     out["num_loss_tokens_in_step"] = int(batch.loss_tokens_in_step)
     out["segments"] = list(batch.segments)
     out["step_plan"] = batch.plan  # the StepPlan (backward order) for sliced_pipeline_forward_backward
+    out["step_metrics"] = batch.step_metrics  # what the loader knows about the step (packloader.StepMetrics)
     return out
 
 
@@ -182,6 +187,8 @@ class MegatronDataIterator:
             self._it = iter(self.loader)
         batch = next(self._it)
         check_micro_batches(batch.step, batch.micro_batches_in_step, self.num_microbatches, "Megatron's schedule")
+        if batch.index_in_step == 0 and batch.step_metrics is not None:  # once per step, at its first micro-batch
+            log.info("%s", format_step_metrics(batch.step_metrics))
         if any(s.attend_from < s.start for s in batch.segments):
             if self.pipeline_parallel_size > 1 and not self.slices:
                 raise ValueError(_pp_slices_message(self.pipeline_parallel_size, batch))

@@ -47,7 +47,7 @@ def plan_run(lengths: np.ndarray, config: PlanConfig, steps: int, planner=None) 
 
 def plan_record(plan: StepPlan, actions: list | None = None) -> dict:
     """One JSON line of `packloader plan`: {"step", "ranks": [[[doc, start, end, attend_from], ...] per
-    micro-batch] per rank, "costs": [[fwd, bwd] per micro-batch] per rank, ...}; with `actions`
+    micro-batch] per rank, "costs": [[fwd, bwd] per micro-batch] per rank, "memory_over", ...}; with `actions`
     (`sim.actions.step_actions`), "actions": [per DP rank: [per pipeline rank: [[op, micro_batch, stage], ...]]].
 
     A DP-Merge micro-batch is written once, under the first rank of its group, and as an empty micro-batch at
@@ -71,7 +71,7 @@ def plan_record(plan: StepPlan, actions: list | None = None) -> dict:
             mbs.append([[s.doc, s.start, s.end, s.attend_from] for s in mb.segments])
         ranks.append(mbs)
         costs.append(cs)
-    rec: dict = {"step": plan.step, "ranks": ranks, "costs": costs}
+    rec: dict = {"step": plan.step, "ranks": ranks, "costs": costs, "memory_over": plan.memory_over}
     if groups:
         rec["dp_groups"] = groups
     orders = [rank.backward_order for rank in plan.ranks]
@@ -79,6 +79,8 @@ def plan_record(plan: StepPlan, actions: list | None = None) -> dict:
         rec["backward_order"] = orders
     if plan.delayed:
         rec["delayed"] = plan.delayed
+    if plan.schedule:  # chosen by the planner (schedule "auto")
+        rec["schedule"] = plan.schedule
     if actions is not None:
         rec["actions"] = actions
     return rec

@@ -11,8 +11,16 @@ shape); the balancers load it with `--model profile.json` / `load_cost_model(pat
 from __future__ import annotations
 
 import argparse
+import logging
 
 import msgspec
+
+log = logging.getLogger("packloader.calibrate")
+
+CPU_NOTE = ("a CPU profile prices this CPU running the reference attention in {dtype}, not a GPU's kernels: its "
+            "balance of attention against the linear part differs from a GPU's, so plans priced with it are balanced "
+            "for this CPU. Use it to try the command; for training, calibrate on the training GPU, or keep a preset "
+            "as --model (priced with the shipped H100 measurements)")
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -53,10 +61,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from packloader.balancers.cost.profile_io import save_profile
-    from packloader.runtime.calibrate import LayerShape, calibrate, format_fit, shape_from_preset
+    from packloader.runtime.calibrate import LayerShape, calibrate, fit_warnings, format_fit, shape_from_preset
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if device == "cuda" else "fp32")])
+    if device == "cpu":
+        found = "" if args.device else "no GPU found (torch.cuda.is_available() is False): calibrating on the CPU; "
+        log.warning("%s%s", found, CPU_NOTE.format(dtype=str(dtype).removeprefix("torch.")))
     if args.model:
         shape = shape_from_preset(args.model)
         if args.vocab:
@@ -82,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}")
     if args.slices:
         _slices(args, shape, profile, device, dtype, layers, max_len, say)
+    bad = fit_warnings(profile)
+    if bad:
+        log.warning("the fit is far from the measurements on lengths it did not see (%s): plans priced with %s are "
+                    "balanced against times that far off. More --repeats and --warmup on an otherwise idle device "
+                    "usually help%s", "; ".join(bad), args.out, "; on a CPU they often do not" if device == "cpu" else "")
     return 0
 
 

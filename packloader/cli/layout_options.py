@@ -46,7 +46,7 @@ HELP = {
     "schedule": "pipeline schedule",
     "model": "cost model: a preset name (llama3-8b, llama2-7b, llama3-70b, ...) or a calibration profile JSON",
     "seed": "seed of the loader's order and of the planners' random trials",
-    "device": "device of the cost and memory model",
+    "device": "device profile of the cost and memory model: h100, h200 or a <name>.json on PACKLOADER_DEVICE_PATH",
     "cost": "cost model kind: measured (a profile timed on the device) or analytic",
     "memory_gib": "GPU memory in GiB for the memory check",
     "planner_options": "options per planner as a JSON object, e.g. '{\"wlb\": {\"fill\": 0.8}}'",

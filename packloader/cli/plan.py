@@ -1,17 +1,7 @@
 """`packloader plan`: plan the steps of a run from a file of document lengths and write them as JSON lines.
 
-    packloader plan --lengths LENGTHS.npy --dp 8 --pp 4 --max-tokens 65536 --context 65536 \\
-        --tokens-per-step 4194304 --steps 20 --strategy auto --out plan.jsonl
-
-One line per step: {"step": s, "ranks": [[micro-batch, ...] per DP rank], "costs": ..., ...}, a micro-batch
-being a list of [doc, start, end, attend_from] (doc = index in the lengths file, offsets within the document).
-"actions" gives, per DP rank and pipeline rank, the [op, micro_batch, stage] lists in the order the simulator
-scored (`packloader.balancers.sim.actions`; op "F" or "B", stage the model chunk). Empty documents (length 0)
-are skipped, keeping the other documents' ids, and counted in the summary.
-Every token of every drawn document appears exactly once (the last step flushes what was delayed); no
-micro-batch holds more than --max-tokens tokens. A short score summary goes to stderr. Bad input (missing file,
-wrong column, negative or non-integer lengths, invalid configuration) exits with status 2 and a message naming it.
-The work is `packloader.balancers.offline`; this module only parses arguments and prints.
+The work is `packloader.balancers.offline`; this module only parses arguments and prints. The output format
+is the command's `--help` epilog (FORMAT below), also in docs/plan.md.
 """
 
 from __future__ import annotations
@@ -24,18 +14,49 @@ from packloader.cli.layout_options import add_layout_arguments, config_from_args
 from packloader.cli.plugins import add_plugin_argument, load
 
 EXIT_BAD_INPUT = 2
+EXIT_MEMORY = 3  # --require-fit and a step that does not fit in memory
+
+FORMAT = """example:
+  packloader plan --lengths LENGTHS.npy --dp 8 --pp 4 --max-tokens 65536 --context 65536 \\
+      --tokens-per-step 4194304 --strategy auto --out plan.jsonl
+
+output: one JSON line per step (the whole file by default; --steps N for the first N):
+  {"step": s,
+   "ranks": [[micro-batch, ...] per DP rank], a micro-batch being a list of [doc, start, end, attend_from]
+            (doc = the document's index in the lengths file; start, end: token offsets within it; attend_from <
+            start marks a slice that attends to its document's earlier tokens),
+   "costs": [[[fwd, bwd] seconds per micro-batch] per DP rank], predicted by the cost model (--model),
+   "memory_over": the simulated peak memory of one GPU over the device's usable memory (> 1) when no
+            candidate plan fits, else 0 (auto checks memory; the other strategies write 0),
+   "actions": [per DP rank: [per pipeline rank: [[op, micro_batch, stage], ...]]] in the order the simulator
+            scored (op "F", "B", or "W" for weight gradients under --schedule zb-h1; stage the model
+            chunk; packloader.balancers.sim.actions),
+   and, when present: "dp_groups" [[rank, position, [ranks]]] (micro-batches run by several DP ranks
+   together), "backward_order" (per rank), "delayed" (documents held back for a later step)}
+
+Every token of every drawn document appears exactly once (the last step flushes what was delayed); no
+micro-batch holds more than --max-tokens tokens. Empty documents (length 0) are skipped, keeping the other
+documents' ids, and counted in the summary. A short score summary goes to stderr (--quiet: none).
+
+exit status: 0; 2 for bad input (missing file, wrong column, negative or non-integer lengths, invalid
+configuration), with a message naming it; 3 with --require-fit when a step does not fit in memory."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", required=True, help="document lengths: .npy (1-D integers), .parquet (see --column) "
                    "or a text file with one length per line")
     p.add_argument("--column", default="length", help="the Parquet column holding the lengths (default: length)")
-    p.add_argument("--steps", type=numbers.steps, default=1, help="steps to plan (fewer if the documents run out)")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = FORMAT
+    p.add_argument("--steps", type=numbers.steps, default=None,
+                   help="plan only the first N steps (default: every step of the file)")
     p.add_argument("--strategy", default="auto", help="planner: auto (default), fixed, wlb, hydraulis, slimpack, ...")
     add_plugin_argument(p)
     add_layout_arguments(p.add_argument_group("layout and model"))
     p.add_argument("--out", default="-", help="where to write the JSON lines (default: stdout)")
     p.add_argument("--quiet", action="store_true", help="no summary on stderr")
+    p.add_argument("--require-fit", action="store_true", help="exit with status 3 when a step does not fit in "
+                   "memory (its memory_over > 0); without it such steps are written and warned about")
 
 
 def _fail(msg: str) -> int:
@@ -48,13 +69,34 @@ def build_config(args: argparse.Namespace):
     return config_from_args(args, strategy=args.strategy)
 
 
-def run(args: argparse.Namespace) -> int:
+def _write_plans(args: argparse.Namespace, plans, model, config) -> int:
+    """Each plan with its pipeline action lists as a JSON line on --out; 0, or the exit status of a failure."""
     import msgspec
 
-    from packloader.balancers.offline import plan_record, plan_run
-    from packloader.balancers.planners.packing import cost_model_for
-    from packloader.balancers.planners.registry import make_planner
+    from packloader.balancers.offline import plan_record
     from packloader.balancers.sim.actions import step_actions
+
+    enc = msgspec.json.Encoder()
+    try:
+        out = sys.stdout.buffer if args.out == "-" else open(args.out, "wb")
+    except OSError as e:
+        return _fail(f"--out {args.out}: cannot write ({e.strerror})")
+    try:
+        for plan in plans:
+            actions = step_actions(plan, model, config.parallel, schedule=config.schedule)
+            out.write(enc.encode(plan_record(plan, actions)) + b"\n")
+    finally:
+        if out is not sys.stdout.buffer:
+            out.close()
+        else:
+            out.flush()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from packloader.balancers.cost.devices import load_device
+    from packloader.balancers.offline import plan_run
+    from packloader.balancers.planners.registry import cost_model_for, make_planner
     from packloader.balancers.sim.metrics import drawn_steps, score_plans
     from packloader.sources.lengths_file import LengthsError, check_pieces, read_lengths
 
@@ -66,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
     if not config.allow_slicing and config.context > config.max_tokens:
         return _fail(f"--context {config.context} exceeds --max-tokens {config.max_tokens} with --no-slicing: a piece "
                      f"that long fits no micro-batch; lower --context or allow slicing")
+    try:
+        load_device(config.device)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(f"--device {config.device!r}: {e}")
     try:
         model = cost_model_for(config)
     except (ValueError, FileNotFoundError, KeyError) as e:
@@ -83,20 +129,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # e.g. a piece over the cap for a strategy that cannot slice
         return _fail(f"strategy {config.strategy!r}: {e}")
 
-    enc = msgspec.json.Encoder()
-    try:
-        out = sys.stdout.buffer if args.out == "-" else open(args.out, "wb")
-    except OSError as e:
-        return _fail(f"--out {args.out}: cannot write ({e.strerror})")
-    try:
-        for plan in result.plans:
-            actions = step_actions(plan, model, config.parallel, schedule=config.schedule)
-            out.write(enc.encode(plan_record(plan, actions)) + b"\n")
-    finally:
-        if out is not sys.stdout.buffer:
-            out.close()
-        else:
-            out.flush()
+    failed = _write_plans(args, result.plans, model, config)
+    if failed:
+        return failed
     if not args.quiet:
         _, run_scores = score_plans(
             result.plans, model, config.parallel, max_tokens=config.max_tokens, schedule=config.schedule,
@@ -105,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         s = run_scores
         docs = sum(len(set(w.doc.tolist())) for w in result.windows)
         print(
-            f"packloader plan: {s.steps} steps, {docs} documents, {s.tokens} tokens, strategy {config.strategy}; "
+            f"packloader plan: {s.steps} steps, {docs} documents, {s.tokens} tokens, strategy {config.strategy}, "
+            f"priced by {model.name}; "
             f"imbalance {s.imbalance_mean:.3f} (max {s.imbalance_max:.3f}), DP spread {s.dp_spread_mean:.4f}, "
             f"simulated efficiency {s.efficiency:.3f} against the no-bubble ideal ({s.efficiency_fill:.3f} fill-credited), packing {s.packing_efficiency:.3f}, "
             f"delay mean {s.delay_mean:.3f} / max {s.delay_max} steps (share {s.delay_share:.3f}), split {s.split_share:.3f}, "
@@ -117,4 +153,10 @@ def run(args: argparse.Namespace) -> int:
         dropped = getattr(planner, "memory_summary", lambda: "")()
         if dropped:
             print(f"packloader plan: {dropped}", file=sys.stderr)
+    over = [p.memory_over for p in result.plans if p.memory_over > 0]
+    if over:
+        print(f"packloader plan: {len(over)} of {len(result.plans)} steps do not fit in memory (peak up to "
+              f"{max(over):.2f}x the device's usable memory; the warning above says what to change)", file=sys.stderr)
+        if args.require_fit:
+            return EXIT_MEMORY
     return 0

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from packloader.cli import numbers
-from packloader.cli.layout_options import add_layout_arguments, config_from_args, layout_fields
+from packloader.cli.layout_options import add_layout_arguments, config_from_args
 from packloader.cli.plugins import add_plugin_argument, load
 
 # --demo: the Python standard library's .py files, tokenized with the default tokenizer, on a layout where a
@@ -36,8 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_layout_arguments(g, defaults=DEMO, mode="demo")
     g.add_argument("--global-batch", type=numbers.tokens, default=None,
                    help="instead of --tokens-per-step: sequences of --max-tokens tokens per step (Megatron's global batch size)")
-    if not any(f.name == "device" for f in layout_fields()):
-        g.add_argument("--device", default="h100", choices=["h100", "h200"], help="device of the analytic cost and memory model")
     g.add_argument("--steps", type=numbers.steps, default=None, help=f"optimizer steps to draw and plan (default {DEMO_STEPS})")
     o = p.add_argument_group("output")
     o.add_argument("--strategies", default=None,
@@ -93,10 +91,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of: INPUT paths, --lengths FILE, or --demo")
     config = _config(args)
     steps = args.steps or DEMO_STEPS
-    device = getattr(config, "device", None) or args.device
+    device = config.device
     from packloader.balancers.cost.resolve import load_cost_model
 
-    load_cost_model(config.model, config.parallel, device=device)  # a bad --model fails here, before tokenizing
+    load_cost_model(config.model, config.parallel, device=device)  # a bad --model or --device fails here, before tokenizing
     strategies = tuple(x.strip() for x in args.strategies.split(",") if x.strip()) if args.strategies else report_strategies()
     if not strategies:
         raise ValueError("--strategies names no strategy")

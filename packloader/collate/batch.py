@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from packloader.contracts import LoaderStats, Segment, StepPlan
+from packloader.contracts import LoaderStats, Segment, StepMetrics, StepPlan
 
 IGNORE_INDEX = -100
 
@@ -54,6 +54,7 @@ class PackedBatch:
     last_in_epoch: bool = False  # this rank's last micro-batch of the epoch
     plan: StepPlan | None = None  # the whole step's plan, all ranks
     stats: LoaderStats | None = None  # the loader's counts up to and including this step
+    step_metrics: StepMetrics | None = None  # what the loader knows about the step, for the trainer's logs
     extra: dict[str, Any] = field(default_factory=dict)  # the caller's own entries (collate's `extra`)
 
     @property

@@ -119,6 +119,7 @@ def collate_step(
     last_in_epoch: bool = False,
     plan: StepPlan | None = None,
     stats: Any = None,
+    step_metrics: Any = None,
 ) -> "CollatedStep":
     """Several micro-batches of one step at once: the loader's collate stage. The bookkeeping (offsets,
     cu_seqlens, maxima, loss tokens) and the token copying each run once for the whole step, in numba (`fill.py`,
@@ -130,8 +131,8 @@ def collate_step(
 
     `index_in_step[i]`, `extra[i]` and `dp_groups[i]` are micro-batch i's index in the step (default i), extra
     entries (on top of `common_extra`, which all share) and DP-Merge group; `micro_batches_in_step` defaults to
-    len(micro_batches). `epoch`, `plan` and `stats` go to every batch, `last_in_epoch` to the last one only (the
-    loader's bookkeeping, see PackedBatch). The tensors are views of per-step arrays (a trainer that keeps one
+    len(micro_batches). `epoch`, `plan`, `stats` and `step_metrics` go to every batch, `last_in_epoch` to the last
+    one only (the loader's bookkeeping, see PackedBatch). The tensors are views of per-step arrays (a trainer that keeps one
     batch keeps its step's buffers, a few bytes per token of the step).
     """
     if layout not in LAYOUTS:
@@ -174,6 +175,7 @@ def collate_step(
         common=dict(common_extra or {}), dp_groups=list(dp_groups) if dp_groups is not None else [None] * n_mb,
         step=int(step), per_step=per_step, step_loss=None if loss_tokens_in_step is None else int(loss_tokens_in_step),
         layout=layout, epoch=int(epoch), last_in_epoch=bool(last_in_epoch), plan=plan, stats=stats,
+        step_metrics=step_metrics,
     ))
 
 
@@ -252,6 +254,7 @@ class StepArrays:
     last_in_epoch: bool  # applies to the last micro-batch
     plan: StepPlan | None
     stats: Any
+    step_metrics: Any = None
 
 
 class CollatedStep(SequenceABC):
@@ -304,6 +307,7 @@ class CollatedStep(SequenceABC):
             last_in_epoch=s.last_in_epoch and i == n - 1,
             plan=s.plan,
             stats=s.stats,
+            step_metrics=s.step_metrics,
             extra={**s.common, **extra} if extra else dict(s.common),
         )
 

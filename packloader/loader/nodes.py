@@ -43,12 +43,13 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from packloader.balancers.draw import cut_pieces, step_ends
-from packloader.balancers.planners.registry import StepLayout, Window
+from packloader.balancers.planners.registry import StepLayout, Window, cost_model_for
 from packloader.collate.collate import collate_step, loss_tokens_in_plan
-from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerState, StepPlan
+from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerState, StepMetrics, StepPlan
 from packloader.loader.chunks import Chunk, ChunkNode
 from packloader.loader.distributed import RankExchange, digest
 from packloader.loader.micro_batch_count import check_micro_batch_count
+from packloader.loader.step_metrics import padding_of, step_metrics
 from packloader.sources.order import split_range
 from packloader.sources.stream import DocumentStream
 
@@ -70,6 +71,7 @@ class StepWork:
     state_before: dict | None = None
     state_after: dict | None = None
     step_lengths: dict[int, int] | None = None  # every document of the step's plan (all ranks)
+    metrics: StepMetrics | None = None  # the step's record for the trainer's logs (padding added at collation)
 
 
 class StepNode(BaseNode[StepWork]):
@@ -283,7 +285,8 @@ class StepNode(BaseNode[StepWork]):
         doc_len.update(self.queued_lengths)
 
         step = self.step_offset + self.k * self.step_stride
-        plan, new_state = self._plan(window, self.pstate, step, done)
+        state_in = self.pstate  # the flush travels in StepLayout (`_plan`), never in the state
+        plan, new_state = self._plan(window, state_in, step, done)
         loss_tokens = loss_tokens_in_plan(plan, doc_len)
         plan = msgspec.structs.replace(plan, loss_tokens=loss_tokens)
         mbs, lengths, tokens = self._own_part(plan, window, doc_len)
@@ -302,6 +305,8 @@ class StepNode(BaseNode[StepWork]):
         self.stats.steps += 1
         self.stats.delayed_pieces += len(new_state.queued)
         epoch = self.epoch
+        model = getattr(self.planner, "model", None) or cost_model_for(cfg)
+        metrics = step_metrics(plan, model, cfg, epoch=epoch, state_in=state_in, state_out=new_state)
         last = False
         if done:
             if new_state.queued:
@@ -314,7 +319,7 @@ class StepNode(BaseNode[StepWork]):
             self.pos = int(self._buf_ids[self._buf_at]) % self.stream.num_docs if self._buf_at < len(self._buf_ids) \
                 else self._next_pos_after_buffer()
         return StepWork(step, epoch, plan, mbs, lengths, tokens, loss_tokens, last, self.stats.copy(),
-                        step_lengths=doc_len)
+                        step_lengths=doc_len, metrics=metrics)
 
     def _plan(self, window, state_in: PlannerState, step: int, done: bool,
               remainder: bool = False) -> tuple[StepPlan, PlannerState]:
@@ -357,8 +362,11 @@ class StepNode(BaseNode[StepWork]):
         plan = msgspec.structs.replace(plan, loss_tokens=int(rem["loss_tokens"]))
         mbs, lengths, tokens = self._own_part(plan, window, doc_len)
         self.remainder = None
+        model = getattr(self.planner, "model", None) or cost_model_for(self.config)
+        metrics = step_metrics(plan, model, self.config, epoch=int(rem["epoch"]), state_in=PlannerState(),
+                               state_out=PlannerState())
         return StepWork(plan.step, int(rem["epoch"]), plan, mbs, lengths, tokens, plan.loss_tokens, bool(rem["last"]),
-                        self.stats.copy(), step_lengths=doc_len)
+                        self.stats.copy(), step_lengths=doc_len, metrics=metrics)
 
     def _next_pos_after_buffer(self) -> int:
         if len(self._buf_ids):
@@ -420,10 +428,14 @@ class StepCollator:
 
     def __call__(self, work: StepWork) -> Sequence:
         tokens = read_missing(self.stream, work).tokens
+        metrics = work.metrics
+        if metrics is not None:
+            pad = padding_of(work.plan, self.kw["pad_to_multiple"], self.kw["pad_to_tokens"])
+            metrics = msgspec.structs.replace(metrics, padding_tokens=pad)
         out = collate_step([mb.segments for mb in work.micro_batches], tokens, step=work.step,
                            loss_tokens_in_step=work.loss_tokens, dp_groups=[mb.dp_group for mb in work.micro_batches],
                            epoch=work.epoch, last_in_epoch=work.last_in_epoch, plan=work.plan, stats=work.stats,
-                           **self.kw)
+                           step_metrics=metrics, **self.kw)
         if not out and work.last_in_epoch:
             # a rank with no micro-batch in the epoch's last step still needs to see the epoch end
             return [None]

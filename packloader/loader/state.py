@@ -53,7 +53,7 @@ def validate_config(config) -> PlanConfig:
 
 def check_model(config: PlanConfig) -> None:
     from packloader.balancers.cost.presets import preset_names
-    from packloader.balancers.planners.packing import cost_model_for
+    from packloader.balancers.planners.registry import cost_model_for
 
     try:
         cost_model_for(config)

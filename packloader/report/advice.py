@@ -238,6 +238,7 @@ def _recommend(figs, config, draw, model, memory, grid_steps, grouping, tick, co
     if pick is not None:
         fig = next(f for f in ours if f.name == pick.strategy)
         m = pick.num_micro_batches or int(round(pick.micro_batches_mean))
+        pinned, mean = bool(pick.num_micro_batches), pick.micro_batches_mean
         sp = pick.tokens_per_second / base_tps if base_tps else 1.0
         reason = (f"the highest simulated throughput that fits in memory: {pick.tokens_per_second:,.0f} tokens/s over "
                   f"all {draw.steps} steps with cap {pick.max_tokens:,} and "
@@ -248,6 +249,7 @@ def _recommend(figs, config, draw, model, memory, grid_steps, grouping, tick, co
                      "tp/pp/cp; the advice below ignores memory")
         fig = max(ours, key=lambda f: f.tokens_per_second)
         m, cap, strategy = int(round(fig.micro_batches_mean)), config.max_tokens, fig.name
+        pinned, mean = config.num_micro_batches is not None, fig.micro_batches_mean
         sp = fig.tokens_per_second / base_tps if base_tps else 1.0
         reason = f"the highest simulated throughput at your settings ({fig.tokens_per_second:,.0f} tokens/s)"
     if base:
@@ -257,6 +259,7 @@ def _recommend(figs, config, draw, model, memory, grid_steps, grouping, tick, co
     if fig.tokens_split:
         reason += f"; it slices {fig.split_share:.1%} of tokens (needs the sliced runtime)"
     advice = Advice(strategy=strategy, reason=reason, num_micro_batches=m, max_tokens=cap, speedup_vs_baseline=sp,
+                    micro_batches_pinned=pinned, micro_batches_mean=mean,
                     baseline=base.name if base else "", notes=notes, cap_grid=grid, grid_steps=steps,
                     baseline_tokens_per_second=base_tps, confirmed=confirmed,
                     tokens_per_second=pick.tokens_per_second if pick is not None else fig.tokens_per_second)

@@ -4,6 +4,8 @@ advice, write the JSON, the PNGs and the HTML page. The CLI (`packloader report`
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -37,7 +39,7 @@ class ReportOptions(msgspec.Struct, kw_only=True):
 
     steps: int = 8
     strategies: Sequence[str] = ()  # empty: the registry's report strategies (`report_strategies`)
-    device: str = "h100"
+    device: str | None = None  # a device profile name; None: the PlanConfig's
     out_dir: str | None = None  # None: no files, only the Report
     plots: bool = True
     advice: bool = True
@@ -64,10 +66,14 @@ def _reference(figs: list[StrategyFigures]) -> StrategyFigures | None:
 
 
 def _mb_costs(run: StrategyRun, model: CostModel, steps: int) -> np.ndarray:
-    """Forward + backward time of every micro-batch of the drawn steps (a DP-Merge micro-batch once)."""
+    """Forward + backward time of every micro-batch of the drawn steps (a DP-Merge micro-batch once), each over
+    the mean micro-batch of its own step: 1.0 is even. Raw times pooled over steps would mix steps whose
+    micro-batches differ in size (auto picks a count per step), so a strategy that is even inside every step
+    would look uneven; within a step is where the pipeline and the DP ranks wait for the slowest one."""
     out = []
     seen: set = set()
     for plan in run.plans[:steps]:
+        step = []
         for rank in plan.ranks:
             for mb in rank.micro_batches:
                 if mb.dp_group and len(mb.dp_group) > 1:
@@ -76,19 +82,41 @@ def _mb_costs(run: StrategyRun, model: CostModel, steps: int) -> np.ndarray:
                         continue
                     seen.add(key)
                 f, b = model.microbatch_times(mb)
-                out.append(f + b)
+                step.append(f + b)
+        mean = float(np.mean(step)) if step else 0.0
+        if mean > 0:
+            out += [t / mean for t in step]
     return np.asarray(out)
+
+
+@contextlib.contextmanager
+def _quiet_planners():
+    """The report plans many layouts and caps on purpose, and `auto` warns once per planner when none of its plans
+    fits in memory: a flood here. The report's memory columns and notes say it instead."""
+    log = logging.getLogger("packloader.planner")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions | None = None) -> tuple[Report, dict[str, StrategyRun]]:
     """The report of `config` (layout, caps, model, steps via `config.tokens_per_step`) over `lengths`."""
+    with _quiet_planners():
+        return _build_report(lengths, config, options)
+
+
+def _build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions | None) -> tuple[Report, dict[str, StrategyRun]]:
     from tqdm.auto import tqdm
 
     opt = options or ReportOptions()
-    if config.device != opt.device:  # the planners price the device the report is for
+    if opt.device is not None and config.device != opt.device:  # the planners price the device the report is for
         config = msgspec.structs.replace(config, device=opt.device)
-    model = load_cost_model(config.model, config.parallel, device=opt.device, cost=config.cost)
-    memory = memory_model_for(config.model, config, opt.device)
+    device = config.device
+    model = load_cost_model(config.model, config.parallel, device=device, cost=config.cost)
+    memory = memory_model_for(config.model, config, device)
     draw: Draw = draw_steps(lengths.lengths, config.tokens_per_step, config.context, opt.steps)
     notes = list(opt.notes)
     if model.profile.source.startswith("analytic: no measured"):
@@ -101,7 +129,7 @@ def build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions | 
     if memory is not None:
         mem_cap = memory.tokens_that_fit(tile=model.profile.tile)
         if mem_cap == 0:
-            notes.append(f"{config.model} does not fit on one {opt.device.upper()} under this layout even without activations "
+            notes.append(f"{config.model} does not fit on one {device.upper()} under this layout even without activations "
                          f"(weights, gradients and optimizer state); raise --tp or --pp: memory figures show how far off it is")
         elif config.max_tokens > mem_cap:
             notes.append(f"--max-tokens {config.max_tokens:,} exceeds what {config.model} fits in one micro-batch on this layout "
@@ -110,7 +138,7 @@ def build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions | 
         notes.append("peak memory is not reported: the cost profile does not name a model shape (use a preset for --model)")
     p = config.parallel
     settings = Settings(
-        input=opt.input or lengths.origin, tokenizer=opt.tokenizer, model=config.model, cost_profile=model.name, device=opt.device,
+        input=opt.input or lengths.origin, tokenizer=opt.tokenizer, model=config.model, cost_profile=model.name, device=device,
         dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp, vpp=p.vpp, schedule=config.schedule, gpus=p.dp * p.pp * p.cp * p.tp,
         tokens_per_step=config.tokens_per_step, max_tokens=config.max_tokens, context=config.context, steps=draw.steps,
         seed=config.seed, memory_cap_tokens=mem_cap,
@@ -167,7 +195,7 @@ def _write(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
         captions = {
             "Simulated throughput per strategy": images.get("summary"),
             "Document lengths and attention work": images.get("lengths"),
-            "Micro-batch time per strategy": images.get("costs"),
+            "Micro-batch time over its step's mean, per strategy": images.get("costs"),
             "One step's pipeline timeline": images.get("timeline"),
         }
         files["html"] = str(html_path)
@@ -209,8 +237,8 @@ def _plots(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
             take += " Hatched bars need more memory than a GPU has."
         if adv is not None and (adv.strategy, adv.max_tokens, adv.num_micro_batches) != (
                 best.name, report.settings.max_tokens, round(best.micro_batches_mean)):
-            take += (f" Advice after trying other caps and micro-batch counts: {adv.strategy}, cap {adv.max_tokens:,}, "
-                     f"{adv.num_micro_batches} micro-batches per rank ({adv.speedup_vs_baseline:.2f}x).")
+            take += (f" Advice after trying other caps and micro-batch counts: {adv.settings_text()} "
+                     f"({adv.speedup_vs_baseline:.2f}x).")
     else:
         take = f"Fastest: {fastest.name} at {fastest.tokens_per_second / 1e3:,.0f}k tokens/s."
     images["summary"] = plots.plot_summary(
@@ -218,13 +246,13 @@ def _plots(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
         [f.tokens_planned / f.bound_time_total if f.bound_time_total > 0 else 0.0 for f in ok],
         [f.step_time_mean * 1e3 for f in ok], flags, report.settings.gpus, take)
     costs = {f.name: _mb_costs(runs[f.name], model, f.steps) for f in ok}
-    spread = {n: float(c.max() / np.median(c)) for n, c in costs.items() if len(c) and np.median(c) > 0}
+    spread = {n: float(c.max()) for n, c in costs.items() if len(c)}
     take = "A pipeline waits for its slowest micro-batch."
     if spread:
         even = min(spread, key=spread.get)
-        take += f" Most even: {even} (slowest {spread[even]:.1f}x the median)"
+        take += f" Most even: {even} (slowest {spread[even]:.2f}x its step's mean)"
         if ref is not None and ref.name in spread and ref.name != even:
-            take += f"; the fastest baseline, {ref.name}: {spread[ref.name]:.1f}x"
+            take += f"; the fastest baseline, {ref.name}: {spread[ref.name]:.2f}x"
         take += "."
     images["costs"] = plots.plot_costs(str(out / "costs.png"), costs, roles, take)
     if ref is not None and best is not None and ref.per_step and best.per_step:

@@ -159,7 +159,7 @@ class GroupingCandidate(msgspec.Struct, kw_only=True):
 class Advice(msgspec.Struct, kw_only=True):
     strategy: str
     reason: str
-    num_micro_batches: int
+    num_micro_batches: int  # pinned: the setting; else the planner's own choice, rounded mean per rank and step
     max_tokens: int
     speedup_vs_baseline: float
     baseline: str
@@ -171,6 +171,17 @@ class Advice(msgspec.Struct, kw_only=True):
     grouping: GroupingCandidate | None = None
     grouping_candidates: list[GroupingCandidate] = []
     notes: list[str] = []
+    micro_batches_pinned: bool = False  # the advice sets PlanConfig.num_micro_batches (else: leave it None)
+    micro_batches_mean: float = 0.0  # micro-batches per DP rank per step, mean over the steps, as advised
+
+    def settings_text(self) -> str:
+        """The advised settings as settings: a mean of the planner's own per-step choices is not one."""
+        if self.micro_batches_pinned:
+            mbs = f"num_micro_batches={self.num_micro_batches} (--micro-batches {self.num_micro_batches})"
+        else:
+            mbs = (f"num_micro_batches left to the planner (None: {self.strategy} picks a count each step; "
+                   f"{self.micro_batches_mean:.1f} per DP rank on average here)")
+        return f"strategy={self.strategy}, max_tokens={self.max_tokens:,}, {mbs}"
 
 
 class Report(msgspec.Struct, kw_only=True):

@@ -82,7 +82,7 @@ def render_html(report: Report, images: dict[str, str | Path]) -> str:
     if a is not None:
         parts.append("<h2>Advice</h2><ul>")
         parts.append(f"<li><b>strategy {_e(a.strategy)}</b>: {_e(a.reason)}</li>")
-        parts.append(f"<li><b>{a.num_micro_batches} micro-batches per DP rank, token cap {a.max_tokens:,}</b></li>")
+        parts.append(f"<li><b>settings</b>: {_e(a.settings_text())}</li>")
         if a.grouping is not None:
             g = a.grouping
             gain = f"{g.gain_vs_homogeneous:.2f}x the homogeneous layout" if g.gain_vs_homogeneous else "the homogeneous layout cannot run"

@@ -87,14 +87,15 @@ def plot_lengths(path: str, lengths: np.ndarray, doc_attention: np.ndarray, cont
 
 
 def plot_costs(path: str, costs: dict[str, np.ndarray], roles: dict[str, str], takeaway: str) -> str:
-    """One row per strategy: the time of each micro-batch (forward + backward on one pipeline stage)."""
+    """One row per strategy: the time of each micro-batch (forward + backward on one pipeline stage) over the
+    mean micro-batch of its step (`build._mb_costs`), so 1.0 is even whatever size a step's micro-batches are."""
     plt = _plt()
     names = list(costs)
     fig, ax = plt.subplots(figsize=(10, 1.0 + 0.55 * len(names) + 1.6))
     fig.subplots_adjust(top=1 - 1.25 / fig.get_figheight(), bottom=0.75 / fig.get_figheight(), left=0.17, right=0.98)
     rng = np.random.default_rng(0)
     for i, n in enumerate(names):
-        c = np.asarray(costs[n]) * 1e3
+        c = np.asarray(costs[n])
         y = len(names) - 1 - i
         if len(c) == 0:
             continue
@@ -103,15 +104,16 @@ def plot_costs(path: str, costs: dict[str, np.ndarray], roles: dict[str, str], t
         ax.scatter(show, y + rng.uniform(-0.22, 0.22, len(show)), s=6, alpha=0.35, color=col, linewidths=0)
         ax.boxplot([c], positions=[y], vert=False, widths=0.6, whis=(0, 100), showfliers=False,
                    medianprops={"color": "k"}, boxprops={"color": "k"}, whiskerprops={"color": "k"}, capprops={"color": "k"})
-        med = float(np.median(c))
-        ax.text(c.max(), y + 0.32, f" slowest {c.max() / med:.1f}x the median" if med > 0 else "", fontsize=8, va="center")
+        ax.text(c.max(), y + 0.32, f" slowest {c.max():.2f}x its step's mean", fontsize=8, va="center")
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels([f"{n}\n({roles.get(n, '')})" for n in reversed(names)], fontsize=9)
-    ax.set_xlabel("time of one micro-batch, forward + backward on one pipeline stage (ms)")
+    ax.set_xlabel("time of one micro-batch (forward + backward on one pipeline stage) / the mean micro-batch of its step")
     ax.grid(axis="x", alpha=0.3)
-    top = max((float(np.max(v)) for v in costs.values() if len(v)), default=1.0) * 1e3
-    ax.set_xlim(0, top * 1.2)
-    ax.set_title("each dot is one micro-batch of one step; box: middle half, line: median, whiskers: min to max", fontsize=9, loc="left", color="#555555")
+    ax.axvline(1.0, color="#555555", lw=0.8, ls="--")
+    top = max((float(np.max(v)) for v in costs.values() if len(v)), default=1.0)
+    ax.set_xlim(0, top * 1.25)
+    ax.set_title("each dot: one micro-batch of one step; dashed: the step's mean; box: middle half, line: median, "
+                 "whiskers: min to max", fontsize=9, loc="left", color="#555555")
     _title(fig, ax, "How even are the micro-batches?", takeaway)
     return _save(fig, path)
 
@@ -180,8 +182,10 @@ def plot_timeline(path: str, sims: Sequence[tuple[str, object]], bounds: Sequenc
                 ylabels.append((y, f"rank {r} stage {s}"))
                 for v in range(s, res.pp * res.vpp, res.pp):
                     for u in range(res.m):
-                        for kind, col in ((0, "#6baed6"), (1, "#fd8d3c")):
+                        for kind, col in ((0, "#6baed6"), (1, "#fd8d3c"), (2, "#74c476")):
                             a, b = res.start[v, u, kind] * 1e3, res.finish[v, u, kind] * 1e3
+                            if a < 0:  # no weight-gradient task outside ZB-H1
+                                continue
                             ax.barh(y, b - a, left=a, height=0.8, color=col, edgecolor="white", linewidth=0.4)
                             if b - a > tmax / 45:
                                 ax.text((a + b) / 2, y, str(u), ha="center", va="center", fontsize=6)
@@ -197,9 +201,12 @@ def plot_timeline(path: str, sims: Sequence[tuple[str, object]], bounds: Sequenc
         ax.set_xlim(0, tmax * 1.02)
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("time within the step (ms); numbers are micro-batch indices")
-    fig.legend(handles=[Patch(color="#6baed6", label="forward"), Patch(color="#fd8d3c", label="backward"),
+    zb = any((r.start[..., 2] >= 0).any() for _, sim in sims for r in sim.ranks)
+    fig.legend(handles=[Patch(color="#6baed6", label="forward"),
+                        Patch(color="#fd8d3c", label="input gradient (B)" if zb else "backward"),
+                        *([Patch(color="#74c476", label="weight gradient (W)")] if zb else []),
                         Patch(color="#d62728", label="step end"), Patch(facecolor="white", edgecolor="k", ls="--", label="no-bubble ideal")],
-               loc="lower right", ncol=4, fontsize=8, frameon=False)
+               loc="lower right", ncol=5 if zb else 4, fontsize=8, frameon=False)
     _title(fig, axes[0, 0], f"One step ({step}) on every GPU: pipeline timeline per DP rank and stage", takeaway)
     return _save(fig, path)
 

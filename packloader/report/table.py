@@ -80,7 +80,7 @@ def render_text(report: Report) -> str:
     a = report.advice
     if a is not None:
         out += ["", "advice:", f"  strategy {a.strategy}: {a.reason}",
-                f"  {a.num_micro_batches} micro-batches per DP rank, token cap {a.max_tokens:,}"]
+                f"  settings: {a.settings_text()}"]
         if a.grouping is not None:
             g = a.grouping
             gain = f"{g.gain_vs_homogeneous:.2f}x the homogeneous hydraulis layout" if g.gain_vs_homogeneous else "the homogeneous layout cannot run"

@@ -152,7 +152,7 @@ def time_attention(shape: LayerShape, lengths: np.ndarray, *, device: torch.devi
 
     fwd, bwd = [], []
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for l in lengths:
+    for i, l in enumerate(lengths):
         l = int(l)
         count = max(1, token_budget // l)
         T = count * l
@@ -171,7 +171,7 @@ def time_attention(shape: LayerShape, lengths: np.ndarray, *, device: torch.devi
         fwd.append(f / count)
         bwd.append(b / count)
         if progress:
-            progress(f"  attention l={l:>7d} x{count:<5d} fwd {fwd[-1] * 1e6:12.2f} us  bwd {bwd[-1] * 1e6:12.2f} us")
+            progress(f"  [{i + 1:>2d}/{len(lengths)}] attention l={l:>7d} x{count:<5d} fwd {fwd[-1] * 1e6:12.2f} us  bwd {bwd[-1] * 1e6:12.2f} us")
         q = k = v = g = None  # free them before the next length allocates
     return np.array(fwd), np.array(bwd)
 
@@ -208,7 +208,7 @@ def time_linear(shape: LayerShape, sizes: np.ndarray, *, device: torch.device, d
     layer = LinearPart(shape).to(device=device, dtype=dtype)
     head = torch.nn.Parameter(torch.randn(shape.hidden, shape.vocab, device=device, dtype=dtype)) if shape.vocab else None
     lf, lb, hf, hb = [], [], [], []
-    for n in sizes:
+    for i, n in enumerate(sizes):
         n = int(n)
         x = torch.randn(n, shape.hidden, device=device, dtype=dtype, requires_grad=True)
         gy = torch.randn(n, shape.hidden, device=device, dtype=dtype)
@@ -238,7 +238,7 @@ def time_linear(shape: LayerShape, sizes: np.ndarray, *, device: torch.device, d
         hf.append(f)
         hb.append(b)
         if progress:
-            progress(f"  linear    n={n:>7d}       fwd {lf[-1] * 1e6:12.2f} us  bwd {lb[-1] * 1e6:12.2f} us"
+            progress(f"  [{i + 1:>2d}/{len(sizes)}] linear    n={n:>7d}       fwd {lf[-1] * 1e6:12.2f} us  bwd {lb[-1] * 1e6:12.2f} us"
                      + (f"  (head fwd {f * 1e6:.2f} us, bwd {b * 1e6:.2f} us)" if head is not None else ""))
     return np.array(lf), np.array(lb), np.array(hf), np.array(hb)
 
@@ -287,7 +287,8 @@ def calibrate(
     say = progress or (lambda s: None)
     gc.collect()  # once: the timed regions run with the collector off
     say(f"calibrating {shape.name} (hidden {shape.hidden}, heads {shape.heads}/{shape.kv_heads} x {shape.head_dim}, "
-        f"ffn {shape.ffn}) on {device_label(device, dtype, chosen)}")
+        f"ffn {shape.ffn}) on {device_label(device, dtype, chosen)}: {len(lengths)} attention lengths, then "
+        f"{len(sizes)} micro-batch sizes, {warmup} warmup + {repeats} timed runs each")
     af, ab = time_attention(shape, lengths, device=device, dtype=dtype, backend=chosen, token_budget=max_len,
                             repeats=repeats, warmup=warmup, progress=progress)
     head_shape = shape if include_head else replace(shape, vocab=None)
@@ -297,6 +298,20 @@ def calibrate(
     label = name or f"{shape.name}@{device_label(device, dtype, chosen)}/layers{layers:g}"
     prof = fit_profile(label, m, tile=tile, device=device_label(device, dtype, chosen))
     return prof, m
+
+
+FIT_ERROR_WARN_PCT = 10.0  # held-out error above which a profile's predictions are called unreliable
+
+
+def fit_warnings(profile: CostProfile, limit_pct: float = FIT_ERROR_WARN_PCT) -> list[str]:
+    """One line per part whose held-out error (mean absolute percentage, on lengths the fit did not see) is above
+    `limit_pct`: plans priced with it are balanced against times that far off."""
+    out = []
+    for part in PARTS:
+        err = profile.fit_error.get(part + "_heldout_mape_pct")
+        if err is not None and not err <= limit_pct:
+            out.append(f"{part}: held-out error {err:.1f}% (above {limit_pct:g}%)")
+    return out
 
 
 def format_fit(profile: CostProfile) -> str:

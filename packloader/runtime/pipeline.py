@@ -24,7 +24,9 @@ What runs, and why it matches the simulator:
 
 * The action lists are the simulator's (`balancers.simulator.build_ops`, the order `SimResult.order(rank)`
   scores), turned into the engine's `_Action`s (virtual stage c*pp + s on rank s, the engine's loop mapping)
-  and lowered with the engine's own `_add_send_recv`. Forwards go in micro-batch order; backwards in the plan's
+  and lowered with the engine's own `_add_send_recv`; or the lists `packloader plan` wrote for the step
+  (`step_plan(..., actions=record["actions"][dp_rank])`), checked by `pipeline_actions.engine_actions` and run
+  exactly as written (`executed` records what ran, in the same [op, micro_batch, stage] form). Forwards go in micro-batch order; backwards in the plan's
   `backward_order` or the simulator's default (a sliced document's micro-batches last slice first), so on every
   stage the backward of a later slice runs before that of the slice whose keys it read.
 * Slices: each stage has a KV cache (`SliceKVCache`, keyed by layer, document and token range). A micro-batch
@@ -55,22 +57,34 @@ What the engine could not express, and what was added at its seams (subclasses, 
   equal chunks. Gradients are not rescaled (`scale_grads=False`): the loss function scales, as packloader's
   losses are normalised by the step's loss tokens.
 
-Full backward only (no split input/weight backward, zero-bubble schedules are out of scope); the key/value
-gradient of a sliced document crosses micro-batches on the same stage only, so no extra communication.
+Split backwards (ZB-H1, schedule "zb-h1" or written lists with "W"): a "B" with a "W" of the same micro-batch
+and stage runs as the engine's input-gradient action (I) and the "W" as its weight-gradient action. The engine's
+I differentiates the stage inputs only, so `SlicedPipelineStage` adds the keys and values a slice read from
+earlier micro-batches to those inputs and hands their gradients to the cache before the earlier slice's I; on
+the first stage the engine runs the whole backward at W, and the cache follows. The key/value gradient of a
+sliced document crosses micro-batches on the same stage only, so no extra communication.
 """
 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action, _PipelineScheduleRuntime
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    _Action,
+    _PipelineScheduleRuntime,
+)
 
-from packloader.balancers.sim.kernels import SCHEDULES, build_ops
+from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, build_ops
 from packloader.balancers.sim.simulator import check_backward_order, default_backward_order, slice_edges_of
 from packloader.contracts import MicroBatch, RankPlan, StepPlan
+from packloader.runtime.pipeline_actions import engine_actions, written_actions
 from packloader.runtime.pipeline_stage import (
     CarriedKVCache,
     KVSample,
@@ -80,8 +94,12 @@ from packloader.runtime.pipeline_stage import (
 )
 from packloader.runtime.slices import SlicesNotSupported, analyse_chain
 
+RUNS = ("1f1b", "gpipe", "interleaved", "zb-h1")  # the simulator's schedules this runs
+
 __all__ = [
     "simulated_actions",
+    "engine_actions",
+    "written_actions",
     "rank_backward_order",
     "SlicedPipelineStage",
     "PlanPipelineSchedule",
@@ -109,8 +127,8 @@ def simulated_actions(micro_batches: Sequence[MicroBatch], pp: int, *, vpp: int 
     """Per pipeline rank, the compute actions (forward / full backward per stage and micro-batch) in the order
     the simulator scores (`simulator.build_ops`): stage c*pp + s of model chunk c runs on rank s."""
     kind = SCHEDULES.get(schedule)
-    if kind is None:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
+    if kind is None or schedule not in RUNS:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(RUNS)}")
     if vpp > 1 and schedule != "interleaved":
         raise ValueError(f"vpp={vpp} needs schedule='interleaved'")
     if schedule == "interleaved" and vpp > 1 and len(micro_batches) % pp:
@@ -123,16 +141,11 @@ def simulated_actions(micro_batches: Sequence[MicroBatch], pp: int, *, vpp: int 
     for s in range(pp):
         acts = []
         for t in ops[s]:
-            vu, isb = divmod(int(t), 2)
+            vu, op = divmod(int(t), 3)
             vs, u = divmod(vu, m)
-            acts.append(_Action(vs, FULL_BACKWARD if isb else FORWARD, u))
+            acts.append(_Action(vs, (FORWARD, BACKWARD_INPUT if kind == ZB_H1 else FULL_BACKWARD, BACKWARD_WEIGHT)[op], u))
         out[s] = acts
     return out
-
-
-def _order_of(actions: Iterable[_Action], pp: int) -> list[tuple[str, int, int]]:
-    return [("B" if a.computation_type == FULL_BACKWARD else "F", int(a.microbatch_index), a.stage_index // pp)
-            for a in actions]
 
 
 # ---------------------------------------------------------------------------------------------- schedule
@@ -160,6 +173,22 @@ def _tokens_and_shards(mbs: Sequence[MicroBatch], dp_rank: int | None, rank_map:
     return tokens, shards
 
 
+def _readers(mbs: Sequence[MicroBatch]) -> dict[int, set[int]]:
+    """Micro-batch -> the later micro-batches whose slices read its keys (the previous slice's micro-batch and
+    every earlier one a prefix reaches back to)."""
+    readers: dict[int, set[int]] = {}
+    edges, _ = slice_edges_of(mbs)
+    for a, b in edges:
+        readers.setdefault(int(a), set()).add(int(b))
+    for u, mb in enumerate(mbs):
+        for s in mb.segments:
+            if s.attend_from < s.start:
+                for j in range(u):
+                    if any(t.doc == s.doc and t.start < s.start and t.end > s.attend_from for t in mbs[j].segments):
+                        readers.setdefault(j, set()).add(u)
+    return readers
+
+
 class PlanPipelineSchedule(_PipelineScheduleRuntime):
     """Runs one DP rank's micro-batches of a packloader plan through its pipeline, in the simulator's order.
 
@@ -185,16 +214,18 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
         if self._num_stages != self.pp * self.vpp:
             raise ValueError(f"{self._num_stages} stages over {self.pp} pipeline ranks with {self.vpp} stage(s) on "
                              f"this rank: every rank must hold num_stages / pp stages")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
+        if schedule not in RUNS:
+            raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(RUNS)}")
         if self.vpp > 1 and schedule != "interleaved":
             raise ValueError(f"{self.vpp} stages per rank need schedule='interleaved'")
         self.schedule = schedule
         self.dp_rank, self.rank_map, self.groups = dp_rank, rank_map, groups
         self.order: list[tuple[str, int, int]] = []
+        self.executed: list[list] = []  # this rank's actions of the last step as run: [op, micro_batch, stage]
         for st in stages:
             st.chunk = st.stage_index // self.pp
             st.order = self.order
+            st.executed = self.executed
             st._dp_merge = self._dp_merge_attention
         self._actions: dict[int, list[_Action]] = {}
 
@@ -210,13 +241,18 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
 
     def step_plan(self, rank_plan: RankPlan | Sequence[MicroBatch], *, arg_mbs: list | None = None,
                   kwarg_mbs: list | None = None, target_mbs: list | None = None, losses: list | None = None,
-                  step_plan: StepPlan | None = None, return_outputs: bool = False) -> list | None:
+                  step_plan: StepPlan | None = None, actions: Sequence | None = None,
+                  plan_actions: Sequence | None = None, return_outputs: bool = False) -> list | None:
         """Run one step of this DP rank's micro-batches (forward and backward of every stage this rank holds).
 
         `arg_mbs[j]`: the first stage's positional inputs of micro-batch j (e.g. `(token_ids,)`); `kwarg_mbs[j]`
         keyword inputs passed to every stage's module (e.g. position ids); `target_mbs[j]`: the last stage's
         loss target. Returns the per-micro-batch losses on the last stage (else None). `step_plan`, when given,
-        is checked for DP-Merge order consistency across the groups' members."""
+        is checked for DP-Merge order consistency across the groups' members. `actions`: this DP rank's action
+        lists as `packloader plan` writes them (`step_actions(...)[dp_rank]`: per pipeline rank [[op,
+        micro_batch, stage], ...]), run exactly as written after `engine_actions` checks them; default the
+        simulator's order for `schedule`. `plan_actions`: the record's lists of every DP rank (this one's is
+        `plan_actions[dp_rank]`; the DP-Merge check then uses them)."""
         if isinstance(rank_plan, RankPlan):
             mbs, bo = list(rank_plan.micro_batches), rank_plan.backward_order
         else:
@@ -225,21 +261,18 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
         if m == 0:
             raise ValueError("a step needs at least one micro-batch on this rank")
         kept = analyse_chain(mbs, rank=self.dp_rank)
-        readers: dict[int, set[int]] = {}
-        edges, _ = slice_edges_of(mbs)
-        for a, b in edges:
-            readers.setdefault(int(a), set()).add(int(b))
-        # prefixes further back than the previous slice: every earlier micro-batch a slice reads
-        for u, mb in enumerate(mbs):
-            for s in mb.segments:
-                if s.attend_from < s.start:
-                    for j in range(u):
-                        if any(t.doc == s.doc and t.start < s.start and t.end > s.attend_from for t in mbs[j].segments):
-                            readers.setdefault(j, set()).add(u)
+        readers = _readers(mbs)
         tokens, shards = _tokens_and_shards(mbs, self.dp_rank, self.rank_map)
+        if plan_actions is not None and actions is None:
+            if self.dp_rank is None:
+                raise ValueError("plan_actions holds every DP rank's lists: step_plan needs dp_rank to pick this one")
+            actions = plan_actions[self.dp_rank]
         if step_plan is not None:
-            check_dp_merge_order(step_plan, self.pp, vpp=self.vpp, schedule=self.schedule)
-        actions = simulated_actions(mbs, self.pp, vpp=self.vpp, schedule=self.schedule, backward_order=bo)
+            check_dp_merge_order(step_plan, self.pp, vpp=self.vpp, schedule=self.schedule, actions=plan_actions)
+        if actions is None:
+            actions = simulated_actions(mbs, self.pp, vpp=self.vpp, schedule=self.schedule, backward_order=bo)
+        else:
+            actions = engine_actions(actions, m, self.pp, self.vpp, readers)
         self._n_microbatches = m
         self._actions = {r: list(a) for r, a in actions.items()}
         self._prepare_schedule_with_comms({r: list(a) for r, a in actions.items()})
@@ -256,6 +289,7 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
             st.begin_step(info)
             st.size_buffers(tokens)
         self.order.clear()
+        self.executed.clear()
         out = self.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses,
                         return_outputs=return_outputs)
         for st in self._stages:
@@ -266,9 +300,11 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
         return out
 
 
-def check_dp_merge_order(plan: StepPlan, pp: int, *, vpp: int = 1, schedule: str = "1f1b") -> None:
+def check_dp_merge_order(plan: StepPlan, pp: int, *, vpp: int = 1, schedule: str = "1f1b",
+                         actions: Sequence | None = None) -> None:
     """Every DP-Merge group's members must run their shared micro-batches in the same order on each pipeline
-    rank (the attention collectives pair up in that order); raise naming the group and the orders if not."""
+    rank (the attention collectives pair up in that order); raise naming the group and the orders if not.
+    `actions`: the written lists of every DP rank (default: the simulator's for `schedule`)."""
     shared: dict[tuple[int, ...], dict[int, list[int]]] = {}
     for r, rp in enumerate(plan.ranks):
         for j, mb in enumerate(rp.micro_batches):
@@ -276,9 +312,9 @@ def check_dp_merge_order(plan: StepPlan, pp: int, *, vpp: int = 1, schedule: str
                 shared.setdefault(tuple(sorted(mb.dp_group)), {}).setdefault(r, []).append(j)
     if not shared:
         return
-    orders = {r: simulated_actions(rp.micro_batches, pp, vpp=vpp, schedule=schedule,
-                                   backward_order=rp.backward_order) for r, rp in enumerate(plan.ranks)
-              if any(r in g for g in shared)}
+    orders = {r: (engine_actions(actions[r], len(rp.micro_batches), pp, vpp) if actions is not None else
+                  simulated_actions(rp.micro_batches, pp, vpp=vpp, schedule=schedule, backward_order=rp.backward_order))
+              for r, rp in enumerate(plan.ranks) if any(r in g for g in shared)}
     for g, per_rank in shared.items():
         seqs = {}
         for r in g:

@@ -179,6 +179,7 @@ class SlicedPipelineStage(PipelineStage):
         self.chunk = 0  # model chunk (set by the schedule: stage_index // pp)
         self.kv_trace: list[KVSample] = []
         self.order: list[tuple[str, int, int]] | None = None  # the rank's executed order (shared by its stages)
+        self.executed: list[list] | None = None  # the same as [op, micro_batch, stage index] (the written form)
         self._step: _StepInfo | None = None
         self._contexts: dict[int, Any] = {}
         self._backwarded: set[int] = set()
@@ -256,6 +257,8 @@ class SlicedPipelineStage(PipelineStage):
         self.kv_trace.append(KVSample((kind, j, self.chunk), self.cache.kv_nbytes(), self.cache.grad_nbytes()))
         if self.order is not None:
             self.order.append((kind, j, self.chunk))
+        if self.executed is not None:
+            self.executed.append([kind, j, self.stage_index])
 
     # -- the engine's calls ----------------------------------------------------------------------------
 
@@ -271,24 +274,55 @@ class SlicedPipelineStage(PipelineStage):
         return out
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
-        if not full_backward:
-            raise NotImplementedError("SlicedPipelineStage runs full backwards only (no split input/weight backward)")
-        st = self._step
-        if st is not None:
-            missing = st.readers.get(bwd_chunk_id, set()) - self._backwarded
-            if missing:
-                raise RuntimeError(
-                    f"stage {self.stage_index}: backward of micro-batch {bwd_chunk_id} before that of micro-batch(es) "
-                    f"{sorted(missing)}, which read its keys: their key/value gradients are not ready (a sliced "
-                    f"document's micro-batches go backward last slice first)")
-        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
-        self._backwarded.add(bwd_chunk_id)
-        ctx = self._contexts.pop(bwd_chunk_id, None)
-        if st is not None and isinstance(ctx, PipelineSliceContext):
-            ctx._leaves.clear()
-            for i in st.kept[bwd_chunk_id]:
-                s = st.micro_batches[bwd_chunk_id].segments[i]
-                self.cache.drop(s.doc, s.start, s.end)
+        """A whole backward ("B"), or with `full_backward=False` the input gradient alone (a "B" with a "W"
+        of the same micro-batch): the engine differentiates the stage inputs only, so the keys and values this
+        micro-batch read from earlier slices are added as inputs and their gradients handed to the cache, where
+        the earlier slices' input gradients pick them up. On the first stage the engine defers the whole
+        backward to W (no input gradient to send), and so does the cache."""
+        deferred = not full_backward and self.is_first
+        if not deferred:
+            self._check_readers(bwd_chunk_id)
+        ctx = self._contexts.get(bwd_chunk_id)
+        leaves = list(ctx._leaves.values()) if not full_backward and not self.is_first and \
+            isinstance(ctx, PipelineSliceContext) else []
+        if leaves:
+            out, inputs = self.fwd_cache[bwd_chunk_id]
+            self.fwd_cache[bwd_chunk_id] = (out, list(inputs) + [t for _, kl, vl in leaves for t in (kl, vl)])
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        for e, kl, vl in leaves:
+            _hand_over(kl, e, True)
+            _hand_over(vl, e, False)
+        if not deferred:
+            self._backwarded.add(bwd_chunk_id)
+        if full_backward:
+            self._finish(bwd_chunk_id)
         self._sample("B", bwd_chunk_id)
 
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        """The weight gradient ("W"); the micro-batch's carried keys, values and their gradients are freed
+        after it (the simulator's ZB-H1 memory rule)."""
+        if self.is_first:
+            self._check_readers(bwd_chunk_id)
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        self._backwarded.add(bwd_chunk_id)
+        self._finish(bwd_chunk_id)
+        self._sample("W", bwd_chunk_id)
 
+    def _check_readers(self, j: int) -> None:
+        st = self._step
+        missing = (st.readers.get(j, set()) - self._backwarded) if st is not None else set()
+        if missing:
+            raise RuntimeError(
+                f"stage {self.stage_index}: backward of micro-batch {j} before that of micro-batch(es) "
+                f"{sorted(missing)}, which read its keys: their key/value gradients are not ready (a sliced "
+                f"document's micro-batches go backward last slice first)")
+
+    def _finish(self, j: int) -> None:
+        """Drop a micro-batch's context and the cache entries it stored (its backward is complete)."""
+        st = self._step
+        ctx = self._contexts.pop(j, None)
+        if st is not None and isinstance(ctx, PipelineSliceContext):
+            ctx._leaves.clear()
+            for i in st.kept[j]:
+                s = st.micro_batches[j].segments[i]
+                self.cache.drop(s.doc, s.start, s.end)

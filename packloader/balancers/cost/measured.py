@@ -1,4 +1,4 @@
-"""The measured H100 cost profile, fitted from timings and scaled to a model shape and a parallel layout.
+"""Measured cost profiles scaled to a model shape and a parallel layout, and the fit of the shipped H100 one.
 
 The timings (packloader/profiles/measured/*.csv) were taken on one NVIDIA H100 80GB HBM3 (SXM), torch 2.11 with
 CUDA 13.0, bf16, on 2026-11-22: `torch.nn.attention.varlen.varlen_attn` causal with 32 heads x 128 (Llama-7B,
@@ -12,7 +12,9 @@ packloader/profiles/h100-llama2-7b-layer.json (one layer, no LM head) with `buil
 * linear part: the measured times as a `LinTable` (floor below 256 tokens, interpolated between, per-token
   past 64K), summarised by a per-token rate plus floor for the planners.
 
-`measured_profile` scales it to a preset's pipeline stage: attention by heads x head_dim over 32 x 128 and the
+A device profile file names its measured one-layer profile and the preset whose layer was timed
+(`devices.MeasuredKernels`; h100.json names this one). `measured_profile` scales a device's to a preset's
+pipeline stage: attention by heads x head_dim over 32 x 128 and the
 layers per stage, the (query, key) and per-token terms by TP x CP (each CP rank holds 1/cp of every document),
 the per-document term by TP only (every CP rank still runs every document); the linear table's times by the
 layer's GEMM weights over Llama-7B's (FLOPs per token, and the weight reads the small-batch floor is made of)
@@ -32,17 +34,16 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost import presets
+from packloader.balancers.cost.devices import DEFAULT_DEVICE, Device, load_device
 from packloader.balancers.cost.fit import Timings, choose_tile, profile_from_table
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.profile_io import PROFILES_DIR, load_profile
 from packloader.contracts import CostProfile, LinTable, ParallelConfig, Poly
 
-PROFILE_NAME = "h100-llama2-7b-layer"
+PROFILE_NAME = "h100-llama2-7b-layer"  # what build_profile fits (h100.json's measured profile)
 MEASURED_DIR = PROFILES_DIR / "measured"
 ATTENTION_CSV = MEASURED_DIR / "h100-attention.csv"
 LINEAR_CSV = MEASURED_DIR / "h100-linear.csv"
-# What was measured: attention 32 heads x 128 (MHA), GEMMs of hidden 4096 / FFN 11008, one layer.
-MEASURED_SHAPE = presets.MODEL_SHAPES["llama2-7b"]
 SOURCE = ("one NVIDIA H100 80GB HBM3 (SXM), torch 2.11 + CUDA 13.0, bf16, 2026-11-22: varlen_attn causal 32 heads x 128 "
           "in 32K-token packs; one Llama-7B layer's GEMMs (hidden 4096, FFN 11008) + SwiGLU")
 MAX_FIT_ERROR = 0.03  # the largest relative error allowed on any measured row
@@ -99,10 +100,20 @@ def row_errors(profile: CostProfile, attention_csv: str | os.PathLike = ATTENTIO
     return out
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=16)
+def _load_cached(path: str) -> CostProfile:
+    return load_profile(path)
+
+
+def _device_with_measurements(device: Device) -> Device:
+    if device.measured is None:
+        raise ValueError(f"device {device.name!r} ({device.file}) has no measured profile; price it with the analytic model")
+    return device
+
+
 def base_profile(path: str | None = None) -> CostProfile:
-    """The shipped one-layer H100 profile (or the one at `path`)."""
-    return load_profile(path or PROFILES_DIR / f"{PROFILE_NAME}.json")
+    """The default device's measured one-layer profile (the shipped H100 one), or the one at `path`."""
+    return _load_cached(str(path or _device_with_measurements(load_device(DEFAULT_DEVICE)).measured_profile_path()))
 
 
 def _scale(p: Poly, k: float) -> Poly:
@@ -118,13 +129,16 @@ def measured_profile(
     layers: float | None = None,
     head_fraction: float | None = None,
     memory_cap: int | None = None,
+    device: Device | None = None,
 ) -> CostProfile:
-    """Per-pipeline-stage profile of `shape` under `parallel`, from the measured one-layer profile (see the
+    """Per-pipeline-stage profile of `shape` under `parallel`, from `device`'s measured one-layer profile (default:
+    the default device's; `base` replaces the profile, not the device's reference shape and bandwidth; see the
     module docstring for each scale factor). `layers`, `include_head` and `head_fraction` as in
     `presets.analytic_profile`."""
     parallel = parallel or ParallelConfig()
-    base = base or base_profile()
-    ref = MEASURED_SHAPE
+    device = _device_with_measurements(device or load_device(DEFAULT_DEVICE))
+    base = base or _load_cached(str(device.measured_profile_path()))
+    ref = presets.get_shape(device.measured.shape)  # type: ignore[union-attr]
     L = presets.layers_per_stage(shape, parallel) if layers is None else float(layers)
     tp, cp = parallel.tp, parallel.cp
     fa = shape.heads * shape.head_dim / (ref.heads * ref.head_dim) * L / tp
@@ -135,7 +149,7 @@ def measured_profile(
     fl = shape.linear_params_per_layer() / ref.linear_params_per_layer() * L / tp
     # per token of this rank (n / cp of a micro-batch of n): element-wise kernels the GEMM timing left out, and
     # the LM head at the measured GEMM rate per weight
-    dev = presets.H100
+    dev = device.rates
     swiglu = (3 if shape.gated_mlp else 2) * shape.ffn * 2
     ew = (shape.elementwise_bytes_per_token_per_layer() - swiglu) * L / tp / (dev.hbm_tbps * 1e12)
     head_params = shape.vocab * shape.hidden * (head_fraction if head_fraction is not None else (1.0 / parallel.pp if include_head else 0.0)) / tp
@@ -154,23 +168,25 @@ def measured_profile(
                          bwd=[fl * x + extra_b * n for n, x in zip(t.tokens, t.bwd)])
     par = f"tp{tp}-cp{cp}-pp{parallel.pp}"
     return CostProfile(
-        name=f"{shape.name}@h100-measured/{par}", tile=base.tile, attn_fwd=attn(base.attn_fwd), attn_bwd=attn(base.attn_bwd),
+        name=f"{shape.name}@{device.name}-measured/{par}", tile=base.tile, attn_fwd=attn(base.attn_fwd), attn_bwd=attn(base.attn_bwd),
         lin_fwd=lin(base.lin_fwd, extra_f), lin_bwd=lin(base.lin_bwd, extra_b), device=base.device, memory_cap=memory_cap,
         fit_error=dict(base.fit_error), lin_table=table,
         source=f"measured ({base.source}); scaled to {shape.name} {par}: attention x{fa:.4g}, linear x{fl:.4g}",
     )
 
 
-def measured_stage_profiles(shape: presets.ModelShape, parallel: ParallelConfig | None = None) -> list[CostProfile]:
+def measured_stage_profiles(shape: presets.ModelShape, parallel: ParallelConfig | None = None,
+                            device: Device | None = None) -> list[CostProfile]:
     """One measured profile per pipeline stage (its own layer count, the LM head on the last stage), as
     `presets.analytic_stage_profiles`."""
     parallel = parallel or ParallelConfig()
     out = []
     for s, n in enumerate(presets.stage_layers(shape, parallel.pp)):
-        pr = measured_profile(shape, parallel, layers=n, head_fraction=1.0 if s == parallel.pp - 1 else 0.0)
+        pr = measured_profile(shape, parallel, layers=n, head_fraction=1.0 if s == parallel.pp - 1 else 0.0, device=device)
         out.append(msgspec.structs.replace(pr, name=f"{pr.name}/stage{s}"))
     return out
 
 
 def profile_path() -> Path:
+    """Where `build_profile`'s fit ships (the h100 device file's measured profile)."""
     return PROFILES_DIR / f"{PROFILE_NAME}.json"

@@ -21,13 +21,17 @@ optimizer state are sharded over dp).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from packloader.balancers.cost.presets import ModelShape, device_spec, get_shape
+import msgspec
+
+from packloader.balancers.cost.devices import DEFAULT_DEVICE, load_device
+from packloader.balancers.cost.presets import ModelShape, get_shape
 from packloader.balancers.cost.profile_io import PROFILES_DIR
-from packloader.contracts import ParallelConfig
+from packloader.contracts import ParallelConfig, PlanConfig
 
 Recompute = Literal["none", "selective", "full"]
 GiB = 1024**3
@@ -161,11 +165,11 @@ class MemoryModel:
         return self.static_bytes(stage) + per_token * tokens_per_micro_batch
 
 
-def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, schedule: str = "1f1b", device: str = "h100",
+def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, schedule: str = "1f1b", device: str = DEFAULT_DEVICE,
                      memory_gib: float | None = None) -> "MemoryModel | None":
-    """The memory model of a preset name on `device` (default recompute; `memory_gib` overrides the device's
-    memory, PlanConfig.memory_gib), or None when `model_spec` is a calibration profile (a JSON path or a
-    bundled profile), whose model shape and so memory are unknown."""
+    """The memory model of a preset name on `device` (a device profile name: its memory and usable share; default
+    recompute; `memory_gib` overrides the device's memory, PlanConfig.memory_gib), or None when `model_spec` is a
+    calibration profile (a JSON path or a bundled profile), whose model shape and so memory are unknown."""
     from pathlib import Path
 
     text = str(model_spec)
@@ -175,8 +179,9 @@ def memory_model_for(model_spec: str, parallel: ParallelConfig | None = None, sc
         shape = get_shape(text)
     except KeyError:
         return None
-    dev = device_spec(device)
-    return MemoryModel(shape, parallel or ParallelConfig(), memory_gib=memory_gib or dev.memory_gib, schedule=schedule)
+    dev = load_device(device)
+    return MemoryModel(shape, parallel or ParallelConfig(), memory_gib=memory_gib or dev.memory_gib, schedule=schedule,
+                       usable_fraction=dev.usable_fraction, reserve_gib=dev.reserve_gib)
 
 
 def memory_limit_bytes(memory: "MemoryModel | None") -> float | None:
@@ -195,6 +200,8 @@ def max_tokens_for_memory(
     tile: int = 128,
     user_cap: int | None = None,
     distributed_optimizer: bool = True,
+    usable_fraction: float = 0.92,
+    reserve_gib: float = 2.0,
 ) -> int:
     """Hydraulis's MaxLen: the most tokens a micro-batch may hold for a parallel configuration, or the user's
     cap when that is lower."""
@@ -202,6 +209,40 @@ def max_tokens_for_memory(
         shape = get_shape(shape)
     mm = MemoryModel(
         shape, parallel or ParallelConfig(), memory_gib=memory_gib, recompute=recompute, schedule=schedule,
-        distributed_optimizer=distributed_optimizer,
+        distributed_optimizer=distributed_optimizer, usable_fraction=usable_fraction, reserve_gib=reserve_gib,
     )
     return mm.tokens_that_fit(num_micro_batches, tile, user_cap)
+
+
+def fit_advice(memory: MemoryModel, max_tokens: int, context: int | None, tile: int = 128) -> str:
+    """What to change so a step fits `memory`'s device: the largest max_tokens (and context, when pieces are
+    longer and cannot be sliced; None when they can) that fits this layout, and the smallest tp (up to 8, dividing the heads) at which today's max_tokens
+    fits. The memory model's uniform estimate, a starting point for the simulated check, not a guarantee."""
+    fit = memory.tokens_that_fit(tile=tile)
+    parts = []
+    if 0 < fit < max_tokens:
+        parts.append(f"max_tokens <= {fit:,} (now {max_tokens:,})")
+        if context is not None and context > fit:
+            parts.append(f"context <= {fit:,} (now {context:,}), or slicing allowed")
+    elif fit == 0:
+        parts.append("the weights and optimizer state alone do not fit: more tp, pp or dp (distributed optimizer)")
+    p = memory.parallel
+    for tp in (2, 4, 8):
+        if tp <= p.tp or memory.shape.heads % tp:
+            continue
+        wider = dataclasses.replace(memory, parallel=msgspec.structs.replace(p, tp=tp))
+        if wider.tokens_that_fit(tile=tile) >= max(tile, min(max_tokens, context or max_tokens)):
+            parts.append(f"tp {tp} (now {p.tp})")
+            break
+    parts.append(f"more pp (now {p.pp})")
+    return "; ".join(parts)
+
+
+
+def over_memory_text(memory: MemoryModel, cfg: PlanConfig, peak: float, device: str) -> str:
+    """The warning when no plan fits: the peak against the usable memory, the layout, and `fit_advice`."""
+    p, limit = cfg.parallel, memory.limit_bytes()
+    return (f"no candidate plan fits in memory: the lowest simulated peak, {peak / GiB:.1f} GiB, is {peak / limit:.2f}x "
+            f"the {limit / GiB:.1f} GiB usable of the {memory.memory_gib:g} GiB {device.upper()} ({cfg.model}, dp "
+            f"{p.dp}, pp {p.pp}, cp {p.cp}, tp {p.tp}, max_tokens {cfg.max_tokens:,}, context {cfg.context:,}). "
+            f"Change: {fit_advice(memory, cfg.max_tokens, None if cfg.allow_slicing else cfg.context)}")

@@ -19,7 +19,9 @@ The analytic profile (`analytic_profile`) turns a model shape into the per-pipel
 * floors: a per-layer launch/latency floor for each micro-batch (``lin.c``), and the flash kernel's tile for
   short segments (a 64-token document costs what a 128-token one does): ``CostProfile.tile``.
 
-Device constants (`DeviceSpec`) are the *achieved* rates on one H100 SXM in bf16, not the datasheet peaks:
+Device constants (`devices.DeviceSpec`, the ``rates`` of a device profile file, packloader/profiles/devices/) are
+*achieved* rates, not datasheet peaks; the shipped h100.json holds one H100 SXM's in bf16 (h200.json the same
+with the H200's HBM3e bandwidth, 3.6 TB/s):
 
 =====================  ==========  ===========================================================================
 constant               value       where it comes from
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import msgspec
 
+from packloader.balancers.cost.devices import DEFAULT_DEVICE, DeviceSpec, load_device
 from packloader.contracts import CostProfile, ParallelConfig, Poly
 
 
@@ -57,10 +60,22 @@ class ModelShape(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     ffn: int
     vocab: int
     gated_mlp: bool = True  # SwiGLU: three FFN matrices (gate, up, down) instead of two
+    head_size: int = 0  # the attention head's dimension where it is not hidden / heads (0: hidden / heads)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    def spec(self) -> str:
+        """The shape as a `PlanConfig.model` string (`get_shape` reads it back): plain text, so a config holding
+        it is the same on every rank and in every DataLoader worker, and serialises with the config."""
+        return (f"shape:{self.name}:hidden={self.hidden},layers={self.layers},heads={self.heads},"
+                f"kv_heads={self.kv_heads},head_dim={self.head_dim},ffn={self.ffn},vocab={self.vocab},"
+                f"gated_mlp={int(self.gated_mlp)}")
 
     @property
     def kv_dim(self) -> int:
@@ -68,7 +83,7 @@ class ModelShape(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
 
     def linear_params_per_layer(self) -> int:
         """Weights of the GEMMs of one layer: Q, K, V, O projections and the MLP."""
-        attn = self.hidden * (self.hidden + 2 * self.kv_dim) + self.hidden * self.hidden
+        attn = self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
         mlp = (3 if self.gated_mlp else 2) * self.hidden * self.ffn
         return attn + mlp
 
@@ -83,30 +98,11 @@ class ModelShape(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
         write), rotary on Q and K, the SwiGLU product (read gate and up, write one), two residual adds."""
         h, kv, f = self.hidden, self.kv_dim, self.ffn
         norms = 2 * (2 * h) * 2
-        rotary = 2 * (h + kv) * 2
+        rotary = 2 * (self.q_dim + kv) * 2
         swiglu = 3 * f * 2 if self.gated_mlp else 2 * f * 2
         residual = 2 * (3 * h) * 2
         return norms + rotary + swiglu + residual
 
-
-class DeviceSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Achieved rates of one accelerator (see the module docstring for the H100 numbers)."""
-
-    name: str = "h100-bf16"
-    attn_fwd_tflops: float = 310.0
-    attn_bwd_tflops: float = 287.0
-    attn_bwd_flops_ratio: float = 2.5
-    gemm_fwd_tflops: float = 600.0
-    gemm_bwd_tflops: float = 571.0
-    hbm_tbps: float = 2.6
-    layer_floor_fwd_us: float = 15.0
-    layer_floor_bwd_us: float = 30.0
-    memory_gib: float = 80.0
-    tile: int = 128
-
-
-H100 = DeviceSpec()
-H200 = DeviceSpec(name="h200-bf16", hbm_tbps=3.6, memory_gib=141.0)
 
 MODEL_SHAPES: dict[str, ModelShape] = {
     s.name: s
@@ -133,7 +129,33 @@ def preset_names() -> list[str]:
     return sorted(MODEL_SHAPES)
 
 
+SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab", "gated_mlp")
+
+
+def parse_shape_spec(text: str) -> ModelShape:
+    """`ModelShape.spec()`'s string back: ``shape:NAME:hidden=...,layers=...,...`` (every key of SHAPE_KEYS)."""
+    parts = text.split(":", 2)
+    if len(parts) != 3:
+        raise KeyError(f"model {text!r}: expected 'shape:NAME:key=value,...' with keys {', '.join(SHAPE_KEYS)}")
+    values: dict[str, int] = {}
+    for item in filter(None, parts[2].split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in SHAPE_KEYS or not value.strip().isdigit():
+            raise KeyError(f"model {text!r}: {item!r} is not one of {', '.join(SHAPE_KEYS)} = a whole number")
+        values[key.strip()] = int(value)
+    missing = [k for k in SHAPE_KEYS if k not in values]
+    low = [k for k in SHAPE_KEYS[:-1] if values.get(k, 1) < 1] + (["gated_mlp"] if values.get("gated_mlp", 0) > 1 else [])
+    if missing or low:
+        raise KeyError(f"model {text!r}: needs {', '.join(SHAPE_KEYS[:-1])} (each >= 1) and gated_mlp (0 or 1); "
+                       f"missing: {', '.join(missing) or 'none'}; out of range: {', '.join(low) or 'none'}")
+    return ModelShape(name=parts[1] or "model", hidden=values["hidden"], layers=values["layers"],
+                      heads=values["heads"], kv_heads=values["kv_heads"], ffn=values["ffn"], vocab=values["vocab"],
+                      gated_mlp=bool(values["gated_mlp"]), head_size=values["head_dim"])
+
+
 def get_shape(name: str) -> ModelShape:
+    if name.startswith("shape:"):
+        return parse_shape_spec(name)
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
     if key not in MODEL_SHAPES:
@@ -149,7 +171,7 @@ def layers_per_stage(shape: ModelShape, parallel: ParallelConfig) -> float:
 def analytic_profile(
     shape: ModelShape,
     parallel: ParallelConfig | None = None,
-    device: DeviceSpec = H100,
+    device: DeviceSpec | None = None,
     *,
     include_head: bool = True,
     layers: float | None = None,
@@ -162,8 +184,10 @@ def analytic_profile(
     overrides the layers per stage (e.g. 1 for a one-layer profile); `include_head` spreads the LM head's
     GEMM evenly over the stages (it runs on the last one; the mean keeps every stage's time equal, which is
     what the per-micro-batch balance needs); `head_fraction` puts that share of it on this stage instead.
+    `device`: the rates of a device profile (default: the default device's).
     """
     parallel = parallel or ParallelConfig()
+    device = device or load_device(DEFAULT_DEVICE).rates
     L = layers_per_stage(shape, parallel) if layers is None else float(layers)
     shard = parallel.tp * parallel.cp
     # attention: pairs = (q^2 + 2qp)/2, 4*heads*head_dim FLOPs per pair forward
@@ -207,7 +231,8 @@ def stage_layers(shape: ModelShape, pp: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
-def analytic_stage_profiles(shape: ModelShape, parallel: ParallelConfig | None = None, device: DeviceSpec = H100) -> list[CostProfile]:
+def analytic_stage_profiles(shape: ModelShape, parallel: ParallelConfig | None = None,
+                            device: DeviceSpec | None = None) -> list[CostProfile]:
     """One profile per pipeline stage: its own layer count, the LM head on the last stage (for
     `simulator.simulate_rank(stage_models=...)`, where stage times differ)."""
     parallel = parallel or ParallelConfig()
@@ -217,11 +242,3 @@ def analytic_stage_profiles(shape: ModelShape, parallel: ParallelConfig | None =
         pr = analytic_profile(shape, parallel, device, layers=n, head_fraction=head)
         out.append(msgspec.structs.replace(pr, name=f"{pr.name}/stage{s}"))
     return out
-
-
-def device_spec(device: str):
-    """The presets' DeviceSpec of a device name ("h100" or "h200")."""
-    dev = {"h100": H100, "h200": H200}.get(device.lower())
-    if dev is None:
-        raise ValueError(f"unknown device {device!r}; expected h100 or h200")
-    return dev

@@ -11,6 +11,7 @@ from typing import Literal, Sequence
 import msgspec
 
 from packloader.balancers.cost import presets
+from packloader.balancers.cost.devices import DEFAULT_DEVICE, load_device
 from packloader.balancers.cost.measured import measured_profile
 from packloader.balancers.cost.memory import max_tokens_for_memory
 from packloader.balancers.cost.model import CostModel
@@ -24,19 +25,21 @@ def load_cost_model(
     spec: str | os.PathLike | CostProfile | CostModel,
     parallel: ParallelConfig | None = None,
     *,
-    device: str = "h100",
+    device: str = DEFAULT_DEVICE,
     cost: Cost = "measured",
     memory_cap: bool = False,
     recompute: str = "selective",
 ) -> CostModel:
     """A CostModel from a preset name, a profile JSON path, or a profile name under packloader/profiles/.
 
-    A preset is priced, with ``cost="measured"`` (the default) on an H100, by the measured H100 profile scaled
-    to the preset's shape and `parallel` (`measured.measured_profile`); on an H200, for which no measurement
-    ships, and with ``cost="analytic"``, by the analytic model (`presets.analytic_profile`); the profile's
-    `source` says which. A JSON profile is taken as measured (it is already per stage for the configuration
-    it was measured on; `parallel`, `device` and `cost` do not change it). With `memory_cap`, a preset's
-    profile carries the memory model's token cap (Hydraulis MaxLen) for `parallel` on `device` (see
+    `device` names a device profile (`devices.load_device`; an unknown name is an error listing the known ones).
+    A preset is priced, with ``cost="measured"`` (the default) on a device whose profile names measured kernels
+    (the shipped h100), by that measured profile scaled to the preset's shape and `parallel`
+    (`measured.measured_profile`); on a device without measurements (the shipped h200), and with
+    ``cost="analytic"``, by the analytic model with the device's rates (`presets.analytic_profile`); the
+    profile's `source` says which. A JSON profile is taken as measured (it is already per stage for the
+    configuration it was measured on; `parallel`, `device` and `cost` do not change it). With `memory_cap`, a
+    preset's profile carries the memory model's token cap (Hydraulis MaxLen) for `parallel` on `device` (see
     memory.py); by default presets carry no cap and the planner's `max_tokens` is the only cap.
     """
     if isinstance(spec, CostModel):
@@ -45,6 +48,7 @@ def load_cost_model(
         return CostModel(spec)
     if cost not in ("measured", "analytic"):
         raise ValueError(f"unknown cost model {cost!r}; expected 'measured' or 'analytic'")
+    dev = load_device(device)
     text = os.fspath(spec)
     path = Path(text)
     if path.suffix == ".json" or path.exists():
@@ -55,21 +59,22 @@ def load_cost_model(
     if bundled.exists():
         return CostModel(load_profile(bundled))
     shape = presets.get_shape(text)
-    dev = presets.device_spec(device)
+    tile = dev.rates.tile
     cap = None
     if memory_cap:
-        cap = max_tokens_for_memory(shape, parallel or ParallelConfig(), memory_gib=dev.memory_gib, recompute=recompute, tile=dev.tile)
-        if cap < dev.tile:
+        cap = max_tokens_for_memory(shape, parallel or ParallelConfig(), memory_gib=dev.memory_gib, recompute=recompute, tile=tile,
+                                    usable_fraction=dev.usable_fraction, reserve_gib=dev.reserve_gib)
+        if cap < tile:
             raise ValueError(
-                f"{shape.name} does not fit on {dev.name} ({dev.memory_gib:g} GiB) under {parallel or ParallelConfig()}: "
-                f"no room for a micro-batch of {dev.tile} tokens; use more tp/pp/dp or recompute='full'"
+                f"{shape.name} does not fit on {dev.rates.name} ({dev.memory_gib:g} GiB) under {parallel or ParallelConfig()}: "
+                f"no room for a micro-batch of {tile} tokens; use more tp/pp/dp or recompute='full'"
             )
-    if cost == "measured" and device.lower() == "h100":
-        return CostModel(measured_profile(shape, parallel, memory_cap=cap))
-    prof = presets.analytic_profile(shape, parallel, dev, memory_cap=cap)
+    if cost == "measured" and dev.measured is not None:
+        return CostModel(measured_profile(shape, parallel, memory_cap=cap, device=dev))
+    prof = presets.analytic_profile(shape, parallel, dev.rates, memory_cap=cap)
     if cost == "measured":
         prof = msgspec.structs.replace(
-            prof, source=f"analytic: no measured {device.upper()} profile ships; calibrate one with `packloader calibrate` "
+            prof, source=f"analytic: no measured {dev.name.upper()} profile ships; calibrate one with `packloader calibrate` "
                          f"and pass it as the model")
     return CostModel(prof)
 

@@ -14,7 +14,8 @@ token cap, min(config.max_tokens, the cost model's memory cap MaxLen); a candida
 cap without slicing) is skipped.
 
 Score: the slowest DP rank's simulated step time (the batched numba simulator, 1F1B / GPipe / interleaved as
-configured, slice dependencies and FILO backward included), divided by the workload the candidate planned
+configured, or with PlanConfig.schedule "auto" the faster of 1F1B and ZB-H1 that fits, recorded in
+StepPlan.schedule (`schedule_choice`); slice dependencies and FILO backward included), divided by the workload the candidate planned
 this step (attention + linear work of its pieces, no floors), so holding work back never looks like a speed-up
 by itself. Lowest score wins; scores within TOLERANCE of the lowest count as equal, and among those the most
 even micro-batches (imbalance degree), then the earlier candidate in the fixed order above, so every rank picks
@@ -54,6 +55,7 @@ State: the winner's queue is the new state (only wlb queues); a flush plans ever
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -61,7 +63,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.coeffs import doc_time_split
-from packloader.balancers.cost.memory import GiB, MemoryModel, memory_limit_bytes, memory_model_for
+from packloader.balancers.cost.memory import GiB, MemoryModel, memory_limit_bytes, memory_model_for, over_memory_text
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.base import PackingPlanner
 from packloader.balancers.planners.packing import Packing, Pieces
@@ -76,7 +78,7 @@ from packloader.balancers.planners.registry import (
     planner_specs,
     register_planner,
 )
-from packloader.balancers.sim.kernels import SCHEDULES, step_times_ranks_sliced
+from packloader.balancers.planners.schedule_choice import KIND_NAMES, fastest_schedule, schedule_kinds
 from packloader.balancers.sim.peaks import packing_peaks, stage_bytes
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
@@ -86,6 +88,8 @@ DELAY_MEAN_MAX = 0.5  # steps: the run's mean delay over all tokens, what is que
 QUEUE_MAX_SHARE = 0.5  # of config.tokens_per_step: the most tokens held back after a step
 RUN_SHARES = (0.5, 0.25, 1e-9)  # memory fallback: runs of at most this share of a rank's packs (1e-9: pp packs)
 DELAY_KEY = "auto_delay"  # PlannerState.extra: [tokens trained so far, token-steps of delay so far]
+
+log = logging.getLogger("packloader.planner")
 
 
 @dataclass(frozen=True)
@@ -113,10 +117,9 @@ class AutoPlanner:
         self.cap = min(config.max_tokens, mem_cap) if mem_cap else config.max_tokens
         self.sub_config = msgspec.structs.replace(config, max_tokens=self.cap)
         self._build_candidates()
-        kind = SCHEDULES[config.schedule]
-        self.kind = 0 if kind == 2 and config.parallel.vpp == 1 else kind
-        # the device the cost model describes (H100 unless its profile says H200); None for a profile JSON
-        device = "h200" if "h200" in self.model.profile.device.lower() else "h100"
+        self.kinds = schedule_kinds(config)  # the schedules scored (schedule_choice), the default first
+        self.kind = self.kinds[0]
+        device = config.device  # a device profile's name: its file gives the memory (cost/devices.py)
         self.memory: MemoryModel | None = memory_model_for(config.model, config.parallel, config.schedule, device,
                                                                   config.memory_gib)
         self.mem_limit = memory_limit_bytes(self.memory)
@@ -203,27 +206,22 @@ class AutoPlanner:
     # --- scoring ---------------------------------------------------------------------------------------------
 
     def step_time(self, packing: Packing, edges=None) -> float:
-        """The slowest rank's simulated step time of a packing (costs filled in)."""
-        cfg = self.config
-        dp, v = packing.rank_mbs.shape
-        order = packing.rank_mbs.ravel()
-        f = np.ascontiguousarray(packing.mb_fwd[order])
-        b = np.ascontiguousarray(packing.mb_bwd[order])
-        offsets = np.arange(dp + 1, dtype=np.int64) * v
-        e_off, e_src, e_dst = (edges or slice_edges_prefix(packing))[:3]
-        t = step_times_ranks_sliced(cfg.parallel.pp, cfg.parallel.vpp, self.kind, f, b, offsets, e_off, e_src, e_dst, 0.0)
-        if (t < 0).any():
-            return math.inf  # this micro-batch count deadlocks the interleaved schedule
-        return float(t.max())
+        """The slowest rank's simulated step time of a packing (costs filled in), under the schedule it gets
+        (`schedule_choice`: recorded in packing.schedule)."""
+        edges = edges or slice_edges_prefix(packing)
+        t, packing.schedule = fastest_schedule(packing, edges, self.config.parallel, self.kinds, self.model,
+                                               lambda k: self.peak_bytes(packing, edges, k), self.mem_limit)
+        return t
 
-    def peak_bytes(self, packing: Packing, edges=None) -> float:
+    def peak_bytes(self, packing: Packing, edges=None, kind: int | None = None) -> float:
         """Simulated peak memory of one GPU (max over DP ranks and pipeline stages, static memory included) of a
         packing with costs filled in; 0.0 without a memory model."""
         if self.memory is None:
             return 0.0
         p = self.config.parallel
         edges = edges or slice_edges_prefix(packing)
-        return float(packing_peaks(packing, self.memory, p.pp, p.vpp, self.kind, edges, self.mem_stages).max())
+        kind = (packing.schedule if packing.schedule >= 0 else self.kind) if kind is None else kind
+        return float(packing_peaks(packing, self.memory, p.pp, p.vpp, kind, edges, self.mem_stages).max())
 
     # --- planning --------------------------------------------------------------------------------------------
 
@@ -296,8 +294,17 @@ class AutoPlanner:
         packing.extra[DELAY_KEY] = [int(run_tokens + pieces.total_tokens - q_tokens), int(run_delay + piece_delay - q_delay)]
         plan = packing.to_step_plan(step)
         plan.planner = best.cand.planner
+        plan.schedule = KIND_NAMES[packing.schedule] if self.config.schedule == "auto" else ""
         plan.memory_over = over
+        if over > 0:
+            self.warn_memory(step, best.peak)
         return plan, packing.state()
+
+    def warn_memory(self, step: int, peak: float) -> None:
+        """No candidate fits: a warning the first time (later steps at debug level; `memory_summary` counts
+        them), saying by how much and what to change."""
+        level = logging.WARNING if self.memory_over_steps <= 1 else logging.DEBUG
+        log.log(level, "step %d: %s", step, over_memory_text(self.memory, self.config, peak, self.device))
 
     def bounded_runs(self, listed: list[Candidate], pieces: Pieces, step: int, flush: bool, small: bool,
                      total_work: float) -> list["_Result"]:
@@ -372,7 +379,7 @@ class AutoPlanner:
                 f"{self.device.upper()}: " + "; ".join(parts))
         if self.memory_over_steps:
             text += (f"; in {self.memory_over_steps} steps no candidate fit and the lowest peak was taken "
-                     f"(StepPlan.extra['memory_over'])")
+                     f"(StepPlan.memory_over)")
         return text
 
     def fits(self, r: "_Result") -> bool:

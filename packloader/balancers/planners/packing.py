@@ -91,6 +91,7 @@ class Packing:
     strategy: str = ""
     mb_fwd: np.ndarray | None = None  # per-rank seconds of each micro-batch (after `costs`)
     mb_bwd: np.ndarray | None = None
+    schedule: int = -1  # the simulator's schedule code `auto` scored it under (planners.schedule_choice)
 
     @property
     def num_micro_batches(self) -> int:

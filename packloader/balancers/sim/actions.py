@@ -2,9 +2,11 @@
 (`simulator.simulate_step`: the schedule's rule, the plan's backward order for slice chains included), so a
 trainer or an independent checker can run or replay exactly the schedule the plan was chosen for.
 
-`step_actions(plan, ...)[dp_rank][pipeline_rank]` is a list of ``[op, micro_batch, stage]``: op ``"F"`` or
-``"B"`` (the whole backward), micro_batch the position in the DP rank's micro-batches, stage the model chunk
-in model order, 0..pp*vpp-1 (a pipeline rank s runs stages s, s + pp, ...; under plain 1F1B stage = s).
+`step_actions(plan, ...)[dp_rank][pipeline_rank]` is a list of ``[op, micro_batch, stage]``: op ``"F"``,
+``"B"`` or ``"W"``, micro_batch the position in the DP rank's micro-batches, stage the model chunk in model
+order, 0..pp*vpp-1 (a pipeline rank s runs stages s, s + pp, ...; under plain 1F1B stage = s). ``"B"`` is the
+whole backward, or the input gradient alone where a ``"W"`` (the weight gradient) of the same micro-batch and
+stage exists: under schedule ``"zb-h1"`` (or ``"auto"`` where the planner chose ZB-H1 for the step).
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ def rank_actions(sim: SimResult) -> list[list[list]]:
     for s in range(sim.pp):
         acts = []
         for t in sim.ops[s].tolist():
-            vu, isb = divmod(t, 2)
+            vu, op = divmod(t, 3)
             vs, u = divmod(vu, sim.m)
-            acts.append(["B" if isb else "F", u, vs])
+            acts.append(["FBW"[op], u, vs])
         out.append(acts)
     return out
 
 
 def step_actions(plan: StepPlan, model, parallel: ParallelConfig | None = None, *,
                  schedule: str = "1f1b") -> list[list[list[list]]]:
-    """Per DP rank, per pipeline rank, the action list of a step (module docstring)."""
+    """Per DP rank, per pipeline rank, the action list of a step (module docstring); schedule "auto" follows
+    the step's `plan.schedule`."""
     sim = simulate_step(plan, model, parallel or ParallelConfig(dp=len(plan.ranks)), schedule=schedule)
     return [rank_actions(r) for r in sim.ranks]

@@ -1,29 +1,43 @@
 """Numba kernels of the pipeline simulator: build a schedule's per-rank action order, list-schedule its DAG,
-and step times for many ranks at once (what `auto` calls per candidate). `simulator.py` wraps them for plans."""
+and step times for many ranks at once (what `auto` calls per candidate). `simulator.py` wraps them for plans.
+
+A task is (virtual stage, micro-batch, op) encoded as (vs*m + u)*3 + op: op 0 forward, 1 backward, 2 weight
+gradient. Under ZB-H1 (kind 3) the backward splits into the input gradient (op 1, "B") and the weight gradient
+(op 2, "W"); every other schedule runs whole backwards and no W. A W takes the `wgt` time of its micro-batch
+(half the linear backward: dX and dW are two GEMMs of equal size, attention has no weights) and its B the rest."""
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-SCHEDULES = {"1f1b": 0, "gpipe": 1, "interleaved": 2}
+SCHEDULES = {"1f1b": 0, "gpipe": 1, "interleaved": 2, "zb-h1": 3}
+ZB_H1 = 3
 
 
 # ----------------------------------------------------------------------------------------------- kernels
 
 
 @njit(cache=True)
-def _enc(vs, u, isb, m):
-    return (vs * m + u) * 2 + isb
+def _enc(vs, u, op, m):
+    return (vs * m + u) * 3 + op
+
+
+@njit(cache=True)
+def tasks_per_rank(m, vpp, kind):
+    """How many tasks each pipeline rank runs: F and B per micro-batch and chunk, and W under ZB-H1."""
+    return (3 if kind == ZB_H1 else 2) * m * vpp
 
 
 @njit(cache=True)
 def build_ops(pp, vpp, m, kind, bwd_order):
-    """Per pipeline rank, the order in which it runs its 2*m*vpp tasks (encoded as (vs*m + u)*2 + is_bwd).
+    """Per pipeline rank, the order in which it runs its tasks (`tasks_per_rank`; encoded as above).
 
-    kind: 0 = 1F1B, 1 = GPipe, 2 = interleaved 1F1B (same as 1F1B when vpp == 1).
+    kind: 0 = 1F1B, 1 = GPipe, 2 = interleaved 1F1B (same as 1F1B when vpp == 1), 3 = ZB-H1 (vpp 1): the
+    1F1B order of F and B, and after rank s's k-th B the W of its (k - s)-th B once k >= s (the last stage keeps
+    pp - 1 Ws back, the first none, as torch.distributed.pipelining's zero-bubble rank ops), the rest at the end.
     """
-    n = 2 * m * vpp
+    n = tasks_per_rank(m, vpp, kind)
     ops = np.empty((pp, n), dtype=np.int64)
     nv = m * vpp
     # virtual forward / backward sequences: groups of pp micro-batches, chunk by chunk (Megatron's order)
@@ -67,17 +81,24 @@ def build_ops(pp, vpp, m, kind, bwd_order):
                 nf += 1
             ops[s, k] = _enc(bc[nb] * pp + s, bu[nb], 1, m)
             k += 1
+            if kind == ZB_H1 and nb >= s:
+                ops[s, k] = _enc(bc[nb - s] * pp + s, bu[nb - s], 2, m)
+                k += 1
             nb += 1
+        if kind == ZB_H1:
+            for j in range(max(nv - s, 0), nv):
+                ops[s, k] = _enc(bc[j] * pp + s, bu[j], 2, m)
+                k += 1
     return ops
 
 
 @njit(cache=True)
-def sim_buffers(pp, vpp, m):
-    """The output buffers `simulate_kernel` fills: task start and finish (V*m*2), the memory timeline (pp, 2*n
-    events for the n = 2*m*vpp tasks of a stage), peak and busy per stage."""
+def sim_buffers(pp, vpp, m, kind):
+    """The output buffers `simulate_kernel` fills: task start and finish (V*m*3), the memory timeline (pp, 2*n
+    events for the n = tasks_per_rank tasks of a stage), peak and busy per stage."""
     V = pp * vpp
-    n = 2 * m * vpp
-    return (np.empty(V * m * 2, dtype=np.float64), np.empty(V * m * 2, dtype=np.float64),
+    n = tasks_per_rank(m, vpp, kind)
+    return (np.empty(V * m * 3, dtype=np.float64), np.empty(V * m * 3, dtype=np.float64),
             np.empty((pp, 2 * n), dtype=np.float64), np.empty((pp, 2 * n), dtype=np.float64),
             np.empty(pp, dtype=np.float64), np.empty(pp, dtype=np.float64))
 
@@ -91,16 +112,63 @@ def _after(ready, done, lag):
     return done + lag if done + lag > ready else ready
 
 
+@njit(cache=True, inline="always")
+def _ready(op, vs, u, m, V, p2p, finish, in_ptr, in_src, out_ptr, out_dst):
+    """When task (vs, u, op) may start: F after the previous stage's F and the F of the micro-batches whose keys
+    it reads; B after its F, the next stage's B and the B of the micro-batches that read its keys; W after its
+    own B. -1 while a dependency has not run."""
+    ready = 0.0
+    if op == 0:
+        if vs > 0:
+            ready = _after(ready, finish[_enc(vs - 1, u, 0, m)], p2p)
+        for e in range(in_ptr[u], in_ptr[u + 1]):
+            ready = _after(ready, finish[_enc(vs, in_src[e], 0, m)], 0.0)
+    elif op == 1:
+        ready = _after(ready, finish[_enc(vs, u, 0, m)], 0.0)
+        if vs < V - 1:
+            ready = _after(ready, finish[_enc(vs + 1, u, 1, m)], p2p)
+        for e in range(out_ptr[u], out_ptr[u + 1]):
+            ready = _after(ready, finish[_enc(vs, out_dst[e], 1, m)], 0.0)
+    else:
+        ready = _after(ready, finish[_enc(vs, u, 1, m)], 0.0)
+    return ready
+
+
+@njit(cache=True, inline="always")
+def _task_bytes(op, vs, u, split, act, trans, edge_kv, in_ptr, in_eid, out_ptr, out_eid):
+    """(bytes a task allocates at its start, bytes it frees at its end): an F its activations and transient;
+    a B its transient and the key/value gradients it produces for earlier slices; the last of B and W frees the
+    activations and the key/value gradients this micro-batch's keys received."""
+    up = 0.0
+    down = 0.0
+    if op == 0:
+        up = act[vs, u] + trans[vs, u]
+        down = trans[vs, u]
+    elif op == 1:
+        up = trans[vs, u]
+        for e in range(in_ptr[u], in_ptr[u + 1]):
+            up += edge_kv[vs, in_eid[e]]
+        down = trans[vs, u]
+    if op == 2 or (op == 1 and not split):
+        down += act[vs, u]
+        for e in range(out_ptr[u], out_ptr[u + 1]):
+            down += edge_kv[vs, out_eid[e]]
+    return up, down
+
+
 @njit(cache=True)
-def simulate_kernel(pp, vpp, m, ops, fwd, bwd, p2p, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
+def simulate_kernel(pp, vpp, m, ops, fwd, bwd, wgt, p2p, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
                     act, trans, edge_kv, start, finish, mem_t, mem_b, peak, busy):
-    """Resolve the DAG. fwd, bwd, act, trans: (V, m) per virtual stage; edge_kv: (V, E). Fills start/finish
-    (V*m*2), the per-rank memory timeline mem_t/mem_b (pp, 2*n: after each task start and end), peak and busy
-    (pp). Returns the step time, or -1.0 when the order deadlocks."""
+    """Resolve the DAG. fwd, bwd (the whole backward), wgt (its weight-gradient part), act, trans: (V, m) per
+    virtual stage; edge_kv: (V, E). Fills start/finish (V*m*3), the per-rank memory timeline mem_t/mem_b
+    (pp, 2*n: after each task start and end), peak and busy (pp). Returns the step time, or -1.0 when the
+    order deadlocks. With W tasks in `ops` a B takes bwd - wgt and a W wgt; a micro-batch's activations and the
+    key/value gradients its keys received live until its W ends (dW of the key/value projections reads them)."""
     V = pp * vpp
-    n = 2 * m * vpp
-    total = V * m * 2
-    for i in range(total):
+    n = ops.shape[1]
+    split = n > 2 * m * vpp
+    total = pp * n
+    for i in range(V * m * 3):
         start[i] = -1.0
         finish[i] = -1.0
     ptr = np.zeros(pp, dtype=np.int64)
@@ -116,26 +184,13 @@ def simulate_kernel(pp, vpp, m, ops, fwd, bwd, p2p, in_ptr, in_src, in_eid, out_
         for s in range(pp):
             while ptr[s] < n:
                 t = ops[s, ptr[s]]
-                isb = t % 2
-                vu = t // 2
-                vs = vu // m
-                u = vu % m
-                ready = 0.0
-                if isb == 0:
-                    if vs > 0:
-                        ready = _after(ready, finish[_enc(vs - 1, u, 0, m)], p2p)
-                    for e in range(in_ptr[u], in_ptr[u + 1]):
-                        ready = _after(ready, finish[_enc(vs, in_src[e], 0, m)], 0.0)
-                    dur = fwd[vs, u]
-                else:
-                    ready = _after(ready, finish[_enc(vs, u, 0, m)], 0.0)
-                    if vs < V - 1:
-                        ready = _after(ready, finish[_enc(vs + 1, u, 1, m)], p2p)
-                    for e in range(out_ptr[u], out_ptr[u + 1]):
-                        ready = _after(ready, finish[_enc(vs, out_dst[e], 1, m)], 0.0)
-                    dur = bwd[vs, u]
+                op = t % 3
+                vs = (t // 3) // m
+                u = (t // 3) % m
+                ready = _ready(op, vs, u, m, V, p2p, finish, in_ptr, in_src, out_ptr, out_dst)
                 if ready < 0.0:
                     break
+                dur = fwd[vs, u] if op == 0 else (wgt[vs, u] if op == 2 else bwd[vs, u] - (wgt[vs, u] if split else 0.0))
                 st = ready if ready > free_at[s] else free_at[s]
                 fi = st + dur
                 start[t] = st
@@ -144,24 +199,15 @@ def simulate_kernel(pp, vpp, m, ops, fwd, bwd, p2p, in_ptr, in_src, in_eid, out_
                 busy[s] += dur
                 if fi > makespan:
                     makespan = fi
-                # memory: allocate at start, free at end
+                # memory: allocate at start, free at end (activations at the last of B / W)
                 k = ptr[s]
-                if isb == 0:
-                    cur[s] += act[vs, u] + trans[vs, u]
-                else:
-                    cur[s] += trans[vs, u]
-                    for e in range(in_ptr[u], in_ptr[u + 1]):
-                        cur[s] += edge_kv[vs, in_eid[e]]
+                up, down = _task_bytes(op, vs, u, split, act, trans, edge_kv, in_ptr, in_eid, out_ptr, out_eid)
+                cur[s] += up
                 if cur[s] > peak[s]:
                     peak[s] = cur[s]
                 mem_t[s, 2 * k] = st
                 mem_b[s, 2 * k] = cur[s]
-                if isb == 0:
-                    cur[s] -= trans[vs, u]
-                else:
-                    cur[s] -= act[vs, u] + trans[vs, u]
-                    for e in range(out_ptr[u], out_ptr[u + 1]):
-                        cur[s] -= edge_kv[vs, out_eid[e]]
+                cur[s] -= down
                 mem_t[s, 2 * k + 1] = fi
                 mem_b[s, 2 * k + 1] = cur[s]
                 ptr[s] += 1
@@ -194,13 +240,13 @@ def rank_edges(e_offsets, e_src, e_dst, r):
 
 
 @njit(cache=True)
-def step_times_ranks(pp, vpp, kind, fwd, bwd, offsets, p2p):
+def step_times_ranks(pp, vpp, kind, fwd, bwd, wgt, offsets, p2p):
     """Step time of each DP rank r whose micro-batches are offsets[r]..offsets[r+1]-1 of the flat per-stage
-    fwd/bwd arrays (the same time on every stage; chunk times are these / vpp). No slices, so the default
-    backward order is FIFO."""
+    fwd/bwd/wgt arrays (the same time on every stage; chunk times are these / vpp; wgt, the weight-gradient
+    part of bwd, matters under ZB-H1 only). No slices, so the default backward order is FIFO."""
     no_edges = np.zeros(offsets.shape[0], dtype=np.int64)
     empty = np.zeros(0, dtype=np.int64)
-    return step_times_ranks_sliced(pp, vpp, kind, fwd, bwd, offsets, no_edges, empty, empty, p2p)
+    return step_times_ranks_sliced(pp, vpp, kind, fwd, bwd, wgt, offsets, no_edges, empty, empty, p2p)
 
 
 @njit(cache=True)
@@ -246,7 +292,7 @@ def edge_csr(m, src, dst):
 
 
 @njit(cache=True)
-def step_times_ranks_sliced(pp, vpp, kind, fwd, bwd, offsets, e_offsets, e_src, e_dst, p2p):
+def step_times_ranks_sliced(pp, vpp, kind, fwd, bwd, wgt, offsets, e_offsets, e_src, e_dst, p2p):
     """Like step_times_ranks, with slice edges: rank r's edges are e_offsets[r]..e_offsets[r+1]-1 of e_src /
     e_dst (micro-batch indices local to the rank, src < dst); the backward order is the default FILO one.
     Returns -1.0 for a rank whose schedule deadlocks."""
@@ -260,6 +306,7 @@ def step_times_ranks_sliced(pp, vpp, kind, fwd, bwd, offsets, e_offsets, e_src, 
             out[r] = 0.0
             continue
         f, b = rank_stage_times(fwd, bwd, a, m, V, vpp)
+        w, _ = rank_stage_times(wgt, wgt, a, m, V, vpp)
         src, dst = rank_edges(e_offsets, e_src, e_dst, r)
         E = src.shape[0]
         order = backward_order_kernel(m, src, dst) if E > 0 else np.arange(m)  # no edges: FIFO, no sort
@@ -267,7 +314,7 @@ def step_times_ranks_sliced(pp, vpp, kind, fwd, bwd, offsets, e_offsets, e_src, 
         in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid = edge_csr(m, src, dst)
         zero_vm = np.zeros((V, m), dtype=np.float64)
         kv = np.zeros((V, max(E, 1)), dtype=np.float64)
-        st, fin, mt, mb, pk, bz = sim_buffers(pp, vpp, m)
-        out[r] = simulate_kernel(pp, vpp, m, ops, f, b, p2p, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
+        st, fin, mt, mb, pk, bz = sim_buffers(pp, vpp, m, kind)
+        out[r] = simulate_kernel(pp, vpp, m, ops, f, b, w, p2p, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
                                  zero_vm, zero_vm, kv, st, fin, mt, mb, pk, bz)
     return out

@@ -39,9 +39,10 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.model import CostModel, _per_rank
-from packloader.balancers.sim.kernels import SCHEDULES, step_times_ranks_sliced
-from packloader.balancers.sim.simulator import simulate_step, slice_edges_of
+from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, step_times_ranks_sliced
+from packloader.balancers.sim.simulator import plan_schedule, simulate_step, slice_edges_of
 from packloader.balancers.sim.verify import coverage
+from packloader.balancers.sim.weights import weight_times
 from packloader.contracts import ParallelConfig, PlannerState, StepPlan
 
 
@@ -148,7 +149,7 @@ def _unique_segments(plan: StepPlan):
             yield from mb.segments
 
 
-def _fast_rank_times(plan: StepPlan, rank_f, rank_b, pp: int, vpp: int, schedule: str) -> np.ndarray:
+def _fast_rank_times(plan: StepPlan, rank_f, rank_b, pp: int, vpp: int, schedule: str, models) -> np.ndarray:
     """Every rank's simulated time in one numba call (no memory tracking, default backward order)."""
     kind = SCHEDULES[schedule]
     if kind == 2 and vpp == 1:
@@ -166,7 +167,10 @@ def _fast_rank_times(plan: StepPlan, rank_f, rank_b, pp: int, vpp: int, schedule
         e_off.append(len(e_src))
     f = np.concatenate(rank_f) if rank_f else np.zeros(0)
     b = np.concatenate(rank_b) if rank_b else np.zeros(0)
-    t = step_times_ranks_sliced(pp, vpp, kind, f, b, offsets, np.asarray(e_off, dtype=np.int64),
+    w = np.zeros_like(b)
+    if kind == ZB_H1 and len(b):
+        w = np.minimum(np.concatenate([weight_times(r.micro_batches, [models[i]])[0] for i, r in enumerate(plan.ranks)]), b)
+    t = step_times_ranks_sliced(pp, vpp, kind, f, b, w, offsets, np.asarray(e_off, dtype=np.int64),
                                 np.asarray(e_src, dtype=np.int64), np.asarray(e_dst, dtype=np.int64), 0.0)
     if (t < 0).any():
         raise RuntimeError(f"schedule {schedule!r} deadlocks for step {plan.step} (pp={pp}, vpp={vpp}); see simulator.simulate")
@@ -260,6 +264,7 @@ def score_plan(
     dp = len(plan.ranks)
     models = _per_rank(model, dp)
     pp, vpp = parallel.pp, parallel.vpp
+    schedule = plan_schedule(plan, schedule)
     rank_f, rank_b = _rank_costs(plan, models, use_plan_costs)
     look = _drawn_lookup(drawn, plan.step)
     counts = _token_counts(plan, look)
@@ -270,7 +275,7 @@ def score_plan(
     imb_global = float(allc.max() * len(allc) / total) if total > 0 else 1.0
     m = max((len(r.micro_batches) for r in plan.ranks), default=0)
     if memory is None and all(r.backward_order is None for r in plan.ranks):
-        rank_times = _fast_rank_times(plan, rank_f, rank_b, pp, vpp, schedule)
+        rank_times = _fast_rank_times(plan, rank_f, rank_b, pp, vpp, schedule, models)
         busy = pp * total
         peak = 0.0
     else:

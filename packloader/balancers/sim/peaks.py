@@ -6,6 +6,8 @@ the simulator's own kernel (`simulate_kernel`) runs each rank's schedule with th
 `simulate_rank` builds from the memory model (activations of a micro-batch's tokens, divided by the DP-Merge
 group size, split over a rank's vpp chunks; transients; key/value gradients of each slice's prefix) and the
 rank's backward order (the plan's own, else the default FILO one); only the Python plan objects are skipped.
+Memory follows each rank's task order, not the task times, so the weight-gradient split of ZB-H1 needs no
+times here (a W's durations are given as 0).
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ def peaks_ranks_sliced(pp, vpp, kind, fwd, bwd, tokens, act_pt, trans_pt, kv_pt,
         for v in range(V):
             for i in range(E):
                 kv[v, i] = e_prefix[ea + i] * (kv_pt[v % pp] / vpp)
-        st, fin, mt, mb, pk, bz = sim_buffers(pp, vpp, m)
-        t = simulate_kernel(pp, vpp, m, ops, f, b, 0.0, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
+        st, fin, mt, mb, pk, bz = sim_buffers(pp, vpp, m, kind)
+        t = simulate_kernel(pp, vpp, m, ops, f, b, f * 0.0, 0.0, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
                             act, trans, kv, st, fin, mt, mb, pk, bz)
         for s in range(pp):
             out[r, s] = pk[s] if t >= 0.0 else np.inf

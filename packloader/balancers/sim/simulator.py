@@ -9,7 +9,9 @@ Tasks are (virtual stage, forward/backward, micro-batch). Edges:
   "edge" (u', u)), F(v, u) waits for F(v, u') (keys and values) and B(v, u') waits for B(v, u) (their
   gradients);
 * schedule: each pipeline rank runs its tasks one at a time in the order the schedule gives (1F1B, GPipe,
-  interleaved 1F1B with vpp model chunks per rank, Megatron's order). Backward passes visit micro-batches in
+  interleaved 1F1B with vpp model chunks per rank, Megatron's order; ZB-H1, 1F1B with each backward split into
+  the input gradient B, which the previous stage waits for, and the weight gradient W, which waits for its own
+  B only and fills the bubbles: `kernels.build_ops`). Backward passes visit micro-batches in
   `backward_order` (default: forward order, except that the micro-batches of a sliced document go last slice
   first, SlimPack's FILO rule). Before its k-th backward, stage s has run warm_s + k + 1 forwards (1F1B:
   warm_s = pp - s - 1; Megatron's interleaved warm-up; GPipe: all), or more when that backward's own forward
@@ -39,7 +41,8 @@ from typing import Sequence
 import numpy as np
 
 from packloader.balancers.cost.model import _per_rank
-from packloader.balancers.sim.kernels import SCHEDULES, build_ops, simulate_kernel, step_times_ranks
+from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, build_ops, simulate_kernel, step_times_ranks
+from packloader.balancers.sim.weights import weight_times
 from packloader.contracts import MicroBatch, ParallelConfig, RankPlan, StepPlan
 
 # ----------------------------------------------------------------------------------------------- arrays API
@@ -54,7 +57,7 @@ class SimResult:
     vpp: int
     m: int
     busy: np.ndarray  # (pp,) time each pipeline rank computes
-    start: np.ndarray  # (V, m, 2): start of F (…, 0) and B (…, 1) of micro-batch u on virtual stage v
+    start: np.ndarray  # (V, m, 3): start of F (…, 0), B (…, 1) and W (…, 2, ZB-H1 only) of u on virtual stage v
     finish: np.ndarray
     ops: np.ndarray  # (pp, 2*m*vpp) task order per rank (encoded)
     peak_bytes: np.ndarray  # (pp,) peak memory (static + activations + transients + KV gradients)
@@ -82,12 +85,12 @@ class SimResult:
         return float(self.peak_bytes.max()) if len(self.peak_bytes) else 0.0
 
     def order(self, rank: int) -> list[tuple[str, int, int]]:
-        """The task order of a pipeline rank as ("F" or "B", micro-batch, model chunk)."""
+        """The task order of a pipeline rank as ("F", "B" or "W", micro-batch, model chunk)."""
         out = []
         for t in self.ops[rank]:
-            vu, isb = divmod(int(t), 2)
+            vu, op = divmod(int(t), 3)
             vs, u = divmod(vu, self.m)
-            out.append(("B" if isb else "F", u, vs // self.pp))
+            out.append(("FBW"[op], u, vs // self.pp))
         return out
 
 
@@ -139,6 +142,17 @@ def check_backward_order(order: np.ndarray, m: int, edges: np.ndarray) -> None:
             )
 
 
+def _edge_bytes(kv_bytes, V: int, E: int, vpp: int) -> np.ndarray:
+    """(V, E) key/value-gradient bytes per edge: none, (E,) split over a rank's chunks, or (V, E) as given."""
+    if kv_bytes is None:
+        return np.zeros((V, E))
+    kv_in = np.asarray(kv_bytes, dtype=np.float64)
+    kv = np.broadcast_to(kv_in / vpp, (V, E)).copy() if kv_in.ndim == 1 else np.ascontiguousarray(kv_in)
+    if kv.shape != (V, E):
+        raise ValueError(f"kv_bytes: expected ({E},) or ({V}, {E}), got {kv_in.shape}")
+    return kv
+
+
 def _csr(m: int, keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     order = np.argsort(keys, kind="stable")
     ptr = np.zeros(m + 1, dtype=np.int64)
@@ -157,6 +171,7 @@ def simulate(
     backward_order: np.ndarray | Sequence[int] | None = None,
     slice_edges: np.ndarray | Sequence[tuple[int, int]] | None = None,
     p2p: float = 0.0,
+    wgt: np.ndarray | Sequence[float] | None = None,
     act_bytes: np.ndarray | None = None,
     transient_bytes: np.ndarray | None = None,
     kv_bytes: np.ndarray | None = None,
@@ -165,7 +180,8 @@ def simulate(
     """Simulate one pipeline over m micro-batches.
 
     fwd, bwd: per micro-batch times, (m,) for the same time on every stage, (pp, m) per pipeline rank (a
-    rank's time is split evenly over its vpp chunks), or (pp*vpp, m) per virtual stage. slice_edges: pairs
+    rank's time is split evenly over its vpp chunks), or (pp*vpp, m) per virtual stage. wgt: the weight-gradient
+    part of bwd, shaped like it (ZB-H1 runs it as W, the rest as B; default half of bwd). slice_edges: pairs
     (earlier, later) of micro-batches where `later` holds a slice whose earlier keys live in `earlier`.
     act_bytes / transient_bytes: per micro-batch bytes, shaped like fwd (split over chunks too); kv_bytes:
     per edge (E,) or per virtual stage (V, E): the key/value gradient buffer of the edge. static_bytes: per
@@ -177,12 +193,15 @@ def simulate(
     if schedule == "interleaved" and vpp == 1:
         kind = 0
     if schedule != "interleaved" and vpp != 1 and schedule != "gpipe":
-        raise ValueError(f"vpp={vpp} needs schedule='interleaved'")
+        raise ValueError(f"vpp={vpp} needs schedule='interleaved'" + (" (ZB-V is not modelled)" if kind == ZB_H1 else ""))
     f_in = np.asarray(fwd, dtype=np.float64)
     m = int(f_in.shape[-1]) if f_in.ndim else 0
     V = pp * vpp
     f = _per_virtual(f_in, pp, vpp, m, "fwd", True)
     b = _per_virtual(bwd, pp, vpp, m, "bwd", True)
+    w = b * 0.5 if wgt is None else _per_virtual(wgt, pp, vpp, m, "wgt", True)
+    if (w < 0).any() or (w > b).any():
+        raise ValueError("wgt: the weight-gradient time must lie between 0 and the backward time")
     act = _per_virtual(act_bytes, pp, vpp, m, "act_bytes", True)
     trans = _per_virtual(transient_bytes, pp, vpp, m, "transient_bytes", False)
     edges = np.zeros((0, 2), dtype=np.int64) if slice_edges is None else np.asarray(slice_edges, dtype=np.int64).reshape(-1, 2)
@@ -191,30 +210,20 @@ def simulate(
             raise ValueError(f"slice edge out of range for {m} micro-batches: {edges.tolist()}")
         if (edges[:, 0] >= edges[:, 1]).any():
             raise ValueError("slice edges must go from an earlier micro-batch to a later one (slices in forward order)")
-    E = len(edges)
-    if kv_bytes is None:
-        kv = np.zeros((V, E))
-    else:
-        kv_in = np.asarray(kv_bytes, dtype=np.float64)
-        if kv_in.ndim == 1:
-            kv = np.broadcast_to(kv_in / vpp, (V, E)).copy()
-        else:
-            kv = np.ascontiguousarray(kv_in)
-        if kv.shape != (V, E):
-            raise ValueError(f"kv_bytes: expected ({E},) or ({V}, {E}), got {kv_in.shape}")
+    kv = _edge_bytes(kv_bytes, V, len(edges), vpp)
     order = default_backward_order(m, edges) if backward_order is None else np.asarray(backward_order, dtype=np.int64)
     check_backward_order(order, m, edges)
     ops = build_ops(pp, vpp, m, kind, order)
     in_ptr, in_src, in_eid = _csr(m, edges[:, 1], edges[:, 0])
     out_ptr, out_dst, out_eid = _csr(m, edges[:, 0], edges[:, 1])
-    n = 2 * m * vpp
-    st = np.empty(V * m * 2)
-    fi = np.empty(V * m * 2)
+    n = ops.shape[1]
+    st = np.empty(V * m * 3)
+    fi = np.empty(V * m * 3)
     mt = np.zeros((pp, 2 * n))
     mbytes = np.zeros((pp, 2 * n))
     peak = np.zeros(pp)
     busy = np.zeros(pp)
-    t = simulate_kernel(pp, vpp, m, ops, f, b, float(p2p), in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
+    t = simulate_kernel(pp, vpp, m, ops, f, b, w, float(p2p), in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
                         act, trans, kv, st, fi, mt, mbytes, peak, busy)
     if t < 0:
         hint = ""
@@ -224,18 +233,20 @@ def simulate(
     stat = np.zeros(pp) if static_bytes is None else np.broadcast_to(np.asarray(static_bytes, dtype=np.float64), (pp,)).copy()
     return SimResult(
         step_time=float(t), pp=pp, vpp=vpp, m=m, busy=busy,
-        start=st.reshape(V, m, 2), finish=fi.reshape(V, m, 2), ops=ops,
+        start=st.reshape(V, m, 3), finish=fi.reshape(V, m, 3), ops=ops,
         peak_bytes=peak + stat, mem_times=mt, mem_bytes=mbytes + stat[:, None], static_bytes=stat,
     )
 
 
-def step_time(fwd: np.ndarray, bwd: np.ndarray, pp: int = 1, *, schedule: str = "1f1b", vpp: int = 1, p2p: float = 0.0) -> float:
+def step_time(fwd: np.ndarray, bwd: np.ndarray, pp: int = 1, *, schedule: str = "1f1b", vpp: int = 1, p2p: float = 0.0,
+              wgt: np.ndarray | None = None) -> float:
     """Just the step time of one pipeline (no slices, FIFO backward, no memory): the fast path."""
     f = np.ascontiguousarray(fwd, dtype=np.float64)
     b = np.ascontiguousarray(bwd, dtype=np.float64)
+    w = b * 0.5 if wgt is None else np.ascontiguousarray(wgt, dtype=np.float64)
     kind = SCHEDULES[schedule]
     offsets = np.array([0, len(f)], dtype=np.int64)
-    return float(step_times_ranks(pp, vpp, kind, f, b, offsets, p2p)[0])
+    return float(step_times_ranks(pp, vpp, kind, f, b, w, offsets, p2p)[0])
 
 
 def gpipe_formula(m: int, pp: int, f: float, b: float) -> float:
@@ -305,6 +316,10 @@ def simulate_rank(
         b = np.array([x[1] for x in fb], dtype=np.float64).reshape(m)
     edges, prefix = slice_edges_of(mbs)
     pp, vpp = parallel.pp, parallel.vpp
+    w = None
+    if SCHEDULES.get(schedule) == ZB_H1 and (model is not None or stage_models is not None):
+        wt = weight_times(mbs, stage_models if stage_models is not None else [model])
+        w = np.minimum(wt if stage_models is not None else wt[0], b)
     act = trans = kv = stat = None
     if memory is not None:
         tokens = np.array([mb.num_tokens / (len(mb.dp_group) if mb.dp_group else 1) for mb in mbs], dtype=np.float64)
@@ -314,7 +329,7 @@ def simulate_rank(
         kvpt = [memory.kv_grad_bytes_per_token(s) / vpp for s in range(pp)]
         kv = np.stack([prefix * kvpt[v % pp] for v in range(pp * vpp)]) if len(prefix) else None
         stat = [memory.static_bytes(s) for s in range(pp)]
-    return simulate(f, b, pp, schedule=schedule, vpp=vpp, backward_order=bo, slice_edges=edges, p2p=p2p,
+    return simulate(f, b, pp, schedule=schedule, vpp=vpp, backward_order=bo, slice_edges=edges, p2p=p2p, wgt=w,
                     act_bytes=act, transient_bytes=trans, kv_bytes=kv, static_bytes=stat)
 
 
@@ -342,6 +357,12 @@ class StepSim:
         return max((r.peak for r in self.ranks), default=0.0)
 
 
+def plan_schedule(plan: StepPlan, schedule: str) -> str:
+    """The schedule a step runs: the configured one, or under "auto" the one its planner chose (1F1B when the
+    planner chose none)."""
+    return (plan.schedule or "1f1b") if schedule == "auto" else schedule
+
+
 def simulate_step(
     plan: StepPlan,
     model,
@@ -355,6 +376,7 @@ def simulate_step(
     """Simulate every DP rank of a step. `model`: one CostModel, or one per rank (a sequence or a
     memory.RankCosts). A DP-Merge micro-batch is simulated on each rank of its group at its per-rank cost."""
     models = _per_rank(model, len(plan.ranks))
+    schedule = plan_schedule(plan, schedule)
     return StepSim([
         simulate_rank(r, models[i], parallel, schedule=schedule, memory=memory, use_plan_costs=use_plan_costs, p2p=p2p)
         for i, r in enumerate(plan.ranks)

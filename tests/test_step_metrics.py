@@ -1,0 +1,126 @@
+"""`PackedBatch.step_metrics`: one StepMetrics record per step, the same on every micro-batch and rank, its counts
+checked against the collated tensors and its times against the cost model's micro-batch times summed by hand
+(PP 1: a rank's step is its micro-batches one after the other)."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from packloader import PackedLoader, PlanConfig, StepMetrics
+from packloader.balancers.cost.resolve import load_cost_model
+from packloader.contracts import ParallelConfig
+from packloader.sources.base import IterableSource
+
+VOCAB = 101
+
+
+def corpus(n=120, seed=3):
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.pareto(1.0, size=n) * 30 + 2, 256).astype(int)
+    return [rng.integers(0, VOCAB, size=int(k)).astype(np.int32) for k in lengths]
+
+
+def config(strategy="wlb", dp=2):
+    return PlanConfig(strategy=strategy, parallel=ParallelConfig(dp=dp), max_tokens=256, context=256,
+                      tokens_per_step=1024, allow_slicing=False, model="tiny")
+
+
+def batches_by_step(cfg, docs, **kw):
+    """step -> every rank's batches of that step."""
+    steps = defaultdict(list)
+    for r in range(cfg.parallel.dp):
+        for b in PackedLoader(IterableSource(docs), config=cfg, dp_rank=r, num_threads=0, append_eos=False, **kw):
+            steps[b.step].append(b)
+    return dict(sorted(steps.items()))
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return corpus()
+
+
+@pytest.mark.parametrize("strategy,long_docs", [("wlb", False), ("fixed", False), ("wlb", True)])
+def test_counts_match_the_collated_tensors(docs, strategy, long_docs):
+    cfg = config(strategy)
+    if long_docs:  # documents of 12 pieces: steps end inside them, their rest goes to the next steps in order
+        rng = np.random.default_rng(5)
+        docs = docs[:40] + [rng.integers(0, VOCAB, size=3000).astype(np.int32) for _ in range(3)]
+    steps = batches_by_step(cfg, docs, pad_to_multiple=8)
+    assert len(steps) > 3
+    trained = 0
+    for s, batches in steps.items():
+        m = batches[0].step_metrics
+        assert isinstance(m, StepMetrics) and m.step == s
+        assert all(b.step_metrics == m for b in batches)  # one record for the whole step, every rank
+        assert m.tokens == sum(int(b.cu_seqlens[-1]) for b in batches)
+        assert m.loss_tokens == sum(int((b.labels != -100).sum()) for b in batches)
+        assert m.padding_tokens == sum(b.num_tokens - int(b.cu_seqlens[-1]) for b in batches)
+        # queued after the step: tokens drawn so far (the loader's stats) minus tokens trained so far
+        trained += m.tokens
+        assert m.queued_tokens == batches[0].stats.tokens - trained, s
+        assert m.micro_batches == max(b.micro_batches_in_step for b in batches)
+        assert m.cost_model and m.planner
+    assert trained == sum(len(d) for d in docs)
+
+
+def test_delay_from_the_draw_order(docs):
+    # in file order (shuffle=False) document d is drawn at the first step whose cumulative draw count passes d;
+    # each trained token's delay is its step minus that, read from the batches' own doc_ids and cu_seqlens
+    steps = batches_by_step(config("wlb"), docs, shuffle=False)
+    drawn_upto = [batches[0].stats.documents for batches in steps.values()]
+    ms = [batches[0].step_metrics for batches in steps.values()]
+    assert any(m.queued_tokens for m in ms), "the corpus should make wlb hold outliers back"
+    for s, batches in steps.items():
+        delays = []  # (delay, tokens) per segment
+        for b in batches:
+            lens = (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).tolist()
+            for d, n in zip(b.doc_ids.tolist(), lens):
+                drawn = next(k for k, upto in enumerate(drawn_upto) if d < upto)
+                delays.append((s - drawn, n))
+        tokens = sum(n for _, n in delays)
+        m = ms[s]
+        assert m.delayed_tokens == sum(n for d, n in delays if d > 0), s
+        assert m.delay_max == max((d for d, n in delays if n), default=0), s
+        assert m.delay_mean == pytest.approx(sum(d * n for d, n in delays) / tokens if tokens else 0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["fixed", "wlb"])  # fixed leaves micro-batch costs out, wlb prices them
+def test_times_and_balance_by_hand(docs, strategy):
+    cfg = config(strategy, dp=2)
+    model = load_cost_model("tiny", cfg.parallel)
+    for batches in batches_by_step(cfg, docs).values():
+        m = batches[0].step_metrics
+        plan = batches[0].plan
+        rank_times, imbalances = [], []
+        for rank in plan.ranks:
+            costs = [sum(model.microbatch_times(mb)) for mb in rank.micro_batches]
+            rank_times.append(sum(costs))
+            imbalances.append(max(costs) * len(costs) / sum(costs) if costs and sum(costs) > 0 else 1.0)
+        assert m.step_time == pytest.approx(max(rank_times), rel=1e-9)
+        assert m.dp_spread == pytest.approx(max(rank_times) / np.mean(rank_times), rel=1e-9)
+        assert m.bubble_share == pytest.approx(1 - sum(rank_times) / (len(rank_times) * max(rank_times)), abs=1e-9)
+        assert m.imbalance == pytest.approx(max(imbalances), rel=1e-9)
+
+
+def test_megatron_iterator_logs_each_step_once(docs, caplog):
+    pytest.importorskip("megatron.core")
+    from packloader_integrations import megatron as pm
+
+    cfg = config("fixed", dp=1)
+    loader = PackedLoader(IterableSource(docs), config=cfg, num_threads=0, append_eos=False)
+    with caplog.at_level(logging.INFO, logger="packloader"):
+        out = list(pm.MegatronDataIterator(loader))
+    steps = sorted({d["step_metrics"].step for d in out})
+    lines = [r.getMessage() for r in caplog.records if r.name == "packloader.megatron"]
+    assert len(lines) == len(steps)
+    for s, line in zip(steps, lines):
+        assert line.startswith(f"step {s} ") and "predicted" in line and "tokens" in line
+
+
+def test_package_logger_is_quiet_by_default():
+    logger = logging.getLogger("packloader")
+    assert any(isinstance(h, logging.NullHandler) for h in logger.handlers)

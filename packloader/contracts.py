@@ -7,7 +7,7 @@ Tensors never live here: the collated batch is in `packloader.collate.batch`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -137,6 +137,9 @@ class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     seed: Annotated[int, msgspec.Meta(ge=0, le=SEED_MAX)] = 0
     # GPU memory the memory check allows, in GiB; None = the device file's (80 GiB h100, 141 GiB h200)
     memory_gib: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    # options per planner name, each checked against that planner's options Struct (its registry entry); `auto`
+    # passes each candidate its own
+    planner_options: dict[str, dict[str, Any]] = {}
 
 
 class ConfigError(ValueError):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from packloader.balancers.cost.memory import memory_model_for
-from packloader.balancers.planners.auto import COUNT_LADDER, AutoPlanner, Candidate
-from packloader.balancers.planners.packing import Pieces, cost_model_for, flush_state
-from packloader.balancers.planners.registry import Window
+from packloader.balancers.planners.auto import AutoPlanner, Candidate
+from packloader.balancers.planners.packing import Pieces, cost_model_for
+from packloader.balancers.planners.registry import StepLayout, Window, planner_spec
 from packloader.balancers.planners.slimpack import backward_runs, default_packs
 from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.simulator import simulate_step
@@ -44,7 +44,7 @@ def test_slimpack_counts_climb_to_8x_in_a_pipeline_only():
     auto = AutoPlanner(config(window))
     base = default_packs(pieces.total_tokens / 2, -(-len(pieces) // 2), 4, 65536)
     counts = [c.micro_batches for c in auto.candidates(pieces) if c.planner == "slimpack"]
-    assert counts == [None, 2 * base, 4 * base, 8 * base] and COUNT_LADDER[-1] == 8
+    assert counts == [None, 2 * base, 4 * base, 8 * base] and planner_spec("slimpack").auto.pipeline_ladder == (2, 4, 8)
     flat = AutoPlanner(PlanConfig(parallel=ParallelConfig(dp=2, pp=1, tp=8), max_tokens=65536, context=65536))
     assert [c.micro_batches for c in flat.candidates(pieces) if c.planner == "slimpack"][1:] == [2 * default_packs(
         pieces.total_tokens / 2, -(-len(pieces) // 2), 1, 65536)]
@@ -55,9 +55,9 @@ def test_choice_is_the_fastest_count_that_fits():
     plan is as fast as the fastest of them (within its tolerance), and it fits the H100."""
     window = long_pieces_window()
     cfg = config(window)
-    state = flush_state(PlannerState())
+    state = PlannerState()
     auto = AutoPlanner(cfg)
-    plan, _ = auto.plan(window, state, 0)
+    plan, _ = auto.plan(window, state, StepLayout(0, flush=True))
     pieces = Pieces.of(window, state, 0)
     times = []
     for cand in (c for c in auto.candidates(pieces) if c.planner == "slimpack"):
@@ -89,9 +89,9 @@ def test_bounded_runs_keep_slicing_where_one_run_does_not_fit(memory_gib):
     every whole-piece candidate that fits, and no run is longer than half the rank's packs."""
     window = long_pieces_window()
     cfg = config(window, memory_gib)
-    state = flush_state(PlannerState())
+    state = PlannerState()
     auto = AutoPlanner(cfg)
-    plan, _ = auto.plan(window, state, 0)
+    plan, _ = auto.plan(window, state, StepLayout(0, flush=True))
     t, peak = reference(plan, cfg)
     limit = (memory_gib * 0.92 - 2) * GiB  # by hand: MemoryModel's defaults
     assert auto.mem_limit == pytest.approx(limit)

@@ -10,8 +10,7 @@ import pytest
 from packloader.balancers.draw import draw_windows
 from packloader.balancers.offline import plan_run
 from packloader.balancers.planners import auto
-from packloader.balancers.planners.packing import flush_state
-from packloader.balancers.planners.registry import make_planner
+from packloader.balancers.planners.registry import StepLayout, make_planner
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 TPS = 524288
@@ -77,7 +76,7 @@ def test_delay_bookkeeping_survives_a_resume():
     windows = draw_windows(long_tail(1), cfg.tokens_per_step, cfg.context, 8).windows
 
     def plan(planner, state, s):
-        return planner.plan(windows[s], flush_state(state) if s == len(windows) - 1 else state, s)
+        return planner.plan(windows[s], state, StepLayout(s, flush=s == len(windows) - 1))
 
     p, state, whole = make_planner(cfg), PlannerState(), []
     for s in range(len(windows)):

@@ -10,9 +10,10 @@ from helpers.planners import candidate_plans
 
 from packloader.balancers.cost.memory import MemoryModel
 from packloader.balancers.cost.profile_io import save_profile
-from packloader.balancers.planners.auto import TOLERANCE, AutoPlanner, slice_edges_prefix
-from packloader.balancers.planners.packing import Pieces, cost_model_for, flush_state
-from packloader.balancers.planners.registry import Window
+from packloader.balancers.planners.auto import TOLERANCE, AutoPlanner
+from packloader.balancers.planners.packing import Pieces, cost_model_for
+from packloader.balancers.planners.packing_measures import slice_edges_prefix
+from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.peaks import packing_peaks
 from packloader.balancers.sim.simulator import simulate_step
@@ -57,11 +58,11 @@ def test_budget_is_the_hand_worked_h100_limit():
 def test_large_cap_choice_fits_memory_where_the_fastest_does_not():
     cfg = PlanConfig(parallel=ParallelConfig(dp=2, pp=2, tp=4), max_tokens=65536, context=65536)
     window = Window.from_lengths(long_tail(100, 1, 65536))
-    state = flush_state(PlannerState())
-    free, _ = unconstrained(cfg).plan(window, state, 0)
+    state = PlannerState()
+    free, _ = unconstrained(cfg).plan(window, state, StepLayout(0, flush=True))
     assert reference_peak(free, cfg) > H100_LIMIT, "the test needs a fastest plan that does not fit"
     auto = AutoPlanner(cfg)
-    plan, _ = auto.plan(window, state, 0)
+    plan, _ = auto.plan(window, state, StepLayout(0, flush=True))
     assert reference_peak(plan, cfg) <= H100_LIMIT
     assert plan.memory_over == 0.0
     # and it is the fastest of the candidates that fit (per planned work, within auto's tie tolerance)
@@ -77,10 +78,10 @@ def test_large_cap_choice_fits_memory_where_the_fastest_does_not():
 def test_small_cap_choice_is_unchanged(cap):
     cfg = PlanConfig(parallel=ParallelConfig(dp=2, pp=2, tp=2), max_tokens=cap, context=cap)
     window = Window.from_lengths(long_tail(60, 1, cap))
-    state = flush_state(PlannerState())
-    free, _ = unconstrained(cfg).plan(window, state, 0)
+    state = PlannerState()
+    free, _ = unconstrained(cfg).plan(window, state, StepLayout(0, flush=True))
     assert reference_peak(free, cfg) <= H100_LIMIT, "the test needs a fastest plan that fits"
-    plan, _ = AutoPlanner(cfg).plan(window, state, 0)
+    plan, _ = AutoPlanner(cfg).plan(window, state, StepLayout(0, flush=True))
     assert plan == free
 
 
@@ -88,9 +89,9 @@ def test_nothing_fits_picks_the_lowest_peak_and_records_it():
     # tp 1 and 32K micro-batches of llama3-8b: even one micro-batch in flight outgrows an H100 stage
     cfg = PlanConfig(parallel=ParallelConfig(dp=2, pp=2), max_tokens=32768, context=32768)
     window = Window.from_lengths(long_tail(40, 2, 32768))
-    state = flush_state(PlannerState())
+    state = PlannerState()
     auto = AutoPlanner(cfg)
-    plan, _ = auto.plan(window, state, 0)
+    plan, _ = auto.plan(window, state, StepLayout(0, flush=True))
     peak = reference_peak(plan, cfg)
     assert plan.memory_over == pytest.approx(peak / H100_LIMIT, rel=1e-9)
     rows = candidate_table(auto, cfg, window, state)
@@ -136,7 +137,7 @@ def test_profile_json_skips_the_memory_check(tmp_path):
     auto = AutoPlanner(cfg)
     assert auto.memory is None and auto.mem_limit is None
     window = Window.from_lengths(long_tail(60, 1, 32768))
-    plan, _ = auto.plan(window, flush_state(PlannerState()), 0)
+    plan, _ = auto.plan(window, PlannerState(), StepLayout(0, flush=True))
     assert plan.memory_over == 0.0
 
 
@@ -148,9 +149,9 @@ def test_deferred_candidates_never_beat_the_choice(tp, cap, n, seed):
     fastest of all candidates that fit, each planned on its own and simulated plan by plan."""
     cfg = PlanConfig(parallel=ParallelConfig(dp=4, pp=4, tp=tp), max_tokens=cap, context=cap)
     window = Window.from_lengths(long_tail(n, seed, cap))
-    state = flush_state(PlannerState())
+    state = PlannerState()
     auto = AutoPlanner(cfg)
-    plan, _ = auto.plan(window, state, 0)
+    plan, _ = auto.plan(window, state, StepLayout(0, flush=True))
     rows = candidate_table(auto, cfg, window, state)
     assert any(auto.deferred(c, [r[0] for r in rows]) for c, _, _ in rows), "the test needs deferred candidates"
     fitting = [t for c, t, p in rows if p <= H100_LIMIT]

@@ -358,6 +358,22 @@ def cli_tokens_per_step_below_max_tokens(tmp):
                        "--quiet")
 
 
+def cli_planner_option_unknown(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--planner-options", '{"wlb": {"fil": 0.5}}', "--quiet")
+
+
+def cli_plugin_not_importable(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--plugin", "no_such_planners", "--quiet")
+
+
+def planner_options_unknown_planner(tmp):
+    from packloader.loader.state import validate_config
+
+    return lambda: validate_config(dict(strategy="wlb", planner_options={"slimpak": {}}))
+
+
 def device_unknown(tmp):
     np.save(tmp / "ok.npy", np.array([10, 20, 30]))
     return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--device", "b200", "--quiet")
@@ -708,6 +724,12 @@ CASES = [
          ("state field loader.step_state.epoch = 7: expected 0, the epochs completed",)),
     Case("cli_tokens_per_step_below_max_tokens", cli_tokens_per_step_below_max_tokens, CliExit,
          ("exit 2", "(--tokens-per-step, --max-tokens)", "tokens_per_step=512 is below max_tokens=1024")),
+    Case("cli_planner_option_unknown", cli_planner_option_unknown, CliExit,
+         ("exit 2", "(--planner-options)", "planner_options['wlb']", "unknown field `fil`", "expected fields of WLBOptions")),
+    Case("cli_plugin_not_importable", cli_plugin_not_importable, CliExit,
+         ("exit 2", "--plugin no_such_planners: cannot import it", "that calls register_planner")),
+    Case("planner_options_unknown_planner", planner_options_unknown_planner, ValueError,
+         ("planner_options names 'slimpak', which is no planner", "expected names from [")),
     Case("device_unknown", device_unknown, CliExit,
          ("exit 2", "invalid configuration (--device): PlanConfig.device='b200': unknown device 'b200'; known devices: h100, h200", "PACKLOADER_DEVICE_PATH")),
     Case("device_file_misnamed", device_file_misnamed, ValueError,

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from packloader.balancers.draw import cut_pieces, draw_windows, step_ends
 from packloader.balancers.offline import plan_run
 from packloader.balancers.planners.fixed import FixedPlanner
+from packloader.balancers.planners.registry import StepLayout
 from packloader.contracts import PlanConfig
 from packloader.loader.loader import PackedLoader
 from packloader.report.draw import draw_steps
@@ -155,7 +156,7 @@ class Recorder:
         self.seen: list[tuple[list, bool]] = []
 
     def plan(self, window, state, step):
-        self.seen.append((pieces(window), bool(state.extra.get("flush"))))
+        self.seen.append((pieces(window), StepLayout.of(step).flush))
         return self.inner.plan(window, state, step)
 
 

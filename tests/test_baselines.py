@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packloader.balancers.planners.multipack import ffd_pack, multipack_allocate
-from packloader.balancers.planners.packing import flush_state
-from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.planners.registry import StepLayout, Window, make_planner
 from packloader.balancers.planners.verl import kk_partitions, verl_order, verl_positions
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
@@ -26,9 +25,7 @@ def run_steps(strategy, windows, dp, cap, pp=1, flush_last=True):
     state = PlannerState()
     plans = []
     for s, w in enumerate(windows):
-        if flush_last and s == len(windows) - 1:
-            state = flush_state(state)
-        plan, state = planner.plan(w, state, s)
+        plan, state = planner.plan(w, state, StepLayout(s, flush=flush_last and s == len(windows) - 1))
         plans.append(plan)
     return plans, state
 

@@ -11,7 +11,7 @@ import pytest
 from packloader.balancers.offline import plan_run
 from packloader.balancers.planners.auto import AutoPlanner
 from packloader.balancers.planners.packing import Packing
-from packloader.balancers.planners.registry import Window
+from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.balancers.sim.verify import verify_plan
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
@@ -53,7 +53,7 @@ def test_auto_dp3_pp2_four_full_pieces_two_empty():
     cfg = PlanConfig(strategy="auto", parallel=ParallelConfig(dp=3, pp=2), max_tokens=1024, context=1024,
                      tokens_per_step=4096, allow_slicing=False)
     w = Window.from_lengths(np.full(4, 1024))
-    plan, state = AutoPlanner(cfg).plan(w, PlannerState(extra={"flush": [1]}), 0)
+    plan, state = AutoPlanner(cfg).plan(w, PlannerState(), StepLayout(0, flush=True))
     assert state.queued == []
     counts = [len(r.micro_batches) for r in plan.ranks]
     empty = sum(not mb.segments for r in plan.ranks for mb in r.micro_batches)

@@ -13,7 +13,7 @@ from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 def test_fixed_covers_every_token_once_and_respects_cap(lengths, dp):
     cfg = PlanConfig(strategy="fixed", parallel=ParallelConfig(dp=dp), max_tokens=512, context=512)
     window = Window.from_lengths(np.array(lengths), first_doc=10)
-    plan, state = make_planner(cfg).plan(window, PlannerState(), step=0)
+    plan, state = make_planner(cfg).plan(window, PlannerState(), 0)
     assert state.queued == []
     counts = {len(r.micro_batches) for r in plan.ranks}
     assert len(plan.ranks) == dp and len(counts) == 1

@@ -32,7 +32,8 @@ def struct_flags() -> dict[str, object]:
     for f in msgspec.structs.fields(PlanConfig):
         if f.name in ("strategy", "parallel"):
             continue
-        out[renames.get(f.name, "--" + f.name.replace("_", "-"))] = f.default
+        default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default  # planner_options: {}
+        out[renames.get(f.name, "--" + f.name.replace("_", "-"))] = default
     return out
 
 

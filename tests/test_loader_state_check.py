@@ -11,7 +11,7 @@ import pytest
 from helpers.docs import token_docs, write_token_shards
 from helpers.planners import DelayingPlanner
 
-from packloader.balancers.planners.registry import Window
+from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.contracts import PlanConfig, PlannerState
 from packloader.loader.dataset import PackedDataset, _StepIterator
 from packloader.loader.loader import PackedLoader
@@ -25,10 +25,10 @@ class SlowFlushPlanner(DelayingPlanner):
     """Holds long pieces back, and at the epoch's end releases them one per step: the loader saves states
     while flushing (no planner of the registry keeps pieces past the flush, so no other run has them)."""
 
-    def plan(self, window: Window, state: PlannerState, step: int):
-        if not state.extra.get("flush") or len(state.queued) < 2:
-            return super().plan(window, state, step)
-        plan, _ = self.inner.plan(window, PlannerState(queued=list(state.queued[:1])), step)
+    def plan(self, window: Window, state: PlannerState, layout: StepLayout | int):
+        if not StepLayout.of(layout).flush or len(state.queued) < 2:
+            return super().plan(window, state, layout)
+        plan, _ = self.inner.plan(window, PlannerState(queued=list(state.queued[:1])), layout)
         return plan, PlannerState(queued=list(state.queued[1:]))
 
 

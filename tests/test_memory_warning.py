@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from packloader.balancers.planners.auto import AutoPlanner
-from packloader.balancers.planners.packing import flush_state
-from packloader.balancers.planners.registry import Window
+from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 # tp 1 and 32K micro-batches of llama3-8b on an H100: even one micro-batch in flight outgrows a stage
@@ -25,7 +24,7 @@ def window(cap: int) -> Window:
 
 
 def plan(cfg: PlanConfig):
-    return AutoPlanner(cfg).plan(window(cfg.context), flush_state(PlannerState()), 0)[0]
+    return AutoPlanner(cfg).plan(window(cfg.context), PlannerState(), StepLayout(0, flush=True))[0]
 
 
 def test_warning_says_by_how_much_and_what_to_change(caplog):
@@ -50,7 +49,7 @@ def test_only_the_first_step_warns(caplog):
     auto = AutoPlanner(CFG)
     with caplog.at_level(logging.WARNING, logger="packloader"):
         for s in range(3):
-            auto.plan(window(CFG.context), flush_state(PlannerState()), s)
+            auto.plan(window(CFG.context), PlannerState(), StepLayout(s, flush=True))
     assert auto.memory_over_steps == 3
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
 

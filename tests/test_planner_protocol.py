@@ -61,8 +61,7 @@ class OnePerMicroBatch(PackingPlanner):
     name = "one_per_mb_test"
 
     def __init__(self, config: PlanConfig) -> None:
-        self.config = config
-        self.model = None
+        super().__init__(config, uses_model=False)
 
     def solve(self, pieces: Pieces, layout: StepLayout, model=None) -> Packing:
         dp = self.config.parallel.dp
@@ -78,7 +77,7 @@ class OnePerMicroBatch(PackingPlanner):
 
 @pytest.fixture
 def registered():
-    register_planner("one_per_mb_test")(OnePerMicroBatch)
+    register_planner("one_per_mb_test", uses_model=False)(lambda config, options, model: OnePerMicroBatch(config))
     yield "one_per_mb_test"
     _REGISTRY.pop("one_per_mb_test")
 

@@ -9,11 +9,11 @@ from helpers.planners import candidate_plans
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packloader.balancers.planners.auto import AutoPlanner, slice_edges, slice_edges_prefix
-from packloader.balancers.planners.base import StepLayout
+from packloader.balancers.planners.auto import AutoPlanner
 from packloader.balancers.planners.fixed import best_fit_decreasing, bfd_pack
-from packloader.balancers.planners.packing import Pieces, cost_model_for, flush_state
-from packloader.balancers.planners.registry import Window
+from packloader.balancers.planners.packing import Pieces, cost_model_for
+from packloader.balancers.planners.packing_measures import slice_edges, slice_edges_prefix
+from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.simulator import slice_edges_of
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
@@ -38,7 +38,7 @@ def test_slice_edges_match_simulator_reference(lengths, dp, pp, nmb):
                      num_micro_batches=nmb)
     auto = AutoPlanner(cfg)
     pieces = Pieces.of(Window.from_lengths(np.array(lengths)), PlannerState(), 0)
-    packing = auto.slimpack.solve(pieces, StepLayout(0, micro_batches=nmb), auto.model)
+    packing = auto.solvers["slimpack"].solve(pieces, StepLayout(0, micro_batches=nmb), auto.model)
     plan = packing.costs(auto.model).to_step_plan(0)
     offs, src, dst = slice_edges(packing)
     _, _, _, pre = slice_edges_prefix(packing)
@@ -59,12 +59,12 @@ def test_auto_picks_the_fastest_candidate_by_plan_simulation():
     cfg = PlanConfig(strategy="auto", parallel=ParallelConfig(dp=4, pp=4), max_tokens=8192, context=8192)
     auto = AutoPlanner(cfg)
     model = cost_model_for(cfg)
-    state = flush_state(PlannerState())
+    state = PlannerState()
     window = Window.from_lengths(lengths)
     times = {cand: score_plan(plan, model, cfg.parallel).step_time
              for cand, plan in candidate_plans(auto, cfg, window, state)}
     assert len(times) >= 3
-    plan, _ = auto.plan(window, state, 0)
+    plan, _ = auto.plan(window, state, StepLayout(0, flush=True))
     chosen = score_plan(plan, model, cfg.parallel).step_time
     assert chosen <= min(times.values()) * 1.006, (auto.last_choice, chosen, times)
 

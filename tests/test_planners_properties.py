@@ -17,8 +17,7 @@ from helpers.planner_runs import PLANNERS, cut, encoded_run, longtail, run_plann
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packloader.balancers.planners.packing import flush_state
-from packloader.balancers.planners.registry import make_planner
+from packloader.balancers.planners.registry import StepLayout, make_planner
 from packloader.balancers.sim.verify import verify_plan
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState, StepPlan
 
@@ -138,7 +137,7 @@ def test_slimpack_slices_long_pieces_in_order_and_wlb_queues_outliers():
     plan, state = planner.plan(w, PlannerState(), 0)
     assert [q.doc for q in state.queued] == [0], "one outlier for 4 micro-batches waits"
     assert 0 in plan.delayed
-    plan2, state2 = planner.plan(cut(41, [60] * 10, 4096), flush_state(state), 1)
+    plan2, state2 = planner.plan(cut(41, [60] * 10, 4096), state, StepLayout(1, flush=True))
     assert state2.queued == []
     check_run([plan, plan2], [4000] + [50] * 40 + [60] * 10, cfg)
 
@@ -193,8 +192,7 @@ def test_resume_from_saved_state_plans_the_same_steps(strategy):
     state = msgspec.msgpack.decode(saved, type=PlannerState)
     planner = make_planner(cfg)  # a fresh planner: nothing but the saved state carries over
     for s in range(k, len(steps)):
-        st_in = flush_state(state) if s == len(steps) - 1 else state
-        plan, state = planner.plan(cut(first, steps[s], cfg.context), st_in, s)
+        plan, state = planner.plan(cut(first, steps[s], cfg.context), state, StepLayout(s, flush=s == len(steps) - 1))
         first += len(steps[s])
         plans.append(plan)
     assert msgspec.json.encode(plans) == msgspec.json.encode(full)

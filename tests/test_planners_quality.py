@@ -15,8 +15,8 @@ import pytest
 
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.hydraulis import HydraulisPlanner
-from packloader.balancers.planners.packing import cost_model_for, flush_state
-from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.planners.packing import cost_model_for
+from packloader.balancers.planners.registry import StepLayout, Window, make_planner
 from packloader.balancers.planners.slimpack import SlimPackPlanner
 from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.verify import verify_plan
@@ -90,7 +90,7 @@ def test_largest_micro_batch_within_factor_of_brute_force_optimum(strategy):
         # slimpack without DP-Merge: a merged piece takes a position of its own on its group's ranks, so V
         # would not be the V of the brute force
         planner = SlimPackPlanner(cfg, dp_merge=False) if strategy == "slimpack" else make_planner(cfg)
-        plan, state = planner.plan(Window.from_lengths(np.array(lengths)), flush_state(PlannerState()), 0)
+        plan, state = planner.plan(Window.from_lengths(np.array(lengths)), PlannerState(), StepLayout(0, flush=True))
         assert state.queued == []
         got = max(max(r) for r in plan_mb_costs(model, plan))
         assert sum(len(r.micro_batches) for r in plan.ranks) == dp * v
@@ -134,7 +134,7 @@ def test_slowest_rank_near_lower_bound_on_long_tail(strategy):
         end = int(np.searchsorted(cum, cum[start] - lengths[start] + cfg.tokens_per_step)) + 1
         w = Window.from_lengths(lengths[start:end], first_doc=start)
         start = end
-        plan, state = planner.plan(w, flush_state(state), step)
+        plan, state = planner.plan(w, state, StepLayout(step, flush=True))
         costs = plan_mb_costs(model, plan)
         # a rank's work: its micro-batches' costs without their floors (floors are the same per micro-batch)
         rank_work = [sum(c) - floor * len(c) for c in costs]
@@ -202,7 +202,7 @@ def test_auto_is_never_slower_than_the_planners_it_chooses_among(pp, slicing):
             if (w.length > cap).any():
                 continue
         window = w
-        plan, _ = make_planner(cfg).plan(window, flush_state(PlannerState()), 0)
+        plan, _ = make_planner(cfg).plan(window, PlannerState(), StepLayout(0, flush=True))
         memory = MemoryModel.for_preset(cfg.model, cfg.parallel)
         peaks[strategy] = simulate_step(plan, cost_model_for(cfg), cfg.parallel, memory=memory).peak_bytes
         times[strategy] = score_plan(plan, cost_model_for(cfg), cfg.parallel).step_time
@@ -222,6 +222,6 @@ def test_auto_respects_the_memory_cap_of_a_profile(tmp_path):
     save_profile(model.profile, path)
     cfg = PlanConfig(strategy="auto", parallel=ParallelConfig(dp=2, pp=2), max_tokens=4096, context=4096, model=str(path))
     lengths = np.array([3000, 900, 40, 700, 1200, 64, 2000])
-    plan, state = make_planner(cfg).plan(Window.from_lengths(lengths), flush_state(PlannerState()), 0)
+    plan, state = make_planner(cfg).plan(Window.from_lengths(lengths), PlannerState(), StepLayout(0, flush=True))
     verify_plan(plan, Window.from_lengths(lengths), 1024, dp=2)
     assert max(mb.num_tokens for r in plan.ranks for mb in r.micro_batches) <= 1024

@@ -390,7 +390,7 @@ def test_failing_strategy_is_skipped_with_a_note(tmp_path, capsys):
         def plan(self, window, state, step):
             raise RuntimeError("this planner always fails")
 
-    registry.register_planner("broken_for_test")(Broken)
+    registry.register_planner("broken_for_test")(lambda config, options, model: Broken(config))
     try:
         np.save(tmp_path / "l.npy", longtail(2000))
         code, out, err = run_cli(["--lengths", str(tmp_path / "l.npy"), "--dp", "2", "--model", "tiny", "--max-tokens", "8192",

@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from packloader.balancers.planners.packing import flush_state
-from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.planners.registry import StepLayout, Window, make_planner
 from packloader.balancers.planners.wlb import WLBPlanner
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
@@ -49,9 +48,7 @@ def run_and_check(planner, cfg: PlanConfig, steps: list[list[int]]) -> tuple[int
         w = window(first, lens)
         all_lengths.update(zip(range(first, first + len(lens)), lens))
         first += len(lens)
-        if s == len(steps) - 1:
-            state = flush_state(state)
-        plan, state = planner.plan(w, state, s)
+        plan, state = planner.plan(w, state, StepLayout(s, flush=s == len(steps) - 1))
         toks = mb_tokens(plan)
         mbs += len(toks)
         assert max(toks, default=0) <= cfg.max_tokens

@@ -13,8 +13,7 @@ import numpy as np
 
 from packloader.balancers.draw import draw_windows
 from packloader.balancers.planners.config_rules import validate_config
-from packloader.balancers.planners.packing import flush_state
-from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.planners.registry import StepLayout, Window, make_planner
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 
@@ -35,14 +34,12 @@ def plan_run(lengths: np.ndarray, config: PlanConfig, steps: int, planner=None) 
     state = PlannerState()
     plans = []
     for s, w in enumerate(windows):
-        if s == len(windows) - 1:
-            state = flush_state(state)
-        plan, state = planner.plan(w, state, s)
+        plan, state = planner.plan(w, state, StepLayout(s, flush=s == len(windows) - 1))
         plans.append(plan)
     if state.queued:  # a planner that ignores the flush: keep planning empty windows until it lets go
         empty = Window(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
         for s in range(len(windows), len(windows) + 16):
-            plan, state = planner.plan(empty, flush_state(state), s)
+            plan, state = planner.plan(empty, state, StepLayout(s, flush=True))
             plans.append(plan)
             if not state.queued:
                 break

@@ -49,6 +49,7 @@ HELP = {
     "device": "device profile of the cost and memory model: h100, h200 or a <name>.json on PACKLOADER_DEVICE_PATH",
     "cost": "cost model kind: measured (a profile timed on the device) or analytic",
     "memory_gib": "GPU memory in GiB for the memory check",
+    "planner_options": "options per planner as a JSON object, e.g. '{\"wlb\": {\"fill\": 0.8}}'",
 }
 
 
@@ -74,7 +75,8 @@ def _fields() -> list[_Field]:
                 walk(f.type.cls, f"{prefix}{f.name}.")
                 continue
             flag = FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
-            out.append(_Field(prefix + f.name, f.name, flag, "layout_" + f.name, f.default, f.type))
+            default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
+            out.append(_Field(prefix + f.name, f.name, flag, "layout_" + f.name, default, f.type))
 
     walk(PlanConfig, "")
     return out
@@ -115,6 +117,16 @@ def _number(t: Any, path: str) -> Callable[[str], Any]:
     return parse
 
 
+def _json_object(text: str) -> dict:
+    """argparse type of a dict field: a JSON object."""
+    try:
+        v = msgspec.json.decode(text)
+    except msgspec.DecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return v
+
 
 class _Given(argparse.Action):
     """Stores the value and records that the user gave the flag (for mode-specific defaults)."""
@@ -153,6 +165,8 @@ def add_layout_arguments(p: argparse.ArgumentParser | Any, *, skip: tuple[str, .
             kw.update(choices=list(t.values))
         elif isinstance(t, (mi.IntType, mi.FloatType)):
             kw.update(type=_number(t, f.path), metavar="N" if isinstance(t, mi.IntType) else "X")
+        elif isinstance(t, mi.DictType):
+            kw.update(type=_json_object, metavar="JSON")
         else:
             kw.update(metavar=f.name.upper())
         p.add_argument(f.flag, help=f"{help_text} (default {default_text}{extra})", **kw)

@@ -11,6 +11,7 @@ import sys
 
 from packloader.cli import numbers
 from packloader.cli.layout_options import add_layout_arguments, config_from_args
+from packloader.cli.plugins import add_plugin_argument, load
 
 EXIT_BAD_INPUT = 2
 EXIT_MEMORY = 3  # --require-fit and a step that does not fit in memory
@@ -50,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=numbers.steps, default=None,
                    help="plan only the first N steps (default: every step of the file)")
     p.add_argument("--strategy", default="auto", help="planner: auto (default), fixed, wlb, hydraulis, slimpack, ...")
+    add_plugin_argument(p)
     add_layout_arguments(p.add_argument_group("layout and model"))
     p.add_argument("--out", default="-", help="where to write the JSON lines (default: stdout)")
     p.add_argument("--quiet", action="store_true", help="no summary on stderr")
@@ -67,17 +69,38 @@ def build_config(args: argparse.Namespace):
     return config_from_args(args, strategy=args.strategy)
 
 
-def run(args: argparse.Namespace) -> int:
+def _write_plans(args: argparse.Namespace, plans, model, config) -> int:
+    """Each plan with its pipeline action lists as a JSON line on --out; 0, or the exit status of a failure."""
     import msgspec
 
-    from packloader.balancers.offline import plan_record, plan_run
-    from packloader.balancers.planners.packing import cost_model_for
-    from packloader.balancers.planners.registry import make_planner
+    from packloader.balancers.offline import plan_record
     from packloader.balancers.sim.actions import step_actions
+
+    enc = msgspec.json.Encoder()
+    try:
+        out = sys.stdout.buffer if args.out == "-" else open(args.out, "wb")
+    except OSError as e:
+        return _fail(f"--out {args.out}: cannot write ({e.strerror})")
+    try:
+        for plan in plans:
+            actions = step_actions(plan, model, config.parallel, schedule=config.schedule)
+            out.write(enc.encode(plan_record(plan, actions)) + b"\n")
+    finally:
+        if out is not sys.stdout.buffer:
+            out.close()
+        else:
+            out.flush()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from packloader.balancers.offline import plan_run
+    from packloader.balancers.planners.registry import cost_model_for, make_planner
     from packloader.balancers.sim.metrics import drawn_steps, score_plans
     from packloader.sources.lengths_file import LengthsError, check_pieces, read_lengths
 
     try:
+        load(args)
         config = build_config(args)
     except ValueError as e:
         return _fail(str(e))
@@ -95,20 +118,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # e.g. a piece over the cap for a strategy that cannot slice
         return _fail(f"strategy {config.strategy!r}: {e}")
 
-    enc = msgspec.json.Encoder()
-    try:
-        out = sys.stdout.buffer if args.out == "-" else open(args.out, "wb")
-    except OSError as e:
-        return _fail(f"--out {args.out}: cannot write ({e.strerror})")
-    try:
-        for plan in result.plans:
-            actions = step_actions(plan, model, config.parallel, schedule=config.schedule)
-            out.write(enc.encode(plan_record(plan, actions)) + b"\n")
-    finally:
-        if out is not sys.stdout.buffer:
-            out.close()
-        else:
-            out.flush()
+    failed = _write_plans(args, result.plans, model, config)
+    if failed:
+        return failed
     if not args.quiet:
         _, run_scores = score_plans(
             result.plans, model, config.parallel, max_tokens=config.max_tokens, schedule=config.schedule,

@@ -9,6 +9,7 @@ import sys
 
 from packloader.cli import numbers
 from packloader.cli.layout_options import add_layout_arguments, config_from_args
+from packloader.cli.plugins import add_plugin_argument, load
 
 # --demo: the Python standard library's .py files, tokenized with the default tokenizer, on a layout where a
 # 32K-token micro-batch of Llama-3-8B fits an H100 (tp=2, pp=2), 4 DP ranks: 16 GPUs. These override the
@@ -38,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=numbers.steps, default=None, help=f"optimizer steps to draw and plan (default {DEMO_STEPS})")
     o = p.add_argument_group("output")
     o.add_argument("--strategies", default=None,
-                   help="comma-separated strategies (default: concat,fixed,multipack,karmarkar_karp,wlb,hydraulis,slimpack,auto)")
+                   help="comma-separated strategies (default: every registered planner the registry shows in "
+                   "reports: concat,fixed,multipack,karmarkar_karp,wlb,hydraulis,slimpack,auto and --plugin ones)")
+    add_plugin_argument(p)
     o.add_argument("--out", default="packloader-report", help="directory for report.json, the PNGs and report.html (default packloader-report)")
     o.add_argument("--plans", action="store_true", help="also write each strategy's plans as JSON lines under OUT/plans/")
     o.add_argument("--no-plots", action="store_true", help="only report.json and the table (no PNGs, no HTML)")
@@ -76,13 +79,14 @@ def _config(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace) -> int:
+    from packloader.balancers.planners.registry import report_strategies
     from packloader.report.build import ReportOptions, build_report
     from packloader.report.draw import StepCounter
     from packloader.report.lengths import read_lengths, source_lengths
-    from packloader.report.run import BASELINES, PACKLOADER
     from packloader.report.table import render_text
     from packloader.sources.lengths_file import check_pieces
 
+    load(args)
     given = [bool(args.inputs), bool(args.lengths), bool(args.demo)]
     if sum(given) != 1:
         raise ValueError("give exactly one of: INPUT paths, --lengths FILE, or --demo")
@@ -92,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
     from packloader.balancers.cost.resolve import load_cost_model
 
     load_cost_model(config.model, config.parallel, device=device)  # a bad --model or --device fails here, before tokenizing
-    strategies = tuple(x.strip() for x in args.strategies.split(",") if x.strip()) if args.strategies else BASELINES + PACKLOADER
+    strategies = tuple(x.strip() for x in args.strategies.split(",") if x.strip()) if args.strategies else report_strategies()
     if not strategies:
         raise ValueError("--strategies names no strategy")
     progress = not args.no_progress

@@ -25,7 +25,7 @@ from packloader.loader.state import check_fingerprint, check_state_shape, flatte
 # fingerprint fields a resume may change: the layout and how steps are planned, not what is drawn
 ELASTIC_FIELDS = ("config.parallel.", "config.num_micro_batches", "config.max_tokens", "config.strategy",
                   "config.allow_slicing", "config.schedule", "config.model", "config.device", "config.cost",
-                  "config.memory_gib", "config.tokens_per_step", "dp_rank")
+                  "config.memory_gib", "config.tokens_per_step", "config.planner_options", "dp_rank")
 ALL = 1 << 40  # a rank that finished the step: every micro-batch yielded
 
 

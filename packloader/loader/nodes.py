@@ -43,8 +43,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from packloader.balancers.draw import cut_pieces, step_ends
-from packloader.balancers.planners.packing import FLUSH, cost_model_for, flush_state
-from packloader.balancers.planners.registry import Window
+from packloader.balancers.planners.registry import StepLayout, Window, cost_model_for
 from packloader.collate.collate import collate_step, loss_tokens_in_plan
 from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerState, StepMetrics, StepPlan
 from packloader.loader.chunks import Chunk, ChunkNode
@@ -278,7 +277,7 @@ class StepNode(BaseNode[StepWork]):
         doc_len.update(self.queued_lengths)
 
         step = self.step_offset + self.k * self.step_stride
-        state_in = flush_state(self.pstate) if done else self.pstate
+        state_in = self.pstate  # the flush travels in StepLayout (`_plan`), never in the state
         plan, new_state = self._plan(window, state_in, step, done)
         loss_tokens = loss_tokens_in_plan(plan, doc_len)
         plan = msgspec.structs.replace(plan, loss_tokens=loss_tokens)
@@ -319,16 +318,14 @@ class StepNode(BaseNode[StepWork]):
         """The planner's plan of a window, checked: one RankPlan per DP rank, nothing kept after a flush, and the
         pinned micro-batch count."""
         cfg = self.config
-        plan, new_state = self.planner.plan(window, state_in, step)
-        if FLUSH in new_state.extra:
-            new_state = msgspec.structs.replace(new_state, extra={k: v for k, v in new_state.extra.items() if k != FLUSH})
+        plan, new_state = self.planner.plan(window, state_in, StepLayout(step, flush=done))
         planned = sum(mb.num_tokens for r in plan.ranks for mb in r.micro_batches)
         if len(plan.ranks) != cfg.parallel.dp:
             raise RuntimeError(f"planner {cfg.strategy!r} returned {len(plan.ranks)} ranks for parallel.dp={cfg.parallel.dp}")
         if done and new_state.queued and planned == 0:
             raise RuntimeError(
                 f"planner {cfg.strategy!r} keeps {len(new_state.queued)} pieces queued at the end of epoch "
-                f"{self.epoch} although asked to flush (PlannerState.extra['flush']); every token must be planned "
+                f"{self.epoch} although asked to flush (StepLayout.flush); every token must be planned "
                 "once per epoch"
             )
         check_micro_batch_count(plan, cfg, int(window.length.sum()), sum(q.length for q in state_in.queued), remainder)
@@ -353,7 +350,7 @@ class StepNode(BaseNode[StepWork]):
         window = Window(*(np.array(c, dtype=np.int64).reshape(-1) for c in zip(*rem["pieces"]))) if rem["pieces"] \
             else Window(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
         doc_len = {int(d): int(n) for d, n in rem["doc_lengths"]}
-        plan, _ = self._plan(window, flush_state(PlannerState()), int(rem["step"]), True, remainder=True)
+        plan, _ = self._plan(window, PlannerState(), int(rem["step"]), True, remainder=True)
         plan = msgspec.structs.replace(plan, loss_tokens=int(rem["loss_tokens"]))
         mbs, lengths, tokens = self._own_part(plan, window, doc_len)
         self.remainder = None

@@ -15,6 +15,7 @@ import numpy as np
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.resolve import load_cost_model
 from packloader.balancers.planners.config_rules import validate_config
+from packloader.balancers.planners.registry import report_strategies
 from packloader.balancers.sim.simulator import simulate_step
 from packloader.contracts import PlanConfig, plan_encoder
 from packloader.report import plots
@@ -31,14 +32,14 @@ from packloader.report.figures import (
 )
 from packloader.report.html import render_html
 from packloader.report.lengths import Lengths
-from packloader.report.run import BASELINES, PACKLOADER, StrategyRun, run_strategy
+from packloader.report.run import StrategyRun, run_strategy
 
 
 class ReportOptions(msgspec.Struct, kw_only=True):
     """What `build_report` does besides planning (the layout is the PlanConfig)."""
 
     steps: int = 8
-    strategies: Sequence[str] = BASELINES + PACKLOADER
+    strategies: Sequence[str] = ()  # empty: the registry's report strategies (`report_strategies`)
     device: str | None = None  # a device profile name; None: the PlanConfig's
     out_dir: str | None = None  # None: no files, only the Report
     plots: bool = True
@@ -146,9 +147,10 @@ def _build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions |
     )
     runs: dict[str, StrategyRun] = {}
     figs: list[StrategyFigures] = []
-    bar = tqdm(total=len(opt.strategies) * draw.steps, desc="plan", unit="step", disable=not opt.progress, leave=False, dynamic_ncols=True)
+    strategies = tuple(opt.strategies) or report_strategies()
+    bar = tqdm(total=len(strategies) * draw.steps, desc="plan", unit="step", disable=not opt.progress, leave=False, dynamic_ncols=True)
     try:
-        for name in opt.strategies:
+        for name in strategies:
             bar.set_postfix_str(name, refresh=True)
             before = bar.n
             run = run_strategy(name, config, draw, tick=bar.update)

@@ -19,7 +19,7 @@ from packloader.balancers.sim.simulator import simulate_step
 from packloader.balancers.sim.verify import coverage
 from packloader.contracts import ParallelConfig, PlanConfig
 from packloader.report.draw import Draw
-from packloader.report.run import DESCRIPTIONS, StrategyRun
+from packloader.report.run import StrategyRun, describe
 
 GiB = 1024.0**3
 REPORT_VERSION = 1
@@ -253,7 +253,7 @@ def memory_peaks(run: StrategyRun, model: CostModel, parallel: ParallelConfig, s
 
 def strategy_figures(run: StrategyRun, draw: Draw, model: CostModel, config: PlanConfig, memory=None) -> StrategyFigures:
     """Figures of one strategy's run over the drawn steps (a skipped run keeps only its note)."""
-    fig = StrategyFigures(name=run.name, role=run.role, description=DESCRIPTIONS.get(run.name, run.name),
+    fig = StrategyFigures(name=run.name, role=run.role, description=describe(run.name),
                           status="ok" if run.ok else "skipped", note=run.error or "")
     if not run.ok:
         return fig

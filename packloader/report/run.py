@@ -12,30 +12,25 @@ from typing import Callable
 import msgspec
 import numpy as np
 
-from packloader.balancers.planners.packing import FLUSH, flush_state
-from packloader.balancers.planners.registry import Planner, Window, make_planner
+from packloader.balancers.planners.registry import Planner, StepLayout, Window, make_planner, planner_spec
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 from packloader.report.draw import Draw
 
-# What users run today (the issue's list) and what packloader offers, in the order the report shows them.
-BASELINES = ("concat", "fixed", "multipack", "karmarkar_karp")
-PACKLOADER = ("wlb", "hydraulis", "slimpack", "auto")
-DESCRIPTIONS = {
-    "concat": "concatenate and chunk (Megatron GPT dataset)",
-    "fixed": "best-fit-decreasing by tokens (NeMo, TRL)",
-    "multipack": "multipack across ranks (Axolotl)",
-    "karmarkar_karp": "Karmarkar-Karp by workload (verl)",
-    "multipack_openchat2023": "multipack, 2023 allocator (OpenChat)",
-    "karmarkar_karp_verl_legacy": "Karmarkar-Karp by tokens (verl before PR 3605)",
-    "wlb": "WLB-LLM: workload packing + outlier delay",
-    "hydraulis": "Hydraulis: cost-aware dispatch + packing",
-    "slimpack": "SlimPack: slices + asymmetric balance",
-    "auto": "packloader auto: best plan by simulation",
-}
-
 
 def role_of(name: str) -> str:
-    return "baseline" if name in BASELINES else "packloader"
+    """A registered planner's role ("baseline": another tool's packer); "packloader" for an unknown name."""
+    try:
+        return planner_spec(name).role
+    except ValueError:
+        return "packloader"
+
+
+def describe(name: str) -> str:
+    """The one-line summary of a registered planner for the report (its name when it has none)."""
+    try:
+        return planner_spec(name).summary or name
+    except ValueError:
+        return name
 
 
 @dataclass
@@ -102,12 +97,11 @@ def run_planner(
         k = len(windows)
         while drain and state.queued and run.drain_steps < max_drain_steps:
             t0 = time.perf_counter()
-            plan, state = planner.plan(empty, flush_state(state), k)
+            plan, state = planner.plan(empty, state, StepLayout(k, flush=True))
             run.plan_seconds.append(time.perf_counter() - t0)
             run.plans.append(plan)
             run.drain_steps += 1
             k += 1
-        state = msgspec.structs.replace(state, extra={a: b for a, b in state.extra.items() if a != FLUSH})
         run.final_state = state
     except Exception as e:  # a strategy that raises is reported as skipped, with its reason
         run.error = _one_line(e)

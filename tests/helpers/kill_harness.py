@@ -634,7 +634,7 @@ def prepare_parent(strategies=("auto", "wlb")) -> None:
     import torchdata.stateful_dataloader  # noqa: F401
 
     import packloader.loader.loader  # noqa: F401
-    from packloader.balancers.planners.registry import Window, make_planner
+    from packloader.balancers.planners.registry import StepLayout, Window, make_planner
     from packloader.contracts import PlannerState
     from packloader.sources.jsonl import JsonlSource  # noqa: F401
     from packloader.sources.parquet import ParquetSource  # noqa: F401
@@ -645,7 +645,7 @@ def prepare_parent(strategies=("auto", "wlb")) -> None:
             cfg = plan_config(KillConfig(strategy=strategy, slicing=slicing))
             planner = make_planner(cfg)
             lengths = np.array([900, 400, 300, 50, 20, 7, 512, 3], np.int64) % (cfg.context + 1)
-            planner.plan(Window.from_lengths(np.maximum(lengths, 1)), PlannerState(extra={"flush": [1]}), 0)
+            planner.plan(Window.from_lengths(np.maximum(lengths, 1)), PlannerState(), StepLayout(0, flush=True))
 
 
 def run_config(cfg: KillConfig, workdir: Path, *, points: int, runs: int, seed: int = 0, fork: bool = True,

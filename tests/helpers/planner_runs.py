@@ -6,8 +6,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from packloader.balancers.planners.packing import flush_state
-from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.planners.registry import StepLayout, Window, make_planner
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 PLANNERS = ["wlb", "hydraulis", "slimpack", "auto"]
@@ -33,9 +32,7 @@ def run_planner(cfg: PlanConfig, step_lengths: list[list[int]], planner=None):
         w = cut(first, lens, cfg.context)
         first += len(lens)
         windows.append(w)
-        if s == len(step_lengths) - 1:
-            state = flush_state(state)
-        plan, state = planner.plan(w, state, s)
+        plan, state = planner.plan(w, state, StepLayout(s, flush=s == len(step_lengths) - 1))
         plans.append(plan)
     return plans, windows, state
 

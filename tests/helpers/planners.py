@@ -12,7 +12,7 @@ import numpy as np
 from packloader.balancers.planners.auto import AutoPlanner, Candidate
 from packloader.balancers.planners.fixed import FixedPlanner
 from packloader.balancers.planners.packing import Pieces, cost_model_for
-from packloader.balancers.planners.registry import Window
+from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.contracts import PlanConfig, PlannerState, QueuedDoc, StepPlan
 
 
@@ -25,8 +25,9 @@ class DelayingPlanner:
         self.inner = FixedPlanner(config)
         self.threshold = threshold
 
-    def plan(self, window: Window, state: PlannerState, step: int):
-        flush = bool(state.extra.get("flush"))
+    def plan(self, window: Window, state: PlannerState, layout: StepLayout | int):
+        layout = StepLayout.of(layout)
+        step, flush = layout.step, layout.flush
         keep = np.ones(len(window.doc), bool) if flush else window.length <= self.threshold
         held = [QueuedDoc(int(window.doc[i]), int(window.offset[i]), int(window.length[i]), step)
                 for i in np.flatnonzero(~keep)]
@@ -42,10 +43,10 @@ class SlowPlanner:
     def __init__(self, config: PlanConfig) -> None:
         self.inner, self.pause, self.slow = FixedPlanner(config), 0.0, range(0)
 
-    def plan(self, window, state, step):
-        if step in self.slow:
+    def plan(self, window, state, layout):
+        if StepLayout.of(layout).step in self.slow:
             time.sleep(self.pause)
-        return self.inner.plan(window, state, step)
+        return self.inner.plan(window, state, layout)
 
 
 def candidate_plans(auto: AutoPlanner, cfg: PlanConfig, window: Window, state: PlannerState) -> list[tuple[Candidate, StepPlan]]:

@@ -1,17 +1,21 @@
 """`auto` (the default strategy): plan the step with several candidates and keep the one the pipeline simulator
 says runs fastest under the device's memory, as SlimPack's simulator-guided selection does.
 
-Candidates are (planner, micro-batches per rank): `wlb`, `hydraulis`, `slimpack` (only with
-config.allow_slicing) and `fixed`, each at its own default number of micro-batches and at a few others around
-it (`micro_batch_counts`: 2x; slimpack in a pipeline 2x, 4x and 8x, COUNT_LADDER); config.num_micro_batches
-pins the count. The simulated step time chooses among them, within memory. In a pipeline (PP > 1) with slicing
-allowed, slimpack's default count and wlb at 2x are planned only when no slimpack count of the ladder fits
-the device (`AutoPlanner.deferred`; docs/benchmarks.md has the measurements behind this). Every candidate plans
-the same pieces (the queued ones, then the window) under the same token cap, min(config.max_tokens, the cost model's
-memory cap MaxLen); a candidate that cannot (a piece over the cap without slicing) is skipped.
+Candidates are (planner, micro-batches per rank) for every registry entry with an `AutoUse` (its `auto=`
+field; slicing planners only with config.allow_slicing), in AutoUse.order: each at its default count
+(`AutoUse.default_count`, or the planner's own choice) and, on small problems, at the multiples of its ladder
+(`micro_batch_counts`). auto knows no planner by name: what follows names the shipped entries' settings (wlb,
+hydraulis, slimpack, fixed, in that order; slimpack's ladder in a pipeline 2x, 4x and 8x). config.num_micro_batches
+(or StepLayout.micro_batches) pins the count. The simulated step time chooses among them, within memory. In a
+pipeline with slicing, the counts an entry defers (`AutoUse.defer`: slimpack's default, wlb's 2x) are planned only
+when no count of a slicing planner fits the device (`AutoPlanner.deferred`; docs/benchmarks.md has the
+measurements behind this). Every candidate plans the same pieces (the queued ones, then the window) under the same
+token cap, min(config.max_tokens, the cost model's memory cap MaxLen); a candidate that cannot (a piece over the
+cap without slicing) is skipped.
 
 Score: the slowest DP rank's simulated step time (the batched numba simulator, 1F1B / GPipe / interleaved as
-configured, slice dependencies and FILO backward included), divided by the workload the candidate planned
+configured, or with PlanConfig.schedule "auto" the faster of 1F1B and ZB-H1 that fits, recorded in
+StepPlan.schedule (`schedule_choice`); slice dependencies and FILO backward included), divided by the workload the candidate planned
 this step (attention + linear work of its pieces, no floors), so holding work back never looks like a speed-up
 by itself. Lowest score wins; scores within TOLERANCE of the lowest count as equal, and among those the most
 even micro-batches (imbalance degree), then the earlier candidate in the fixed order above, so every rank picks
@@ -32,14 +36,14 @@ profile JSON (no model shape, so no memory information) the check is skipped.
 
 Cost of the search: hydraulis runs its longest-first dispatch only (one trial, not the paper's 100) with at
 most three V values (two at scale); slimpack's phase one is computed once for all of its counts; with pieces
-x DP ranks above SMALL_WORK only each planner's default count is tried, and above FIXED_MAX_WORK fixed is
-dropped. The imbalance degree is computed only when candidates tie within TOLERANCE.
+x DP ranks above SMALL_WORK only each planner's default count is tried, and above an entry's AutoUse.max_work
+it is dropped (fixed: 2M). The imbalance degree is computed only when candidates tie within TOLERANCE.
 
 Delay bound: a candidate that holds pieces back (wlb's outlier delay) is eligible only while the run's mean
 delay over all tokens (`sim.metrics.token_delay`) stays within DELAY_MEAN_MAX steps, counting what it holds as
 trained next step, and it holds at most QUEUE_MAX_SHARE of a step's tokens. The run's trained tokens and
 token-steps of delay so far ride in PlannerState.extra[DELAY_KEY], so a resumed run applies the same bound.
-When no eligible candidate is left, wlb plans everything (as on a flush).
+When no eligible candidate is left, the entry with AutoUse.flush_fallback (wlb) plans everything (as on a flush).
 
 Empty micro-batches: every DP rank runs the same number of micro-batches, so a rank with fewer pieces than the
 fullest one gets empty slots. Each candidate drops the empty slots no rank needs before it is scored
@@ -60,27 +64,25 @@ import numpy as np
 
 from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.memory import GiB, MemoryModel, memory_limit_bytes, memory_model_for, over_memory_text
-from packloader.balancers.planners.base import Solver, StepLayout
-from packloader.balancers.planners.fixed import FixedPlanner
-from packloader.balancers.planners.hydraulis import HydraulisPlanner
-from packloader.balancers.planners.packing import (
-    Packing,
-    Pieces,
-    carried_extra,
+from packloader.balancers.cost.model import CostModel
+from packloader.balancers.planners.base import PackingPlanner
+from packloader.balancers.planners.packing import Packing, Pieces
+from packloader.balancers.planners.packing_measures import imbalance_degree, slice_edges_prefix
+from packloader.balancers.planners.registry import (
+    AutoUse,
+    NoOptions,
+    Planner,
+    StepLayout,
+    Window,
     cost_model_for,
-    slice_edges_kernel,
-    wants_flush,
+    planner_specs,
+    register_planner,
 )
-from packloader.balancers.planners.registry import Planner, Window, register_planner
 from packloader.balancers.planners.schedule_choice import KIND_NAMES, fastest_schedule, schedule_kinds
-from packloader.balancers.planners.slimpack import SlimPackPlanner, default_packs
-from packloader.balancers.planners.wlb import WLBPlanner, default_micro_batches
 from packloader.balancers.sim.peaks import packing_peaks, stage_bytes
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
-PLANNERS = ("wlb", "hydraulis", "slimpack", "fixed")
 SMALL_WORK = 400_000  # pieces x DP ranks below which every candidate runs
-FIXED_MAX_WORK = 2_000_000  # fixed's BFD is O(pieces x bins): dropped above this
 TOLERANCE = 0.005  # simulated step times this close count as equal (the cost model is no finer than that)
 DELAY_MEAN_MAX = 0.5  # steps: the run's mean delay over all tokens, what is queued counted as trained next step
 QUEUE_MAX_SHARE = 0.5  # of config.tokens_per_step: the most tokens held back after a step
@@ -97,67 +99,26 @@ class Candidate:
     run_share: float = 0.0  # slimpack with runs of linked packs bounded (SlimPackPlanner.run_share): memory fallback
 
 
-COUNT_LADDER = (2, 4, 8)  # multiples of a slicing planner's default count tried in a pipeline (issue 25)
-
-
 def micro_batch_counts(base: int, small: bool, ladder: tuple[int, ...] = (2,)) -> list[int | None]:
     """The counts tried around a planner's default `base`: the default itself and, for small problems, each
     multiple in `ladder` (a finer balance and a smaller pipeline fill share, for more per-micro-batch floors).
-    In a pipeline, slimpack climbs COUNT_LADDER up to 8x its default: against the no-bubble ideal the fill and
-    drain, (pp - 1) / m of the step, is what is left once slicing has balanced the micro-batches."""
+    In a pipeline, slimpack climbs its entry's pipeline_ladder up to 8x its default: against the no-bubble ideal
+    the fill and drain, (pp - 1) / m of the step, is what is left once slicing has balanced the micro-batches."""
     return [None] + [k * base for k in ladder] if small else [None]
-
-
-def slice_edges(packing: Packing) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-rank slice edges (CSR offsets, source position, destination position) of a Packing: an edge from
-    the micro-batch holding a slice's prefix end to the slice's micro-batch, positions local to each rank (a
-    DP-Merge micro-batch is listed by each member rank, so its edges appear on each)."""
-    return slice_edges_prefix(packing)[:3]
-
-
-def slice_edges_prefix(packing: Packing) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`slice_edges` and, per edge, the tokens of keys the slice attends to before its start (its prefix, whose
-    key/value gradients the simulator holds between the two backwards). One numba call
-    (kernels.slice_edges_kernel); tests check it against the simulator's `slice_edges_of` on the StepPlan."""
-    a = [np.ascontiguousarray(x, np.int64) for x in (packing.seg_doc, packing.seg_start, packing.seg_end, packing.seg_af,
-                                                      packing.seg_mb, packing.rank_mbs)]
-    return slice_edges_kernel(*a)
-
-
-def imbalance_degree(packing: Packing) -> float:
-    """WLB-LLM's imbalance degree of the worst rank: max micro-batch cost x count / total (costs filled in)."""
-    c = (packing.mb_fwd + packing.mb_bwd)[packing.rank_mbs]
-    tot = c.sum(axis=1)
-    ok = tot > 0
-    if not ok.any():
-        return 1.0
-    return float((c.max(axis=1)[ok] * c.shape[1] / tot[ok]).max())
 
 
 class AutoPlanner:
     name = "auto"
 
-    def __init__(self, config: PlanConfig) -> None:
+    def __init__(self, config: PlanConfig, model: CostModel | None = None) -> None:
         self.config = config
-        self.model = cost_model_for(config)
+        self.model = model if model is not None else cost_model_for(config)
         mem_cap = self.model.memory_cap()
         self.cap = min(config.max_tokens, mem_cap) if mem_cap else config.max_tokens
-        sub = msgspec.structs.replace(config, max_tokens=self.cap)
-        self.sub_config = sub
-        self.wlb = WLBPlanner(msgspec.structs.replace(sub, strategy="wlb"))
-        self.hydraulis = HydraulisPlanner(msgspec.structs.replace(sub, strategy="hydraulis"), trials=1, v_limit=3)
-        self.hydraulis_fast = HydraulisPlanner(msgspec.structs.replace(sub, strategy="hydraulis"), trials=1, v_limit=2)
-        self.slimpack = SlimPackPlanner(msgspec.structs.replace(sub, strategy="slimpack")) if config.allow_slicing else None
-        # the memory fallback: slimpack with runs of linked packs bounded, loosest first (RUN_SHARES)
-        self.slimpack_runs = {r: SlimPackPlanner(msgspec.structs.replace(sub, strategy="slimpack"), run_share=r)
-                              for r in RUN_SHARES} if config.allow_slicing and config.parallel.pp > 1 else None
-        self.fixed = FixedPlanner(msgspec.structs.replace(sub, strategy="fixed"))
-        self.planners: dict[str, Solver] = {"wlb": self.wlb, "hydraulis": self.hydraulis, "fixed": self.fixed}
-        if self.slimpack is not None:
-            self.planners["slimpack"] = self.slimpack
+        self.sub_config = msgspec.structs.replace(config, max_tokens=self.cap)
+        self._build_candidates()
         self.kinds = schedule_kinds(config)  # the schedules scored (schedule_choice), the default first
         self.kind = self.kinds[0]
-        # the device the cost model describes (H100 unless its profile says H200); None for a profile JSON
         device = config.device  # a device profile's name: its file gives the memory (cost/devices.py)
         self.memory: MemoryModel | None = memory_model_for(config.model, config.parallel, config.schedule, device,
                                                                   config.memory_gib)
@@ -176,31 +137,49 @@ class AutoPlanner:
 
     # --- candidates ------------------------------------------------------------------------------------------
 
-    def candidates(self, pieces: Pieces) -> list[Candidate]:
+    def _build_candidates(self) -> None:
+        """The candidate planners, from the registry: every entry with an AutoUse (slicing ones only with
+        config.allow_slicing), in AutoUse.order, each built with auto's token cap, its options and auto's model."""
         cfg = self.config
-        dp, pp = cfg.parallel.dp, cfg.parallel.pp
-        n = len(pieces)
-        work = n * dp
-        small = work <= SMALL_WORK
-        fixed_v = cfg.num_micro_batches
-        tokens = pieces.total_tokens
-        out: list[Candidate] = []
-        for name in PLANNERS:
-            if name == "slimpack" and self.slimpack is None:
+        self.uses: dict[str, AutoUse] = {}
+        self.solvers: dict[str, PackingPlanner] = {}
+        self.solvers_at_scale: dict[str, PackingPlanner] = {}
+        # the memory fallback: runs of linked packs bounded, loosest first (RUN_SHARES)
+        self.runs: dict[str, dict[float, PackingPlanner]] = {}
+        self.slicing: set[str] = set()
+        for spec in sorted((s for s in planner_specs() if s.auto is not None), key=lambda s: (s.auto.order, s.name)):
+            if spec.slices and not cfg.allow_slicing:
                 continue
-            if name == "fixed" and work > FIXED_MAX_WORK:
+            use = spec.auto
+            sub = msgspec.structs.replace(self.sub_config, strategy=spec.name)
+            self.uses[spec.name] = use
+            self.solvers[spec.name] = spec.build(sub, self.model, **use.options)
+            if use.options_at_scale is not None:
+                self.solvers_at_scale[spec.name] = spec.build(sub, self.model, **use.options_at_scale)
+            if spec.slices:
+                self.slicing.add(spec.name)
+            if use.bounded_runs_option and cfg.allow_slicing and cfg.parallel.pp > 1:
+                self.runs[spec.name] = {r: spec.build(sub, self.model, **{**use.options, use.bounded_runs_option: r})
+                                        for r in RUN_SHARES}
+
+    def candidates(self, pieces: Pieces, pinned: int | None = None) -> list[Candidate]:
+        cfg = self.config
+        pp = cfg.parallel.pp
+        work = len(pieces) * cfg.parallel.dp
+        small = work <= SMALL_WORK
+        fixed_v = pinned or cfg.num_micro_batches
+        out: list[Candidate] = []
+        for name, use in self.uses.items():
+            if use.max_work is not None and work > use.max_work:
                 continue
             if fixed_v:
                 out.append(Candidate(name, fixed_v))
                 continue
-            if name == "wlb":
-                base = default_micro_batches(tokens, n, dp, pp, self.cap, self.wlb.fill)
-            elif name == "slimpack":
-                base = default_packs(tokens / dp, math.ceil(n / dp), pp, self.cap)
-            else:  # hydraulis enumerates its own V; fixed takes the fewest bins that hold the step
+            if use.default_count is None:  # the planner chooses its own count (hydraulis' V, fixed's fewest bins)
                 out.append(Candidate(name, None))
                 continue
-            ladder = COUNT_LADDER if name == "slimpack" and pp > 1 else (2,)
+            base = use.default_count(self.solvers[name], pieces, self.sub_config)
+            ladder = use.pipeline_ladder if use.pipeline_ladder and pp > 1 else use.ladder
             out += [Candidate(name, v) for v in micro_batch_counts(int(base), small, ladder)]
         return out
 
@@ -209,18 +188,19 @@ class AutoPlanner:
         device: in a pipeline with slicing, one of those wins when it fits (the measurements are in
         docs/benchmarks.md), so the default slimpack count and wlb's 2x are planned only when none does (the
         report's memory-bound demo)."""
-        if self.config.parallel.pp <= 1 or self.slimpack is None or self.config.num_micro_batches:
+        if self.config.parallel.pp <= 1 or not self.slicing or self.config.num_micro_batches:
             return False
         counts = [c.micro_batches for c in cands if c.planner == cand.planner]
         if len(counts) < 2:
             return False
-        return (cand.planner == "slimpack" and cand.micro_batches is None) or \
-            (cand.planner == "wlb" and cand.micro_batches is not None)
+        defer = self.uses[cand.planner].defer
+        return (defer == "default" and cand.micro_batches is None) or \
+            (defer == "counts" and cand.micro_batches is not None)
 
     def solve_candidate(self, cand: Candidate, pieces: Pieces, step: int, flush: bool, small: bool) -> Packing:
-        planner = self.hydraulis_fast if cand.planner == "hydraulis" and not small else self.planners[cand.planner]
+        planner = (None if small else self.solvers_at_scale.get(cand.planner)) or self.solvers[cand.planner]
         if cand.run_share:
-            planner = self.slimpack_runs[cand.run_share]
+            planner = self.runs[cand.planner][cand.run_share]
         return planner.solve(pieces, StepLayout(step, flush, cand.micro_batches), self.model)
 
     # --- scoring ---------------------------------------------------------------------------------------------
@@ -245,9 +225,10 @@ class AutoPlanner:
 
     # --- planning --------------------------------------------------------------------------------------------
 
-    def plan(self, window: Window, state: PlannerState, step: int) -> tuple[StepPlan, PlannerState]:
+    def plan(self, window: Window, state: PlannerState, layout: StepLayout | int) -> tuple[StepPlan, PlannerState]:
+        layout = StepLayout.of(layout)
+        step, flush = layout.step, layout.flush
         pieces = Pieces.of(window, state, step)
-        flush = wants_flush(state)
         run_tokens, run_delay = (state.extra.get(DELAY_KEY) or [0, 0])[:2]
         piece_delay = int(((step - pieces.drawn) * pieces.length).sum())
         f, b = doc_time_split(self.model.coeffs, pieces.length)
@@ -256,12 +237,12 @@ class AutoPlanner:
         small = len(pieces) * self.config.parallel.dp <= SMALL_WORK
         results: list[_Result] = []
         errors: list[str] = []
-        listed = self.candidates(pieces)
+        listed = self.candidates(pieces, layout.micro_batches)
         cands = list(enumerate(listed))
         # slicing candidates first: their time often rules out the whole-piece planners without running them;
         # deferred ones last, and only if no slimpack count of the ladder fits (`deferred`)
         later = {i for i, c in cands if self.deferred(c, listed)}
-        cands.sort(key=lambda ic: (ic[0] in later, ic[1].planner != "slimpack", ic[0]))
+        cands.sort(key=lambda ic: (ic[0] in later, ic[1].planner not in self.slicing, ic[0]))
         floor = sum(self.model.floor())
         # any plan that keeps pieces whole and plans them all runs the largest piece inside one micro-batch,
         # whose forward and backward pass through every stage one after the other: pp x its time at least
@@ -269,9 +250,9 @@ class AutoPlanner:
         whole_bound = pp * (float(piece_work.max()) + floor) / total_work if len(pieces) and total_work > 0 else 0.0
         over_bound = 0
         for idx, cand in cands:
-            if idx in later and any(r.cand.planner == "slimpack" and self.fits(r) for r in results):
-                continue  # a slimpack count of the ladder fits: the deferred candidates would not win
-            if cand.planner in ("hydraulis", "fixed") and results:
+            if idx in later and any(r.cand.planner in self.slicing and self.fits(r) for r in results):
+                continue  # a slicing count of the ladder fits: the deferred candidates would not win
+            if self.uses[cand.planner].whole_pieces and results:
                 if whole_bound > self.fastest_fitting(results) * (1.0 + TOLERANCE):
                     continue  # cannot come within the tolerance of the fastest plan that fits so far
             try:
@@ -279,7 +260,7 @@ class AutoPlanner:
             except ValueError as e:  # e.g. a piece over the cap for a planner that cannot slice
                 errors.append(f"{cand.planner}: {e}")
                 continue
-            if self.compact:
+            if self.compact and not layout.micro_batches:
                 packing = packing.drop_empty_slots()
             packing.costs(self.model)
             edges = slice_edges_prefix(packing)
@@ -293,11 +274,12 @@ class AutoPlanner:
                 over_bound += 1
                 continue  # holding these back would break the delay bound
             results.append(_Result(score, idx, packing, cand, edges))
-        if self.slimpack_runs is not None and results and not any(r.cand.planner == "slimpack" and self.fits(r) for r in results):
+        if self.runs and results and not any(r.cand.planner in self.slicing and self.fits(r) for r in results):
             results += self.bounded_runs(listed, pieces, step, flush, small, total_work)
-        if not results and over_bound:  # every candidate that could plan queued past the bound: wlb plans everything
-            cand = Candidate("wlb", None)
-            packing = self.wlb.solve(pieces, StepLayout(step, True), self.model)
+        fallback = next((n for n, u in self.uses.items() if u.flush_fallback), None)
+        if not results and over_bound and fallback:  # every candidate that could plan queued past the bound
+            cand = Candidate(fallback, None)
+            packing = self.solvers[fallback].solve(pieces, StepLayout(step, True), self.model)
             packing.costs(self.model)
             edges = slice_edges_prefix(packing)
             results.append(_Result(self.step_time(packing, edges) / total_work if total_work > 0 else 0.0,
@@ -306,7 +288,7 @@ class AutoPlanner:
             raise ValueError("auto: no candidate planner can plan this step: " + "; ".join(errors))
         best, over = self.choose(results)
         packing = best.packing
-        packing.extra = carried_extra(state)
+        packing.extra = dict(state.extra)
         q_tokens = sum(q.length for q in packing.queued)
         q_delay = sum((step - q.drawn_step) * q.length for q in packing.queued)
         packing.extra[DELAY_KEY] = [int(run_tokens + pieces.total_tokens - q_tokens), int(run_delay + piece_delay - q_delay)]
@@ -331,9 +313,9 @@ class AutoPlanner:
         its first backward, these keep slicing (and the balance it buys) instead of falling back to whole
         pieces. The tightest bound, pp packs, leaves about one piece's slices per run."""
         out: list[_Result] = []
-        for c in (c for c in listed if c.planner == "slimpack"):
+        for c in (c for c in listed if c.planner in self.runs):
             for share in RUN_SHARES:
-                cand = Candidate("slimpack", c.micro_batches, run_share=share)
+                cand = Candidate(c.planner, c.micro_batches, run_share=share)
                 packing = self.solve_candidate(cand, pieces, step, flush, small)
                 if self.compact:
                     packing = packing.drop_empty_slots()
@@ -438,6 +420,6 @@ class _Result:
         return self._imbalance
 
 
-@register_planner("auto", slices=True)
-def _make(config: PlanConfig) -> Planner:
-    return AutoPlanner(config)
+@register_planner("auto", slices=True, summary="packloader auto: best plan by simulation", report_order=90)
+def _make(config: PlanConfig, options: NoOptions, model: CostModel) -> Planner:
+    return AutoPlanner(config, model)

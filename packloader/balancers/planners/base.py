@@ -1,59 +1,47 @@
-"""The one protocol every planner solves through, and the one `plan()` they share.
+"""The base every shipped planner derives from, and the one `plan()` they share.
 
 A planner's work is `solve(pieces, layout, model) -> Packing`: the step's pieces (queued ones first), what the
-step must fit (`StepLayout`) and the cost model it balances for, in; array answer out. `PackingPlanner.plan` turns
-that into the loader's contract (a StepPlan with costs, and the state to carry), the same way for every planner,
-and `auto` composes candidates by calling `solve` on each.
+step must fit (`StepLayout`: step, flush, micro-batch count) and the cost model it balances for, in; array
+answer out. `PackingPlanner.plan` (the `Planner` protocol of the registry) turns that into the loader's contract
+(a StepPlan with costs, and the state to carry), the same way for every planner, and `auto` composes candidates
+by calling `solve` on each. The cost model is injected by whoever builds the planner (the registry entry).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Protocol, Union
+from typing import ClassVar, Union
 
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.resolve import RankCosts
-from packloader.balancers.planners.packing import Packing, Pieces, carried_extra, cost_model_for, wants_flush
-from packloader.balancers.planners.registry import Window
+from packloader.balancers.planners.packing import Packing, Pieces
+from packloader.balancers.planners.registry import StepLayout, Window, cost_model_for
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 Model = Union[CostModel, RankCosts]  # one model for every DP rank, or one (and a token cap) per rank
 
-
-@dataclass(frozen=True)
-class StepLayout:
-    """What one step's packing must fit besides its pieces."""
-
-    step: int
-    flush: bool = False  # plan every piece now (end of epoch): nothing held back by choice
-    micro_batches: int | None = None  # per DP rank; None: the planner's own choice (or config.num_micro_batches)
-
-
-class Solver(Protocol):
-    name: str
-    config: PlanConfig
-
-    def solve(self, pieces: Pieces, layout: StepLayout, model: Model) -> Packing: ...
+__all__ = ["Model", "PackingPlanner", "StepLayout"]
 
 
 class PackingPlanner:
-    """Base of the planners: `plan` (the Planner contract) through `solve`, with the planner's own model."""
+    """Base of the planners: `plan` (the Planner contract) through `solve`, with the injected cost model (None
+    for a planner that plans by token counts only)."""
 
     name: ClassVar[str]
     config: PlanConfig
-    model: Model
+    model: Model | None
 
-    def __init__(self, config: PlanConfig) -> None:
+    def __init__(self, config: PlanConfig, model: Model | None = None, *, uses_model: bool = True) -> None:
         self.config = config
-        self.model = cost_model_for(config)
+        self.model = (model if model is not None else cost_model_for(config)) if uses_model else None
 
     def solve(self, pieces: Pieces, layout: StepLayout, model: Model) -> Packing:
         raise NotImplementedError
 
-    def plan(self, window: Window, state: PlannerState, step: int) -> tuple[StepPlan, PlannerState]:
-        packing = self.solve(Pieces.of(window, state, step), StepLayout(step, wants_flush(state)), self.model)
-        packing.extra = carried_extra(state)
-        return self.priced(packing, step), packing.state()
+    def plan(self, window: Window, state: PlannerState, layout: StepLayout | int) -> tuple[StepPlan, PlannerState]:
+        layout = StepLayout.of(layout)
+        packing = self.solve(Pieces.of(window, state, layout.step), layout, self.model)
+        packing.extra = dict(state.extra)
+        return self.priced(packing, layout.step), packing.state()
 
     def priced(self, packing: Packing, step: int) -> StepPlan:
         """The packing as a StepPlan with every micro-batch's forward and backward cost."""

@@ -72,6 +72,6 @@ class ConcatPlanner(PackingPlanner):
         )
 
 
-@register_planner("concat")
-def _make_concat(config: PlanConfig) -> Planner:
-    return ConcatPlanner(config)
+@register_planner("concat", role="baseline", summary="concatenate and chunk (Megatron GPT dataset)", report_order=10)
+def _make_concat(config: PlanConfig, options: object, model: Model) -> Planner:
+    return ConcatPlanner(config, model)

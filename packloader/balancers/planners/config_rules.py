@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from packloader.balancers.planners.registry import check_strategy, planner_spec
+from packloader.balancers.planners.registry import check_planner_options, check_strategy, planner_spec
 from packloader.contracts import ConfigError, PlanConfig, check_plan_config
 
 # The fields the planner's rules are about, for a refusal to name them.
@@ -31,6 +31,10 @@ def validate_config(config, *, strategy_rules: bool = True) -> PlanConfig:
         planner_spec(cfg.strategy)
     except ValueError as e:
         raise ConfigError(str(e), fields=_STRATEGY_FIELDS) from None
+    try:
+        check_planner_options(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e), fields=("planner_options",)) from None
     if strategy_rules:
         try:
             check_strategy(cfg)

@@ -8,7 +8,7 @@ from numba import njit
 
 from packloader.balancers.planners.base import Model, PackingPlanner, StepLayout
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, whole_pieces_packing
-from packloader.balancers.planners.registry import Planner, register_planner
+from packloader.balancers.planners.registry import AutoUse, NoOptions, Planner, register_planner
 from packloader.contracts import PlanConfig, StepPlan
 
 
@@ -35,9 +35,8 @@ class FixedPlanner(PackingPlanner):
 
     name = "fixed"
 
-    def __init__(self, config: PlanConfig) -> None:
-        self.config = config
-        self.model = None
+    def __init__(self, config: PlanConfig, model: Model | None = None) -> None:
+        super().__init__(config, uses_model=False)
 
     def solve(self, pieces: Pieces, layout: StepLayout, model: Model | None = None) -> Packing:
         """Best-fit decreasing into dp x V bins of max_tokens, bin b to rank b % dp at position b // dp, V (the
@@ -61,8 +60,9 @@ class FixedPlanner(PackingPlanner):
         return packing.to_step_plan(step)
 
 
-@register_planner("fixed")
-def _make(config: PlanConfig) -> Planner:
+@register_planner("fixed", role="baseline", summary="best-fit-decreasing by tokens (NeMo, TRL)", report_order=20,
+                  uses_model=False, auto=AutoUse(order=40, whole_pieces=True, max_work=2_000_000))
+def _make(config: PlanConfig, options: NoOptions, model: None) -> Planner:
     return FixedPlanner(config)
 
 

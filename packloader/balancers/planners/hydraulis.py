@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import msgspec
 import numpy as np
 from numba import njit
 
@@ -33,8 +34,8 @@ from packloader.balancers.cost.model import CostModel, annotate_costs
 from packloader.balancers.cost.resolve import RankCosts
 from packloader.balancers.planners.base import Model, PackingPlanner, StepLayout
 from packloader.balancers.planners.bins import HEAP_MIN_BINS, _add_piece, _empty_bin_loads, _heap_pop, _heap_push
-from packloader.balancers.planners.packing import Packing, Pieces, check_cap, cost_model_for, whole_pieces_packing
-from packloader.balancers.planners.registry import Planner, register_planner
+from packloader.balancers.planners.packing import Packing, Pieces, check_cap, whole_pieces_packing
+from packloader.balancers.planners.registry import AutoUse, Planner, register_planner
 from packloader.contracts import PlanConfig, StepPlan
 
 UTIL_THRESHOLD = 0.85  # Appendix C: the efficiency at which a micro-batch counts as fully utilised
@@ -76,13 +77,12 @@ class HydraulisPlanner(PackingPlanner):
     name = "hydraulis"
 
     def __init__(self, config: PlanConfig, *, models: Sequence[CostModel] | None = None, caps: Sequence[int] | None = None,
-                 trials: int | None = None, work_budget: float = 1e7, v_limit: int = MAX_V_CANDIDATES) -> None:
-        self.config = config
+                 trials: int | None = None, work_budget: float = 1e7, v_limit: int = MAX_V_CANDIDATES,
+                 model: CostModel | None = None) -> None:
+        super().__init__(config, model)
         dp = config.parallel.dp
-        if models is None and caps is None:
-            self.model: Model = cost_model_for(config)
-        else:
-            ms = list(models) if models is not None else [cost_model_for(config)] * dp
+        if models is not None or caps is not None:  # a model and a token cap per DP rank (heterogeneous ranks)
+            ms = list(models) if models is not None else [self.model] * dp
             if len(ms) != dp:
                 raise ValueError(f"{len(ms)} cost models for {dp} DP ranks")
             self.model = RankCosts(ms, list(caps) if caps is not None else [config.max_tokens] * dp)
@@ -202,9 +202,19 @@ class HydraulisPlanner(PackingPlanner):
         return annotate_costs(packing.to_step_plan(step), ra.models)
 
 
-@register_planner("hydraulis")
-def _make(config: PlanConfig) -> Planner:
-    return HydraulisPlanner(config)
+class HydraulisOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """HydraulisPlanner's knobs (PlanConfig.planner_options["hydraulis"])."""
+
+    trials: int | None = None  # dispatch trials (None: as many as work_budget allows)
+    work_budget: float = 1e7  # pieces x trials the dispatch may spend
+    v_limit: int = MAX_V_CANDIDATES  # most micro-batch counts V tried
+
+
+@register_planner("hydraulis", options=HydraulisOptions, summary="Hydraulis: cost-aware dispatch + packing",
+                  report_order=20, auto=AutoUse(order=20, whole_pieces=True, options={"trials": 1, "v_limit": 3},
+                                                options_at_scale={"trials": 1, "v_limit": 2}))
+def _make(config: PlanConfig, options: HydraulisOptions, model: CostModel) -> Planner:
+    return HydraulisPlanner(config, model=model, **msgspec.structs.asdict(options))
 
 
 # ------------------------------------------------------------------------------------------------ Hydraulis

@@ -179,11 +179,12 @@ class MultipackOpenChat2023Planner(PackingPlanner):
         return whole_pieces_packing(pieces, piece_mb, rank_mbs, strategy=self.name)
 
 
-@register_planner("multipack")
-def _make_multipack(config: PlanConfig) -> Planner:
-    return MultipackPlanner(config)
+@register_planner("multipack", role="baseline", summary="multipack across ranks (Axolotl)", report_order=30)
+def _make_multipack(config: PlanConfig, options: object, model: Model) -> Planner:
+    return MultipackPlanner(config, model)
 
 
-@register_planner("multipack_openchat2023")
-def _make_multipack_2023(config: PlanConfig) -> Planner:
-    return MultipackOpenChat2023Planner(config)
+@register_planner("multipack_openchat2023", role="baseline", summary="multipack, 2023 allocator (OpenChat)",
+                  report_order=None)
+def _make_multipack_2023(config: PlanConfig, options: object, model: Model) -> Planner:
+    return MultipackOpenChat2023Planner(config, model)

@@ -4,18 +4,15 @@ The numba kernels (beside each planner) work on flat arrays; this module turns a
 those arrays (`Pieces`), and the kernels' answer (`Packing`: segments, micro-batch ids, ranks, DP-Merge
 groups, backward orders, what stays queued) into the msgspec StepPlan with costs filled in.
 
-Flushing: a caller that wants every queued piece planned now (the loader at the end of an epoch, `packloader
-plan` after its last step) passes a state with ``extra["flush"] = [1]`` (`flush_state`). Planners that delay
-(wlb) then hold nothing back by choice; the returned state never carries the flag.
+Flushing (plan every queued piece now: the end of an epoch, `packloader plan` after its last step) is per call,
+`StepLayout.flush`, never carried in the state.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 from numba import njit
 
@@ -26,46 +23,8 @@ from packloader.balancers.cost.coeffs import (
     segment_times_kernel,
 )
 from packloader.balancers.cost.model import CostModel
-from packloader.balancers.cost.resolve import load_cost_model
-from packloader.balancers.planners.registry import Window
-from packloader.contracts import MicroBatch, PlanConfig, PlannerState, QueuedDoc, RankPlan, Segment, StepPlan
-
-FLUSH = "flush"
-
-
-def wants_flush(state: PlannerState) -> bool:
-    return bool(state.extra.get(FLUSH))
-
-
-def flush_state(state: PlannerState) -> PlannerState:
-    """A copy of `state` asking the planner to plan everything it holds."""
-    return msgspec.structs.replace(state, extra={**state.extra, FLUSH: [1]})
-
-
-def carried_extra(state: PlannerState) -> dict[str, list[int]]:
-    """The planner-specific extras to carry to the next step (the flush flag is per call)."""
-    return {k: v for k, v in state.extra.items() if k != FLUSH}
-
-
-_MODELS: dict[tuple, CostModel] = {}
-log = logging.getLogger("packloader.cost")
-DEFAULT_MODEL = PlanConfig().model
-
-
-def cost_model_for(config: PlanConfig) -> CostModel:
-    """The config's cost model (preset name or profile path, on `config.device`, `config.cost`), loaded once per
-    process."""
-    key = (config.model, config.parallel, config.device, config.cost)
-    model = _MODELS.get(key)
-    if model is None:
-        model = _MODELS[key] = load_cost_model(config.model, config.parallel, device=config.device, cost=config.cost)
-        note = ""
-        if config.model == DEFAULT_MODEL:
-            note = (" (PlanConfig.model's default: to price your own model, pass model=packloader.model_spec(its "
-                    "Hugging Face or Megatron config), or a profile from `packloader calibrate`)")
-        log.info("plans are priced as %s on %s by cost model %s%s; %s", config.model, config.device.upper(),
-                 model.name, note, model.profile.source or model.profile.device)
-    return model
+from packloader.balancers.planners.registry import Window, cost_model_for  # noqa: F401 (re-exported)
+from packloader.contracts import MicroBatch, PlannerState, QueuedDoc, RankPlan, Segment, StepPlan
 
 
 @dataclass(frozen=True)
@@ -256,7 +215,7 @@ def _listings(rank_mbs):
 
 @njit(cache=True)
 def slice_edges_kernel(seg_doc, seg_start, seg_end, seg_af, seg_mb, rank_mbs):
-    """Per-rank slice edges of a plan given as segment arrays (what `auto.slice_edges_prefix` returns): for
+    """Per-rank slice edges of a plan given as segment arrays (what `packing_measures.slice_edges_prefix` returns): for
     each slice (attend_from < start), an edge from the micro-batch holding the segment of its document that
     ends where the slice starts to the slice's micro-batch, on every rank listing the slice's micro-batch (a
     DP-Merge one is listed by each member) that also lists the source; positions local to the rank, edges

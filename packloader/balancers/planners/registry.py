@@ -1,14 +1,20 @@
-"""Planners by name: pure array functions behind one protocol, so the loader, the CLI and the benchmarks pick
-any of them the same way."""
+"""Planners by name: each registry entry describes its planner (options, slicing, role, report summary, how `auto`
+may use it), so the loader, `auto`, the report and the CLI learn about a planner from its entry alone and a
+planner added from outside the package (`register_planner` in any module) is a strategy like the shipped ones.
+"""
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Callable, Protocol
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Protocol
 
+import msgspec
 import numpy as np
 
+from packloader.balancers.cost.model import CostModel
+from packloader.balancers.cost.resolve import load_cost_model
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 
@@ -39,27 +45,90 @@ class Window:
         return int(self.length.sum())
 
 
+@dataclass(frozen=True)
+class StepLayout:
+    """What one step's plan must fit besides its pieces: per call, never carried in PlannerState."""
+
+    step: int
+    flush: bool = False  # plan every piece now (end of epoch): nothing held back by choice
+    micro_batches: int | None = None  # per DP rank; None: the planner's own choice (or config.num_micro_batches)
+
+    @classmethod
+    def of(cls, step: "int | StepLayout") -> "StepLayout":
+        return step if isinstance(step, StepLayout) else cls(int(step))
+
+
 class Planner(Protocol):
     """Turns the pieces drawn for a step, plus what earlier steps held back, into that step's plan.
 
     Contract: every token of every piece in `window` and in `state.queued` appears exactly once, either in the
-    returned StepPlan's segments or in the returned state's queue; every DP rank gets the same number of
-    micro-batches; no micro-batch holds more than config.max_tokens tokens; slices (attend_from < start) only
-    when config.allow_slicing, in order, on one rank, within one step. Deterministic for equal inputs.
+    returned StepPlan's segments or in the returned state's queue (nothing queued when `layout.flush`); every DP
+    rank gets the same number of micro-batches; no micro-batch holds more than config.max_tokens tokens; slices
+    (attend_from < start) only when config.allow_slicing, in order, on one rank, within one step. Deterministic
+    for equal inputs. `layout` may be a plain step number (no flush, the planner's own count).
     """
 
     config: PlanConfig
 
-    def plan(self, window: Window, state: PlannerState, step: int) -> tuple[StepPlan, PlannerState]: ...
+    def plan(self, window: Window, state: PlannerState, layout: StepLayout | int) -> tuple[StepPlan, PlannerState]: ...
 
 
-PlannerFactory = Callable[[PlanConfig], Planner]
+class NoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A planner without options of its own."""
+
+
+@dataclass(frozen=True)
+class AutoUse:
+    """How `auto` may plan a step with this planner as one of its candidates (`planners/auto.py`)."""
+
+    order: int  # position among the candidates; ties in score go to the earlier one
+    # its default micro-batches per DP rank for (planner, pieces, config with auto's token cap); None: one
+    # candidate at the planner's own choice
+    default_count: Callable[[Any, Any, PlanConfig], int] | None = None
+    ladder: tuple[int, ...] = (2,)  # multiples of the default count also tried on small problems
+    pipeline_ladder: tuple[int, ...] | None = None  # the ladder in a pipeline, PP > 1 (None: `ladder`)
+    defer: Literal["default", "counts"] | None = None  # in a pipeline with slicing: planned only when no slicing count fits
+    max_work: int | None = None  # dropped above pieces x DP ranks
+    whole_pieces: bool = False  # plans every piece, whole: skipped once PP x the largest piece's time cannot win
+    flush_fallback: bool = False  # plans everything when every candidate that could plan breaks the delay bound
+    options: dict = field(default_factory=dict)  # options auto sets on small problems
+    options_at_scale: dict | None = None  # and above SMALL_WORK (None: `options`)
+    bounded_runs_option: str | None = None  # memory fallback: the option that bounds runs of linked packs
+
+
+PlannerFactory = Callable[[PlanConfig, Any, "CostModel | None"], Planner]
 
 
 @dataclass(frozen=True)
 class PlannerSpec:
-    factory: PlannerFactory
-    slices: bool  # plans a piece longer than max_tokens as slices across micro-batches (with allow_slicing)
+    """A registry entry: everything the package needs to know about a planner."""
+
+    name: str
+    factory: PlannerFactory  # (config, options Struct, cost model or None) -> Planner
+    slices: bool = False  # plans a piece longer than max_tokens as slices across micro-batches (with allow_slicing)
+    options: type = NoOptions  # msgspec Struct of its options: PlanConfig.planner_options[name]
+    role: Literal["packloader", "baseline"] = "packloader"  # a packloader planner, or another tool's packer
+    summary: str = ""  # one line for the report
+    report_order: int | None = 50  # its place in the report's default strategies (baselines first); None: not shown
+    auto: AutoUse | None = None  # None: `auto` never plans with it
+    uses_model: bool = True  # takes a cost model (False: plans by token counts only)
+
+    def parse_options(self, raw: dict | None) -> Any:
+        """The entry's options Struct from a plain dict, unknown or ill-typed keys a ValueError naming them."""
+        try:
+            return msgspec.convert(raw or {}, self.options)
+        except msgspec.ValidationError as e:
+            known = sorted(self.options.__struct_fields__)
+            raise ValueError(f"PlanConfig.planner_options[{self.name!r}]: {e}; expected fields of "
+                             f"{self.options.__name__}: {known}") from None
+
+    def build(self, config: PlanConfig, model: CostModel | None = None, **overrides: Any) -> Planner:
+        """The planner for `config`, with its options from config.planner_options (then `overrides`) and the cost
+        model injected (`cost_model_for(config)` when none is given)."""
+        raw = {**config.planner_options.get(self.name, {}), **overrides}
+        if model is None and self.uses_model:
+            model = cost_model_for(config)
+        return self.factory(config, self.parse_options(raw), model if self.uses_model else None)
 
 
 _REGISTRY: dict[str, PlannerSpec] = {}
@@ -69,14 +138,25 @@ _BUILTIN_MODULES = ("fixed", "wlb", "hydraulis", "slimpack", "auto", "concat", "
 _builtins_loaded = False
 
 
-def register_planner(name: str, *, slices: bool = False) -> Callable[[PlannerFactory], PlannerFactory]:
-    """Make `name` a valid `PlanConfig.strategy` whose planners `factory` builds."""
+def register_planner(name: str, **entry: Any) -> Callable[[PlannerFactory], PlannerFactory]:
+    """Make `name` a valid `PlanConfig.strategy` whose planners `factory(config, options, model)` builds; `entry`
+    holds the other PlannerSpec fields (slices, options, role, summary, report_order, auto, uses_model)."""
 
     def deco(factory: PlannerFactory) -> PlannerFactory:
-        _REGISTRY[name] = PlannerSpec(factory, slices)
+        _REGISTRY[name] = PlannerSpec(name, factory, **entry)
         return factory
 
     return deco
+
+
+def load_plugins(modules: list[str] | tuple[str, ...]) -> None:
+    """Import each module (dotted name), so the planners it registers are strategies (the CLI's `--plugin`)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"--plugin {module}: cannot import it ({e}); expected an importable module name "
+                             f"(on PYTHONPATH) that calls register_planner") from None
 
 
 def _load_builtins() -> None:
@@ -95,14 +175,25 @@ def planner_spec(name: str) -> PlannerSpec:
     return _REGISTRY[name]
 
 
-def slicing_strategies() -> list[str]:
+def planner_specs() -> list[PlannerSpec]:
+    """Every registered planner, by name."""
     _load_builtins()
-    return sorted(name for name, spec in _REGISTRY.items() if spec.slices)
+    return [_REGISTRY[n] for n in sorted(_REGISTRY)]
+
+
+def slicing_strategies() -> list[str]:
+    return [s.name for s in planner_specs() if s.slices]
+
+
+def report_strategies() -> tuple[str, ...]:
+    """The report's default strategies: baselines, then packloader's planners, each by its report_order."""
+    shown = [s for s in planner_specs() if s.report_order is not None]
+    return tuple(s.name for s in sorted(shown, key=lambda s: (s.role != "baseline", s.report_order, s.name)))
 
 
 def check_strategy(config: PlanConfig) -> None:
-    """The rules between PlanConfig fields that depend on the planner: a registered strategy, and one that slices
-    when context exceeds max_tokens."""
+    """The rules between PlanConfig fields that depend on the planner: a registered strategy, one that slices
+    when context exceeds max_tokens, and planner_options that name planners and fit their options Structs."""
     spec = planner_spec(config.strategy)
     if config.context > config.max_tokens and not (config.allow_slicing and spec.slices):
         how = ("allow_slicing=False" if not config.allow_slicing
@@ -112,12 +203,45 @@ def check_strategy(config: PlanConfig) -> None:
             f"{config.context} tokens fits no micro-batch; expected context <= max_tokens, or allow_slicing=True "
             f"with strategy in {slicing_strategies()}"
         )
+    check_planner_options(config)
 
 
-def make_planner(config: PlanConfig) -> Planner:
-    return planner_spec(config.strategy).factory(config)
+def check_planner_options(config: PlanConfig) -> None:
+    """config.planner_options names registered planners, and each one's options fit its options Struct."""
+    for name, raw in config.planner_options.items():
+        if name not in _REGISTRY:
+            _load_builtins()
+        if name not in _REGISTRY:
+            raise ValueError(f"PlanConfig.planner_options names {name!r}, which is no planner; expected names from "
+                             f"{available_strategies()}")
+        _REGISTRY[name].parse_options(raw)
+
+
+def make_planner(config: PlanConfig, model: CostModel | None = None) -> Planner:
+    """The configured strategy's planner, `model` injected (default: the config's own, `cost_model_for`)."""
+    return planner_spec(config.strategy).build(config, model)
 
 
 def available_strategies() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
+    return [s.name for s in planner_specs()]
+
+
+_MODELS: dict[tuple, CostModel] = {}
+log = logging.getLogger("packloader.cost")
+DEFAULT_MODEL = PlanConfig().model
+
+
+def cost_model_for(config: PlanConfig) -> CostModel:
+    """The config's cost model (preset name or profile path, on `config.device`, `config.cost`), loaded once per
+    process; the first load logs (info) which model and device price the plans."""
+    key = (config.model, config.parallel, config.device, config.cost)
+    model = _MODELS.get(key)
+    if model is None:
+        model = _MODELS[key] = load_cost_model(config.model, config.parallel, device=config.device, cost=config.cost)
+        note = ""
+        if config.model == DEFAULT_MODEL:
+            note = (" (PlanConfig.model's default: to price your own model, pass model=packloader.model_spec(its "
+                    "Hugging Face or Megatron config), or a profile from `packloader calibrate`)")
+        log.info("plans are priced as %s on %s by cost model %s%s; %s", config.model, config.device.upper(),
+                 model.name, note, model.profile.source or model.profile.device)
+    return model

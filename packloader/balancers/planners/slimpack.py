@@ -50,13 +50,14 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 
 from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.base import PackingPlanner, StepLayout
-from packloader.balancers.planners.packing import Packing, Pieces, check_cap, cost_model_for
-from packloader.balancers.planners.registry import Planner, register_planner
+from packloader.balancers.planners.packing import Packing, Pieces, check_cap
+from packloader.balancers.planners.registry import AutoUse, Planner, register_planner
 from packloader.balancers.planners.slimpack_kernels import (
     backward_runs_ranks,
     equal_cost_cuts,
@@ -100,10 +101,9 @@ class SlimPackPlanner(PackingPlanner):
     name = "slimpack"
 
     def __init__(self, config: PlanConfig, *, dp_merge: bool = True, factor: int = 4, min_slice: int | None = None,
-                 run_share: float = 0.0) -> None:
-        self.config = config
+                 run_share: float = 0.0, model: CostModel | None = None) -> None:
+        super().__init__(config, model)
         self.run_share = run_share  # > 0: runs bounded to max(pp, run_share x packs) packs (`auto`'s memory fallback)
-        self.model = cost_model_for(config)
         self.dp_merge = dp_merge
         self.factor = factor
         self.min_slice = min_slice or int(self.model.coeffs[0])
@@ -283,7 +283,23 @@ class SlimPackPlanner(PackingPlanner):
         )
 
 
+class SlimPackOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """SlimPackPlanner's knobs (PlanConfig.planner_options["slimpack"])."""
 
-@register_planner("slimpack", slices=True)
-def _make(config: PlanConfig) -> Planner:
-    return SlimPackPlanner(config)
+    dp_merge: bool = True  # a piece heavier than a rank's share is sliced across DP ranks
+    factor: int = 4  # packs per pipeline stage its default count aims for
+    min_slice: int | None = None  # fewest tokens in a slice (None: the cost model's own floor)
+    run_share: float = 0.0  # > 0: runs of linked packs bounded to this share of a rank's packs
+
+
+def _auto_count(planner: "SlimPackPlanner", pieces: Pieces, config: PlanConfig) -> int:
+    dp = config.parallel.dp
+    return default_packs(pieces.total_tokens / dp, math.ceil(len(pieces) / dp), config.parallel.pp, config.max_tokens,
+                         planner.factor)
+
+
+@register_planner("slimpack", slices=True, options=SlimPackOptions, summary="SlimPack: slices + asymmetric balance",
+                  report_order=30, auto=AutoUse(order=30, default_count=_auto_count, pipeline_ladder=(2, 4, 8),
+                                                defer="default", bounded_runs_option="run_share"))
+def _make(config: PlanConfig, options: SlimPackOptions, model: CostModel) -> Planner:
+    return SlimPackPlanner(config, model=model, **msgspec.structs.asdict(options))

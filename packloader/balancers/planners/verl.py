@@ -27,7 +27,7 @@ from numba import njit
 
 from packloader.balancers.planners.base import Model, PackingPlanner, StepLayout
 from packloader.balancers.planners.ldm_kernels import karmarkar_karp
-from packloader.balancers.planners.packing import Packing, Pieces, check_cap, cost_model_for, whole_pieces_packing
+from packloader.balancers.planners.packing import Packing, Pieces, check_cap, whole_pieces_packing
 from packloader.balancers.planners.registry import Planner, register_planner
 from packloader.contracts import PlanConfig
 
@@ -125,16 +125,16 @@ class KarmarkarKarpPlanner(PackingPlanner):
     name = "karmarkar_karp"
 
     def __init__(self, config: PlanConfig, *, dp_balance: str = "workload", equal_size: bool = True,
-                 mb_balance: str = "workload", workload_linear: int = VERL_WORKLOAD_LINEAR) -> None:
+                 mb_balance: str = "workload", workload_linear: int = VERL_WORKLOAD_LINEAR,
+                 model: Model | None = None) -> None:
         for name, v in (("dp_balance", dp_balance), ("mb_balance", mb_balance)):
             if v not in ("tokens", "workload"):
                 raise ValueError(f"karmarkar_karp: {name} must be 'tokens' or 'workload', got {v!r}")
-        self.config = config
+        super().__init__(config, model)
         self.dp_balance = dp_balance
         self.mb_balance = mb_balance  # "tokens": verl before PR 3605, micro-batches by tokens, ordered by sum l^2
         self.equal_size = equal_size
         self.workload_linear = workload_linear
-        self.model = cost_model_for(config)
 
     def rank_of(self, lengths: np.ndarray, work: np.ndarray, dp: int) -> np.ndarray:
         """The DP rank of each piece: LDM over `dp` partitions, padded with empty items for equal sizes."""
@@ -175,15 +175,16 @@ class KarmarkarKarpLegacyPlanner(KarmarkarKarpPlanner):
 
     name = "karmarkar_karp_verl_legacy"
 
-    def __init__(self, config: PlanConfig) -> None:
-        super().__init__(config, dp_balance="tokens", equal_size=True, mb_balance="tokens")
+    def __init__(self, config: PlanConfig, model: Model | None = None) -> None:
+        super().__init__(config, dp_balance="tokens", equal_size=True, mb_balance="tokens", model=model)
 
 
-@register_planner("karmarkar_karp")
-def _make_kk(config: PlanConfig) -> Planner:
-    return KarmarkarKarpPlanner(config)
+@register_planner("karmarkar_karp", role="baseline", summary="Karmarkar-Karp by workload (verl)", report_order=40)
+def _make_kk(config: PlanConfig, options: object, model: Model) -> Planner:
+    return KarmarkarKarpPlanner(config, model=model)
 
 
-@register_planner("karmarkar_karp_verl_legacy")
-def _make_kk_legacy(config: PlanConfig) -> Planner:
-    return KarmarkarKarpLegacyPlanner(config)
+@register_planner("karmarkar_karp_verl_legacy", role="baseline",
+                  summary="Karmarkar-Karp by tokens (verl before PR 3605)", report_order=None)
+def _make_kk_legacy(config: PlanConfig, options: object, model: Model) -> Planner:
+    return KarmarkarKarpLegacyPlanner(config, model)

@@ -9,7 +9,7 @@ Per step (Algorithm 1 of the paper):
    cost model's `doc_time_split`) reaches `gammas[k]` times the mean workload per micro-batch of the step.
 2. Outliers wait in their level's queue until it holds one per micro-batch (N = DP x V); then N of them,
    oldest first, join the step. An outlier that has waited `max_delay` steps joins regardless (a bound on
-   the delay the paper leaves open), and a flush (``state.extra["flush"]``, see packing.py) releases all.
+   the delay the paper leaves open), and a flush (``StepLayout.flush``) releases all.
 3. Longest first, each piece goes to the micro-batch with the least workload if the token cap allows, else
    to the one with the fewest tokens, else it remains for the next step (Eq. 2's var-length packing with the
    memory cap L_max = max_tokens).
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 from numba import njit
 
@@ -35,8 +36,8 @@ from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.base import PackingPlanner, StepLayout
 from packloader.balancers.planners.bins import HEAP_MIN_BINS, _add_piece, _bin_time, _heap_pop, _heap_push, bin_times
-from packloader.balancers.planners.packing import Packing, Pieces, check_cap, cost_model_for, whole_pieces_packing
-from packloader.balancers.planners.registry import Planner, register_planner
+from packloader.balancers.planners.packing import Packing, Pieces, check_cap, whole_pieces_packing
+from packloader.balancers.planners.registry import AutoUse, Planner, register_planner
 from packloader.contracts import PlanConfig
 
 
@@ -51,13 +52,12 @@ class WLBPlanner(PackingPlanner):
     name = "wlb"
 
     def __init__(self, config: PlanConfig, *, gammas: tuple[float, ...] = (0.5, 1.0), max_delay: int = 2,
-                 fill: float = 0.9, thresholds: tuple[int, ...] | None = None) -> None:
-        self.config = config
+                 fill: float = 0.9, thresholds: tuple[int, ...] | None = None, model: CostModel | None = None) -> None:
+        super().__init__(config, model)
         self.gammas = tuple(sorted(gammas))
         self.max_delay = max_delay
         self.fill = fill
         self.fixed_thresholds = tuple(sorted(thresholds)) if thresholds else None
-        self.model = cost_model_for(config)
         self._work_table: tuple[CostModel, np.ndarray] | None = None
 
     def thresholds(self, work_per_mb: float, model: CostModel) -> np.ndarray:
@@ -142,9 +142,24 @@ class WLBPlanner(PackingPlanner):
         )
 
 
-@register_planner("wlb")
-def _make(config: PlanConfig) -> Planner:
-    return WLBPlanner(config)
+class WLBOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """WLBPlanner's knobs (PlanConfig.planner_options["wlb"])."""
+
+    gammas: tuple[float, ...] = (0.5, 1.0)  # outlier levels, as multiples of the mean micro-batch workload
+    max_delay: int = 2  # steps a piece may be held back
+    fill: float = 0.9  # share of the cap its default micro-batch count fills
+    thresholds: tuple[int, ...] | None = None  # fixed length thresholds instead of gammas
+
+
+def _auto_count(planner: "WLBPlanner", pieces: Pieces, config: PlanConfig) -> int:
+    p = config.parallel
+    return default_micro_batches(pieces.total_tokens, len(pieces), p.dp, p.pp, config.max_tokens, planner.fill)
+
+
+@register_planner("wlb", options=WLBOptions, summary="WLB-LLM: workload packing + outlier delay", report_order=10,
+                  auto=AutoUse(order=10, default_count=_auto_count, defer="counts", flush_fallback=True))
+def _make(config: PlanConfig, options: WLBOptions, model: CostModel) -> Planner:
+    return WLBPlanner(config, model=model, **msgspec.structs.asdict(options))
 
 
 @njit(cache=True)

@@ -50,6 +50,15 @@ def test_tokens_and_document_order_equal_what_megatron_core_wrote(tmp_path, dtyp
     assert len(mds.document_indices) - 1 == len(docs)
 
 
+def test_rows_in_any_order_are_the_documents_written(tmp_path):
+    """Rows asked in runs adjacent in the file and apart, backwards and twice (the reader reads each run of
+    adjacent documents at once): each is the document the builder was given."""
+    docs = docs_of(40, seed=3)
+    src = MegatronIndexedSource(write_pair(tmp_path / "c", docs))
+    rows = np.array([5, 6, 7, 2, 3, 30, 0, 39, 1, 1, 38, 37, 8])
+    assert [g.tolist() for g in src.read(0, rows)] == [docs[r].tolist() for r in rows]
+
+
 def test_pairs_are_shards_in_the_order_given_and_open_source_finds_them(tmp_path):
     a, b = docs_of(10, 2), docs_of(7, 3)
     pa_, pb = write_pair(tmp_path / "a", a), write_pair(tmp_path / "b", b, np.int32)

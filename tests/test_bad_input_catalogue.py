@@ -430,6 +430,26 @@ def shard_through_symlink_alias(tmp):
     return lambda: open_source(tmp / "d")
 
 
+def shard_hard_link(tmp):
+    p = token_table(tmp / "a.parquet", [[1, 2], [3]])
+    os.link(p, tmp / "b.parquet")
+    return lambda: open_source([str(p), str(tmp / "b.parquet")])
+
+
+def glob_through_symlink_loop(tmp):
+    """Read once, not an error: the documents a recursive glob through `sub/loop -> ..` and `self -> .` yields."""
+    (tmp / "d" / "sub").mkdir(parents=True)
+    jsonl(tmp / "d" / "sub" / "x.jsonl", ['{"text": "one"}', '{"text": "two"}'])
+    os.symlink("..", tmp / "d" / "sub" / "loop")
+    os.symlink(".", tmp / "d" / "self")
+
+    def run():
+        src = open_source(str(tmp / "d" / "**" / "*.jsonl"))
+        return (f"{len(src.shards)} shard ({', '.join(Path(str(s.name)).name for s in src.shards)}), "
+                f"documents {read_all(src)}")
+    return run
+
+
 def _resume_after(tmp, change):
     paths = [token_table(tmp / f"s{i}.parquet", [[i + 1] * (3 + (r * 7) % 11) for r in range(30)]) for i in range(2)]
     a = PackedLoader([str(p) for p in paths], tokenizer="bytes", config=_config(), num_threads=0)
@@ -443,6 +463,44 @@ def _resume_after(tmp, change):
 def _replace(path):
     token_table(path.with_suffix(".new"), [[9] * (5 + r % 3) for r in range(30)])  # same name and row count
     os.replace(path.with_suffix(".new"), path)
+
+
+def shard_renamed_before_resume(tmp):
+    return _resume_after(tmp, lambda p: os.rename(p, p.with_name("s9.parquet")))
+
+
+def _stale_copy_rank(rank: int, world: int, paths: list[list[str]]):
+    """A gloo rank reading its own copy of the shards: what its loader raised before or at the first batch."""
+    import torch.distributed as dist
+
+    try:
+        loader = PackedLoader(paths[rank], tokenizer="bytes", config=_config(parallel=ParallelConfig(dp=world)),
+                              num_threads=1, timeout=30)
+        next(iter(loader))
+        return None
+    except Exception as e:  # noqa: BLE001 - handed back to the case, which raises it
+        return e
+    finally:
+        dist.barrier()
+
+
+def rank_reads_stale_copy(tmp):
+    """Rank 1's tok-000 is a byte-for-byte copy of rank 0's; its tok-001 has the same name and rows, other tokens."""
+    from helpers.distributed import run_ranks
+    from helpers.docs import token_docs, write_token_shards
+
+    docs = token_docs(60, seed=10)
+    (tmp / "r0").mkdir()
+    (tmp / "r1").mkdir()
+    paths = [write_token_shards(tmp / "r0", docs, shards=2),
+             write_token_shards(tmp / "r1", docs[:30] + token_docs(30, seed=11), shards=2)]
+    shutil.copyfile(paths[0][0], paths[1][0])
+
+    def run():
+        errors = run_ranks(_stale_copy_rank, 2, paths, timeout=90)
+        assert all(isinstance(e, Exception) for e in errors), errors
+        raise errors[1]
+    return run
 
 
 def shard_replaced_before_resume(tmp):
@@ -580,7 +638,7 @@ def _config(**kw) -> PlanConfig:
 class Case:
     name: str
     build: Callable  # tmp_path -> thunk
-    raises: type[BaseException] | None  # None: a documented skip, checked by `skipped`
+    raises: type[BaseException] | None  # None: a documented skip (`skipped`) or, without one, what was read
     fragments: tuple[str, ...]  # substrings of the message (file names, rows, fields, what was expected)
     skipped: tuple[str, int] | None = None  # (reason, count) in source.skipped
 
@@ -692,10 +750,19 @@ CASES = [
     Case("jsonl_text_beside_tokens", jsonl_text_beside_tokens, SourceError,
          ("both.jsonl, line 1: holds text ('text') and tokens ('tokens')", "field='tokens'", "field='text'")),
     Case("shard_listed_twice", shard_listed_twice, SourceError, ("twice.parquet and ", "are the same file")),
+    Case("shard_hard_link", shard_hard_link, SourceError, ("a.parquet and ", "b.parquet are the same file")),
+    Case("glob_through_symlink_loop", glob_through_symlink_loop, None,
+         ("1 shard (x.jsonl), documents ['one', 'two']",)),
     Case("shard_through_symlink_alias", shard_through_symlink_alias, SourceError,
          ("d/alias/x.jsonl and ", "d/sub/x.jsonl are the same file", "symlink")),
     Case("shard_replaced_before_resume", shard_replaced_before_resume, ValueError,
          ("differently configured loader", "source.s1.parquet: saved '30 rows, ")),
+    Case("shard_renamed_before_resume", shard_renamed_before_resume, ValueError,
+         ("differently configured loader", "source.s1.parquet: saved '30 rows, ", "now None",
+          "source.s9.parquet: saved None, now '30 rows, ")),
+    Case("rank_reads_stale_copy", rank_reads_stale_copy, RuntimeError,
+         ("before the first step: ranks disagree on the loader settings", "source.tok-001.parquet: ranks [0] have "
+          "'30 rows, ", "ranks [1] have '30 rows, ")),
     Case("shard_deleted_before_resume", shard_deleted_before_resume, ValueError,
          ("differently configured loader", "source.s1.parquet: saved '30 rows, ", "now None")),
     Case("shard_replaced_while_open", shard_replaced_while_open, ShardChanged,
@@ -710,12 +777,14 @@ CASE_TIMEOUT = 120  # seconds: a case that hangs is killed and fails, naming its
 
 
 def _attempt(case: Case, tmp: Path):
-    """Run in the child: build the case, run it. Returns ("returned",), ("skipped", count, message) or
-    ("build failed", traceback); what the thunk raises goes back as the child's exception."""
+    """Run in the child: build the case, run it. Returns ("returned",), ("skipped", count, message), ("read",
+    what was read) or ("build failed", traceback); what the thunk raises goes back as the child's exception."""
     try:
         thunk = case.build(tmp)
     except BaseException:  # noqa: BLE001 - a case that cannot be built fails as such, not as its expected error
         return ("build failed", traceback.format_exc())
+    if case.raises is None and case.skipped is None:
+        return ("read", str(thunk()))
     if case.raises is None:
         src = thunk()
         reason, _ = case.skipped
@@ -737,8 +806,11 @@ def test_bad_input(case: Case, tmp_path):
     else:
         assert out.value[0] != "build failed", out.value[1]
         assert case.raises is None, f"{case.raises.__name__} not raised ({out.value[0]})"
-        _, count, message = out.value
-        assert count == case.skipped[1], message
+        if case.skipped is None:
+            _, message = out.value
+        else:
+            _, count, message = out.value
+            assert count == case.skipped[1], message
     for fragment in case.fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
 

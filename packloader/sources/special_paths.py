@@ -6,17 +6,18 @@ unsupported, listing what is), Megatron `.bin`/`.idx` pairs, Arrow files (`.arro
 
 from __future__ import annotations
 
-import glob as globlib
 import os
 
+from packloader.sources.paths import has_magic, walk_glob
 from packloader.sources.unsupported import unsupported_url, url_scheme
 
 
 def _expand_magic(paths: list[str]) -> list[str]:
+    """Globs expanded by `paths.walk_glob`, which never loops (glob.glob follows symlink loops: through two links
+    back up, a `**` walk grows exponentially and never ended)."""
     out = []
     for p in paths:
-        out.extend(sorted(globlib.glob(p, recursive=True)) if any(c in p for c in "*?[") and not os.path.exists(p)
-                   else [p])
+        out.extend(walk_glob(p) if has_magic(p) and not os.path.exists(p) else [p])
     return out
 
 

@@ -1,5 +1,6 @@
 """The bad-input catalogue: every kind of bad input a user can hand packloader, the error it gives (naming the
-file, row or field) or the skip it counts, and never a hang (each case runs under a timeout).
+file, row or field) or the skip it counts, and never a hang or a crash: each case runs in a child forked from the
+test process, under a timeout (`helpers.forked`), so a signal or a hang fails that case alone, naming it.
 
 The table below is the source of truth; docs/bad-input.md lists the same cases with the same message fragments,
 and `test_the_docs_list_every_case` keeps the two in sync.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from helpers.source_resume import check_exact_resume, check_exactly_once, small_config
@@ -78,6 +80,22 @@ def test_packed_loader_trains_every_token_once_and_resumes_exactly(tmp_path):
     for threads in (0, 2):
         check_exact_resume(lambda: PackedLoader(prefix, config=small_config(), num_threads=threads, epochs=2,
                                                 tokenizer=None), stop=7)
+
+
+def test_a_bin_replaced_before_resume_with_as_many_tokens_is_refused_naming_it(tmp_path):
+    """Same name, same index, same size: only the tokens differ. The state knows the pair by its content."""
+    docs = docs_of(30, seed=5, vocab=1000)
+    prefix = write_pair(tmp_path / "c", docs)
+    loader = PackedLoader(prefix, config=small_config(), num_threads=0, tokenizer=None)
+    next(iter(loader))
+    state = loader.state_dict()
+    other = [(d + 1) % 1000 for d in docs]
+    write_pair(tmp_path / "new", other)
+    os.replace(tmp_path / "new.bin", prefix + ".bin")
+    assert os.path.getsize(prefix + ".bin") == sum(map(len, docs)) * 2
+    fresh = PackedLoader(prefix, config=small_config(), num_threads=0, tokenizer=None)
+    with pytest.raises(ValueError, match=r"differently configured loader \(source\.c\.bin: saved '30 rows, "):
+        fresh.load_state_dict(state)
 
 
 def test_a_truncated_bin_is_an_error_naming_it(tmp_path):

@@ -486,7 +486,8 @@ def _stale_copy_rank(rank: int, world: int, paths: list[list[str]]):
 
 
 def rank_reads_stale_copy(tmp):
-    """Rank 1's tok-000 is a byte-for-byte copy of rank 0's; its tok-001 has the same name and rows, other tokens."""
+    """Rank 1's tok-000 is a byte-for-byte copy of rank 0's; its tok-001 has the same name and rows, other
+    tokens."""
     from helpers.distributed import run_ranks
     from helpers.docs import token_docs, write_token_shards
 

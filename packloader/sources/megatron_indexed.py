@@ -139,7 +139,8 @@ class MegatronIndexedSource(ShardedSource):
                 )
             self._watch[-1].check()  # the size checked is the identified file's
             self._index.append(index)
-            self.identities.append(f"{self._watch[-1].identity}, idx {hashlib.blake2b(idx_bytes, digest_size=12).hexdigest()}")
+            idx_hash = hashlib.blake2b(idx_bytes, digest_size=12).hexdigest()
+            self.identities.append(f"{self._watch[-1].identity}, idx {idx_hash}")
         self._open_shards([p + ".bin" for p in self.prefixes], [len(i.lengths) for i in self._index])
 
     @property

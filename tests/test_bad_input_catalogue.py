@@ -1,5 +1,6 @@
 """The bad-input catalogue: every kind of bad input a user can hand packloader, the error it gives (naming the
-file, row or field) or the skip it counts, and never a hang (each case runs under a timeout).
+file, row or field) or the skip it counts, and never a hang or a crash: each case runs in a child forked from the
+test process, under a timeout (`helpers.forked`), so a signal or a hang fails that case alone, naming it.
 
 The table below is the source of truth; docs/bad-input.md lists the same cases with the same message fragments,
 and `test_the_docs_list_every_case` keeps the two in sync.
@@ -8,6 +9,7 @@ and `test_the_docs_list_every_case` keeps the two in sync.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gzip
 import io
 import json
@@ -15,8 +17,9 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import sys
+import signal
+import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -25,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers.forked import ChildFailed, qualified, run_forked
 
 from packloader.cli.main import main
 from packloader.collate.batch import SlicesNotSupported
@@ -483,6 +487,26 @@ def shard_through_symlink_alias(tmp):
     return lambda: open_source(tmp / "d")
 
 
+def shard_hard_link(tmp):
+    p = token_table(tmp / "a.parquet", [[1, 2], [3]])
+    os.link(p, tmp / "b.parquet")
+    return lambda: open_source([str(p), str(tmp / "b.parquet")])
+
+
+def glob_through_symlink_loop(tmp):
+    """Read once, not an error: the documents a recursive glob through `sub/loop -> ..` and `self -> .` yields."""
+    (tmp / "d" / "sub").mkdir(parents=True)
+    jsonl(tmp / "d" / "sub" / "x.jsonl", ['{"text": "one"}', '{"text": "two"}'])
+    os.symlink("..", tmp / "d" / "sub" / "loop")
+    os.symlink(".", tmp / "d" / "self")
+
+    def run():
+        src = open_source(str(tmp / "d" / "**" / "*.jsonl"))
+        return (f"{len(src.shards)} shard ({', '.join(Path(str(s.name)).name for s in src.shards)}), "
+                f"documents {read_all(src)}")
+    return run
+
+
 def _resume_after(tmp, change):
     paths = [token_table(tmp / f"s{i}.parquet", [[i + 1] * (3 + (r * 7) % 11) for r in range(30)]) for i in range(2)]
     a = PackedLoader([str(p) for p in paths], tokenizer="bytes", config=_config(), num_threads=0)
@@ -496,6 +520,45 @@ def _resume_after(tmp, change):
 def _replace(path):
     token_table(path.with_suffix(".new"), [[9] * (5 + r % 3) for r in range(30)])  # same name and row count
     os.replace(path.with_suffix(".new"), path)
+
+
+def shard_renamed_before_resume(tmp):
+    return _resume_after(tmp, lambda p: os.rename(p, p.with_name("s9.parquet")))
+
+
+def _stale_copy_rank(rank: int, world: int, paths: list[list[str]]):
+    """A gloo rank reading its own copy of the shards: what its loader raised before or at the first batch."""
+    import torch.distributed as dist
+
+    try:
+        loader = PackedLoader(paths[rank], tokenizer="bytes", config=_config(parallel=ParallelConfig(dp=world)),
+                              num_threads=1, timeout=30)
+        next(iter(loader))
+        return None
+    except Exception as e:  # noqa: BLE001 - handed back to the case, which raises it
+        return e
+    finally:
+        dist.barrier()
+
+
+def rank_reads_stale_copy(tmp):
+    """Rank 1's tok-000 is a byte-for-byte copy of rank 0's; its tok-001 has the same name and rows, other
+    tokens."""
+    from helpers.distributed import run_ranks
+    from helpers.docs import token_docs, write_token_shards
+
+    docs = token_docs(60, seed=10)
+    (tmp / "r0").mkdir()
+    (tmp / "r1").mkdir()
+    paths = [write_token_shards(tmp / "r0", docs, shards=2),
+             write_token_shards(tmp / "r1", docs[:30] + token_docs(30, seed=11), shards=2)]
+    shutil.copyfile(paths[0][0], paths[1][0])
+
+    def run():
+        errors = run_ranks(_stale_copy_rank, 2, paths, timeout=90)
+        assert all(isinstance(e, Exception) for e in errors), errors
+        raise errors[1]
+    return run
 
 
 def shard_replaced_before_resume(tmp):
@@ -537,13 +600,13 @@ def parquet_truncated_while_read(tmp):
     return _truncated_while_read(Path(shutil.move(path, tmp / "cut.parquet")))
 
 
-def _megatron_pair(tmp: Path, name: str) -> str:
+def _megatron_pair(tmp: Path, name: str, sizes=(5, 9, 3)) -> str:
     """A .bin/.idx pair written by megatron-core's own IndexedDatasetBuilder."""
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     builder = IndexedDatasetBuilder(str(tmp / f"{name}.bin"), dtype=np.uint16)
-    for n in (5, 9, 3):
+    for n in sizes:
         builder.add_document(torch.arange(n), [n])
     builder.finalize(str(tmp / f"{name}.idx"))
     return str(tmp / name)
@@ -554,6 +617,10 @@ def megatron_truncated_bin(tmp):
     data = Path(prefix + ".bin").read_bytes()
     Path(prefix + ".bin").write_bytes(data[:10])
     return lambda: open_source(prefix + ".bin")
+
+
+def megatron_truncated_while_read(tmp):
+    return _truncated_while_read(Path(_megatron_pair(tmp, "cut", sizes=(3000,) * 40) + ".bin"))
 
 
 def megatron_truncated_idx(tmp):
@@ -648,7 +715,7 @@ def _config(**kw) -> PlanConfig:
 class Case:
     name: str
     build: Callable  # tmp_path -> thunk
-    raises: type[BaseException] | None  # None: a documented skip, checked by `skipped`
+    raises: type[BaseException] | None  # None: a documented skip (`skipped`) or, without one, what was read
     fragments: tuple[str, ...]  # substrings of the message (file names, rows, fields, what was expected)
     skipped: tuple[str, int] | None = None  # (reason, count) in source.skipped
 
@@ -751,6 +818,8 @@ CASES = [
          ("action lists: pipeline rank 0 never runs [['B', 1, 0]]",)),
     Case("megatron_truncated_bin", megatron_truncated_bin, SourceError,
          ("t.bin: 10 bytes, but", "t.idx describes 17 uint16 tokens (34 bytes): truncated")),
+    Case("megatron_truncated_while_read", megatron_truncated_while_read, ShardChanged,
+         ("cut.bin: the file changed since the source opened it", "size and content hash")),
     Case("megatron_truncated_idx", megatron_truncated_idx, SourceError,
          ("t.idx: not a readable Megatron index (", "truncated")),
     Case("megatron_bad_header", megatron_bad_header, SourceError,
@@ -782,69 +851,89 @@ CASES = [
     Case("jsonl_text_beside_tokens", jsonl_text_beside_tokens, SourceError,
          ("both.jsonl, line 1: holds text ('text') and tokens ('tokens')", "field='tokens'", "field='text'")),
     Case("shard_listed_twice", shard_listed_twice, SourceError, ("twice.parquet and ", "are the same file")),
+    Case("shard_hard_link", shard_hard_link, SourceError, ("a.parquet and ", "b.parquet are the same file")),
+    Case("glob_through_symlink_loop", glob_through_symlink_loop, None,
+         ("1 shard (x.jsonl), documents ['one', 'two']",)),
     Case("shard_through_symlink_alias", shard_through_symlink_alias, SourceError,
          ("d/alias/x.jsonl and ", "d/sub/x.jsonl are the same file", "symlink")),
     Case("shard_replaced_before_resume", shard_replaced_before_resume, ValueError,
          ("differently configured loader", "source.s1.parquet: saved '30 rows, ")),
+    Case("shard_renamed_before_resume", shard_renamed_before_resume, ValueError,
+         ("differently configured loader", "source.s1.parquet: saved '30 rows, ", "now None",
+          "source.s9.parquet: saved None, now '30 rows, ")),
+    Case("rank_reads_stale_copy", rank_reads_stale_copy, RuntimeError,
+         ("before the first step: ranks disagree on the loader settings", "source.tok-001.parquet: ranks [0] have "
+          "'30 rows, ", "ranks [1] have '30 rows, ")),
     Case("shard_deleted_before_resume", shard_deleted_before_resume, ValueError,
          ("differently configured loader", "source.s1.parquet: saved '30 rows, ", "now None")),
     Case("shard_replaced_while_open", shard_replaced_while_open, ShardChanged,
          ("live.parquet: the file changed since the source opened it", "size and content hash")),
-]
-
-# Cases that killed the process (SIGBUS) run in a child process of their own: a signal fails the case, not the suite.
-OWN_PROCESS = [
     Case("jsonl_truncated_while_read", jsonl_truncated_while_read, ShardChanged,
          ("cut.jsonl: the file changed since the source opened it",)),
     Case("parquet_truncated_while_read", parquet_truncated_while_read, ShardChanged,
          ("cut.parquet: the file changed since the source opened it",)),
 ]
 
+CASE_TIMEOUT = 120  # seconds: a case that hangs is killed and fails, naming itself
 
-@pytest.mark.timeout(120)  # a hang fails the case instead of blocking the suite
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_input(case: Case, tmp_path):
-    thunk = case.build(tmp_path)
+
+def _attempt(case: Case, tmp: Path):
+    """Run in the child: build the case, run it. Returns ("returned",), ("skipped", count, message), ("read",
+    what was read) or ("build failed", traceback); what the thunk raises goes back as the child's exception."""
+    try:
+        thunk = case.build(tmp)
+    except BaseException:  # noqa: BLE001 - a case that cannot be built fails as such, not as its expected error
+        return ("build failed", traceback.format_exc())
+    if case.raises is None and case.skipped is None:
+        return ("read", str(thunk()))
     if case.raises is None:
         src = thunk()
-        reason, count = case.skipped
-        assert src.skipped[reason] == count, src.skipped
-        message = "; ".join(src.skipped.examples) + "; " + src.skipped.summary()
-    else:
-        with pytest.raises(case.raises) as info:
-            thunk()
-        message = str(info.value)
-    for fragment in case.fragments:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
-
-
-CHILD = """
-import json, sys
-from pathlib import Path
-import test_bad_input_catalogue as cat
-case = next(c for c in cat.OWN_PROCESS if c.name == sys.argv[1])
-thunk = case.build(Path(sys.argv[2]))
-try:
+        reason, _ = case.skipped
+        return ("skipped", src.skipped[reason], "; ".join(src.skipped.examples) + "; " + src.skipped.summary())
     thunk()
-    print(json.dumps(["nothing raised", ""]))
-except Exception as e:
-    print(json.dumps([type(e).__name__, str(e)]))
-"""
+    return ("returned",)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", OWN_PROCESS, ids=[c.name for c in OWN_PROCESS])
-def test_bad_input_in_a_process_of_its_own(case: Case, tmp_path):
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", CHILD, case.name, str(tmp_path)], capture_output=True, text=True,
-                          timeout=150, env=env, cwd=here)
-    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by that signal): {proc.stderr[-3000:]}"
-    kind, message = json.loads(proc.stdout.splitlines()[-1])
-    assert kind == case.raises.__name__, (kind, message)
+@pytest.mark.timeout(CASE_TIMEOUT + 60)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input(case: Case, tmp_path):
+    """Each case in a child forked from this process (a signal or a hang fails that case alone, naming it)."""
+    out = run_forked(lambda: _attempt(case, tmp_path), name=case.name, timeout=CASE_TIMEOUT)
+    if out.raised:
+        assert case.raises is not None, f"a documented skip raised {out.raised[0]}: {out.trace}"
+        assert qualified(case.raises) in out.raised, f"expected {case.raises.__name__}, got {out.trace}"
+        message = out.message
+    else:
+        assert out.value[0] != "build failed", out.value[1]
+        assert case.raises is None, f"{case.raises.__name__} not raised ({out.value[0]})"
+        if case.skipped is None:
+            _, message = out.value
+        else:
+            _, count, message = out.value
+            assert count == case.skipped[1], message
     for fragment in case.fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def _die_by_sigbus():
+    faulthandler.disable()  # pytest's would print every thread's stack: noise for a death on purpose
+    os.kill(os.getpid(), signal.SIGBUS)
+
+
+def _hang():
+    time.sleep(60)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_case_that_dies_or_hangs_fails_naming_itself():
+    """What the harness does with a case that kills its process (as SIGBUS did) or never ends: fails it by name."""
+    with pytest.raises(ChildFailed, match=r"case sigbus: the child died without an answer \(killed by signal 7\)"):
+        run_forked(_die_by_sigbus, name="sigbus", timeout=30)
+    with pytest.raises(ChildFailed, match=r"case hang: no answer within 1 s \(killed\)"):
+        run_forked(_hang, name="hang", timeout=1)
+    assert run_forked(lambda: 6 * 7, name="fine", timeout=30).value == 42
 
 
 @pytest.mark.timeout(300)
@@ -886,9 +975,9 @@ def test_empty_documents_follow_one_rule(tmp_path):
 def test_the_docs_list_every_case():
     """docs/bad-input.md has one table row per case, holding every fragment of its message."""
     rows = {m.group(1): line for line in DOCS.read_text().splitlines() if (m := re.match(r"\| `([a-z0-9_]+)` \|", line))}
-    names = [c.name for c in CASES + OWN_PROCESS if not c.name.startswith("corrupt_parquet_pages_seed")]
+    names = [c.name for c in CASES if not c.name.startswith("corrupt_parquet_pages_seed")]
     assert sorted(rows) == sorted(names + ["corrupt_parquet_pages"])
-    for case in CASES + OWN_PROCESS:
+    for case in CASES:
         line = rows["corrupt_parquet_pages" if case.name.startswith("corrupt_parquet_pages_seed") else case.name]
         for fragment in case.fragments:
             assert fragment.replace("|", "\\|") in line, (case.name, fragment)

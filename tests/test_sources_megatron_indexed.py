@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from helpers.source_resume import check_exact_resume, check_exactly_once, small_config
@@ -50,6 +52,15 @@ def test_tokens_and_document_order_equal_what_megatron_core_wrote(tmp_path, dtyp
     assert len(mds.document_indices) - 1 == len(docs)
 
 
+def test_rows_in_any_order_are_the_documents_written(tmp_path):
+    """Rows asked in runs adjacent in the file and apart, backwards and twice (the reader reads each run of
+    adjacent documents at once): each is the document the builder was given."""
+    docs = docs_of(40, seed=3)
+    src = MegatronIndexedSource(write_pair(tmp_path / "c", docs))
+    rows = np.array([5, 6, 7, 2, 3, 30, 0, 39, 1, 1, 38, 37, 8])
+    assert [g.tolist() for g in src.read(0, rows)] == [docs[r].tolist() for r in rows]
+
+
 def test_pairs_are_shards_in_the_order_given_and_open_source_finds_them(tmp_path):
     a, b = docs_of(10, 2), docs_of(7, 3)
     pa_, pb = write_pair(tmp_path / "a", a), write_pair(tmp_path / "b", b, np.int32)
@@ -69,6 +80,22 @@ def test_packed_loader_trains_every_token_once_and_resumes_exactly(tmp_path):
     for threads in (0, 2):
         check_exact_resume(lambda: PackedLoader(prefix, config=small_config(), num_threads=threads, epochs=2,
                                                 tokenizer=None), stop=7)
+
+
+def test_a_bin_replaced_before_resume_with_as_many_tokens_is_refused_naming_it(tmp_path):
+    """Same name, same index, same size: only the tokens differ. The state knows the pair by its content."""
+    docs = docs_of(30, seed=5, vocab=1000)
+    prefix = write_pair(tmp_path / "c", docs)
+    loader = PackedLoader(prefix, config=small_config(), num_threads=0, tokenizer=None)
+    next(iter(loader))
+    state = loader.state_dict()
+    other = [(d + 1) % 1000 for d in docs]
+    write_pair(tmp_path / "new", other)
+    os.replace(tmp_path / "new.bin", prefix + ".bin")
+    assert os.path.getsize(prefix + ".bin") == sum(map(len, docs)) * 2
+    fresh = PackedLoader(prefix, config=small_config(), num_threads=0, tokenizer=None)
+    with pytest.raises(ValueError, match=r"differently configured loader \(source\.c\.bin: saved '30 rows, "):
+        fresh.load_state_dict(state)
 
 
 def test_a_truncated_bin_is_an_error_naming_it(tmp_path):

@@ -13,14 +13,16 @@ preprocessing appends the end-of-document id itself when asked to), cast to int3
 
 Everything the index claims is checked when the source opens: the header, the file's size against the counts,
 offsets against lengths, document indices against the sequence count, and the `.bin` size against the tokens the
-index describes, so a truncated or corrupt pair is an error naming the file before any batch. `.bin` is read by
-memory map (numpy over `mmap`), one map per process. `parse_index` takes any buffer (bytes, a memory map), the seam for
-readers of other storage.
+index describes, so a truncated or corrupt pair is an error naming the file before any batch. `.bin` is read with
+plain reads of the documents asked for, never a memory map: a mapped file that another process truncates kills
+the reader with SIGBUS, which no handler catches. After each read the file is checked to be the one indexed
+(`identity.FileWatch`), so a `.bin` rewritten, truncated or replaced meanwhile is a `ShardChanged` naming it.
+`parse_index` takes any buffer (bytes, a memory map), the seam for readers of other storage.
 """
 
 from __future__ import annotations
 
-import mmap
+import hashlib
 import os
 import struct
 from typing import Iterator, Sequence
@@ -29,6 +31,7 @@ import numpy as np
 
 from packloader.sources.base import RawDocument
 from packloader.sources.errors import SourceError
+from packloader.sources.identity import FileWatch, changed, file_identity
 from packloader.sources.reader import ShardedSource
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -117,59 +120,79 @@ class MegatronIndexedSource(ShardedSource):
             raise ValueError("MegatronIndexedSource needs at least one .bin/.idx prefix")
         self.vocab_size = None  # the index records no vocabulary
         self._index: list[MegatronIndex] = []
+        self._watch: list[FileWatch] = []
+        self.identities: list[str] = []  # what a saved state and the other ranks compare
         for prefix in self.prefixes:
             idx_path, bin_path = prefix + ".idx", prefix + ".bin"
             for p in (idx_path, bin_path):
                 if not os.path.isfile(p):
                     raise FileNotFoundError(f"no such file: {p} (a Megatron dataset is a .bin and .idx pair)")
             with open(idx_path, "rb") as f:
-                index = parse_index(f.read(), idx_path)
+                idx_bytes = f.read()
+            index = parse_index(idx_bytes, idx_path)
+            self._watch.append(FileWatch(bin_path, file_identity))
             size, want = os.path.getsize(bin_path), index.total_tokens * index.dtype.itemsize
             if size != want:
                 raise SourceError(
                     f"{bin_path}: {size} bytes, but {idx_path} describes {index.total_tokens} {index.dtype} tokens "
                     f"({want} bytes): {'truncated' if size < want else 'trailing bytes'}, or not this index's data"
                 )
+            self._watch[-1].check()  # the size checked is the identified file's
             self._index.append(index)
+            idx_hash = hashlib.blake2b(idx_bytes, digest_size=12).hexdigest()
+            self.identities.append(f"{self._watch[-1].identity}, idx {idx_hash}")
         self._open_shards([p + ".bin" for p in self.prefixes], [len(i.lengths) for i in self._index])
 
     @property
     def pretokenized(self) -> bool:
         return True
 
-    def _tokens(self, shard: int) -> np.ndarray:
-        """The shard's tokens as a plain array over a read-only memory map of `.bin` (one map per process)."""
+    def _file(self, shard: int) -> int:
+        """This process's open descriptor of the shard's `.bin` (opened once, checked to be the file indexed)."""
         cache = self._process_cache()
-        tokens = cache.get(shard)
-        if tokens is None:
-            index = self._index[shard]
-            if index.total_tokens == 0:
-                tokens = np.zeros(0, dtype=index.dtype)
-            else:
-                with open(self._names[shard], "rb") as f:
-                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                tokens = np.frombuffer(mapped, dtype=index.dtype, count=index.total_tokens)
-            cache[shard] = tokens
-        return tokens
+        f = cache.get(shard)
+        if f is None:
+            path = self._names[shard]
+            if not os.path.exists(path):
+                raise changed(path, "it was deleted or renamed")
+            f = cache[shard] = open(path, "rb", buffering=0)
+            self._watch[shard].check()
+        return f.fileno()
+
+    def _tokens(self, shard: int, starts: list[int], lengths: list[int]) -> list[np.ndarray]:
+        """The documents' tokens as stored, by plain reads (one per run of documents adjacent in the file), checked
+        after reading to come whole from the file the source indexed."""
+        index, size = self._index[shard], self._index[shard].dtype.itemsize
+        runs: list[list[int]] = []  # [first token, token count] of each read
+        where: list[tuple[int, int]] = []  # (read, offset in it) of each document
+        for a, n in zip(starts, lengths):
+            if not (runs and runs[-1][0] + runs[-1][1] == a):
+                runs.append([a, 0])
+            where.append((len(runs) - 1, a - runs[-1][0]))
+            runs[-1][1] += n
+        if not any(n for _, n in runs):
+            return [np.zeros(0, index.dtype) for _ in starts]
+        fd = self._file(shard)
+        blobs = [os.pread(fd, n * size, a * size) for a, n in runs]
+        self._watch[shard].check()
+        for (a, n), blob in zip(runs, blobs):
+            if len(blob) != n * size:  # shorter than indexed although the identity held: still a changed file
+                raise changed(self._names[shard], f"bytes {a * size}..{(a + n) * size} are gone (the file is shorter "
+                                                  "than when indexed)")
+        arrays = [np.frombuffer(blob, dtype=index.dtype) for blob in blobs]
+        return [arrays[r][o : o + n] for (r, o), n in zip(where, lengths)]
 
     def _read_raw(self, shard: int, raw_rows: np.ndarray) -> Iterator[RawDocument]:
-        index, tokens = self._index[shard], self._tokens(shard)
-        starts, lengths = index.starts[raw_rows].tolist(), index.lengths[raw_rows].tolist()
-        docs = [tokens[a : a + n].astype(np.int32) for a, n in zip(starts, lengths)]  # copies: no view outlives a read
-        if tokens.dtype.kind == "i" and tokens.dtype.itemsize >= 4 and docs:
-            for r, a, n in zip(raw_rows.tolist(), starts, lengths):  # int32/int64 files: ids must be in [0, 2^31)
-                doc = tokens[a : a + n]
-                if n and (doc.min() < 0 or doc.max() > _I32):
+        index = self._index[shard]
+        stored = self._tokens(shard, index.starts[raw_rows].tolist(), index.lengths[raw_rows].tolist())
+        if index.dtype.kind == "i":  # signed files: ids must be in [0, 2^31)
+            for r, doc in zip(raw_rows.tolist(), stored):
+                if doc.size and (doc.min() < 0 or doc.max() > _I32):
                     pos = int(np.flatnonzero((doc < 0) | (doc > _I32))[0])
+                    want = "an id in [0, 2^31)" if index.dtype.itemsize >= 4 else "an id >= 0"
                     raise SourceError(f"{self._location(shard, r)}: token id {int(doc[pos])} at position {pos}, "
-                                      "expected an id in [0, 2^31)")
-        elif tokens.dtype.kind == "i" and docs:  # int8/int16: only negatives are out of range
-            for r, d in zip(raw_rows.tolist(), docs):
-                if d.size and d.min() < 0:
-                    pos = int(np.flatnonzero(d < 0)[0])
-                    raise SourceError(f"{self._location(shard, r)}: token id {int(d[pos])} at position {pos}, "
-                                      "expected an id >= 0")
-        yield from docs
+                                      f"expected {want}")
+        yield from (doc.astype(np.int32) for doc in stored)
 
     def _raw_lengths(self, shard: int) -> np.ndarray:
         return self._index[shard].lengths

@@ -17,7 +17,6 @@ Semantics (documented in the README's sources and in `docs/bad-input.md`):
 
 from __future__ import annotations
 
-import glob as globlib
 import os
 
 import numpy as np
@@ -26,6 +25,7 @@ import pyarrow as pa
 from packloader.sources.arrow_table import ArrowTableSource
 from packloader.sources.base import IterableSource
 from packloader.sources.errors import SourceError
+from packloader.sources.paths import has_magic, walk_glob
 from packloader.sources.unsupported import excerpt, url_scheme
 
 
@@ -35,7 +35,7 @@ def looks_like_path(s: str) -> bool:
 
 
 def _exists(s: str) -> bool:
-    return os.path.exists(s) or (any(c in s for c in "*?[") and bool(globlib.glob(s, recursive=True)))
+    return os.path.exists(s) or (has_magic(s) and bool(walk_glob(s)))  # walk_glob never loops through symlinks
 
 
 def strings_are_paths(items: list[str], label: str = "the list") -> bool:

@@ -13,6 +13,8 @@ from packloader.sources.unsupported import unsupported_url, url_scheme
 
 
 def _expand_magic(paths: list[str]) -> list[str]:
+    """Globs expanded by `paths.walk_glob`, which never loops (glob.glob follows symlink loops: through two links
+    back up, a `**` walk grows exponentially and never ended)."""
     out = []
     for p in paths:
         out.extend(walk_glob(p) if has_magic(p) and not os.path.exists(p) else [p])  # never loops through links

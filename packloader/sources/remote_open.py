@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from packloader.sources.errors import SourceError
-from packloader.sources.open import FORMATS, format_of
+from packloader.sources.formats import FORMATS, format_of
 from packloader.sources.storage import Storage, default_storage
 from packloader.sources.unsupported import UnsupportedSourceError
 

@@ -7,17 +7,16 @@ schemes no installed package reads are unsupported, listing what is), Megatron `
 
 from __future__ import annotations
 
-import glob as globlib
 import os
 
+from packloader.sources.paths import walk_glob
 from packloader.sources.unsupported import readable_url, unsupported_url, url_scheme
 
 
 def _expand_magic(paths: list[str]) -> list[str]:
     out = []
     for p in paths:
-        out.extend(sorted(globlib.glob(p, recursive=True)) if any(c in p for c in "*?[") and not os.path.exists(p)
-                   else [p])
+        out.extend(walk_glob(p) if any(c in p for c in "*?[") and not os.path.exists(p) else [p])  # loops once
     return out
 
 

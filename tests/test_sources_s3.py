@@ -95,6 +95,8 @@ def test_parquet_from_s3_url_reads_every_document(s3):
     assert [s.name for s in src.shards] == [f"s3://{s3[1]}/p/a.parquet", f"s3://{s3[1]}/p/b.parquet"]
     assert read_all(src) == [d.tolist() for d in docs]
     assert src.identities[0].count(":") == 2  # size, ETag, footer hash
+    clone = pickle.loads(pickle.dumps(src))  # as DataLoader workers and spawned processes receive it
+    assert read_all(clone) == [d.tolist() for d in docs]
 
 
 def test_parquet_reads_row_groups_by_range_not_whole_objects(s3):
@@ -251,3 +253,24 @@ def test_killed_and_resumed_from_object_storage_equals_one_uninterrupted_epoch(s
     assert result.kills == len(kills) and result.tokens > 0
     assert (result.lost, result.repeated, result.extra_epoch_tokens) == (0, 0, 0), result
     assert result.token_errors == 0 and result.order_errors == 0, result
+
+
+def test_dataloader_workers_read_from_s3_and_cover_every_token_once(s3):
+    """Spawned DataLoader workers get the source pickled (no client, no open object) and make their own client."""
+    from torch.utils.data import DataLoader
+
+    from packloader import PackedDataset
+    from packloader.loader.check import TokenLedger
+
+    url, docs = two_shards(s3)
+    ds = PackedDataset(Storage(retry=FAST).paths(url), config=small_config(), tokenizer=None, epochs=1)
+    steps = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn"))
+    ledger = TokenLedger(ds._p.stream)
+    got = []
+    for mbs in steps:
+        ledger.add(mbs)
+        for b in mbs:
+            ids, cu = b.input_ids.numpy().reshape(-1), b.cu_seqlens.numpy()
+            got += [ids[a:e].tolist() for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    assert ledger.check_epoch(0) == sum(len(d) for d in docs)
+    assert sorted(t for piece in got for t in piece) == sorted(t for d in docs for t in d.tolist())

@@ -51,7 +51,9 @@ class Storage:
 
     def store(self, url: str):
         if self.filesystem is not None:
-            return self._fs.setdefault("", FsStore(self.filesystem, self.retry))
+            if "" not in self._fs:
+                self._fs[""] = FsStore(self.filesystem, self.retry)
+            return self._fs[""]
         scheme = url_scheme(url)
         if scheme in S3_SCHEMES:
             return self._s3

@@ -103,15 +103,19 @@ def main() -> None:
                     tokens, wall, first = epoch(src, text, args.threads)
                     rows.append(f"| {kind} | {where} | {tokens:,} | {tokens / wall:,.0f} | {first:.2f} |")
                     print(rows[-1], flush=True)
-            per_rank = []
-            for rank in range(4):
-                store = Storage()
-                epoch(store.paths("s3://bench/pre/*.parquet"), False, args.threads, dp=4, rank=rank)
-                per_rank.append(store.bytes_read)
+            per_rank = {}
+            for block in (4 << 20, 64 << 10):
+                per_rank[block] = []
+                for rank in range(4):
+                    store = Storage(block_size=block)
+                    epoch(store.paths("s3://bench/pre/*.parquet"), False, args.threads, dp=4, rank=rank)
+                    per_rank[block].append(store.bytes_read)
             print(per_rank, sizes)
     finally:
         server.close()
-    share = ", ".join(f"{b / sizes['pre-tokenized']:.0%}" for b in per_rank)
+    total = sizes["pre-tokenized"]
+    fetched = "; ".join(f"{block >> 10} KiB blocks: {', '.join(f'{b:,}' for b in got)} ("
+                        f"{', '.join(f'{b / total:.0%}' for b in got)} of the corpus)" for block, got in per_rank.items())
     cmd = "python benchmarks/remote_read.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     body = (
         f"`{cmd}` ({args.shards} shards x {args.docs} documents, lengths 16..4096 log-uniform, {args.threads} "
@@ -122,8 +126,8 @@ def main() -> None:
         "first micro-batch.\n\n"
         "| shards | from | tokens | tokens/s | first batch (s) |\n| --- | --- | --- | --- | --- |\n"
         + "\n".join(rows)
-        + f"\n\nBytes each rank fetched at dp 4 over one epoch (pre-tokenized, {sizes['pre-tokenized']:,} object "
-        f"bytes): {', '.join(f'{b:,}' for b in per_rank)} ({share} of the corpus). Every rank opens every shard "
+        + f"\n\nBytes each rank fetched at dp 4 over one epoch (pre-tokenized, {total:,} object bytes, row groups of "
+        f"256 documents), ranks 0..3: {fetched}. Every rank opens every shard "
         "(footer, length column) and the shuffle spreads each rank's documents over every row group, so a rank "
         "still fetches most row groups: the 1/dp target needs rank-local reads (not done yet)."
     )

@@ -274,3 +274,28 @@ def test_dataloader_workers_read_from_s3_and_cover_every_token_once(s3):
             got += [ids[a:e].tolist() for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
     assert ledger.check_epoch(0) == sum(len(d) for d in docs)
     assert sorted(t for piece in got for t in piece) == sorted(t for d in docs for t in d.tolist())
+
+
+def test_retries_are_bounded_in_seconds_and_classified():
+    """A fault that never clears ends at the deadline however many attempts are allowed; timeouts and resets
+    are retried, a missing object and refused credentials are not."""
+    from botocore.exceptions import ClientError, NoCredentialsError, ReadTimeoutError
+
+    from packloader.sources.remote import classify, with_retries
+
+    calls = []
+
+    def reset():
+        calls.append(1)
+        raise ConnectionResetError("reset by peer")
+
+    policy = RetryPolicy(attempts=1000, base_delay_s=0.05, max_delay_s=0.05, deadline_s=0.3)
+    with pytest.raises(RemoteError, match=r"s3://b/k: GET failed after \d+ attempts in .* ConnectionResetError"):
+        with_retries(reset, "s3://b/k", policy, "GET")
+    assert 2 <= len(calls) <= 13  # each wait is at least 0.025 s: the 0.3 s deadline stops it long before 1000
+    assert classify(ReadTimeoutError(endpoint_url="http://127.0.0.1:1")) == "transient"
+    assert classify(ClientError({"Error": {"Code": "SlowDown"}}, "GetObject")) == "transient"
+    assert classify(ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")) == "missing"
+    assert classify(ClientError({"Error": {"Code": "InvalidAccessKeyId"}}, "GetObject")) == "denied"
+    assert classify(NoCredentialsError()) == "denied"
+    assert classify(ClientError({"Error": {"Code": "PreconditionFailed"}}, "GetObject")) == "changed"

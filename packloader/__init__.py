@@ -68,6 +68,8 @@ _EXPORTS: dict[str, str] = {
     "get_tokenizer": "packloader.sources.tokenizers",
     "tokenize_to_parquet": "packloader.sources.pretokenize",
     "MegatronIndexedSource": "packloader.sources.megatron_indexed",
+    "Storage": "packloader.sources.storage",
+    "RetryPolicy": "packloader.sources.remote",
     "IterableDatasetSource": "packloader.sources.hf_iterable",
     "UnsupportedSourceError": "packloader.sources.unsupported",
     "PackedLoader": "packloader.loader.loader",

@@ -673,7 +673,7 @@ def list_mixes_paths_and_texts(tmp):
 
 
 def url_unsupported(tmp):
-    return lambda: PackedLoader("s3://bucket/shards/*.parquet", config=_config(), num_threads=0)
+    return lambda: PackedLoader("ftp://host/shards/*.parquet", config=_config(), num_threads=0)
 
 
 def filesystem_object_unsupported(tmp):
@@ -834,9 +834,10 @@ CASES = [
     Case("list_mixes_paths_and_texts", list_mixes_paths_and_texts, SourceError,
          ("the list of 2 strings mixes paths (1, e.g.", "a.jsonl", "and texts (1, e.g. 'a text, not a path')")),
     Case("url_unsupported", url_unsupported, UnsupportedSourceError,
-         ("s3://bucket/shards/*.parquet: s3:// URLs are not supported", "supported: local paths")),
+         ("ftp://host/shards/*.parquet: ftp:// URLs are not supported", "supported: local paths")),
     Case("filesystem_object_unsupported", filesystem_object_unsupported, UnsupportedSourceError,
-         ("a filesystem object (pyarrow._fs.LocalFileSystem) is not supported", "supported: local paths")),
+         ("a filesystem object (pyarrow._fs.LocalFileSystem) is not a source by itself",
+          "Storage(filesystem=fs).paths(", "supported: local paths")),
     Case("unknown_object_unsupported", unknown_object_unsupported, UnsupportedSourceError,
          ("builtins.object is not a supported source; supported: local paths",)),
     Case("mixed_tokenizers", mixed_tokenizers, SourceError,

@@ -25,6 +25,7 @@ a malformed line, a missing field, a wrong type or bytes that are not UTF-8 are 
 from __future__ import annotations
 
 import gzip
+import io
 import os
 from pathlib import Path
 from typing import Annotated, Any, Iterator, Sequence
@@ -37,6 +38,7 @@ from packloader.sources.errors import NonUtf8Error, SourceError
 from packloader.sources.identity import FileWatch, changed, file_identity
 from packloader.sources.paths import refuse_duplicates
 from packloader.sources.reader import LruCache, ShardedSource
+from packloader.sources.storage import RemoteWatch, open_shard, pread, watch_shard
 
 DEFAULT_FIELDS = ("text", "content", "tokens", "input_ids")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".json.zst", ".ndjson")
@@ -52,19 +54,19 @@ def compression_of(path: str) -> str | None:
     return None
 
 
-def load_bytes(path: str):
+def load_bytes(path: str, raw: bytes | None = None):
     """The shard's bytes, decompressed for .gz and .zst, read whole for plain files (the source itself reads
-    plain files line by line: `JsonlSource`)."""
-    if not Path(path).exists():
+    plain files line by line: `JsonlSource`). `raw`: the file's bytes already fetched (a remote shard)."""
+    if raw is None and not Path(path).exists():
         raise FileNotFoundError(f"JSONL shard not found: {path}")
     kind = compression_of(path)
     try:
         if kind == "gzip":
-            with gzip.open(path, "rb") as f:
+            with gzip.open(path if raw is None else io.BytesIO(raw), "rb") as f:
                 return f.read()
         if kind == "zstd":
-            return _zstd_frames(path)
-        return Path(path).read_bytes()
+            return _zstd_frames(path, raw)
+        return Path(path).read_bytes() if raw is None else raw
     except SourceError:
         raise
     except (OSError, EOFError, ValueError) as e:  # gzip: BadGzipFile is an OSError; zstandard: ZstdError
@@ -75,12 +77,12 @@ def load_bytes(path: str):
         raise
 
 
-def _zstd_frames(path: str) -> bytes:
+def _zstd_frames(path: str, raw: bytes | None = None) -> bytes:
     """Every frame of a .zst file, decompressed; a file that ends inside a frame is an error (a streaming reader
     returns what it has, which would lose the documents after the cut without a word)."""
     import zstandard
 
-    rest = Path(path).read_bytes()
+    rest = Path(path).read_bytes() if raw is None else raw
     out = []
     while rest:
         d = zstandard.ZstdDecompressor().decompressobj()
@@ -103,7 +105,7 @@ def file_line_index(f, chunk: int = 1 << 23) -> tuple[np.ndarray, np.ndarray, np
     def chunks():
         while data := f.read(chunk):
             yield np.frombuffer(data, dtype=np.uint8)
-    bom = 3 if os.pread(f.fileno(), 3, 0) == _BOM else 0
+    bom = 3 if pread(f, 3, 0) == _BOM else 0
     return index_chunks(chunks(), skip=bom)
 
 
@@ -161,8 +163,10 @@ class JsonlSource(ShardedSource):
         field: str | None = None,
         empty: str = "error",
         cache_bytes: int = 1 << 30,
+        storage=None,
     ) -> None:
         super().__init__(empty=empty)
+        self.storage = storage  # remote shards: `storage.Storage` (None: local files, or URLs by their scheme)
         paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
         if not paths:
             raise ValueError("JsonlSource needs at least one file")
@@ -174,15 +178,13 @@ class JsonlSource(ShardedSource):
         self._index: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._watch: list[FileWatch] = []
         for i, path in enumerate(self._paths):
-            if not Path(path).exists():
-                raise FileNotFoundError(f"JSONL shard not found: {path}")
-            self._watch.append(FileWatch(path, file_identity))
+            self._watch.append(watch_shard(path, "jsonl", file_identity, storage, "JSONL shard not found"))
             if compression_of(path) is None:
-                f = open(path, "rb", buffering=0)
+                f = open_shard(path, self._watch[i], storage)
                 self._index.append(file_line_index(f))
                 self._remember(i, f)
             else:
-                self._index.append(line_index(self._remember(i, load_bytes(path))))
+                self._index.append(line_index(self._remember(i, self._load(i))))
             self._watch[i].check()  # the file indexed is the one identified
             if self._pretokenized is None and len(self._index[-1][0]):
                 self._detect(path, self._buffer(i), i)
@@ -261,11 +263,19 @@ class JsonlSource(ShardedSource):
         if buf is not None:
             return buf
         path = self._paths[shard]
-        if not os.path.exists(path):
+        remote = isinstance(self._watch[shard], RemoteWatch)
+        if not remote and not os.path.exists(path):
             raise changed(path, "it was deleted or renamed")
-        buf = open(path, "rb", buffering=0) if compression_of(path) is None else load_bytes(path)
+        buf = open_shard(path, self._watch[shard], self.storage) if compression_of(path) is None else self._load(shard)
         self._watch[shard].check()  # the file opened or decompressed is the one indexed
         return self._remember(shard, buf)
+
+    def _load(self, shard: int) -> bytes:
+        """A compressed shard's documents, decompressed (a remote one is fetched whole first)."""
+        path, watch = self._paths[shard], self._watch[shard]
+        if not isinstance(watch, RemoteWatch):
+            return load_bytes(path)
+        return load_bytes(path, open_shard(path, watch, self.storage).readall())
 
     def _remember(self, shard: int, buf):
         size = len(buf) if isinstance(buf, bytes) else 0  # an open file costs a descriptor, not memory
@@ -277,7 +287,7 @@ class JsonlSource(ShardedSource):
         spans = [(int(starts[r]), int(ends[r])) for r in raw_rows]
         if isinstance(buf, bytes):
             return [buf[a:b] for a, b in spans]
-        out = [os.pread(buf.fileno(), b - a, a) for a, b in spans]
+        out = [pread(buf, b - a, a) for a, b in spans]
         self._watch[shard].check()
         short = next((i for i, ((a, b), got) in enumerate(zip(spans, out)) if len(got) != b - a), None)
         if short is not None:  # the file shrank although its identity held: still a changed file

@@ -14,7 +14,11 @@ from packloader.sources.unsupported import unsupported_object
 def open_object(obj, *, column: str | None = None, empty: str = "error"):
     """(source, None) for an object read as documents; (None, paths) for a list of paths (open_source reads them)."""
     from packloader.sources.hf_datasets import dataset_source, is_datasets_object
+    from packloader.sources.remote_open import open_remote
+    from packloader.sources.storage import StoragePaths
 
+    if isinstance(obj, StoragePaths):
+        return open_remote(obj.paths, storage=obj.storage, column=column, format=None, empty=empty), None
     if is_datasets_object(obj):
         return dataset_source(obj, column=column, empty=empty), None
     if type(obj).__module__.startswith("pyarrow") and hasattr(obj, "schema") and hasattr(obj, "column"):

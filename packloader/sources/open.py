@@ -24,22 +24,9 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+from packloader.sources.formats import FORMATS, format_of
 from packloader.sources.paths import has_magic, refuse_duplicates, walk_glob
 from packloader.sources.reader import ShardedSource
-
-FORMATS = ("parquet", "jsonl", "mds", "directory", "arrow", "megatron", "hf-disk")
-_PARQUET = (".parquet", ".pq")
-_JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd", ".json", ".json.gz", ".json.zst", ".ndjson", ".ndjson.gz",
-          ".ndjson.zst")
-
-
-def format_of(path: str) -> str | None:
-    name = path.lower()
-    if name.endswith(_PARQUET):
-        return "parquet"
-    if name.endswith(_JSONL):
-        return "jsonl"
-    return None
 
 
 def _expand(paths: Sequence[str]) -> list[str]:

@@ -49,6 +49,7 @@ from packloader.sources.errors import NonUtf8Error, SourceError
 from packloader.sources.identity import FileWatch, parquet_identity
 from packloader.sources.paths import refuse_duplicates
 from packloader.sources.reader import LruCache, ShardedSource, group_positions
+from packloader.sources.storage import RemoteWatch, open_shard, watch_shard
 
 DEFAULT_COLUMNS = ("text", "content", "tokens", "input_ids")
 TOKENIZER_KEYS = ("packloader.tokenizer", "packloader.vocab_size", "packloader.eos_id", "packloader.eos_appended")
@@ -99,8 +100,10 @@ class ParquetSource(ShardedSource):
         cache_bytes: int = 256 << 20,
         decode_threads: int | None = None,
         vocab_size: int | None = None,
+        storage=None,
     ) -> None:
         super().__init__(empty=empty)
+        self.storage = storage  # remote shards: `storage.Storage` (None: local files, or URLs by their scheme)
         if vocab_size is not None and int(vocab_size) < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.decode_threads = min(4, os.cpu_count() or 1) if decode_threads is None else int(decode_threads)
@@ -118,11 +121,9 @@ class ParquetSource(ShardedSource):
         self.metadata: dict[str, str] = {}  # key-value metadata of the first file with a tokenizer record
         self._metadata_from: str | None = None
         self._watch: list[FileWatch] = []
-        for path in self._paths:
-            if not Path(path).exists():
-                raise FileNotFoundError(f"Parquet shard not found: {path}")
-            self._watch.append(FileWatch(path, _identity))
-            pf = self._open(path)
+        for shard, path in enumerate(self._paths):
+            self._watch.append(watch_shard(path, "parquet", _identity, storage, "Parquet shard not found"))
+            pf = self._open(shard)
             self._check_schema(path, pf.schema_arrow, length_column)
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
             self._rg_starts.append(np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]))
@@ -139,12 +140,14 @@ class ParquetSource(ShardedSource):
 
     # --- opening and schema checks --------------------------------------------------------------------------------
 
-    @staticmethod
-    def _open(path: str) -> pq.ParquetFile:
-        if not Path(path).exists():
+    def _open(self, shard: int) -> pq.ParquetFile:
+        path = self._paths[shard]
+        remote = isinstance(self._watch[shard], RemoteWatch)
+        if not remote and not Path(path).exists():
             raise FileNotFoundError(f"Parquet shard not found: {path}")
         try:
-            return pq.ParquetFile(path, memory_map=False, page_checksum_verification=True)
+            source = open_shard(path, self._watch[shard], self.storage) if remote else path
+            return pq.ParquetFile(source, memory_map=False, page_checksum_verification=True)
         except (pa.ArrowException, OSError) as e:
             raise SourceError(f"{path}: not a readable Parquet file ({e})") from e
 
@@ -225,7 +228,7 @@ class ParquetSource(ShardedSource):
         pf = files.get(shard)
         if pf is None:
             try:
-                pf = self._open(self._paths[shard])
+                pf = self._open(shard)
             except (SourceError, FileNotFoundError):
                 self._watch[shard].check()  # a file changed since the source opened says so
                 raise

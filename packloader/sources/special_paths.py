@@ -1,5 +1,6 @@
 """`open_special`: the hook `open_source` calls first, for the path kinds it does not detect itself: URLs (an error:
-unsupported, listing what is), Megatron `.bin`/`.idx` pairs, Arrow files (`.arrow`, or a folder of them) and
+s3:// and other object storage: `remote_open.py`;
+schemes no installed package reads are unsupported, listing what is), Megatron `.bin`/`.idx` pairs, Arrow files (`.arrow`, or a folder of them) and
 `datasets` `save_to_disk` folders; objects in place of paths go to `objects.open_object`. What it does not take
 (local Parquet, JSONL, MDS, directories) goes back to `open_source` as a list of paths.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 
 from packloader.sources.paths import has_magic, walk_glob
-from packloader.sources.unsupported import unsupported_url, url_scheme
+from packloader.sources.unsupported import readable_url, unsupported_url, url_scheme
 
 
 def _expand_magic(paths: list[str]) -> list[str]:
@@ -37,9 +38,16 @@ def open_special(path_or_paths, *, column: str | None, format: str | None, empty
 def _open_paths(paths: list[str], *, column: str | None, format: str | None, empty: str):  # noqa: A002
     from packloader.sources.megatron_indexed import MegatronIndexedSource, is_megatron_prefix
 
-    for p in paths:
-        if url_scheme(p):
-            raise unsupported_url(p)
+    remote = [p for p in paths if url_scheme(p)]
+    if remote:
+        if len(remote) != len(paths):
+            raise ValueError(f"pass object URLs or local paths, not a mix: {paths}")
+        bad = next((p for p in paths if not readable_url(p)), None)
+        if bad is not None:
+            raise unsupported_url(bad)
+        from packloader.sources.remote_open import open_remote
+
+        return open_remote(paths, storage=None, column=column, format=format, empty=empty)
     if format not in (None, "megatron", "arrow", "hf-disk"):
         return None
     expanded = _expand_magic(paths)

@@ -10,8 +10,12 @@ SUPPORTED = (
     "local paths (a file, a glob, a directory or a list of them) to Parquet, JSONL (.gz/.zst), MDS, Arrow (.arrow) "
     "files, Megatron .bin/.idx pairs, a datasets save_to_disk folder or a directory of text files; "
     "a datasets Dataset, IterableDataset or one split of a DatasetDict; a list or generator of texts, token "
-    "arrays or dicts; a Source object"
+    "arrays or dicts; a Source object; object storage: s3:// URLs (S3 and S3-compatible servers, through the AWS "
+    "settings), gs:// and az:// where gcsfs or adlfs is installed, and paths in any pyarrow.fs or fsspec filesystem "
+    "object through packloader.Storage(filesystem=fs).paths('bucket/prefix/*.parquet') (Parquet and JSONL)"
 )
+READABLE_SCHEMES = {"s3": None, "s3a": None, "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
+                    "abfss": "adlfs"}  # scheme: the fsspec package it needs (None: boto3, always installed)
 URL_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hf", "http", "https", "ftp", "sftp", "hdfs",
                "webhdfs", "oci", "oss", "r2", "file")
 
@@ -36,16 +40,35 @@ def excerpt(value, limit: int = 60) -> str:
 def unsupported_url(path: str) -> UnsupportedSourceError:
     scheme = url_scheme(path)
     return UnsupportedSourceError(
-        f"{path}: {scheme}:// URLs are not supported (remote and object storage is not read yet); supported: "
-        f"{SUPPORTED}. Copy the shards to a local or mounted filesystem, or load them with datasets and pass the "
-        "Dataset"
+        f"{path}: {scheme}:// URLs are not supported as they stand{_needs(scheme)}; supported: {SUPPORTED}. Pass the "
+        "filesystem that reads them (Storage(filesystem=fs).paths(...)), copy the shards to a local or mounted "
+        "filesystem, or load them with datasets and pass the Dataset"
     )
+
+
+def _needs(scheme: str | None) -> str:
+    package = READABLE_SCHEMES.get(scheme or "")
+    return f" ({package} is not installed)" if package else ""
+
+
+def readable_url(path: str) -> bool:
+    """Whether a URL is read as it stands: s3://, or a scheme whose fsspec package is installed."""
+    scheme = url_scheme(path)
+    if scheme not in READABLE_SCHEMES:
+        return False
+    package = READABLE_SCHEMES[scheme]
+    if package is None:
+        return True
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
 
 
 def unsupported_object(obj) -> UnsupportedSourceError:
     kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
     if kind.startswith(("pyarrow._fs", "pyarrow.fs", "fsspec", "s3fs", "gcsfs", "adlfs")):
-        what = f"a filesystem object ({kind}) is not supported (remote and object storage is not read yet)"
+        what = (f"a filesystem object ({kind}) is not a source by itself (it names no shards): pass "
+                "packloader.Storage(filesystem=fs).paths('bucket/prefix/*.parquet')")
     else:
         what = f"{kind} is not a supported source"
     return UnsupportedSourceError(f"{what}; supported: {SUPPORTED}")

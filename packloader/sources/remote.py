@@ -1,0 +1,345 @@
+"""Object storage: shards read by ranged requests from S3 (and S3-compatible servers) or from a filesystem object.
+
+Why boto3 ranged GETs for s3:// rather than pyarrow's S3FileSystem or s3fs: every read must be tied to the object
+the source indexed, and the retry loop must be ours. A GET sent with `If-Match: <ETag>` fails (412) when the object
+was replaced since the source opened it, so a rewritten object is a `ShardChanged` error naming the URL instead of
+other documents; pyarrow's and s3fs's readers retry inside C++ or aiobotocore, unbounded in time and without that
+tie. boto3 reads the standard settings: the AWS environment variables (`AWS_ACCESS_KEY_ID`,
+`AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`/`AWS_DEFAULT_REGION`, `AWS_ENDPOINT_URL` and
+`AWS_ENDPOINT_URL_S3` for S3-compatible servers), `~/.aws` profiles and instance roles. Its own retries are off:
+`RetryPolicy` retries transient faults (5xx, throttling, resets, timeouts) with exponential backoff, bounded in
+attempts and in seconds, then raises an error naming the URL. A passed filesystem object (`pyarrow.fs.FileSystem`
+or an fsspec filesystem: gcsfs, adlfs, huggingface_hub's HfFileSystem, ...) is read the same way through its
+ranged reads (`FsStore`), so gs://, Azure and hf:// reach packloader as the filesystem the user already configured.
+
+Reads are block-aligned (`block_size`, default 4 MiB): a Parquet row group costs the few requests its column chunk
+spans, never the whole object; the optional `BlockCache` keeps blocks on local disk, bounded in bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import time
+from fnmatch import fnmatchcase
+
+import msgspec
+
+from packloader.sources.errors import SourceError
+from packloader.sources.identity import ShardChanged
+from packloader.sources.remote_cache import BlockCache
+
+
+class RemoteError(SourceError):
+    """Object storage that cannot be read: the message names the URL and why."""
+
+
+class ObjectMissing(RemoteError, FileNotFoundError):
+    """No object at the URL (or no bucket)."""
+
+
+class AccessDenied(RemoteError, PermissionError):
+    """The credentials were refused or lack permission for the URL."""
+
+
+class RetryPolicy(msgspec.Struct, frozen=True):
+    """Retries of transient faults: at most `attempts` tries per request and `deadline_s` seconds in all."""
+
+    attempts: int = 6
+    base_delay_s: float = 0.05
+    max_delay_s: float = 2.0
+    deadline_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 30.0
+
+
+class ObjectInfo(msgspec.Struct, frozen=True):
+    url: str
+    size: int
+    etag: str  # "" where the store has none (then size and content hashes identify the object)
+
+
+def split_url(url: str) -> tuple[str, str, str]:
+    """(scheme, bucket, key) of `scheme://bucket/key`."""
+    scheme, _, rest = url.partition("://")
+    bucket, _, key = rest.partition("/")
+    return scheme.lower(), bucket, key
+
+
+_TRANSIENT_CODES = {"500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
+                    "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
+_DENIED_CODES = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                 "InvalidToken", "AllAccessDisabled"}
+_MISSING_CODES = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
+
+
+def _code(e: BaseException) -> str:
+    response = getattr(e, "response", None)
+    if not isinstance(response, dict):
+        return ""
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def classify(e: BaseException) -> str:
+    """"transient", "missing", "denied", "changed" or "other" for an error a store raised."""
+    code = _code(e)
+    if code in ("412", "PreconditionFailed"):
+        return "changed"
+    if code in _MISSING_CODES or isinstance(e, FileNotFoundError):
+        return "missing"
+    if code in _DENIED_CODES or isinstance(e, PermissionError) or type(e).__name__ in (
+            "NoCredentialsError", "PartialCredentialsError"):
+        return "denied"
+    if code in _TRANSIENT_CODES:
+        return "transient"
+    names = {c.__name__ for c in type(e).__mro__}
+    transient = {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
+                 "ResponseStreamingError", "IncompleteReadError", "ProtocolError", "IncompleteRead",
+                 "ConnectionError", "TimeoutError", "ChunkedEncodingError"}
+    return "transient" if names & transient else "other"
+
+
+def with_retries(call, url: str, policy: RetryPolicy, what: str):
+    """`call()`, retried on transient faults with jittered exponential backoff; errors name `url`."""
+    start = time.monotonic()
+    for attempt in range(1, policy.attempts + 1):
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - classified below, re-raised as ours or as is
+            kind = classify(e)
+            if kind == "missing":
+                raise ObjectMissing(f"{url}: no such object ({what}: {e})") from e
+            if kind == "denied":
+                raise AccessDenied(
+                    f"{url}: access denied ({what}: {e}); check the credentials (AWS_ACCESS_KEY_ID, "
+                    "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN or the profile) and the endpoint (AWS_ENDPOINT_URL)"
+                ) from e
+            if kind == "changed":
+                raise ShardChanged(
+                    f"{url}: the object changed since the source opened it (its ETag no longer matches); it was "
+                    "rewritten or replaced. Reading on would train other documents than those indexed"
+                ) from e
+            if kind != "transient":
+                raise RemoteError(f"{url}: {what} failed ({type(e).__name__}: {e})") from e
+            elapsed = time.monotonic() - start
+            delay = min(policy.max_delay_s, policy.base_delay_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
+            if attempt == policy.attempts or elapsed + delay > policy.deadline_s:
+                raise RemoteError(
+                    f"{url}: {what} failed after {attempt} attempts in {elapsed:.1f} s of transient errors (last: "
+                    f"{type(e).__name__}: {e}); the storage is unavailable or overloaded"
+                ) from e
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+class S3Store:
+    """s3:// objects through boto3, configured from the standard AWS settings (endpoint included)."""
+
+    def __init__(self, policy: RetryPolicy | None = None, endpoint_url: str | None = None) -> None:
+        self.policy = policy or RetryPolicy()
+        self.endpoint_url = endpoint_url
+        self.bytes_read = 0
+        self.requests = 0
+        self._client, self._pid = None, -1
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_client": None, "_pid": -1}
+
+    def client(self):
+        """One client per process (a forked DataLoader worker makes its own)."""
+        if self._client is None or self._pid != os.getpid():
+            import boto3
+            from botocore.config import Config
+
+            p = self.policy
+            config = Config(retries={"total_max_attempts": 1}, connect_timeout=p.connect_timeout_s,
+                            read_timeout=p.read_timeout_s, max_pool_connections=32)
+            endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            self._client = boto3.session.Session().client("s3", endpoint_url=endpoint or None, config=config)
+            self._pid = os.getpid()
+        return self._client
+
+    def head(self, url: str) -> ObjectInfo:
+        _, bucket, key = split_url(url)
+        r = with_retries(lambda: self.client().head_object(Bucket=bucket, Key=key), url, self.policy, "HEAD")
+        return ObjectInfo(url, int(r["ContentLength"]), str(r.get("ETag", "")))
+
+    def get_range(self, info: ObjectInfo, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object `info` describes; a replaced object is `ShardChanged`."""
+        _, bucket, key = split_url(info.url)
+
+        def call() -> bytes:
+            kw = {"IfMatch": info.etag} if info.etag else {}
+            body = self.client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **kw)["Body"]
+            data = body.read()
+            if len(data) != end - start:  # a cut response: retried like a reset
+                raise ConnectionError(f"short read: {len(data)} of {end - start} bytes")
+            return data
+
+        try:
+            data = with_retries(call, info.url, self.policy, f"GET bytes {start}..{end - 1}")
+        except ObjectMissing as e:
+            raise ShardChanged(f"{info.url}: the object was deleted since the source opened it ({e})") from e
+        self.bytes_read += len(data)
+        self.requests += 1
+        return data
+
+    def listing(self, url: str) -> list[str]:
+        """The object URLs under `url`'s prefix, or matching it where it holds `*`, `?` or `[` (`**`: any depth)."""
+        scheme, bucket, key = split_url(url)
+        magic = next((i for i, c in enumerate(key) if c in "*?["), None)
+        prefix = key if magic is None else key[:magic]
+        if magic is None and prefix and not prefix.endswith("/"):
+            prefix += "/"
+
+        def pages() -> list[str]:
+            keys, token = [], None
+            for _ in range(100_000):  # bounded: 100k pages of 1000 keys
+                kw = {"ContinuationToken": token} if token else {}
+                r = self.client().list_objects_v2(Bucket=bucket, Prefix=prefix, **kw)
+                keys += [o["Key"] for o in r.get("Contents", [])]
+                if not r.get("IsTruncated"):
+                    break
+                token = r["NextContinuationToken"]
+            return keys
+
+        keys = with_retries(pages, url, self.policy, "LIST")
+        if magic is not None:
+            keys = [k for k in keys if _glob_match(k, key)]
+        keys = [k for k in keys if not k.endswith("/")]
+        return sorted(f"{scheme}://{bucket}/{k}" for k in keys)
+
+
+def _glob_match(key: str, pattern: str) -> bool:
+    """`*` within one path part, `**` across any number (as `paths.walk_glob`)."""
+    if "**" not in pattern:
+        return len(key.split("/")) == len(pattern.split("/")) and fnmatchcase(key, pattern)
+    return fnmatchcase(key, pattern.replace("**/", "*").replace("**", "*"))
+
+
+class FsStore:
+    """Objects of a filesystem object the caller configured: `pyarrow.fs.FileSystem` or an fsspec filesystem."""
+
+    def __init__(self, filesystem, policy: RetryPolicy | None = None) -> None:
+        self.fs = filesystem
+        self.policy = policy or RetryPolicy()
+        self.bytes_read = 0
+        self.requests = 0
+        self._arrow = type(filesystem).__module__.startswith("pyarrow")
+
+    def head(self, url: str) -> ObjectInfo:
+        def call() -> ObjectInfo:
+            if self._arrow:
+                import pyarrow.fs as pafs
+
+                fi = self.fs.get_file_info(url)
+                if fi.type == pafs.FileType.NotFound:
+                    raise FileNotFoundError(url)
+                mtime = fi.mtime_ns or 0
+                return ObjectInfo(url, int(fi.size), f"mtime:{mtime}")
+            info = self.fs.info(url)
+            tag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("mtime") or ""
+            return ObjectInfo(url, int(info["size"]), str(tag))
+
+        return with_retries(call, url, self.policy, "stat")
+
+    def get_range(self, info: ObjectInfo, start: int, end: int) -> bytes:
+        def call() -> bytes:
+            if self._arrow:
+                with self.fs.open_input_file(info.url) as f:
+                    data = f.read_at(end - start, start)
+            else:
+                data = self.fs.cat_file(info.url, start=start, end=end)
+            if len(data) != end - start:
+                raise ShardChanged(f"{info.url}: the object is shorter than when the source opened it")
+            return bytes(data)
+
+        data = with_retries(call, info.url, self.policy, f"read bytes {start}..{end - 1}")
+        self.bytes_read += len(data)
+        self.requests += 1
+        return data
+
+    def listing(self, url: str) -> list[str]:
+        if self._arrow:
+            import pyarrow.fs as pafs
+
+            if any(c in url for c in "*?["):
+                base = url[: next(i for i, c in enumerate(url) if c in "*?[")].rsplit("/", 1)[0]
+                infos = self.fs.get_file_info(pafs.FileSelector(base, recursive=True))
+                return sorted(i.path for i in infos if i.type == pafs.FileType.File and _glob_match(i.path, url))
+            infos = self.fs.get_file_info(pafs.FileSelector(url, recursive=True))
+            return sorted(i.path for i in infos if i.type == pafs.FileType.File)
+        if any(c in url for c in "*?["):
+            return sorted(self.fs.glob(url))
+        return sorted(p for p in self.fs.find(url))
+
+
+class RemoteFile(io.RawIOBase):
+    """A seekable read-only file over one object, read in aligned blocks (each block one ranged request, or the
+    local cache's copy), every request tied to the object the source indexed."""
+
+    def __init__(self, store, info: ObjectInfo, block_size: int = 4 << 20, cache: BlockCache | None = None) -> None:
+        super().__init__()
+        self.store, self.info, self.block_size, self.cache = store, info, int(block_size), cache
+        self.name = info.url
+        self._pos = 0
+        self._last: tuple[int, bytes] = (-1, b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def size(self) -> int:
+        return self.info.size
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self.info.size}[whence]
+        self._pos = max(0, base + int(offset))
+        return self._pos
+
+    def _block(self, k: int) -> bytes:
+        if self._last[0] == k:
+            return self._last[1]
+        a = k * self.block_size
+        b = min(self.info.size, a + self.block_size)
+        key = f"{self.info.url}\0{self.info.etag}\0{self.info.size}\0{a}"
+        data = self.cache.get(key) if self.cache is not None else None
+        if data is None:
+            data = self.store.get_range(self.info, a, b)
+            if self.cache is not None:
+                self.cache.put(key, data)
+        self._last = (k, data)
+        return data
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to `n` bytes at `offset` (fewer only at the object's end), without moving the position."""
+        end = min(self.info.size, offset + max(0, n))
+        if offset >= end:
+            return b""
+        parts = []
+        for k in range(offset // self.block_size, (end - 1) // self.block_size + 1):
+            block = self._block(k)
+            a = k * self.block_size
+            parts.append(block[max(offset, a) - a: min(end, a + len(block)) - a])
+        return b"".join(parts)
+
+    def readinto(self, buffer) -> int:
+        data = self.pread(len(buffer), self._pos)
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.info.size - self._pos if n is None or n < 0 else n
+        data = self.pread(n, self._pos)
+        self._pos += len(data)
+        return data
+
+    def readall(self) -> bytes:
+        return self.read(-1)

@@ -1,0 +1,53 @@
+"""Remote shards for `open_source`: s3:// (and other schemes' object) URLs, or paths inside a filesystem object
+(`Storage(filesystem=fs).paths(...)`), expanded by listing and opened as Parquet or JSONL over ranged reads."""
+
+from __future__ import annotations
+
+from packloader.sources.errors import SourceError
+from packloader.sources.formats import FORMATS, format_of
+from packloader.sources.storage import Storage, default_storage
+from packloader.sources.unsupported import UnsupportedSourceError
+
+
+def _expand(paths: list[str], storage: Storage) -> list[str]:
+    out = []
+    for p in paths:
+        if format_of(p) is not None and not any(c in p for c in "*?["):
+            out.append(p)
+            continue
+        found = storage.listing(p)
+        if not found:
+            raise FileNotFoundError(f"no objects match {p}")
+        out.extend(found)
+    return out
+
+
+def open_remote(paths: list[str], *, storage: Storage | None, column: str | None, format: str | None,  # noqa: A002
+                empty: str):
+    """A ParquetSource or JsonlSource over the objects `paths` name (listing prefixes and globs)."""
+    storage = storage if storage is not None else default_storage()
+    if format not in (None, "parquet", "jsonl"):
+        raise UnsupportedSourceError(
+            f"{paths[0]}: format {format!r} is not read from object storage; Parquet and JSONL (.gz/.zst) are "
+            f"(of {FORMATS}). Copy MDS, Arrow or Megatron shards to a local or mounted filesystem"
+        )
+    files = _expand(paths, storage)
+    if len(set(files)) != len(files):
+        dup = next(f for f in files if files.count(f) > 1)
+        raise SourceError(f"{dup} is named twice; its documents would be read twice an epoch. Name each shard once")
+    files = [f for f in files if not f.rsplit("/", 1)[-1].startswith((".", "_"))]
+    kinds: dict[str | None, list[str]] = {}
+    for f in files:
+        kinds.setdefault(format if format is not None else format_of(f), []).append(f)
+    if format is None and (None in kinds or len(kinds) != 1):
+        listed = "; ".join(f"{k or 'other'}: {', '.join(v[:5])}" for k, v in kinds.items())
+        raise ValueError(f"cannot tell one format of the objects ({listed}); pass format= 'parquet' or 'jsonl' "
+                         "or a glob that matches one kind")
+    fmt, chosen = next(iter(kinds.items()))
+    if fmt == "parquet":
+        from packloader.sources.parquet import ParquetSource
+
+        return ParquetSource(chosen, column=column, empty=empty, storage=storage)
+    from packloader.sources.jsonl import JsonlSource
+
+    return JsonlSource(chosen, field=column, empty=empty, storage=storage)

@@ -1,0 +1,301 @@
+"""Object storage: Parquet and JSONL shards read from a real S3-compatible server (moto_server) on the loopback, with
+faults injected by a proxy in front of it. Expected documents are the ones the test wrote (independent reference)."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import itertools
+import json
+import os
+import pickle
+
+import boto3
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers.s3_server import FaultProxy, MotoServer, find_moto_server
+from helpers.source_resume import check_exact_resume, check_exactly_once, small_config
+
+from packloader import PackedLoader
+from packloader.sources import storage as storage_mod
+from packloader.sources.identity import ShardChanged
+from packloader.sources.open import open_source
+from packloader.sources.remote import AccessDenied, ObjectMissing, RemoteError, RetryPolicy
+from packloader.sources.storage import Storage
+
+pytestmark = pytest.mark.multiprocess  # starts moto_server
+
+FAST = RetryPolicy(attempts=6, base_delay_s=0.01, max_delay_s=0.1, deadline_s=30, connect_timeout_s=2,
+                   read_timeout_s=2)
+_NAMES = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def moto():
+    exe = find_moto_server()
+    if exe is None:
+        pytest.skip("moto_server not installed (`bash scripts/setup.sh dev` installs moto[server])")
+    server = MotoServer(exe)
+    yield server
+    server.close()
+
+
+@pytest.fixture()
+def s3(moto, monkeypatch):
+    """A fresh bucket; the AWS settings point at the server (the default storage rebuilt from them)."""
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                 "AWS_ENDPOINT_URL": moto.endpoint}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setattr(storage_mod, "_DEFAULT", {})
+    client = boto3.client("s3", endpoint_url=moto.endpoint)
+    bucket = f"bkt-{os.getpid()}-{next(_NAMES)}"
+    client.create_bucket(Bucket=bucket)
+    return client, bucket
+
+
+def token_docs(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1000, int(rng.integers(1, 300))).astype(np.int32) for _ in range(n)]
+
+
+def parquet_bytes(docs, row_group_size: int = 16) -> bytes:
+    t = pa.table({"tokens": pa.array([d.tolist() for d in docs], pa.list_(pa.int32())),
+                  "length": pa.array([len(d) for d in docs], pa.int32())})
+    buf = io.BytesIO()
+    pq.write_table(t, buf, row_group_size=row_group_size)
+    return buf.getvalue()
+
+
+def put_parquet(s3, key: str, docs) -> str:
+    client, bucket = s3
+    client.put_object(Bucket=bucket, Key=key, Body=parquet_bytes(docs))
+    return f"s3://{bucket}/{key}"
+
+
+def two_shards(s3, prefix: str = "p"):
+    a, b = token_docs(40, 1), token_docs(30, 2)
+    put_parquet(s3, f"{prefix}/a.parquet", a)
+    put_parquet(s3, f"{prefix}/b.parquet", b)
+    return f"s3://{s3[1]}/{prefix}/*.parquet", a + b
+
+
+def read_all(src) -> list[list[int]]:
+    out = []
+    for k, s in enumerate(src.shards):
+        out += [np.asarray(d).tolist() for d in src.read(k, np.arange(s.num_rows))]
+    return out
+
+
+def test_parquet_from_s3_url_reads_every_document(s3):
+    url, docs = two_shards(s3)
+    src = open_source(url)
+    assert [s.name for s in src.shards] == [f"s3://{s3[1]}/p/a.parquet", f"s3://{s3[1]}/p/b.parquet"]
+    assert read_all(src) == [d.tolist() for d in docs]
+    assert src.identities[0].count(":") == 2  # size, ETag, footer hash
+    clone = pickle.loads(pickle.dumps(src))  # as DataLoader workers and spawned processes receive it
+    assert read_all(clone) == [d.tolist() for d in docs]
+
+
+def test_parquet_reads_row_groups_by_range_not_whole_objects(s3):
+    docs = token_docs(2000, 3)
+    client, bucket = s3
+    body = parquet_bytes(docs, row_group_size=200)
+    client.put_object(Bucket=bucket, Key="big/a.parquet", Body=body)
+    url = f"s3://{bucket}/big/a.parquet"
+    meta = pq.ParquetFile(io.BytesIO(body)).metadata
+    tail = 64 << 10  # pyarrow's speculative read of the footer
+    bound = tail + sum(meta.row_group(0).column(c).total_compressed_size for c in range(2)) + 2 * (16 << 10)  # + a block at each end
+    store = Storage(block_size=16 << 10, retry=FAST)
+    src = open_source(store.paths(url))
+    got = [np.asarray(d).tolist() for d in src.read(0, np.arange(5))]
+    assert got == [d.tolist() for d in docs[:5]]
+    assert 0 < store.bytes_read <= bound < len(body) / 2  # the footer and one row group's blocks, not the object
+
+
+def test_jsonl_text_and_gzip_from_s3(s3):
+    client, bucket = s3
+    texts = [f"document {i} " + "word " * (i % 7) for i in range(25)]
+    body = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    client.put_object(Bucket=bucket, Key="j/a.jsonl", Body=body)
+    client.put_object(Bucket=bucket, Key="z/a.jsonl.gz", Body=gzip.compress(body))
+    for url in (f"s3://{bucket}/j/a.jsonl", f"s3://{bucket}/z/"):
+        src = open_source(url)
+        assert list(src.read(0, np.arange(25))) == texts
+
+
+def test_filesystem_objects_pyarrow_and_fsspec(s3, moto):
+    import fsspec
+    import pyarrow.fs as pafs
+
+    url, docs = two_shards(s3)
+    fs = pafs.S3FileSystem(endpoint_override=moto.endpoint, access_key="testing", secret_key="testing",
+                           region="us-east-1")
+    src = open_source(Storage(filesystem=fs).paths(f"{s3[1]}/p/*.parquet"))
+    assert read_all(src) == [d.tolist() for d in docs]
+    mem = fsspec.filesystem("memory")
+    mem.pipe(f"/{s3[1]}/m/a.parquet", parquet_bytes(docs))
+    src = open_source(Storage(filesystem=mem).paths(f"/{s3[1]}/m/"))
+    assert read_all(src) == [d.tolist() for d in docs]
+
+
+def test_loader_from_s3_trains_every_token_once_and_resumes_exactly(s3):
+    url, docs = two_shards(s3)
+    check_exactly_once(PackedLoader(url, config=small_config(), tokenizer=None, num_threads=1), docs)
+    check_exact_resume(lambda: PackedLoader(url, config=small_config(), tokenizer=None, num_threads=2), stop=5)
+
+
+def test_missing_object_names_the_url(s3):
+    with pytest.raises(ObjectMissing, match=rf"s3://{s3[1]}/p/none.parquet: no such object"):
+        open_source(f"s3://{s3[1]}/p/none.parquet")
+    with pytest.raises(FileNotFoundError, match="no objects match"):
+        open_source(f"s3://{s3[1]}/nothing/*.parquet")
+
+
+def test_bad_credentials_name_the_url(s3, moto):
+    url, _ = two_shards(s3)
+    proxy = FaultProxy(moto.port)
+    try:
+        proxy.faults.access_key = "right-key"
+        store = Storage(endpoint_url=proxy.endpoint, retry=FAST)
+        with pytest.raises(AccessDenied, match=r"s3://.*a.parquet: access denied.*AWS_ACCESS_KEY_ID"):
+            open_source(store.paths(url.replace("*.parquet", "a.parquet")))
+    finally:
+        proxy.close()
+
+
+def test_object_replaced_under_a_saved_state_is_refused(s3):
+    url, docs = two_shards(s3)
+    loader = PackedLoader(url, config=small_config(), tokenizer=None, num_threads=1)
+    it = iter(loader)
+    next(it)
+    state = pickle.loads(pickle.dumps(loader.state_dict()))
+    put_parquet(s3, "p/b.parquet", token_docs(30, 99))  # same name and row count, other tokens
+    fresh = PackedLoader(url, config=small_config(), tokenizer=None, num_threads=1)
+    with pytest.raises(ValueError, match="b.parquet"):
+        fresh.load_state_dict(state)
+
+
+@pytest.mark.parametrize("how", ["replaced", "deleted"])
+def test_object_changed_mid_epoch_is_a_clear_error(s3, how):
+    url = put_parquet(s3, "c/a.parquet", token_docs(2000, 4))  # larger than what opening it reads
+    src = open_source(Storage(block_size=8 << 10, retry=FAST).paths(url))
+    if how == "replaced":
+        put_parquet(s3, "c/a.parquet", token_docs(2000, 5))
+    else:
+        s3[0].delete_object(Bucket=s3[1], Key="c/a.parquet")
+    with pytest.raises((ShardChanged, RemoteError, ValueError), match=rf"{url}.*(changed|deleted)"):
+        list(src.read(0, np.arange(2000)))
+
+
+@pytest.mark.parametrize("mode", ["status", "reset", "slow"])
+def test_transient_faults_are_retried_and_every_token_trained_once(s3, moto, mode):
+    url, docs = two_shards(s3)
+    proxy = FaultProxy(moto.port)
+    try:
+        proxy.faults.every, proxy.faults.mode, proxy.faults.slow_s = 3, mode, 0.2
+        proxy.faults.status = 500 if mode == "status" else 503
+        store = Storage(endpoint_url=proxy.endpoint, block_size=8 << 10, retry=FAST)
+        loader = PackedLoader(store.paths(url), config=small_config(), tokenizer=None, num_threads=2)
+        check_exactly_once(loader, docs)
+        assert proxy.faults.injected > 0
+    finally:
+        proxy.close()
+
+
+def test_persistent_faults_end_in_an_error_naming_the_url(s3, moto):
+    url = put_parquet(s3, "f/a.parquet", token_docs(10, 6))
+    proxy = FaultProxy(moto.port)
+    try:
+        proxy.faults.every, proxy.faults.mode = 1, "status"
+        store = Storage(endpoint_url=proxy.endpoint, retry=RetryPolicy(attempts=3, base_delay_s=0.01))
+        with pytest.raises(RemoteError, match=rf"{url}: GET .* failed after 3 attempts"):
+            open_source(store.paths(url))
+    finally:
+        proxy.close()
+
+
+def test_block_cache_is_bounded_and_serves_repeat_reads(s3, tmp_path):
+    docs = token_docs(200, 7)
+    url = put_parquet(s3, "k/a.parquet", docs)
+    store = Storage(block_size=8 << 10, cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 10, retry=FAST)
+    src = open_source(store.paths(url))
+    assert read_all(src) == [d.tolist() for d in docs]
+    assert store.cache.used_bytes() <= 64 << 10 and store.cache.evictions > 0
+    cache = str(tmp_path / "cache2")
+    first = Storage(block_size=8 << 10, cache_dir=cache, cache_bytes=16 << 20, retry=FAST)
+    read_all(open_source(first.paths(url)))
+    assert first.bytes_read > 0
+    restarted = Storage(block_size=8 << 10, cache_dir=cache, cache_bytes=16 << 20, retry=FAST)  # a new process
+    assert read_all(open_source(restarted.paths(url))) == [d.tolist() for d in docs]
+    assert restarted.bytes_read == 0  # every block came from the disk cache
+
+
+def test_killed_and_resumed_from_object_storage_equals_one_uninterrupted_epoch(s3, tmp_path):
+    """SIGKILL mid-epoch (mid-save, after logging), restart from the last saved state: the stitched
+    batches equal an uninterrupted run's and every token is trained once (the kill harness's checks)."""
+    from helpers import kill_harness as kh
+
+    cfg = kh.KillConfig(source="parquet", strategy="wlb")
+    paths, docs = kh.write_corpus(cfg.source, tmp_path / "corpus")
+    client, bucket = s3
+    urls = []
+    for p in paths:
+        client.put_object(Bucket=bucket, Key=f"kill/{os.path.basename(p)}", Body=open(p, "rb").read())
+        urls.append(f"s3://{bucket}/kill/{os.path.basename(p)}")
+    h = kh.Harness(cfg, urls, docs, tmp_path / "run", fork=False, timeout=240)
+    h.run_reference()
+    assert h.rounds >= 6
+    kills = [{"at": h.rounds // 3, "phase": "save"}, {"at": h.rounds - 1, "phase": "log"}]  # mid-save, after a log
+    result = h.run_kills(kills, save_at=list(range(1, h.rounds + 1, 2)))
+    assert result.kills == len(kills) and result.tokens > 0
+    assert (result.lost, result.repeated, result.extra_epoch_tokens) == (0, 0, 0), result
+    assert result.token_errors == 0 and result.order_errors == 0, result
+
+
+def test_dataloader_workers_read_from_s3_and_cover_every_token_once(s3):
+    """Spawned DataLoader workers get the source pickled (no client, no open object) and make their own client."""
+    from torch.utils.data import DataLoader
+
+    from packloader import PackedDataset
+    from packloader.loader.check import TokenLedger
+
+    url, docs = two_shards(s3)
+    ds = PackedDataset(Storage(retry=FAST).paths(url), config=small_config(), tokenizer=None, epochs=1)
+    steps = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn"))
+    ledger = TokenLedger(ds._p.stream)
+    got = []
+    for mbs in steps:
+        ledger.add(mbs)
+        for b in mbs:
+            ids, cu = b.input_ids.numpy().reshape(-1), b.cu_seqlens.numpy()
+            got += [ids[a:e].tolist() for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    assert ledger.check_epoch(0) == sum(len(d) for d in docs)
+    assert sorted(t for piece in got for t in piece) == sorted(t for d in docs for t in d.tolist())
+
+
+def test_retries_are_bounded_in_seconds_and_classified():
+    """A fault that never clears ends at the deadline however many attempts are allowed; timeouts and resets
+    are retried, a missing object and refused credentials are not."""
+    from botocore.exceptions import ClientError, NoCredentialsError, ReadTimeoutError
+
+    from packloader.sources.remote import classify, with_retries
+
+    calls = []
+
+    def reset():
+        calls.append(1)
+        raise ConnectionResetError("reset by peer")
+
+    policy = RetryPolicy(attempts=1000, base_delay_s=0.05, max_delay_s=0.05, deadline_s=0.3)
+    with pytest.raises(RemoteError, match=r"s3://b/k: GET failed after \d+ attempts in .* ConnectionResetError"):
+        with_retries(reset, "s3://b/k", policy, "GET")
+    assert 2 <= len(calls) <= 13  # each wait is at least 0.025 s: the 0.3 s deadline stops it long before 1000
+    assert classify(ReadTimeoutError(endpoint_url="http://127.0.0.1:1")) == "transient"
+    assert classify(ClientError({"Error": {"Code": "SlowDown"}}, "GetObject")) == "transient"
+    assert classify(ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")) == "missing"
+    assert classify(ClientError({"Error": {"Code": "InvalidAccessKeyId"}}, "GetObject")) == "denied"
+    assert classify(NoCredentialsError()) == "denied"
+    assert classify(ClientError({"Error": {"Code": "PreconditionFailed"}}, "GetObject")) == "changed"

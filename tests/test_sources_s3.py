@@ -260,7 +260,7 @@ def test_dataloader_workers_read_from_s3_and_cover_every_token_once(s3):
     from torch.utils.data import DataLoader
 
     from packloader import PackedDataset
-    from packloader.loader.check import TokenLedger
+    from tests.helpers.ledger import TokenLedger
 
     url, docs = two_shards(s3)
     ds = PackedDataset(Storage(retry=FAST).paths(url), config=small_config(), tokenizer=None, epochs=1)

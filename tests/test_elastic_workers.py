@@ -94,6 +94,7 @@ def test_dp_2_with_2_workers_to_dp_1_with_3_then_0_workers():
     assert lost_and_repeated(docs, seen) == (0, 0)
 
 
+@pytest.mark.multiprocess  # (its loaders have no workers, but `loader` can start them)
 def test_what_cannot_be_honoured_is_refused_naming_it():
     docs = corpus(2)
     seen: list = []

@@ -126,7 +126,8 @@ class PackedDataset(IterableDataset):
     the DataLoader visits workers in turn, increasing (a worker that runs out of steps first leaves gaps).
     All ranks must use the same number of workers; the rank check runs only in PackedLoader (workers have no
     process group). `set_epoch(e)` picks the first epoch of the next pass; a pass yields `epochs` epochs.
-    With torchdata's StatefulDataLoader, each worker's position is saved and restored (same num_workers).
+    With torchdata's StatefulDataLoader, each worker's position is saved and restored; at another num_workers or
+    layout, load `dataloader_state_for(state, num_workers)` (`worker_resume.py`).
     """
 
     def __init__(self, source, *, tokenizer: Any = "tekken", config: PlanConfig | dict, dp_rank: int | None = None,

@@ -1,6 +1,6 @@
 """Elastic resume at random layout changes: how many tokens a run loses or repeats when its layout changes mid-step.
 
-    .venv/bin/python benchmarks/elastic.py --runs 40 --write docs/benchmarks.md
+    .venv/bin/python benchmarks/elastic.py --runs 40 --worker-runs 4 --write docs/benchmarks.md
 
 Each run trains one epoch over three to five layouts in turn. A layout is a DP degree (1, 2, 3, 4 or 8), a planner
 (`wlb`, which queues outliers for later steps; `auto` with slicing, context twice max_tokens; `fixed`, half the
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             "One epoch trained over several layouts in turn, each stopped inside a random step (every rank at a random "
             "micro-batch of it) and resumed at the next layout from `merge_states` of every rank's state "
             "(`benchmarks/elastic.py`'s docstring says what a run does; CI runs dp 2 -> 4 -> 1 over gloo in "
-            "`tests/test_elastic_resume.py`).", "", "```bash", cmd, "```", "",
+            "`tests/test_elastic_resume.py`, worker counts in `tests/test_elastic_workers.py`).", "", "```bash", cmd, "```", "",
             f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()} with {cpus} CPUs "
             f"(load average {load0:.1f} at the start; shared).", "", f"- {summary}",
             *([f"- {wsummary}"] if wrows else []), "",

@@ -82,6 +82,9 @@ class _StepIterator:
         """A state of this worker (of this worker count), or parts dealt by `worker_resume.dataloader_state_for`;
         either may come from another layout (dp, micro-batch count, ...): a worker state is a step boundary."""
         if isinstance(state, dict) and state.get("format") == PARTS_FORMAT:
+            if not isinstance(state.get("parts"), list) or not isinstance(state.get("turn"), int):
+                raise ValueError("this PackedDataset worker state is incomplete or damaged: expected 'parts' (a list "
+                                 "of worker states) and 'turn' (an int), as dataloader_state_for writes them")
             parts = []
             for st in state["parts"]:
                 part = _StepIterator(self.dataset, int(st["worker"]), int(st["workers"]))
@@ -105,7 +108,7 @@ class _StepIterator:
             num_docs=p.stream.num_docs, span=self.span, step_offset=self.worker, step_stride=self.workers,
             loader=False, max_epochs=self.max_epochs, doc_lengths=source_lengths(p.stream)))
         self.close()
-        self._position = state["loader"]["step_state"]
+        self._parts, self._position = None, state["loader"]["step_state"]
 
     def close(self) -> None:
         """Stop this iterator's threads."""

@@ -3,8 +3,8 @@ once, another layout: dp, pp, cp, tp, micro-batch count, strategy, max_tokens, t
 
 StatefulDataLoader saves one iterator state per worker and refuses a state saved with another `num_workers`.
 A worker of W plans its own contiguous part of each epoch (`split_range`), so the positions of a save are W
-cursors, not one: they cannot be merged into one stream position without dropping or repeating tokens. So the
-saved workers' parts go on as they were cut until the pass ends: `dataloader_state_for` deals the W saved parts
+cursors, not one stream position, and W' workers would cut the epoch elsewhere. So the saved workers' parts go
+on as they were cut until the pass ends (with `epochs=None` the pass never ends, and the cut stays): `dataloader_state_for` deals the W saved parts
 out to the new workers (part v to worker v mod W'), each new worker plans its parts in turn, and the next pass
 (a new `iter`) splits the epoch over the new workers. Every part resumes at a step boundary (a worker yields whole
 steps), whose stream position does not depend on the layout, so every token is trained once; step numbers stay

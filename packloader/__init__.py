@@ -75,6 +75,7 @@ _EXPORTS: dict[str, str] = {
     "PackedLoader": "packloader.loader.loader",
     "PackedDataset": "packloader.loader.dataset",
     "merge_states": "packloader.loader.elastic",
+    "dataloader_state_for": "packloader.loader.worker_resume",
     "LoaderStats": "packloader.contracts",
     "StepMetrics": "packloader.contracts",
     "PackedBatch": "packloader.collate.batch",

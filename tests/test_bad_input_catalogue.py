@@ -308,6 +308,18 @@ def mid_step_state_at_another_layout(tmp):
     return lambda: b.load_state_dict(state)
 
 
+def worker_state_at_another_worker_count(tmp):
+    from packloader.loader.dataset import PackedDataset, _StepIterator
+
+    docs = [np.arange(1, 1 + n, dtype=np.int32) for n in (5, 70, 30, 200, 12) * 10]
+    ds = PackedDataset(IterableSource(docs), config=_config(), num_threads=0)
+    it = iter(ds)  # the main process: worker 0 of 1
+    next(it)
+    state = it.state_dict()
+    it.close()
+    return lambda: _StepIterator(ds, 1, 2).load_state_dict(state)
+
+
 def cli_number_zero(tmp):
     np.save(tmp / "ok.npy", np.array([10, 20, 30]))
     return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--dp", "0", "--quiet")
@@ -775,6 +787,8 @@ CASES = [
          ("exit 2", "run.json: unknown key 'max_tokenz' for this command; expected one of:", "max_tokens")),
     Case("model_shape_incomplete", model_shape_incomplete, KeyError,
          ("shape:mine:hidden=4096,layers=32", "missing: heads, kv_heads, head_dim, ffn, vocab, gated_mlp")),
+    Case("worker_state_at_another_worker_count", worker_state_at_another_worker_count, ValueError,
+         ("DataLoader worker 0 of 1, loaded into worker 1 of 2", "dataloader_state_for(state, num_workers)")),
     Case("cli_number_zero", cli_number_zero, CliExit,
          ("exit 2", "argument --dp: must be >= 1 and <= 131,072 (field parallel.dp), got 0")),
     Case("cli_number_too_large", cli_number_too_large, CliExit, ("exit 2", "argument --max-tokens", "<= 1,099,511,627,776 (field max_tokens)")),

@@ -9,9 +9,11 @@ from torch.utils.data import IterableDataset
 
 from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
+from packloader.loader.elastic import drawn_fields, same_layout
 from packloader.loader.graph import LoaderPipeline, StepGraph
-from packloader.loader.state import check_state, fingerprint, saved_state
+from packloader.loader.state import check_fingerprint, check_state_shape, fingerprint, saved_state
 from packloader.loader.state_check import StateContext, check_state_values, source_lengths
+from packloader.loader.worker_resume import PARTS_FORMAT
 from packloader.sources.order import split_range
 
 
@@ -29,11 +31,15 @@ class _StepIterator:
         self.max_epochs = None if p.options.epochs is None else self.start_epoch + p.options.epochs
         self._graph: StepGraph | None = None
         self._position: dict | None = None  # StepNode state after the last step returned (None: the start)
+        self._parts: list[_StepIterator] | None = None  # resumed from another worker count: the saved workers'
+        self._turn = 0  # the part whose step comes next
 
     def __iter__(self):
         return self
 
     def __next__(self) -> list[PackedBatch]:
+        if self._parts is not None:
+            return self._next_part()
         if self._graph is None:
             span = self.span
             self._graph = self.dataset._p.build(span=lambda epoch: span, exchange=None, max_epochs=self.max_epochs,
@@ -45,25 +51,68 @@ class _StepIterator:
             if step.batches:
                 return step.batches
 
+    def _next_part(self) -> list[PackedBatch]:
+        """The parts' steps in turn, as the saving DataLoader visited its workers; a finished part drops out."""
+        while self._parts:
+            self._turn %= len(self._parts)
+            part = self._parts[self._turn]
+            try:
+                out = next(part)
+            except StopIteration:
+                part.close()
+                del self._parts[self._turn]  # nothing left of it to resume
+                continue
+            self._turn += 1
+            return out
+        raise StopIteration
+
     def _fingerprint(self) -> dict:
         p = self.dataset._p
         return fingerprint(config=p.config, options=p.options, source=p.source, tokenizer_name=p.tokenizer_name(),
                            dp_rank=p.dp_rank, eos_appended=p.stream.eos_appended, span=self.span)
 
     def state_dict(self) -> dict:
-        return saved_state(fingerprint=self._fingerprint(), step_state=self._position, skip=0)
+        if self._parts is not None:
+            return {"format": PARTS_FORMAT, "parts": [q.state_dict() for q in self._parts], "turn": self._turn}
+        return saved_state(fingerprint=self._fingerprint(), step_state=self._position, skip=0, worker=self.worker,
+                           workers=self.workers)
 
     def load_state_dict(self, state: dict) -> None:
-        check_state(state, self._fingerprint())
+        """A state of this worker (of this worker count), or parts dealt by `worker_resume.dataloader_state_for`;
+        either may come from another layout (dp, micro-batch count, ...): a worker state is a step boundary."""
+        if isinstance(state, dict) and state.get("format") == PARTS_FORMAT:
+            if not isinstance(state.get("parts"), list) or not isinstance(state.get("turn"), int):
+                raise ValueError("this PackedDataset worker state is incomplete or damaged: expected 'parts' (a list "
+                                 "of worker states) and 'turn' (an int), as dataloader_state_for writes them")
+            parts = []
+            for st in state["parts"]:
+                part = _StepIterator(self.dataset, int(st["worker"]), int(st["workers"]))
+                part.load_state_dict(st)
+                parts.append(part)
+            self.close()
+            self._parts, self._turn = parts, int(state["turn"])
+            return
+        check_state_shape(state)
+        if (state.get("worker", self.worker), state.get("workers", self.workers)) != (self.worker, self.workers):
+            raise ValueError(
+                f"this is the state of DataLoader worker {state['worker']} of {state['workers']}, loaded into worker "
+                f"{self.worker} of {self.workers}; to resume with another num_workers, load "
+                "packloader.dataloader_state_for(state, num_workers) into the StatefulDataLoader")
+        saved, now = state["fingerprint"], self._fingerprint()
+        if not same_layout(saved, now):  # another layout: only what is drawn must match
+            saved, now = drawn_fields(saved), drawn_fields(now)
+        check_fingerprint(saved, now)
         p = self.dataset._p
         check_state_values(state, StateContext(
             num_docs=p.stream.num_docs, span=self.span, step_offset=self.worker, step_stride=self.workers,
             loader=False, max_epochs=self.max_epochs, doc_lengths=source_lengths(p.stream)))
         self.close()
-        self._position = state["loader"]["step_state"]
+        self._parts, self._position = None, state["loader"]["step_state"]
 
     def close(self) -> None:
         """Stop this iterator's threads."""
+        for part in self._parts or []:
+            part.close()
         if self._graph is not None:
             self._graph.close()
             self._graph = None
@@ -79,7 +128,8 @@ class PackedDataset(IterableDataset):
     the DataLoader visits workers in turn, increasing (a worker that runs out of steps first leaves gaps).
     All ranks must use the same number of workers; the rank check runs only in PackedLoader (workers have no
     process group). `set_epoch(e)` picks the first epoch of the next pass; a pass yields `epochs` epochs.
-    With torchdata's StatefulDataLoader, each worker's position is saved and restored (same num_workers).
+    With torchdata's StatefulDataLoader, each worker's position is saved and restored; at another num_workers or
+    layout, load `dataloader_state_for(state, num_workers)` (`worker_resume.py`).
     """
 
     def __init__(self, source, *, tokenizer: Any = "tekken", config: PlanConfig | dict, dp_rank: int | None = None,

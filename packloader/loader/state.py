@@ -135,6 +135,8 @@ class SavedState(msgspec.Struct, kw_only=True, omit_defaults=True):
     stats: LoaderStats | None
     loader: Position
     ranks: list[Position] | None = None  # `elastic.merge_states`: every saving rank's position, by DP rank
+    worker: int | None = None  # a `PackedDataset` worker's state: which worker of how many saved it
+    workers: int | None = None
 
 
 def step_state(**fields) -> dict:
@@ -143,11 +145,13 @@ def step_state(**fields) -> dict:
 
 
 def saved_state(*, fingerprint: dict, step_state: dict | None, skip: int, next_epoch: int | None = None,
-                pass_left: int | None = None, pass_open: bool = False, stats: LoaderStats | None = None) -> dict:
+                pass_left: int | None = None, pass_open: bool = False, stats: LoaderStats | None = None,
+                worker: int | None = None, workers: int | None = None) -> dict:
     """A `state_dict()`: plain Python data (torch.save/pickle), `msgspec.to_builtins` of a SavedState."""
     position = Position(step_state=None if step_state is None else msgspec.convert(step_state, StepState), skip=skip)
     return msgspec.to_builtins(SavedState(format=STATE_FORMAT, fingerprint=fingerprint, next_epoch=next_epoch,
-                                          pass_left=pass_left, pass_open=pass_open, stats=stats, loader=position))
+                                          pass_left=pass_left, pass_open=pass_open, stats=stats, loader=position,
+                                          worker=worker, workers=workers))
 
 
 def check_state(state, current_fingerprint: dict) -> None:

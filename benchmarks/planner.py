@@ -70,12 +70,12 @@ from sections import write_section  # benchmarks/, the script's own folder
 
 from packloader.balancers.draw import cut_pieces
 from packloader.balancers.planners.packing import cost_model_for
-from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.planners.registry import Window, make_planner, planner_spec, report_strategies
 from packloader.balancers.sim.metrics import drawn_steps, score_plans
 from packloader.balancers.sim.verify import verify_plan
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
-STRATEGIES = ["fixed", "wlb", "hydraulis", "slimpack", "auto", "concat", "multipack", "karmarkar_karp"]
+REFERENCE = "fixed"  # the baseline every strategy's simulated tokens per second is measured over
 SECTION = "planner"
 TARGETS = {
     "imbalance": 1.05,  # auto, WLB-LLM's figure
@@ -85,6 +85,15 @@ TARGETS = {
     "plan_ms_dp8": 10.0,
     "plan_ms_dp1024": 100.0,
 }
+
+
+def default_strategies() -> list[str]:
+    """The registry's strategies the report shows: `REFERENCE` first, then packloader's planners, then the other
+    tools' baselines (each group in the report's order), so a planner registered anywhere is benchmarked too."""
+    names = report_strategies()
+    role = {n: planner_spec(n).role for n in names}
+    ours = [n for n in names if role[n] == "packloader"]
+    return [REFERENCE, *ours, *(n for n in names if role[n] == "baseline" and n != REFERENCE)]
 
 
 @dataclass(frozen=True)
@@ -387,7 +396,7 @@ def run_all(args) -> tuple[list[Row], dict]:
                     f"delay {row.delay_mean:.2f} plan {row.plan_ms:.1f} ms | other model: eff {row.alt_efficiency:.3f}, "
                     f"wrong-profile loss {100 * (row.wrong_loss or 0):.1f}%" if row.ok else f"skipped: {row.note}"), flush=True)
     for r in rows:  # simulated tokens per second over fixed's, same dataset and setup (delays plan fewer tokens)
-        base = next((b for b in rows if b.dataset == r.dataset and b.setup == r.setup and b.strategy == "fixed" and b.ok), None)
+        base = next((b for b in rows if b.dataset == r.dataset and b.setup == r.setup and b.strategy == REFERENCE and b.ok), None)
         if r.ok and base is not None and r.step_time > 0 and base.tokens:
             r.speedup = (r.tokens / r.step_time) / (base.tokens / base.step_time)
     return rows, stats
@@ -556,7 +565,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="steps per run at DP 8 (DP 1024 runs a quarter)")
     ap.add_argument("--datasets", nargs="+", default=None)
     ap.add_argument("--setups", nargs="+", default=["dp8-pp4", "dp8-pp1", "dp1024"])
-    ap.add_argument("--strategies", nargs="+", default=STRATEGIES)
+    ap.add_argument("--strategies", nargs="+", default=None,
+                    help="default: the reference baseline, then the registry's packloader planners and the other "
+                         "tools' baselines, each in the report's order")
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--cost", choices=["measured", "analytic"], default="measured",
                     help="cost model the strategies plan and are scored with (the other one is the sensitivity column)")
@@ -573,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows of earlier runs (--json files) to report with this run's (this run's rows win): the "
                          "section assembled from several short runs on a busy machine")
     args = ap.parse_args(argv)
+    if args.strategies is None:
+        args.strategies = default_strategies()
     if args.datasets is None:
         args.datasets = ["synthetic-cc"] if args.quick else ["synthetic-cc", "synthetic-github", "synthetic-longtail", "stdlib", "docs"]
     rows, stats = run_all(args)

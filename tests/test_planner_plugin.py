@@ -4,6 +4,7 @@ PlanConfig.planner_options; nothing in packloader names it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -132,21 +133,94 @@ def test_a_shipped_planners_options_reach_it_alone_and_inside_auto():
     assert counts == {None: 5, 0.5: 8}
 
 
-def test_auto_and_the_report_runner_name_no_planner():
-    """What they know of planners comes from the registry: no string constant in their code is a planner's name
-    (docstrings aside)."""
+def test_auto_and_the_report_name_no_planner():
+    """What `auto` and every report module know of planners comes from the registry: no string constant in their
+    code is a planner's name (docstrings aside), and none imports a planner's own module."""
     import ast
     from pathlib import Path
 
     import packloader.balancers.planners.auto as auto_mod
-    import packloader.report.run as run_mod
-    from packloader.balancers.planners.registry import available_strategies
+    import packloader.report as report_pkg
+    from packloader.balancers.planners.registry import planner_specs
 
-    names = set(available_strategies())
-    for mod in (auto_mod, run_mod):
-        tree = ast.parse(Path(mod.__file__).read_text())
+    specs = planner_specs()
+    names = {s.name for s in specs}
+    planner_modules = {s.factory.__module__ for s in specs}
+    files = [Path(auto_mod.__file__), *sorted(Path(report_pkg.__file__).parent.glob("*.py"))]
+    assert len(files) > 8  # advice, build, run, table, ... all read
+    for path in files:
+        tree = ast.parse(path.read_text())
         docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
                 and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
         named = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) not in docs} & names
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         # "auto" registers itself under its own name; nothing else
-        assert named <= ({"auto"} if mod is auto_mod else set()), (mod.__name__, named)
+        mine = path == Path(auto_mod.__file__)
+        assert named <= ({"auto"} if mine else set()), (path.name, named)
+        assert not (imported & planner_modules) - ({auto_mod.__name__} if mine else set()), (path.name, imported & planner_modules)
+
+
+PROBE = "rank_costs_probe_test"
+
+
+@pytest.fixture
+def probe():
+    """A planner of heterogeneous ranks registered from outside, first in the report's order: Hydraulis' factory,
+    recording the cost model it is given."""
+    from packloader.balancers.planners.registry import planner_spec, register_planner
+
+    seen = []
+    hyd = planner_spec("hydraulis")
+
+    def make(config, options, model):
+        seen.append(model)
+        return hyd.factory(config, options, model)
+
+    register_planner(PROBE, options=hyd.options, rank_costs=True, report_order=0, summary="probe")(make)
+    yield seen
+    _REGISTRY.pop(PROBE, None)
+
+
+def test_grouping_advice_plans_with_the_registrys_rank_costs_planner(probe):
+    """The report's grouping advice asks the registry which planner plans heterogeneous ranks: a plugin that says
+    it does (and comes first) gets every grouping, with a cost model and cap per rank, and plans what
+    HydraulisPlanner(models=, caps=) plans directly (the advice's code before the registry knew)."""
+    from packloader.balancers.cost.resolve import RankCosts, load_cost_model
+    from packloader.balancers.planners.hydraulis import HydraulisPlanner
+    from packloader.balancers.planners.registry import rank_costs_planner
+    from packloader.balancers.sim.metrics import score_plans
+    from packloader.report.advice import grouping_candidates, merged_model
+    from packloader.report.draw import draw_steps
+    from packloader.report.run import run_planner
+
+    cap = 8192
+    cfg = PlanConfig(strategy="wlb", parallel=ParallelConfig(dp=4), max_tokens=cap, context=cap, model="tiny",
+                     tokens_per_step=4 * 3 * cap)
+    rng = np.random.default_rng(5)
+    draw = draw_steps(np.clip(rng.lognormal(7, 1.2, 400), 16, cap).astype(np.int64), cfg.tokens_per_step, cap, 2)
+    model = load_cost_model("tiny", cfg.parallel)
+    assert rank_costs_planner().name == PROBE
+    cands = grouping_candidates(cfg, draw, model, None, None)
+    # dp 4 by hand: groups of 2 (one, with 2 plain ranks; two) and one group of 4
+    assert [(c.groups[0].count, c.groups[0].gpus_per_group, len(c.groups)) for c in cands] == [(1, 2, 2), (2, 2, 1), (1, 4, 1)]
+    assert {c.planner for c in cands} == {PROBE} and all(c.step_time_total > 0 for c in cands)
+    ranked = [m for m in probe if isinstance(m, RankCosts)]
+    assert [m.caps for m in ranked[:1]] == [[2 * cap, cap, cap]]
+    for (g, k), cand in zip([(2, 1), (2, 2), (4, 1)], cands):
+        plain = 4 - k * g
+        models, caps = [merged_model(model, g)] * k + [model] * plain, [cap * g] * k + [cap] * plain
+        sub = msgspec.structs.replace(cfg, strategy="hydraulis", parallel=ParallelConfig(dp=k + plain))
+        direct = run_planner(lambda: HydraulisPlanner(sub, models=models, caps=caps), "hydraulis", sub, draw, warmup=False)
+        assert direct.ok
+        _, agg = score_plans(direct.plans, models, sub.parallel, max_tokens=cap, schedule=cfg.schedule,
+                             drawn=draw.doc_step)
+        assert cand.step_time_total == pytest.approx(agg.step_time_total, rel=1e-12)
+    # without a planner of heterogeneous ranks there is no grouping advice
+    saved = dict(_REGISTRY)
+    try:
+        for name, spec in saved.items():
+            _REGISTRY[name] = dataclasses.replace(spec, rank_costs=False)
+        assert rank_costs_planner() is None and grouping_candidates(cfg, draw, model, None, None) == []
+    finally:
+        _REGISTRY.update(saved)

@@ -10,6 +10,7 @@ import sys
 from packloader.cli import numbers
 from packloader.cli.layout_options import add_layout_arguments, config_from_args
 from packloader.cli.plugins import add_plugin_argument, load
+from packloader.contracts import PlanConfig
 
 # --demo: the Python standard library's .py files, tokenized with the default tokenizer, on a layout where a
 # 32K-token micro-batch of Llama-3-8B fits an H100 (tp=2, pp=2), 4 DP ranks: 16 GPUs. These override the
@@ -64,7 +65,10 @@ def run(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace):
     """The PlanConfig of the flags (demo defaults under --demo); tokens per step derived when not given."""
     defaults = DEMO if args.demo else {}
-    config = config_from_args(args, strategy="fixed", defaults=defaults, check=False)  # tokens per step not final
+    # the strategy is a placeholder, PlanConfig's own default: each strategy is run on its own, so no planner's
+    # rules are the whole run's
+    placeholder = PlanConfig().strategy
+    config = config_from_args(args, strategy=placeholder, defaults=defaults, check=False)  # tokens per step not final
     given = "layout_tokens_per_step" in args.layout_given or (args.demo and "tokens_per_step" in defaults)
     if args.global_batch is not None:
         if "layout_tokens_per_step" in args.layout_given:
@@ -74,8 +78,7 @@ def _config(args: argparse.Namespace):
         tps = config.tokens_per_step
     else:
         tps = config.parallel.dp * config.max_tokens * max(4, 2 * config.parallel.pp)
-    # "fixed" is a placeholder: each strategy is run on its own, so the planner's rules are not the whole run's
-    return config_from_args(args, strategy="fixed", defaults=defaults, strategy_rules=False, tokens_per_step=tps)
+    return config_from_args(args, strategy=placeholder, defaults=defaults, strategy_rules=False, tokens_per_step=tps)
 
 
 def _run(args: argparse.Namespace) -> int:

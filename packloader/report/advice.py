@@ -9,8 +9,9 @@ heterogeneous grouping of data-parallel ranks, each backed by a simulation over 
 * Grouping (the Hydraulis paper, section 5's strategy proposal): merge g DP ranks into one group that runs
   context parallelism over g GPUs, so the group takes micro-batches g times as long (cap x g) at 1/g of the
   per-GPU work (ideal sharding; the per-micro-batch and per-segment floors do not shrink). k such groups plus
-  the remaining plain ranks keep the GPU count. HydraulisPlanner dispatches the step's pieces to this mix
-  with one cost model and cap per rank; the gain is its simulated time against the homogeneous layout.
+  the remaining plain ranks keep the GPU count. The registry's planner of heterogeneous ranks (`rank_costs`,
+  Hydraulis' dispatch among the shipped ones) plans the step's pieces on this mix with one cost model and cap per
+  rank; the gain is its simulated time against the same planner on the homogeneous layout.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import numpy as np
 
 from packloader.balancers.cost.memory import memory_limit_bytes
 from packloader.balancers.cost.model import CostModel
+from packloader.balancers.cost.resolve import RankCosts
+from packloader.balancers.planners.registry import rank_costs_planner
 from packloader.balancers.sim.metrics import score_plans
 from packloader.balancers.sim.simulator import simulate_step
 from packloader.contracts import ParallelConfig, PlanConfig, Poly
@@ -155,10 +158,11 @@ def confirm_candidate(cand: CapCandidate, figs: list[StrategyFigures], config: P
 
 def grouping_candidates(config: PlanConfig, draw: Draw, model: CostModel, baseline_tps: float | None,
                         homogeneous_time: float | None, max_candidates: int = 6, tick=None) -> list[GroupingCandidate]:
-    """Heterogeneous groupings (k groups of g merged DP ranks + plain ranks), each planned by HydraulisPlanner
-    with per-rank cost models and caps over all drawn steps."""
-    from packloader.balancers.planners.hydraulis import HydraulisPlanner
-
+    """Heterogeneous groupings (k groups of g merged DP ranks + plain ranks), each planned by the registry's
+    planner of heterogeneous ranks with per-rank cost models and caps over all drawn steps (none without one)."""
+    spec = rank_costs_planner()
+    if spec is None:
+        return []
     dp, cp, cap = config.parallel.dp, config.parallel.cp, config.max_tokens
     shapes = [(g, k) for g in (2, 4, 8) if g <= dp for k in range(1, dp // g + 1)]
     shapes = shapes[:max_candidates]
@@ -170,14 +174,15 @@ def grouping_candidates(config: PlanConfig, draw: Draw, model: CostModel, baseli
         models = [big] * k + [model] * plain
         caps = [cap * g] * k + [cap] * plain
         par = msgspec.structs.replace(config.parallel, dp=ranks)
-        cfg = msgspec.structs.replace(config, strategy="hydraulis", parallel=par)
+        cfg = msgspec.structs.replace(config, strategy=spec.name, parallel=par)
         groups = [RankGroup(count=k, gpus_per_group=g, cp=cp * g, max_tokens=cap * g)]
         if plain:
             groups.append(RankGroup(count=plain, gpus_per_group=1, cp=cp, max_tokens=cap))
         desc = f"{k} group{'s' if k > 1 else ''} of {g} DP ranks as CP={cp * g} with cap {cap * g:,}"
         desc += f" + {plain} plain rank{'s' if plain != 1 else ''} (cap {cap:,})" if plain else " (every rank merged)"
-        cand = GroupingCandidate(groups=groups, description=desc)
-        run = run_planner(lambda: HydraulisPlanner(cfg, models=models, caps=caps), "hydraulis", cfg, draw, warmup=False)
+        cand = GroupingCandidate(groups=groups, description=desc, planner=spec.name)
+        costs = RankCosts(models, caps)
+        run = run_planner(lambda: spec.build(cfg, costs), spec.name, cfg, draw, warmup=False)
         if tick is not None:
             tick()
         if not run.ok:
@@ -264,7 +269,8 @@ def _recommend(figs, config, draw, model, memory, grid_steps, grouping, tick, co
                     baseline_tokens_per_second=base_tps, confirmed=confirmed,
                     tokens_per_second=pick.tokens_per_second if pick is not None else fig.tokens_per_second)
     if grouping and config.parallel.dp >= 2:
-        homo = next((f for f in figs if f.name == "hydraulis" and f.status == "ok"), None)
+        spec = rank_costs_planner()
+        homo = next((f for f in figs if spec is not None and f.name == spec.name and f.status == "ok"), None)
         cands = grouping_candidates(config, draw, model, base.tokens_per_second if base else None,
                                     homo.step_time_total if homo else None, tick=tick)
         advice.grouping_candidates = cands
@@ -275,7 +281,7 @@ def _recommend(figs, config, draw, model, memory, grid_steps, grouping, tick, co
         if merged:
             top = min(merged, key=lambda c: c.step_time_total)
             if advice.grouping is None or top.step_time_total < advice.grouping.step_time_total:
-                vs = (f"{top.gain_vs_homogeneous:.2f}x the homogeneous hydraulis layout" if top.gain_vs_homogeneous
+                vs = (f"{top.gain_vs_homogeneous:.2f}x {top.homogeneous()}" if top.gain_vs_homogeneous
                       else f"{top.gain_vs_baseline:.2f}x the fastest baseline")
                 notes.append(f"merging every rank ({top.description}) simulates faster still: {vs}")
         if cands:

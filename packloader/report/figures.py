@@ -151,9 +151,14 @@ class GroupingCandidate(msgspec.Struct, kw_only=True):
     groups: list[RankGroup]
     description: str
     step_time_total: float = 0.0
-    gain_vs_homogeneous: float = 0.0  # homogeneous hydraulis time / this time (same steps, same tokens)
+    gain_vs_homogeneous: float = 0.0  # the same planner's homogeneous time / this time (same steps, same tokens)
     gain_vs_baseline: float = 0.0  # this throughput / the fastest baseline's
     note: str = ""
+    planner: str = ""  # the registry's planner of heterogeneous ranks that planned it (`rank_costs`)
+
+    def homogeneous(self) -> str:
+        """The layout the gain is measured against, for the text."""
+        return f"the homogeneous {self.planner} layout" if self.planner else "the homogeneous layout"
 
 
 class Advice(msgspec.Struct, kw_only=True):

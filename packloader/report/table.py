@@ -83,7 +83,7 @@ def render_text(report: Report) -> str:
                 f"  settings: {a.settings_text()}"]
         if a.grouping is not None:
             g = a.grouping
-            gain = f"{g.gain_vs_homogeneous:.2f}x the homogeneous hydraulis layout" if g.gain_vs_homogeneous else "the homogeneous layout cannot run"
+            gain = f"{g.gain_vs_homogeneous:.2f}x {g.homogeneous()}" if g.gain_vs_homogeneous else "the homogeneous layout cannot run"
             out.append(f"  heterogeneous grouping: {g.description}: {gain}, {g.gain_vs_baseline:.2f}x the fastest baseline"
                        if g.gain_vs_baseline else f"  heterogeneous grouping: {g.description}: {gain}")
         out += [f"  note: {n}" for n in a.notes]

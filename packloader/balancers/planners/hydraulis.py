@@ -15,7 +15,8 @@ model's linear part reaches 85 % of its asymptotic efficiency (floor / slope). T
 for one V on every DP rank, so the enumeration scores each V by its slowest rank.
 
 Heterogeneous ranks: `HydraulisPlanner(config, models=[...], caps=[...])` takes one cost model and token cap
-per DP rank (Hydraulis' heterogeneous pipelines); the kernels take the profiles as a (K, NUM_COEFFS) array.
+per DP rank (Hydraulis' heterogeneous pipelines), as does a RankCosts injected as its model (its registry entry's
+`rank_costs`, which the report's grouping advice looks up); the kernels take the profiles as a (K, NUM_COEFFS) array.
 Nothing is delayed; queued pieces from another planner's state are planned first like any other.
 """
 
@@ -211,9 +212,9 @@ class HydraulisOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 @register_planner("hydraulis", options=HydraulisOptions, summary="Hydraulis: cost-aware dispatch + packing",
-                  report_order=20, auto=AutoUse(order=20, whole_pieces=True, options={"trials": 1, "v_limit": 3},
+                  report_order=20, rank_costs=True, auto=AutoUse(order=20, whole_pieces=True, options={"trials": 1, "v_limit": 3},
                                                 options_at_scale={"trials": 1, "v_limit": 2}))
-def _make(config: PlanConfig, options: HydraulisOptions, model: CostModel) -> Planner:
+def _make(config: PlanConfig, options: HydraulisOptions, model: Model) -> Planner:
     return HydraulisPlanner(config, model=model, **msgspec.structs.asdict(options))
 
 

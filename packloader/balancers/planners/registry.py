@@ -112,6 +112,9 @@ class PlannerSpec:
     report_order: int | None = 50  # its place in the report's default strategies (baselines first); None: not shown
     auto: AutoUse | None = None  # None: `auto` never plans with it
     uses_model: bool = True  # takes a cost model (False: plans by token counts only)
+    # takes a RankCosts (a cost model and token cap per DP rank) as its injected model: the report's grouping
+    # advice (DP ranks merged into context-parallel groups) plans with it
+    rank_costs: bool = False
 
     def parse_options(self, raw: dict | None) -> Any:
         """The entry's options Struct from a plain dict, unknown or ill-typed keys a ValueError naming them."""
@@ -140,7 +143,8 @@ _builtins_loaded = False
 
 def register_planner(name: str, **entry: Any) -> Callable[[PlannerFactory], PlannerFactory]:
     """Make `name` a valid `PlanConfig.strategy` whose planners `factory(config, options, model)` builds; `entry`
-    holds the other PlannerSpec fields (slices, options, role, summary, report_order, auto, uses_model)."""
+    holds the other PlannerSpec fields (slices, options, role, summary, report_order, auto, uses_model,
+    rank_costs)."""
 
     def deco(factory: PlannerFactory) -> PlannerFactory:
         _REGISTRY[name] = PlannerSpec(name, factory, **entry)
@@ -189,6 +193,13 @@ def report_strategies() -> tuple[str, ...]:
     """The report's default strategies: baselines, then packloader's planners, each by its report_order."""
     shown = [s for s in planner_specs() if s.report_order is not None]
     return tuple(s.name for s in sorted(shown, key=lambda s: (s.role != "baseline", s.report_order, s.name)))
+
+
+def rank_costs_planner() -> PlannerSpec | None:
+    """The planner that plans heterogeneous DP ranks (`rank_costs`) for the report's grouping advice: the first
+    such in the report's order, None when none is registered."""
+    able = [s for s in planner_specs() if s.rank_costs]
+    return min(able, key=lambda s: (s.report_order is None, s.report_order or 0, s.name), default=None)
 
 
 def check_strategy(config: PlanConfig) -> None:

@@ -136,16 +136,18 @@ def test_pipeline_pp_run_matches_the_whole_document_run(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_pipeline_pp_zb_h1_runs_the_written_lists_like_the_whole_document_run(tmp_path):
-    """--pp 2 --schedule zb-h1: every step runs exactly the action lists `packloader plan` writes for the loader's
-    own plans (split input / weight backwards, "W", which a 1F1B run would not execute; empty slots dropped), and
-    trains the same steps as the unsliced whole-document run of the same plans (same tolerance as 1F1B above)."""
+@pytest.mark.parametrize("planner,schedule", [("slimpack", "zb-h1"), ("auto", "auto")])
+def test_pipeline_pp_zb_h1_runs_the_written_lists_like_the_whole_document_run(tmp_path, planner, schedule):
+    """--pp 2 --schedule zb-h1 (and `auto` choosing per step): every step runs exactly the action lists `packloader
+    plan` writes for the loader's own plans (under ZB-H1 split input / weight backwards, "W", which a 1F1B run would
+    not execute; empty slots dropped), and trains the same steps as the unsliced whole-document run of the same
+    plans (same tolerance as 1F1B above)."""
     ex = load_example()
     common = ["--out", str(tmp_path), "--tiny", "--pp", "2", "--steps", "2", "--quiet", "--threads", "1",
-              "--schedule", "zb-h1"]
+              "--schedule", schedule, "--planners", planner]
     whole = ex.main(common + ["--pp-whole"])["runs"][0]
     pp = ex.main(common)["runs"][0]
-    assert len(pp["curve"]) == len(whole["curve"]) == 2 and pp["sliced_steps"] == 2
+    assert len(pp["curve"]) == len(whole["curve"]) == 2
     for a, b in zip(whole["curve"], pp["curve"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
     # the lists, rebuilt here from the loader's plans (independently of the run), are what the first stage ran
@@ -161,7 +163,7 @@ def test_pipeline_pp_zb_h1_runs_the_written_lists_like_the_whole_document_run(tm
     args.seed = 0
     steps = []
     for b in ex.make_loader(ex.write_shards(tmp_path, args.files, args.valid_fraction, args.data_seed)[0], args,
-                            "slimpack", epochs=1):
+                            planner, epochs=1):
         if b.step >= 2:
             break
         if b.index_in_step == 0:
@@ -170,10 +172,12 @@ def test_pipeline_pp_zb_h1_runs_the_written_lists_like_the_whole_document_run(tm
     acts = pp["pipeline_actions"]
     for k, mbs in enumerate(steps):
         lists = msgspec.json.decode(msgspec.json.encode(
-            step_actions(mbs[0].plan, linear, ParallelConfig(pp=2), schedule="zb-h1")[0][0]))
+            step_actions(mbs[0].plan, linear, ParallelConfig(pp=2), schedule=schedule)[0][0]))
         keep = {j: i for i, j in enumerate(j for j, b in enumerate(mbs) if b.num_tokens)}
         want = [[op, keep[u], st] for op, u, st in lists if u in keep]
-        assert any(a[0] == "W" for a in want)
+        chosen = mbs[0].plan.schedule or schedule  # `auto` records its choice in the plan
+        assert chosen in ("1f1b", "zb-h1")
+        assert any(a[0] == "W" for a in want) == (chosen == "zb-h1")
         assert acts["written"][k] == want
         assert acts["executed"][k] == want
 

@@ -6,6 +6,7 @@ seed, and compare held-out loss against the `fixed` baseline.
     python examples/train_llama.py --out /tmp/cp --tiny --planners fixed --cp 2   # Zeppelin CP over 2 gloo ranks
     python examples/train_llama.py --out /tmp/dc --tiny --planners fixed --cp 2 --dp 2   # 2 DP x 2 CP, 4 ranks
     python examples/train_llama.py --out /tmp/pp --tiny --pp 2                    # 2 pipeline stages, sliced plans
+    python examples/train_llama.py --out /tmp/zb --tiny --pp 2 --schedule zb-h1   # the same, zero-bubble ZB-H1
 
 Data: the Python standard library's source files (no download), cut into top-level definitions (a long-tailed
 mix of short and long documents), tokenized with packloader's default tokenizer (tekken) by
@@ -49,7 +50,10 @@ backward order, from ``batch.plan``; rank 0's executed order per step is in ``pi
 loss is normalised over the step's loss tokens, and each stage takes one AdamW step per packloader step (tied embedding gradient summed between the first and last stage,
 gradient-norm clip over all stages). Every rank builds the whole model from the seed and keeps its stage, so the
 init is the single-process run's. ``--pp N --pp-whole`` is the unsliced run it must match: one process, the same
-plans, each step's documents rejoined from their slices and run whole through the unsplit model.
+plans, each step's documents rejoined from their slices and run whole through the unsplit model. ``--schedule``
+(``1f1b``, ``zb-h1``, ``auto``) is the plans' ``PlanConfig.schedule``: each step runs exactly the action lists
+``packloader plan`` writes for it (``planned_actions``; under ZB-H1 a "B" is the input gradient and a "W" the
+weight gradient; rank 0's written and executed lists per step are in ``pipeline_actions``).
 """
 
 from __future__ import annotations
@@ -271,6 +275,19 @@ def planned_rank_plan(micro_batches, dp_rank: int = 0):
     return RankPlan(micro_batches=mbs, backward_order=[at[j] for j in rp.backward_order if j in at])
 
 
+def planned_actions(micro_batches, config, dp_rank: int = 0) -> list:
+    """The action lists `packloader plan` writes for this step and DP rank (per pipeline rank [[op, micro_batch,
+    stage], ...], "W" under ZB-H1 or where `auto` chose it), empty slots dropped and the others renumbered as in
+    `planned_rank_plan` (an empty slot's actions are no work on any stage; the rest keep their order)."""
+    from packloader.balancers.planners.registry import cost_model_for
+    from packloader.balancers.sim.actions import step_actions
+
+    plan = micro_batches[0].plan
+    lists = step_actions(plan, cost_model_for(config), config.parallel, schedule=config.schedule)[dp_rank]
+    at = {j: i for i, j in enumerate(j for j, b in enumerate(micro_batches) if b.num_tokens)}
+    return [[[op, at[u], st] for op, u, st in lst if u in at] for lst in lists]
+
+
 class PipelineRun:
     """This process's pipeline stage of the `--pp` run: its share of the full model (built whole with the seed on
     every rank, so each stage's parameters are exactly the single-process run's), the engine stage and the
@@ -310,26 +327,31 @@ class PipelineRun:
             self.owner[q] = 0
         self.sliced_steps = 0
         self.orders: list[list] = []  # per step, this stage's executed (F/B, micro-batch, chunk) order
+        self.written: list[list] = []  # per step, this stage's written action list ([op, micro_batch, stage])
+        self.executed: list[list] = []  # per step, what this stage ran, in the same form
 
     @staticmethod
     def _loss(logits, target):
         labels, n_step = target
         return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") / n_step
 
-    def step(self, micro_batches, table: torch.Tensor, n_step: int) -> float:
-        """Forward and backward of one packloader step through the pipeline (the plan's micro-batches in the
-        simulator's 1F1B order, slices carrying their keys per stage); the step's summed loss / `n_step`, on
-        every rank."""
+    def step(self, micro_batches, table: torch.Tensor, n_step: int, config) -> float:
+        """Forward and backward of one packloader step through the pipeline (the plan's micro-batches run as the
+        action lists `packloader plan` writes for `config.schedule`: 1F1B, ZB-H1 or `auto`'s choice; slices
+        carrying their keys per stage); the step's summed loss / `n_step`, on every rank."""
         import torch.distributed as dist
 
         mbs = [b for b in micro_batches if b.num_tokens]  # an empty slot has nothing to run on any stage
         self.sliced_steps += any(s.attend_from < s.start for b in mbs for s in b.segments)
         losses: list = []
-        self.schedule.step_plan(planned_rank_plan(micro_batches),
+        lists = planned_actions(micro_batches, config)
+        self.schedule.step_plan(planned_rank_plan(micro_batches), actions=lists,
                                 arg_mbs=[(remap(b.input_ids, table),) for b in mbs],
                                 kwarg_mbs=[{"position_ids": b.position_ids} for b in mbs],
                                 target_mbs=[(remap(b.labels, table), n_step) for b in mbs], losses=losses)
         self.orders.append([list(a) for a in self.schedule.order])
+        self.written.append(lists[self.rank])
+        self.executed.append([list(a) for a in self.schedule.executed])
         if self.tied is not None and self.pp > 1:
             if self.tied.grad is None:
                 self.tied.grad = torch.zeros_like(self.tied)
@@ -366,6 +388,7 @@ def make_loader(paths, args, strategy: str, epochs, *, train: bool = True):
     pp, dp = (args.pp, args.dp) if train else (1, 1)  # every rank evaluates the whole held-out set
     cfg = PlanConfig(strategy=strategy, max_tokens=args.max_tokens, context=args.context,
                      tokens_per_step=args.tokens_per_step, allow_slicing=pp > 1, parallel=ParallelConfig(pp=pp, dp=dp),
+                     schedule=args.schedule if pp > 1 else "1f1b",
                      model=args.cost_model, seed=args.seed)
     return PackedLoader(paths, config=cfg, epochs=epochs, num_threads=0, seed=args.seed,
                         dp_rank=_DIST.get("dp_rank", 0) if train else 0)
@@ -430,7 +453,7 @@ def train(args, strategy: str, train_paths, valid_paths, table) -> dict:
         opt.zero_grad(set_to_none=True)
         total = 0.0
         if pipe is not None:  # the step through the pipeline stages, slices included
-            total = pipe.step(micro_batches, table, n_step) * n_step
+            total = pipe.step(micro_batches, table, n_step, loader.config) * n_step
         elif args.pp_whole:  # the unsliced reference: the step's documents whole, one process
             sliced_steps += any(s.attend_from < s.start for b in micro_batches for s in b.segments)
             loss = whole_step_loss_sum(model, micro_batches, table)
@@ -465,15 +488,16 @@ def train(args, strategy: str, train_paths, valid_paths, table) -> dict:
             print(f"[{strategy} seed {args.seed}] step {step:4d} loss {total / n_step:.4f} tokens {trained}/{total_tokens} "
                   f"({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
     loader.close()
-    orders = None
+    orders = actions = None
     if pipe is not None:
         pipe.gather()
         sliced_steps = pipe.sliced_steps
         orders = pipe.orders
+        actions = {"written": pipe.written, "executed": pipe.executed}
     # every rank evaluates its gathered full model (the loader's start is collective over the process group)
     held_out = evaluate(model, valid_paths, args, table) if valid_paths else float("nan")
     return {"strategy": strategy, "seed": args.seed, "curve": curve, "held_out_loss": held_out,
-            "sliced_steps": sliced_steps, "pipeline_orders": orders,
+            "sliced_steps": sliced_steps, "pipeline_orders": orders, "pipeline_actions": actions,
             "skipped_empty_steps": skipped, "empty_micro_batches": empty_mbs, "tokens_trained": trained,
             "epoch_tokens": total_tokens // args.epochs, "seconds": time.perf_counter() - t0}
 
@@ -581,6 +605,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="data-parallel replicas (gloo processes; with --cp N, N CP ranks each)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline parallelism over this many gloo processes (plans pipeline-aware, slices allowed)")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "zb-h1", "auto"],
+                   help="with --pp N: the pipeline schedule the plans are scored and run with (PlanConfig.schedule; "
+                        "zb-h1 splits each backward into input- and weight-gradient actions, auto lets the planner "
+                        "choose per step)")
     p.add_argument("--pp-whole", action="store_true",
                    help="with --pp N: one process, the same plans, each step's documents rejoined and run whole "
                         "through the unsplit model (the unsliced run --pp N must match)")

@@ -398,12 +398,27 @@ def test_refusals_point_to_the_pipeline_schedule_where_it_is_installed(monkeypat
 # ----------------------------------------------------------------------------------------- Megatron PP > 1
 
 
-def _pp2_loader(ds, epochs):
+def _pp2_loader(ds, epochs, schedule="1f1b"):
     from packloader.contracts import ParallelConfig
 
     cfg = PlanConfig(strategy="slimpack", max_tokens=64, context=256, tokens_per_step=400, num_micro_batches=MB,
-                     parallel=ParallelConfig(pp=2))
+                     parallel=ParallelConfig(pp=2), schedule=schedule)
     return PackedLoader(IterableSource(ds), config=cfg, num_threads=0, append_eos=False, epochs=epochs)
+
+
+def _written_lists(plan, schedule):
+    """DP rank 0's action lists of the step as `packloader plan` writes them (through JSON and back)."""
+    import msgspec
+
+    from packloader.balancers.cost.model import CostModel
+    from packloader.balancers.sim.actions import step_actions
+    from packloader.contracts import CostProfile, ParallelConfig, Poly
+
+    # the lists' order follows the schedule's rule, not the costs: any cost model writes the same lists
+    linear = CostModel(CostProfile(name="linear", tile=1, attn_fwd=Poly(), attn_bwd=Poly(), lin_fwd=Poly(0, 1.0, 0),
+                                   lin_bwd=Poly(0, 2.0, 0)))
+    acts = step_actions(plan, linear, ParallelConfig(pp=2), schedule=schedule)
+    return msgspec.json.decode(msgspec.json.encode(acts))[0]
 
 
 def _megatron_config(pp, tp=1):
@@ -438,11 +453,13 @@ def _reversed_backward(plan):
         rp, backward_order=list(range(len(rp.micro_batches)))[::-1])] + list(plan.ranks[1:]))
 
 
-def _rank_megatron_pipeline(rank, world, pos="learned_absolute", steps=2, tp=1):
+def _rank_megatron_pipeline(rank, world, pos="learned_absolute", steps=2, tp=1, schedule="1f1b", written=False):
     """Rank `rank` of a Megatron GPTModel in world / tp pipeline stages of `tp` tensor-parallel ranks each (gloo,
     CPU, float64) running `steps` sliced steps through sliced_pipeline_forward_backward; rank 0 also runs the
     unsplit model over whole documents (the reference). `pos`: the model's position_embedding_type. At TP > 1
-    the result names the dimension each split tensor is cut along (`split`) and this rank's TP index."""
+    the result names the dimension each split tensor is cut along (`split`) and this rank's TP index. `schedule`:
+    the loader's PlanConfig.schedule; `written`: record each step's action lists as `packloader plan` writes them
+    (through JSON; `written`) beside what ran (`executed`), and pass them to the second step."""
     from megatron.core import parallel_state as ps
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -493,14 +510,18 @@ def _rank_megatron_pipeline(rank, world, pos="learned_absolute", steps=2, tp=1):
     stage.load_state_dict({k: state[n].chunk(tp, split[n])[tp_rank] if n in split else state[n]
                            for k, n in names.items()})
     # two epochs of one step each: the second step reuses the stage and schedule (buffers re-sized, a new plan)
-    it = pm.MegatronDataIterator(_pp2_loader(docs, 2), num_microbatches=MB, slices=True)
+    it = pm.MegatronDataIterator(_pp2_loader(docs, 2, schedule), num_microbatches=MB, slices=True)
     it = (dict(b, step_plan=_reversed_backward(b["step_plan"])) for b in it)
-    out = dict(ref=ref, orders=[], kv_left=[], losses=[], tokens=[])
-    for _ in range(steps):
-        store = pm.sliced_pipeline_forward_backward(forward_step_func=pm.forward_step, data_iterator=it,
+    out = dict(ref=ref, orders=[], kv_left=[], losses=[], tokens=[], written=[], executed=[])
+    for step in range(steps):
+        batches = [next(it) for _ in range(MB)]
+        lists = _written_lists(batches[0]["step_plan"], schedule) if written else None
+        store = pm.sliced_pipeline_forward_backward(forward_step_func=pm.forward_step, data_iterator=iter(batches),
                                                     model=[stage], num_microbatches=MB, seq_length=0,
-                                                    micro_batch_size=1)
+                                                    micro_batch_size=1, actions=lists if step % 2 else None)
         sched = pm.pipeline_schedule_of(stage)
+        out["written"].append(lists[pp_rank] if written else None)
+        out["executed"].append([list(a) for a in sched.executed])
         out["orders"].append(list(sched.order))
         out["kv_left"].append(len(sched._stages[0].cache))
         out["losses"].append(sum(float(r["lm loss"][0]) for r in store))
@@ -549,6 +570,47 @@ def test_megatron_pipeline_runs_a_sliced_plan_like_whole_documents():
     assert set(got) == set(ref_grads)
     for k, g in ref_grads.items():
         torch.testing.assert_close(torch.from_numpy(got[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)
+
+
+@pytest.mark.multiprocess
+def test_megatron_pipeline_runs_zb_h1_written_lists_like_1f1b_and_whole_documents():
+    """PlanConfig(schedule="zb-h1") at PP 2 through sliced_pipeline_forward_backward: the first step runs the
+    schedule the iterator passes from the loader's config, the second the action lists `packloader plan` writes
+    (JSON, this DP rank's); each stage executes exactly the written ZB-H1 lists (split "B"/"W", which 1F1B would
+    not run), frees its carried KV, and the loss and every gradient equal the whole-document reference (as the
+    1F1B test above, same tolerances)."""
+    pytest.importorskip("megatron.core")
+    from helpers.distributed import run_ranks
+
+    res = run_ranks(_rank_megatron_pipeline, 2, "learned_absolute", 2, 1, "zb-h1", True)
+    ref_loss, ref_grads = res[0]["ref"]
+    for step in (0, 1):
+        for r in range(2):
+            lists = res[r]["written"][step]
+            assert any(a[0] == "W" for a in lists), (step, r)
+            assert res[r]["executed"][step] == lists, (step, r)
+            assert res[r]["kv_left"][step] == 0
+        assert res[1]["tokens"][step] == sum(n - 1 for n in LENGTHS)
+        assert res[1]["losses"][step] == pytest.approx(ref_loss, rel=1e-6)
+    got = {**res[0]["grads"], **res[1]["grads"]}
+    assert set(got) == set(ref_grads)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(torch.from_numpy(got[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)
+
+
+def test_megatron_pipeline_schedule_is_the_plans_hand_worked():
+    """The schedule sliced_pipeline_forward_backward runs: the planner's choice for the step (StepPlan.schedule,
+    set under "auto"), else the configured one, else 1F1B (also for "auto" with no choice recorded)."""
+    pytest.importorskip("megatron.core")
+    from packloader.contracts import StepPlan
+    from packloader_integrations.megatron.pipeline import step_schedule
+
+    chose = StepPlan(step=0, ranks=[], schedule="zb-h1")
+    none = StepPlan(step=0, ranks=[])
+    assert step_schedule(chose, "auto") == "zb-h1"
+    assert step_schedule(none, "zb-h1") == "zb-h1"
+    assert step_schedule(none, "auto") == step_schedule(none, None) == step_schedule(None, None) == "1f1b"
+    assert step_schedule(none, "gpipe") == "gpipe"
 
 
 @pytest.mark.multiprocess

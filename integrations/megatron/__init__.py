@@ -73,7 +73,8 @@ document's earlier slices in earlier micro-batches of the same step):
   model chunk (a GPTModel built with its stage's ``pre_process``/``post_process``) becomes a
   ``packloader.runtime.pipeline.SlicedPipelineStage`` on Megatron's pipeline group, and the step's micro-batches
   run through ``PlanPipelineSchedule`` in the order the planner's simulator scored (the plan's
-  ``backward_order``, from ``batch["step_plan"]``); each stage keeps its own layers' keys and values of a
+  ``backward_order``, from ``batch["step_plan"]``) and the plan's schedule (1F1B, or ZB-H1's split input /
+  weight backwards under ``PlanConfig.schedule`` "zb-h1" or "auto"; ``actions=`` runs the written lists); each stage keeps its own layers' keys and values of a
   document's earlier slices until the document's last backward. Every pipeline rank reads the step's batches
   from its own iterator (same loader, same DP rank: plans are deterministic), since every stage needs the
   segments. Loss, ``no_sync_func`` and ``finalize_model_grads_func`` as in Megatron's schedule. Tensor

@@ -199,7 +199,10 @@ class MegatronDataIterator:
                     f"{s.start}..{s.end - 1} attend from {s.attend_from}), which Megatron's own schedules cannot run. "
                     "At PP 1 build the iterator with slices=True and train with sliced_forward_backward (core "
                     f"attention PackloaderCoreAttention); or {SLICES_PP_ALTERNATIVE}")
-        return megatron_batch(batch, **self._kw)
+        out = megatron_batch(batch, **self._kw)
+        # the configured pipeline schedule (PlanConfig.schedule) for sliced_pipeline_forward_backward
+        out["schedule"] = getattr(getattr(self.loader, "config", None), "schedule", None)
+        return out
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()

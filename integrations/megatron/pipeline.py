@@ -129,11 +129,23 @@ def _rank_plan(batches: list[dict], dp_rank: int | None):
     return RankPlan(micro_batches=mbs, backward_order=rp.backward_order), plan
 
 
+def step_schedule(step_plan: Any, schedule: str | None) -> str:
+    """The schedule a step runs, as the planner's simulator scored it and ``packloader plan`` writes its action
+    lists: the one the planner chose for the step (``StepPlan.schedule``, under "auto"), else the configured one
+    (``schedule``: the loader's ``PlanConfig.schedule``, which ``MegatronDataIterator`` passes in each batch),
+    else 1F1B."""
+    chosen = getattr(step_plan, "schedule", "") if step_plan is not None else ""
+    if chosen:
+        return chosen
+    return "1f1b" if schedule in (None, "", "auto") else schedule
+
+
 def sliced_pipeline_forward_backward(*, forward_step_func, data_iterator, model, num_microbatches: int,
                                      seq_length: int | None = None, micro_batch_size: int | None = None,
                                      decoder_seq_length: int | None = None, forward_only: bool = False,
                                      collect_non_loss_data: bool = False, first_val_step: bool | None = None,
-                                     pipeline_group: Any = None, dp_rank: int | None = None, **unused: Any):
+                                     pipeline_group: Any = None, dp_rank: int | None = None,
+                                     schedule: str | None = None, actions: Any = None, **unused: Any):
     """Drop-in for ``forward_backward_pipelining_without_interleaving`` (PP > 1) that runs a step's micro-batches,
     slices included, through ``packloader.runtime.pipeline.PlanPipelineSchedule`` (see the module).
 
@@ -141,6 +153,9 @@ def sliced_pipeline_forward_backward(*, forward_step_func, data_iterator, model,
     ``data_iterator``: a ``MegatronDataIterator(..., slices=True)`` on every pipeline rank. ``pipeline_group``
     defaults to Megatron's pipeline group, ``dp_rank`` (which of the step plan's ranks is this one's) to Megatron's
     data-parallel rank. ``forward_only`` (evaluation) runs Megatron's own schedule, which needs unsliced batches.
+    The pipeline schedule is the plan's (``step_schedule``): "1f1b", "gpipe" or "zb-h1" (split input / weight
+    backwards), whatever ``packloader plan`` writes for the step; ``actions``: this DP rank's written action lists
+    (``step_actions(...)[dp_rank]``), run exactly as written instead of the same lists derived from the schedule.
     Returns the forward data store (the loss reports, on the last stage), as Megatron's schedule."""
     sched = require("megatron.core.pipeline_parallel.schedules")
     utils = require("megatron.core.utils")
@@ -183,11 +198,12 @@ def sliced_pipeline_forward_backward(*, forward_step_func, data_iterator, model,
         return loss
 
     run._loss_of = loss_of
+    run.schedule.schedule = step_schedule(step_plan, schedule or batches[0].get("schedule"))
     no_sync = config.no_sync_func if config.no_sync_func is not None else contextlib.nullcontext
     with no_sync():
         run.schedule.step_plan(rank_plan, arg_mbs=[(flat(b["tokens"]),) for b in batches],
                                kwarg_mbs=[{"mb": j} for j in range(len(batches))],
-                               target_mbs=list(range(len(batches))), losses=[])
+                               target_mbs=list(range(len(batches))), losses=[], actions=actions)
     mod.batches = []
     run._loss_of = None
     total = sum(int(n) for n in num_tokens)

@@ -145,7 +145,7 @@ TAMPERED = [
      "never 'flush'"),
     # first draw steps of documents drawn over several steps: only the document begun at pos, or queued ones
     ("step boundary", _set((*ST, "first_drawn"), [[0, 0]]), "loader.step_state.first_drawn[0] = [0, 0]",
-     "or a queued one"),
+     "or of a queued one"),
     ("flushing", lambda st: _first_drawn(st, lambda d: 99), "loader.step_state.first_drawn[0].step = 99",
      "a step already planned"),
     ("flushing", lambda st: _first_drawn(st, lambda d: d + 1), "loader.step_state.first_drawn[0].step",

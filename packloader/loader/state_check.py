@@ -190,8 +190,9 @@ def check_first_drawn(st: dict, ctx: StateContext, at: str) -> None:
     for i, (doc, step) in enumerate(st.get("first_drawn", [])):
         f = f"{at}.first_drawn[{i}]"
         if doc in seen or (doc != pos_doc and doc not in queued):
-            refuse(f"{f}", [doc, step], "one pair per document, of the document begun at pos"
-                   + (f" ({pos_doc})" if pos_doc is not None else "") + f" or a queued one, {sorted(queued)}")
+            begun = f"document {pos_doc}, begun at pos" if pos_doc is not None else "no document begun at pos"
+            refuse(f"{f}", [doc, step], f"one pair per document, each of the document begun at pos or of a queued "
+                   f"one ({begun}; queued: {sorted(queued) or 'none'})")
         seen.add(doc)
         latest = min(queued.get(doc, next_step - 1), next_step - 1)
         if not 0 <= step <= latest:

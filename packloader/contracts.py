@@ -302,7 +302,7 @@ class StepMetrics(msgspec.Struct, kw_only=True, frozen=True):
     # and the rest of a long document that a step ended inside (it follows in the next steps in order;
     # LoaderStats.delayed_pieces counts those pieces); the delay of `packloader plan`, step by step
     delayed_tokens: int
-    delay_mean: float  # mean delay in steps over this step's tokens (0 for tokens trained in their document's first step)
+    delay_mean: float  # mean delay in steps over this step's tokens (0 for one trained in its document's first step)
     delay_max: int  # the largest delay in steps of a token trained in this step
     memory_over: float  # simulated peak memory over the device's usable limit when no plan fit; 0 otherwise
     cost_model: str  # the cost profile that priced the plan (model, device, layout)

@@ -298,10 +298,11 @@ class StepMetrics(msgspec.Struct, kw_only=True, frozen=True):
     loss_tokens: int  # of which carry a loss target (the per-token normaliser)
     padding_tokens: int  # padding the collated micro-batches carry (pad_to_multiple / pad_to_tokens); 0 without
     queued_tokens: int  # tokens the planner holds back for later steps after this one (outlier delay)
-    # tokens trained in this step that the planner held back from an earlier one (the rest of a long document that
-    # a step ended inside follows in the next steps in order: LoaderStats.delayed_pieces counts those pieces)
+    # tokens trained in this step whose document was first drawn in an earlier one: pieces the planner held back,
+    # and the rest of a long document that a step ended inside (it follows in the next steps in order;
+    # LoaderStats.delayed_pieces counts those pieces); the delay of `packloader plan`, step by step
     delayed_tokens: int
-    delay_mean: float  # mean delay in steps over this step's tokens (0 for tokens trained when drawn)
+    delay_mean: float  # mean delay in steps over this step's tokens (0 for one trained in its document's first step)
     delay_max: int  # the largest delay in steps of a token trained in this step
     memory_over: float  # simulated peak memory over the device's usable limit when no plan fit; 0 otherwise
     cost_model: str  # the cost profile that priced the plan (model, device, layout)

@@ -368,6 +368,10 @@ def state_epoch_changed(tmp):
     return _state_with(lambda s: s["loader"]["step_state"].update(epoch=7))
 
 
+def state_first_drawn_not_pending(tmp):
+    return _state_with(lambda s: s["loader"]["step_state"].update(first_drawn=[[0, 0]]))
+
+
 def cli_tokens_per_step_below_max_tokens(tmp):
     np.save(tmp / "ok.npy", np.array([10, 20, 30]))
     return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--max-tokens", "1024", "--tokens-per-step", "512",
@@ -803,6 +807,8 @@ CASES = [
          ("state field loader.skip = 10000: expected 0..", "the micro-batches this rank has in step")),
     Case("state_epoch_changed", state_epoch_changed, ValueError,
          ("state field loader.step_state.epoch = 7: expected 0, the epochs completed",)),
+    Case("state_first_drawn_not_pending", state_first_drawn_not_pending, ValueError,
+         ("state field loader.step_state.first_drawn[0] = [0, 0]: expected one pair per document",)),
     Case("cli_tokens_per_step_below_max_tokens", cli_tokens_per_step_below_max_tokens, CliExit,
          ("exit 2", "(--tokens-per-step, --max-tokens)", "tokens_per_step=512 is below max_tokens=1024")),
     Case("cli_planner_option_unknown", cli_planner_option_unknown, CliExit,

@@ -157,6 +157,47 @@ def test_remainder_of_a_hand_made_plan():
     assert sorted(remainder(plan, [2, 0])) == sorted([(5, 40, 60), (2, 256, 44), (6, 0, 64), (3, 0, 8)])
 
 
+def first_draw_steps(docs, cfg) -> list[int]:
+    """doc -> the step it was first drawn in, from an uninterrupted run's cumulative document counts (file order:
+    document d is first drawn at the first step whose count passes d)."""
+    upto: dict[int, int] = {}
+    for r in range(cfg.parallel.dp):
+        for b in make(docs, cfg, r):
+            upto[b.step] = b.stats.documents
+    counts = [upto[s] for s in sorted(upto)]
+    return [next(k for k, n in enumerate(counts) if d < n) for d in range(len(docs))]
+
+
+def test_the_remainder_step_counts_the_delay_of_a_continued_document():
+    """Saved mid-step at dp 2 inside document 11 (9000 tokens over several steps), resumed at dp 1: the records of
+    the remainder step and the steps after count each trained token's delay from its document's first draw."""
+    docs = corpus()
+    old = config(2, "wlb")
+    drawn = first_draw_steps(docs, old)
+    s = next(k for k in range(drawn[11] + 1, drawn[11] + 4) if drawn[12] > k)  # a step inside document 11's rest
+    states = phase(docs, old, None, [(s, 0), (s, 0)], [])
+    # the same tokens_per_step: the steps draw what the dp 2 run drew, so `drawn` holds after the resume too
+    resumed = make(docs, config(1, "wlb", tokens_per_step=old.tokens_per_step), 0, merge_states(states))
+    checked = continued = 0
+    for b in resumed:
+        delays = [(b.step - drawn[g.doc], g.end - g.start) for g in b.segments]
+        if b.step == s:  # the remainder step: document 11's untrained pieces among them
+            continued += sum(n for (d, n), g in zip(delays, b.segments) if d > 0 and g.doc == 11)
+        m = b.step_metrics
+        if b.index_in_step == 0:
+            step_delays = []
+        step_delays += delays
+        if b.index_in_step == b.micro_batches_in_step - 1:
+            tokens = sum(n for _, n in step_delays)
+            assert m.tokens == tokens
+            assert m.delayed_tokens == sum(n for d, n in step_delays if d > 0), b.step
+            assert m.delay_max == max((d for d, n in step_delays if n), default=0), b.step
+            assert m.delay_mean == pytest.approx(sum(d * n for d, n in step_delays) / tokens, abs=1e-12)
+            checked += 1
+    resumed.close()
+    assert checked > 3 and continued > 0
+
+
 # --- over gloo: one process per rank ----------------------------------------------------------------------------
 
 

@@ -50,7 +50,7 @@ def test_state_dict_is_the_state_worked_by_hand():
     next(it)
     mid = loader.state_dict()  # inside step 0: resumed by planning step 0 again from the start, one yielded
     fresh = {"epoch": 0, "pos": 0, "offset": 0, "k": 0, "flushing": False, "remainder": None,
-             "planner": {"queued": [], "extra": {}}, "queued_lengths": [], "stats": ZERO}
+             "planner": {"queued": [], "extra": {}}, "queued_lengths": [], "stats": ZERO, "first_drawn": []}
     assert mid["loader"] == {"step_state": fresh, "skip": 1}
     assert (mid["next_epoch"], mid["pass_left"], mid["pass_open"]) == (0, 1, True)
     for _ in it:

@@ -143,7 +143,23 @@ TAMPERED = [
      "do not overlap"),
     ("step boundary", _set((*ST, "planner", "extra"), {"flush": [1]}), "loader.step_state.planner.extra['flush']",
      "never 'flush'"),
+    # first draw steps of documents drawn over several steps: only the document begun at pos, or queued ones
+    ("step boundary", _set((*ST, "first_drawn"), [[0, 0]]), "loader.step_state.first_drawn[0] = [0, 0]",
+     "or of a queued one"),
+    ("flushing", lambda st: _first_drawn(st, lambda d: 99), "loader.step_state.first_drawn[0].step = 99",
+     "a step already planned"),
+    ("flushing", lambda st: _first_drawn(st, lambda d: d + 1), "loader.step_state.first_drawn[0].step",
+     "no later than the draw"),
+    ("flushing", lambda st: _first_drawn(st, lambda d: d, twice=True), "loader.step_state.first_drawn[1]",
+     "one pair per document"),
 ]
+
+
+def _first_drawn(state, step, twice: bool = False) -> None:
+    """Give the first queued document the first draw step `step(its piece's draw step)`."""
+    st = state["loader"]["step_state"]
+    doc, _, _, drawn = st["planner"]["queued"][0]
+    st["first_drawn"] = [[doc, step(drawn)]] * (2 if twice else 1)
 
 
 @pytest.mark.parametrize("case", TAMPERED, ids=[f"{i}-{c[2].split(' ')[0]}" for i, c in enumerate(TAMPERED)])

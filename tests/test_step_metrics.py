@@ -124,3 +124,99 @@ def test_megatron_iterator_logs_each_step_once(docs, caplog):
 def test_package_logger_is_quiet_by_default():
     logger = logging.getLogger("packloader")
     assert any(isinstance(h, logging.NullHandler) for h in logger.handlers)
+
+
+# --- delay of the rest of a long document that a step ended inside (issue 21) ---------------------------------------
+
+def spanning_config(strategy="fixed", dp=1):
+    return PlanConfig(strategy=strategy, parallel=ParallelConfig(dp=dp), max_tokens=256, context=256,
+                      tokens_per_step=1000, allow_slicing=False, model="tiny")
+
+
+def spanning_docs(lengths=(100, 2600, 300), seed=9):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, size=n).astype(np.int32) for n in lengths]
+
+
+def test_a_document_over_three_steps_by_hand():
+    # worked by hand from the README's rule (a step draws pieces of 256 until it holds 1000 tokens, the piece that
+    # crosses the mark included): step 0 = A (100) + B[0:1024) (1124); step 1 = B[1024:2048) (1024, drawn at step
+    # 0: delay 1); step 2 = B[2048:2600) (552, delay 2) + C (300, delay 0), the epoch's end
+    steps = batches_by_step(spanning_config(), spanning_docs(), shuffle=False)
+    ms = [batches[0].step_metrics for batches in steps.values()]
+    assert [m.tokens for m in ms] == [1124, 1024, 852]
+    assert [m.delayed_tokens for m in ms] == [0, 1024, 552]
+    assert [m.delay_max for m in ms] == [0, 1, 2]
+    assert [m.delay_mean for m in ms] == pytest.approx([0.0, 1.0, 552 * 2 / 852], abs=1e-12)
+
+
+def plan_delays(lengths, cfg, planner):
+    """The per-step delay `packloader plan` reports for these lengths (balancers.offline + sim.metrics)."""
+    from packloader.balancers.offline import plan_run
+    from packloader.balancers.sim.metrics import drawn_steps, score_plans
+
+    result = plan_run(np.asarray(lengths, np.int64), cfg, None, planner)
+    scores, _ = score_plans(result.plans, load_cost_model("tiny", cfg.parallel), cfg.parallel,
+                            max_tokens=cfg.max_tokens, drawn=drawn_steps(result.windows))
+    return [(s.step, s.tokens, s.tokens_delayed, s.delay_max, s.delay_mean) for s in scores]
+
+
+@pytest.mark.parametrize("delaying", [False, True])  # True: the planner also holds long (continued) pieces back
+def test_delay_equals_the_plan_reports(delaying):
+    from helpers.planners import DelayingPlanner
+
+    from packloader.balancers.planners.registry import make_planner
+
+    cfg = spanning_config(dp=2)
+    lengths = [100, 2600, 300, 40, 3100, 90, 700, 5, 1500, 60]
+    docs = spanning_docs(lengths)
+    planner = (lambda: DelayingPlanner(cfg, threshold=200)) if delaying else (lambda: make_planner(cfg))
+    want = plan_delays(lengths, cfg, planner())
+    got = []
+    for s, batches in batches_by_step(cfg, docs, shuffle=False, planner=planner()).items():
+        m = batches[0].step_metrics
+        got.append((s, m.tokens, m.delayed_tokens, m.delay_max, pytest.approx(m.delay_mean, abs=1e-12)))
+    assert got == want
+    assert max(w[3] for w in want) >= 2 + delaying  # continued pieces (and, held back, later still) count
+
+
+def test_the_record_resumes_exactly_inside_the_long_document():
+    cfg = spanning_config()
+    docs = spanning_docs((100, 2600, 300, 700, 50))
+
+    def loader(**kw):
+        return PackedLoader(IterableSource(docs), config=cfg, num_threads=0, append_eos=False, shuffle=False, **kw)
+
+    ref = [(b.step, b.index_in_step, b.step_metrics) for b in loader()]
+    assert any(m.delay_max == 2 for *_, m in ref)
+    for cut in range(1, len(ref) - 1):  # every save point: step boundaries and inside steps, inside B included
+        first = loader()
+        it = iter(first)
+        got = [(b.step, b.index_in_step, b.step_metrics) for b in (next(it) for _ in range(cut))]
+        state = first.state_dict()
+        first.close()
+        again = loader()
+        again.load_state_dict(state)
+        got += [(b.step, b.index_in_step, b.step_metrics) for b in again]
+        again.close()
+        assert got == ref, cut
+
+
+def test_a_state_saved_before_first_drawn_was_kept_still_loads():
+    # the same format: a state without the field resumes the same batches; the continued document's pieces then
+    # count from the step after the save (its first draw is unknown), one step less than the uninterrupted record
+    cfg = spanning_config()
+    docs = spanning_docs()
+    first = PackedLoader(IterableSource(docs), config=cfg, num_threads=0, append_eos=False, shuffle=False)
+    ref = [(b.step, b.input_ids.tolist(), b.step_metrics.delay_max) for b in first]
+    first = PackedLoader(IterableSource(docs), config=cfg, num_threads=0, append_eos=False, shuffle=False)
+    it = iter(first)
+    got = [(b.step, b.input_ids.tolist(), b.step_metrics.delay_max) for b in (next(it) for _ in range(5))]
+    state = first.state_dict()
+    assert got[-1][0] == 0 and state["loader"]["step_state"]["first_drawn"]  # saved after step 0, inside B
+    del state["loader"]["step_state"]["first_drawn"]
+    again = PackedLoader(IterableSource(docs), config=cfg, num_threads=0, append_eos=False, shuffle=False)
+    again.load_state_dict(state)
+    got += [(b.step, b.input_ids.tolist(), b.step_metrics.delay_max) for b in again]
+    assert [g[:2] for g in got] == [r[:2] for r in ref]
+    assert [g[2] for g in got if g[0] > 0] == [r[2] - 1 for r in ref if r[0] > 0]

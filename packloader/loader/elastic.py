@@ -128,7 +128,9 @@ def elastic_start(state: dict, current_fingerprint: dict, replay) -> Resume:
     docs = {d for d, _, _ in pieces}
     rem = {"step": work.plan.step, "epoch": work.epoch, "last": work.last_in_epoch,
            "loss_tokens": work.plan.loss_tokens, "pieces": [list(p) for p in pieces],
-           "doc_lengths": [[d, work.step_lengths[d]] for d in sorted(docs)]}
+           "doc_lengths": [[d, work.step_lengths[d]] for d in sorted(docs)],
+           # the step each document drawn before this step was first drawn in: the delay its pieces count
+           "drawn": [[d, (work.drawn or {})[d]] for d in sorted(docs) if d in (work.drawn or {})]}
     resume.step_state = dict(work.state_after, remainder=rem)
     return resume
 

@@ -50,7 +50,7 @@ from packloader.loader.chunks import Chunk, ChunkNode
 from packloader.loader.distributed import RankExchange, digest
 from packloader.loader.micro_batch_count import check_micro_batch_count
 from packloader.loader.state import StepState, step_state
-from packloader.loader.step_metrics import padding_of, step_metrics
+from packloader.loader.step_metrics import draw_steps, padding_of, step_metrics
 from packloader.sources.order import split_range
 from packloader.sources.stream import DocumentStream
 
@@ -73,6 +73,7 @@ class StepWork:
     state_after: dict | None = None
     step_lengths: dict[int, int] | None = None  # every document of the step's plan (all ranks)
     metrics: StepMetrics | None = None  # the step's record for the trainer's logs (padding added at collation)
+    drawn: dict[int, int] | None = None  # doc -> first draw step, for the documents drawn before this step
 
 
 class StepNode(BaseNode[StepWork]):
@@ -123,7 +124,8 @@ class StepNode(BaseNode[StepWork]):
     def get_state(self) -> dict:
         return step_state(epoch=int(self.epoch), pos=int(self.pos), offset=int(self.offset), k=int(self.k),
                           flushing=bool(self.flushing), remainder=self.remainder, planner=self.pstate,
-                          queued_lengths=[[int(d), int(n)] for d, n in self.queued_lengths.items()], stats=self.stats)
+                          queued_lengths=[[int(d), int(n)] for d, n in self.queued_lengths.items()], stats=self.stats,
+                          first_drawn=[[int(d), int(n)] for d, n in sorted(self.first_drawn.items())])
 
     def reset(self, initial_state: dict | None = None) -> None:
         with self._lock:
@@ -137,6 +139,7 @@ class StepNode(BaseNode[StepWork]):
             self.remainder = st.remainder  # an interrupted step to finish first (elastic resume)
             self.pstate = st.planner
             self.queued_lengths = {d: n for d, n in st.queued_lengths}
+            self.first_drawn = {d: n for d, n in st.first_drawn}  # documents drawn over several steps
             self.stats = st.stats
             # what was drawn from the chunk stage but not yet into a window (not part of the state: re-read)
             self._buf_ids = np.zeros(0, np.int64)
@@ -278,6 +281,7 @@ class StepNode(BaseNode[StepWork]):
 
         step = self.step_offset + self.k * self.step_stride
         state_in = self.pstate  # the flush travels in StepLayout (`_plan`), never in the state
+        drawn = draw_steps(state_in, self.first_drawn)
         plan, new_state = self._plan(window, state_in, step, done)
         loss_tokens = loss_tokens_in_plan(plan, doc_len)
         plan = msgspec.structs.replace(plan, loss_tokens=loss_tokens)
@@ -287,8 +291,10 @@ class StepNode(BaseNode[StepWork]):
         keep = set(self.queued_lengths)
         if self.offset:  # the document the step ended inside: its next pieces are the next step's first
             keep.add(int(self._buf_ids[self._buf_at]))
+            self.first_drawn.setdefault(int(self._buf_ids[self._buf_at]), step)
             rest = int(self._buf_len[self._buf_at]) - self.offset
             self.stats.delayed_pieces += -(-rest // cfg.context)
+        self.first_drawn = {d: n for d, n in self.first_drawn.items() if d in keep}
         for d in doc_len:
             if d not in keep:
                 self._tokens.pop(d, None)
@@ -298,7 +304,7 @@ class StepNode(BaseNode[StepWork]):
         self.stats.delayed_pieces += len(new_state.queued)
         epoch = self.epoch
         model = getattr(self.planner, "model", None) or cost_model_for(cfg)
-        metrics = step_metrics(plan, model, cfg, epoch=epoch, state_in=state_in, state_out=new_state)
+        metrics = step_metrics(plan, model, cfg, epoch=epoch, state_in=state_in, state_out=new_state, drawn=drawn)
         last = False
         if done:
             if new_state.queued:
@@ -311,7 +317,7 @@ class StepNode(BaseNode[StepWork]):
             self.pos = int(self._buf_ids[self._buf_at]) % self.stream.num_docs if self._buf_at < len(self._buf_ids) \
                 else self._next_pos_after_buffer()
         return StepWork(step, epoch, plan, mbs, lengths, tokens, loss_tokens, last, self.stats.copy(),
-                        step_lengths=doc_len, metrics=metrics)
+                        step_lengths=doc_len, metrics=metrics, drawn=drawn)
 
     def _plan(self, window, state_in: PlannerState, step: int, done: bool,
               remainder: bool = False) -> tuple[StepPlan, PlannerState]:
@@ -356,7 +362,7 @@ class StepNode(BaseNode[StepWork]):
         self.remainder = None
         model = getattr(self.planner, "model", None) or cost_model_for(self.config)
         metrics = step_metrics(plan, model, self.config, epoch=int(rem["epoch"]), state_in=PlannerState(),
-                               state_out=PlannerState())
+                               state_out=PlannerState(), drawn={int(d): int(n) for d, n in rem.get("drawn", [])})
         return StepWork(plan.step, int(rem["epoch"]), plan, mbs, lengths, tokens, plan.loss_tokens, bool(rem["last"]),
                         self.stats.copy(), step_lengths=doc_len, metrics=metrics)
 

@@ -116,6 +116,10 @@ class StepState(msgspec.Struct, kw_only=True):
     planner: PlannerState
     queued_lengths: list[Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]]  # [doc, length] pairs
     stats: LoaderStats
+    # [doc, step] pairs: the step a document drawn over several steps was first drawn in, while its pieces are still
+    # to be trained (the one at `pos`, begun; queued ones), so its pieces' delay counts from there (StepMetrics, as
+    # `packloader plan`); empty in a state saved before it was kept (those pieces then count from their own draw)
+    first_drawn: list[Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]] = []
 
 
 class Position(msgspec.Struct, kw_only=True):

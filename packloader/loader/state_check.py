@@ -16,7 +16,8 @@ shape touches one of them. The rules they rely on, from how `StepNode` moves (no
 - a PackedLoader starts at epoch 0 and every epoch of a non-empty source completes, so `epoch` equals
   `stats.epochs_completed` (a DataLoader worker starts at the pass's first epoch: `epoch` is at least that);
 - queued pieces are of documents of the current epoch already drawn (id = epoch * N + position), each inside
-  its document, whose length `queued_lengths` holds and the source confirms.
+  its document, whose length `queued_lengths` holds and the source confirms;
+- `first_drawn` names only the document begun at `pos` and queued ones, each drawn first at a step before `k`.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def check_state_values(state: dict, ctx: StateContext) -> None:
         check_cursor(st, ctx, "loader.step_state")
         check_counts(st, ctx, "loader.step_state")
         check_queue(st, ctx, "loader.step_state")
+        check_first_drawn(st, ctx, "loader.step_state")
     check_pass(state, ctx)
 
 
@@ -174,6 +176,28 @@ def check_queue(st: dict, ctx: StateContext, at: str) -> None:
     for key, values in st["planner"]["extra"].items():
         if key == "flush" or any(v < 0 for v in values):
             refuse(f"{at}.planner.extra[{key!r}]", values, "a planner's own non-negative counters (never 'flush')")
+
+
+def check_first_drawn(st: dict, ctx: StateContext, at: str) -> None:
+    """The first draw steps of documents drawn over several steps: one per document, each of the document at
+    `pos` (begun) or of a queued one, a step already planned and no later than any of its queued pieces' draws."""
+    pos_doc = st["epoch"] * ctx.num_docs + st["pos"] if st.get("offset", 0) > 0 and not st["flushing"] else None
+    next_step = ctx.step_offset + st["k"] * ctx.step_stride
+    queued: dict[int, int] = {}
+    for q in st["planner"]["queued"]:
+        queued[int(q[0])] = min(queued.get(int(q[0]), int(q[3])), int(q[3]))
+    seen: set = set()
+    for i, (doc, step) in enumerate(st.get("first_drawn", [])):
+        f = f"{at}.first_drawn[{i}]"
+        if doc in seen or (doc != pos_doc and doc not in queued):
+            begun = f"document {pos_doc}, begun at pos" if pos_doc is not None else "no document begun at pos"
+            refuse(f"{f}", [doc, step], f"one pair per document, each of the document begun at pos or of a queued "
+                   f"one ({begun}; queued: {sorted(queued) or 'none'})")
+        seen.add(doc)
+        latest = min(queued.get(doc, next_step - 1), next_step - 1)
+        if not 0 <= step <= latest:
+            refuse(f"{f}.step", step, f"0..{latest}: a step already planned, no later than the draw of any of "
+                   f"document {doc}'s queued pieces")
 
 
 def check_skip(skip: int, batches: int | None, step: int | None) -> None:

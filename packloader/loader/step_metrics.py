@@ -3,6 +3,8 @@ loader's own counts (loss tokens, padding, the queue), so a trainer logs what th
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import msgspec
 import numpy as np
 
@@ -28,17 +30,28 @@ def padding_of(plan: StepPlan, pad_to_multiple: int | None, pad_to_tokens: int |
     return total
 
 
+def draw_steps(state_in: PlannerState, first_drawn: Mapping[int, int]) -> dict[int, int]:
+    """doc -> the step it was first drawn in, for the documents of a step drawn before it: queued pieces (their
+    draw step) and documents drawn over several steps (`StepState.first_drawn`: a continued document's pieces count
+    from its first step, as `balancers.sim.metrics.drawn_steps` counts them for `packloader plan`)."""
+    table = {q.doc: q.drawn_step for q in state_in.queued}
+    for d, s in first_drawn.items():
+        table[d] = min(table.get(d, s), s)
+    return table
+
+
 def step_metrics(plan: StepPlan, model, config: PlanConfig, *, epoch: int, state_in: PlannerState,
-                 state_out: PlannerState, padding: int = 0) -> StepMetrics:
+                 state_out: PlannerState, padding: int = 0, drawn: Mapping[int, int] | None = None) -> StepMetrics:
     """The step's record. `state_in`: the planner state the step was planned from (its queue says when each held
-    piece was drawn); `state_out`: the state after it (what is queued now)."""
+    piece was drawn); `state_out`: the state after it (what is queued now); `drawn` (`draw_steps`), where given,
+    replaces the queue's draw steps (a document missing from it counts as drawn in this step)."""
     # scored with micro-batch costs in the plan: most planners price them as they plan; the others' are priced here
     # in one numba call, cheaper than score_plan pricing each micro-batch in Python (docs/benchmarks.md, "First
     # run")
     priced = all(mb.fwd_cost > 0 or not mb.segments for r in plan.ranks for mb in r.micro_batches)
     scored = plan if priced else _priced(plan, model)
     s = score_plan(scored or plan, model, config.parallel, max_tokens=config.max_tokens, schedule=config.schedule,
-                   drawn=state_in, use_plan_costs=scored is not None)
+                   drawn=state_in if drawn is None else drawn, use_plan_costs=scored is not None)
     return StepMetrics(
         step=plan.step, epoch=epoch, planner=plan.planner or config.strategy, micro_batches=s.micro_batches,
         step_time=s.step_time, bound_time=s.bound_time, imbalance=s.imbalance, dp_spread=s.dp_spread,

@@ -34,6 +34,7 @@ whenever a row group is decoded.
 from __future__ import annotations
 
 import os
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,6 +88,28 @@ def _is_token_list(t: pa.DataType) -> bool:
     return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
 
 
+def _parsed_footer(watch) -> pq.FileMetaData | None:
+    """The footer a remote shard's watch fetched, parsed, so that opening the shard fetches nothing more."""
+    raw = getattr(watch, "footer", b"")
+    if not raw:
+        return None
+    try:
+        return pq.read_metadata(pa.BufferReader(b"PAR1" + raw + struct.pack("<i", len(raw)) + b"PAR1"))
+    except (pa.ArrowException, OSError):
+        return None  # opening the object names the problem
+
+
+def _constant_length(group: pq.RowGroupMetaData, index: int) -> int | None:
+    """The one length every row of a row group has, where its statistics say so (else None: read the column)."""
+    if index < 0 or index >= group.num_columns:
+        return None
+    stats = group.column(index).statistics
+    if stats is None or not stats.has_min_max or not stats.has_null_count or stats.null_count:
+        return None
+    lo, hi = stats.min, stats.max
+    return int(lo) if isinstance(lo, int) and lo == hi and lo >= 0 else None
+
+
 class ParquetSource(ShardedSource):
     """Parquet files as shards (sorted paths). `column=None` picks the first of text, content, tokens, input_ids."""
 
@@ -121,9 +144,15 @@ class ParquetSource(ShardedSource):
         self.metadata: dict[str, str] = {}  # key-value metadata of the first file with a tokenizer record
         self._metadata_from: str | None = None
         self._watch: list[FileWatch] = []
+        self._footers: list[pq.FileMetaData] = []  # remote shards: reopened without fetching the footer again
         for shard, path in enumerate(self._paths):
             self._watch.append(watch_shard(path, "parquet", _identity, storage, "Parquet shard not found"))
+            parsed = _parsed_footer(self._watch[shard])
+            if parsed is not None:
+                self._footers.append(parsed)
             pf = self._open(shard)
+            if parsed is None:
+                self._footers.append(pf.metadata)
             self._check_schema(path, pf.schema_arrow, length_column)
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
             self._rg_starts.append(np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]))
@@ -147,7 +176,8 @@ class ParquetSource(ShardedSource):
             raise FileNotFoundError(f"Parquet shard not found: {path}")
         try:
             source = open_shard(path, self._watch[shard], self.storage) if remote else path
-            return pq.ParquetFile(source, memory_map=False, page_checksum_verification=True)
+            footer = self._footers[shard] if remote and shard < len(self._footers) else None  # reads carry the ETag
+            return pq.ParquetFile(source, metadata=footer, memory_map=False, page_checksum_verification=True)
         except (pa.ArrowException, OSError) as e:
             raise SourceError(f"{path}: not a readable Parquet file ({e})") from e
 
@@ -363,21 +393,42 @@ class ParquetSource(ShardedSource):
     # --- lengths and empty rows, from the cheapest column that tells -------------------------------------------------
 
     def _raw_lengths(self, shard: int) -> np.ndarray | None:
+        """The length column, from the footer where it can tell: a row group whose length statistics have min ==
+        max and no nulls holds rows of that one length (every row group of one document, as `packloader tokenize
+        --row-group-tokens 1` writes, is told whole), so only the other row groups' length chunks are fetched. A
+        rank with its own reads then plans without touching the token pages; the lengths stay checked against the
+        tokens whenever a row group is decoded."""
         if self.length_column is None:
             return None
         path = self._paths[shard]
+        pf = self._file(shard)
+        starts = self._rg_starts[shard]
+        out = np.empty(int(starts[-1]), dtype=np.int64)
+        leaves = [pf.metadata.schema.column(i).path for i in range(pf.metadata.num_columns)]
+        index = leaves.index(self.length_column) if self.length_column in leaves else -1
+        unknown = []
+        for g in range(pf.metadata.num_row_groups):
+            n = _constant_length(pf.metadata.row_group(g), index)
+            if n is None:
+                unknown.append(g)
+            else:
+                out[starts[g]:starts[g + 1]] = n
+        if not unknown:
+            return out
         try:
-            col = self._file(shard).read(columns=[self.length_column]).column(0).combine_chunks()
+            col = pf.read_row_groups(unknown, columns=[self.length_column]).column(0).combine_chunks()
         except (pa.ArrowException, OSError) as e:
             self._watch[shard].check()
             raise SourceError(
                 f"{path}, column {self.length_column!r}: cannot be read, the file is corrupt or truncated ({e})"
             ) from e
         self._watch[shard].check()
+        rows = np.concatenate([np.arange(starts[g], starts[g + 1]) for g in unknown])
         if col.null_count:
-            row = int(pc.index(col.is_null(), True).as_py())
+            row = int(rows[int(pc.index(col.is_null(), True).as_py())])
             raise SourceError(f"{path}, row {row}, column {self.length_column!r}: null, expected a length")
-        return col.to_numpy(zero_copy_only=False).astype(np.int64)
+        out[rows] = col.to_numpy(zero_copy_only=False).astype(np.int64)
+        return out
 
     def _empty_rows(self, shard: int) -> np.ndarray:
         lengths = self._raw_lengths(shard)

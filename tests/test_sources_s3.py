@@ -390,3 +390,21 @@ def test_rank_local_reads_resume_exactly(s3):
     cfg = PlanConfig(strategy="fixed", max_tokens=256, context=256, tokens_per_step=600, parallel=ParallelConfig(dp=4))
     check_exact_resume(lambda: PackedLoader(Storage(block_size=0, retry=FAST).paths(f"s3://{bucket}/e/"), config=cfg,
                                             tokenizer=None, num_threads=2, dp_rank=1, check_ranks=False), stop=3)
+
+
+def test_tokenize_one_document_row_groups_give_lengths_from_the_footer(tmp_path, monkeypatch):
+    from packloader.sources.base import IterableSource
+    from packloader.sources.pretokenize import tokenize_to_parquet
+    from packloader.sources.tokenizers import get_tokenizer
+
+    texts = [f"doc {i} " + "x" * (i * 7 % 40) for i in range(12)]
+    tokenize_to_parquet(IterableSource(texts), get_tokenizer("bytes"), tmp_path / "t", row_group_tokens=1,
+                        progress=False)
+    src = open_source(str(tmp_path / "t"))
+
+    def no_column_reads(*a, **k):
+        raise AssertionError("the length column was read")
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups", no_column_reads)
+    monkeypatch.setattr(pq.ParquetFile, "read", no_column_reads)
+    assert src.lengths(0).tolist() == [len(t.encode()) + 1 for t in texts]  # bytes and the EOS appended

@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import pickle
+import struct
 
 import boto3
 import numpy as np
@@ -20,6 +21,7 @@ from helpers.source_resume import check_exact_resume, check_exactly_once, small_
 
 from packloader import PackedLoader, ParallelConfig, PlanConfig
 from packloader.sources import storage as storage_mod
+from packloader.sources.errors import SourceError
 from packloader.sources.identity import ShardChanged
 from packloader.sources.open import open_source
 from packloader.sources.remote import AccessDenied, ObjectMissing, RemoteError, RetryPolicy
@@ -408,3 +410,20 @@ def test_tokenize_one_document_row_groups_give_lengths_from_the_footer(tmp_path,
     monkeypatch.setattr(pq.ParquetFile, "read_row_groups", no_column_reads)
     monkeypatch.setattr(pq.ParquetFile, "read", no_column_reads)
     assert src.lengths(0).tolist() == [len(t.encode()) + 1 for t in texts]  # bytes and the EOS appended
+
+
+def test_length_statistics_that_disagree_with_the_tokens_are_named(tmp_path):
+    """The footer's statistics are what the ranks plan from: a row group whose tokens disagree with them is an
+    error naming the file, row and column, not a plan of the wrong length."""
+    docs = [np.arange(300, dtype=np.int32) % 200, np.arange(40, dtype=np.int32)]
+    body = one_doc_groups(docs)
+    n = struct.unpack("<i", body[-8:-4])[0]
+    head, footer = body[: -8 - n], body[-8 - n : -8]
+    assert footer.count(struct.pack("<i", 300)) == 4  # row group 0's length statistics: min, max (old and new fields)
+    path = tmp_path / "forged.parquet"
+    path.write_bytes(head + footer.replace(struct.pack("<i", 300), struct.pack("<i", 299)) + body[-8:])
+    src = open_source(str(path))
+    assert src.lengths(0).tolist() == [299, 40]  # stated, not yet read
+    with pytest.raises(SourceError, match=r"forged\.parquet, row 0, column 'length': the row group's statistics say "
+                                          r"every length is 299, but column 'tokens' holds 300 tokens"):
+        list(src.read(0, np.arange(2)))

@@ -34,7 +34,6 @@ whenever a row group is decoded.
 from __future__ import annotations
 
 import os
-import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,6 +47,7 @@ import pyarrow.parquet as pq
 from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, SourceError
 from packloader.sources.identity import FileWatch, parquet_identity
+from packloader.sources.parquet_footer import constant_lengths, parsed_footer
 from packloader.sources.paths import refuse_duplicates
 from packloader.sources.reader import LruCache, ShardedSource, group_positions
 from packloader.sources.storage import RemoteWatch, open_shard, watch_shard
@@ -88,28 +88,6 @@ def _is_token_list(t: pa.DataType) -> bool:
     return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
 
 
-def _parsed_footer(watch) -> pq.FileMetaData | None:
-    """The footer a remote shard's watch fetched, parsed, so that opening the shard fetches nothing more."""
-    raw = getattr(watch, "footer", b"")
-    if not raw:
-        return None
-    try:
-        return pq.read_metadata(pa.BufferReader(b"PAR1" + raw + struct.pack("<i", len(raw)) + b"PAR1"))
-    except (pa.ArrowException, OSError):
-        return None  # opening the object names the problem
-
-
-def _constant_length(group: pq.RowGroupMetaData, index: int) -> int | None:
-    """The one length every row of a row group has, where its statistics say so (else None: read the column)."""
-    if index < 0 or index >= group.num_columns:
-        return None
-    stats = group.column(index).statistics
-    if stats is None or not stats.has_min_max or not stats.has_null_count or stats.null_count:
-        return None
-    lo, hi = stats.min, stats.max
-    return int(lo) if isinstance(lo, int) and lo == hi and lo >= 0 else None
-
-
 class ParquetSource(ShardedSource):
     """Parquet files as shards (sorted paths). `column=None` picks the first of text, content, tokens, input_ids."""
 
@@ -147,7 +125,7 @@ class ParquetSource(ShardedSource):
         self._footers: list[pq.FileMetaData] = []  # remote shards: reopened without fetching the footer again
         for shard, path in enumerate(self._paths):
             self._watch.append(watch_shard(path, "parquet", _identity, storage, "Parquet shard not found"))
-            parsed = _parsed_footer(self._watch[shard])
+            parsed = parsed_footer(self._watch[shard])
             if parsed is not None:
                 self._footers.append(parsed)
             pf = self._open(shard)
@@ -313,6 +291,8 @@ class ParquetSource(ShardedSource):
             row = start + int(pc.index(arr.is_null(), True).as_py())
             raise SourceError(f"{path}, row {row}, column {self.column!r}: null, expected a value")
         block = self._token_block(path, start, arr, table) if self.pretokenized else arr
+        if self.length_column:
+            self._check_stated(shard, group, block[0])
         self._group_bytes = max(self._group_bytes, table.nbytes)
         return block, table.nbytes
 
@@ -354,6 +334,17 @@ class ParquetSource(ShardedSource):
                     f"but column {self.column!r} holds {int(actual[j])}"
                 )
         return offsets, tokens
+
+    def _check_stated(self, shard: int, group: int, offsets: np.ndarray) -> None:
+        """The lengths the footer's statistics gave (planned from) are the tokens' lengths."""
+        n = constant_lengths(self._footers[shard], self.length_column, group)[0]
+        bad = np.flatnonzero(np.diff(offsets) != n) if n is not None else ()
+        if len(bad):
+            raise SourceError(
+                f"{self._paths[shard]}, row {int(self._rg_starts[shard][group]) + int(bad[0])}, column "
+                f"{self.length_column!r}: the row group's statistics say every length is {n}, but column "
+                f"{self.column!r} holds {int(np.diff(offsets)[bad[0]])} tokens"
+            )
 
     def _read_raw(self, shard: int, raw_rows: np.ndarray) -> Iterator[RawDocument]:
         starts = self._rg_starts[shard]
@@ -404,14 +395,10 @@ class ParquetSource(ShardedSource):
         pf = self._file(shard)
         starts = self._rg_starts[shard]
         out = np.empty(int(starts[-1]), dtype=np.int64)
-        leaves = [pf.metadata.schema.column(i).path for i in range(pf.metadata.num_columns)]
-        index = leaves.index(self.length_column) if self.length_column in leaves else -1
-        unknown = []
-        for g in range(pf.metadata.num_row_groups):
-            n = _constant_length(pf.metadata.row_group(g), index)
-            if n is None:
-                unknown.append(g)
-            else:
+        stated = constant_lengths(self._footers[shard], self.length_column)
+        unknown = [g for g, n in enumerate(stated) if n is None]
+        for g, n in enumerate(stated):
+            if n is not None:
                 out[starts[g]:starts[g + 1]] = n
         if not unknown:
             return out

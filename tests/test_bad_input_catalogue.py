@@ -151,6 +151,19 @@ def parquet_length_mismatch(tmp):
     return lambda: read_all(ParquetSource(tmp / "len.parquet"))
 
 
+def parquet_length_statistics_mismatch(tmp):
+    """Footer statistics (what ranks plan from) stating 299 for a 300-token document; the column agrees with the tokens."""
+    schema = pa.schema([("tokens", pa.list_(pa.int32())), ("length", pa.int32())])
+    buf = io.BytesIO()
+    with pq.ParquetWriter(buf, schema, write_statistics=["length"]) as w:
+        w.write_table(pa.table({"tokens": [[i % 200 for i in range(300)]], "length": [300]}, schema=schema))
+    body = buf.getvalue()
+    n = int.from_bytes(body[-8:-4], "little")
+    footer = body[-8 - n:-8].replace((300).to_bytes(4, "little"), (299).to_bytes(4, "little"))
+    (tmp / "stats.parquet").write_bytes(body[:-8 - n] + footer + body[-8:])
+    return lambda: read_all(ParquetSource(tmp / "stats.parquet"))
+
+
 def parquet_empty_row_length_column(tmp):
     p = token_table(tmp / "e1.parquet", [[1, 2], [], [3]], length=True)
     return lambda: PackedLoader(ParquetSource(p), config=_config(), append_eos=False, num_threads=0).__iter__().__next__()
@@ -753,6 +766,8 @@ CASES = [
          ("vocab.parquet", "row 1", "token id 1000 at position 2", "[0, 1000), the vocabulary")),
     Case("parquet_length_mismatch", parquet_length_mismatch, SourceError,
          ("len.parquet", "row 1", "column 'length': says 9 tokens")),
+    Case("parquet_length_statistics_mismatch", parquet_length_statistics_mismatch, SourceError,
+         ("stats.parquet", "row 0", "statistics say every length is 299", "holds 300 tokens")),
     Case("parquet_empty_row_length_column", parquet_empty_row_length_column, EmptyDocumentError,
          ("e1.parquet", "row 1", "empty document", "empty='skip'")),
     Case("parquet_empty_row_no_length_column", parquet_empty_row_no_length_column, EmptyDocumentError,

@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import pickle
+import struct
 
 import boto3
 import numpy as np
@@ -18,8 +19,9 @@ import pytest
 from helpers.s3_server import FaultProxy, MotoServer, find_moto_server
 from helpers.source_resume import check_exact_resume, check_exactly_once, small_config
 
-from packloader import PackedLoader
+from packloader import PackedLoader, ParallelConfig, PlanConfig
 from packloader.sources import storage as storage_mod
+from packloader.sources.errors import SourceError
 from packloader.sources.identity import ShardChanged
 from packloader.sources.open import open_source
 from packloader.sources.remote import AccessDenied, ObjectMissing, RemoteError, RetryPolicy
@@ -299,3 +301,129 @@ def test_retries_are_bounded_in_seconds_and_classified():
     assert classify(ClientError({"Error": {"Code": "InvalidAccessKeyId"}}, "GetObject")) == "denied"
     assert classify(NoCredentialsError()) == "denied"
     assert classify(ClientError({"Error": {"Code": "PreconditionFailed"}}, "GetObject")) == "changed"
+
+
+def one_doc_groups(docs) -> bytes:
+    """A shard as `packloader tokenize --row-group-tokens 1` writes it: one document a row group, zstd, no
+    dictionary, statistics on the length column only (min == max: the length, in the footer)."""
+    schema = pa.schema([("tokens", pa.list_(pa.int32())), ("length", pa.int32())])
+    buf = io.BytesIO()
+    with pq.ParquetWriter(buf, schema, compression="zstd", use_dictionary=False, write_statistics=["length"]) as w:
+        for d in docs:
+            w.write_table(pa.table({"tokens": [d.tolist()], "length": [len(d)]}, schema=schema))
+    return buf.getvalue()
+
+
+def test_lengths_from_footer_statistics_and_the_length_column(tmp_path):
+    docs = token_docs(9, 11)
+    docs[4:7] = [docs[4][:50], docs[5][:50], docs[6][:50]]  # a row group of one length: told by its statistics
+    schema = pa.schema([("tokens", pa.list_(pa.int32())), ("length", pa.int32())])
+    path = tmp_path / "mixed.parquet"
+    with pq.ParquetWriter(path, schema, write_statistics=["length"]) as w:
+        for group in (docs[:1], docs[1:4], docs[4:7], docs[7:]):  # one doc, mixed lengths, one length, mixed
+            w.write_table(pa.table({"tokens": [d.tolist() for d in group], "length": [len(d) for d in group]},
+                                   schema=schema))
+    src = open_source(str(path))
+    assert src.lengths(0).tolist() == [len(d) for d in docs]
+    assert read_all(src) == [d.tolist() for d in docs]
+
+
+def test_dp_ranks_fetch_only_their_documents_row_groups_and_train_every_token_once(s3):
+    """Four dp_rank loaders over one-document row groups with exact ranged reads: planning costs each rank the
+    footers only (lengths from the length statistics), and a rank then fetches the row groups of the documents it
+    trains and nothing else, bounded from the files' own metadata; the union of ranks trains every token once."""
+    client, bucket = s3
+    shards = [token_docs(60, 21), token_docs(50, 22)]
+    bodies = [one_doc_groups(d) for d in shards]
+    where = {}  # document tokens -> (shard, row): the reference for which row groups a rank may fetch
+    for k, (docs, body) in enumerate(zip(shards, bodies)):
+        client.put_object(Bucket=bucket, Key=f"r/{k}.parquet", Body=body)
+        where.update({tuple(d.tolist()): (k, row) for row, d in enumerate(docs)})
+    metas = [pq.ParquetFile(io.BytesIO(b)).metadata for b in bodies]
+    footers = sum(m.serialized_size + 8 for m in metas)
+    group_bytes = [[sum(m.row_group(g).column(c).total_compressed_size for c in range(2))
+                    for g in range(m.num_row_groups)] for m in metas]
+    store = Storage(block_size=0, retry=FAST)
+    src = open_source(store.paths(f"s3://{bucket}/r/"))
+    assert [src.lengths(k).tolist() for k in range(2)] == [[len(d) for d in docs] for docs in shards]
+    assert store.bytes_read == footers  # lengths without a byte of the row groups
+    cfg = PlanConfig(strategy="fixed", max_tokens=256, context=256, tokens_per_step=600, parallel=ParallelConfig(dp=4))
+    pieces: dict[int, dict[int, list[int]]] = {}
+    ranks_of: dict[int, set[int]] = {}
+    fetched = []
+    for rank in range(4):
+        store = Storage(block_size=0, retry=FAST)
+        loader = PackedLoader(store.paths(f"s3://{bucket}/r/"), config=cfg, tokenizer=None, num_threads=2,
+                              dp_rank=rank, check_ranks=False)
+        for b in loader:
+            ids, cu = b.input_ids.numpy().reshape(-1), b.cu_seqlens.numpy()
+            for s, a, e in zip(b.segments, cu[:-1].tolist(), cu[1:].tolist()):
+                assert int(s.start) not in pieces.setdefault(int(s.doc), {}), "a piece trained twice"
+                pieces[int(s.doc)][int(s.start)] = ids[a:e].tolist()
+                ranks_of.setdefault(int(s.doc), set()).add(rank)
+        fetched.append(store.bytes_read)
+    whole = {doc: tuple(t for _, p in sorted(parts.items()) for t in p) for doc, parts in pieces.items()}
+    assert sorted(whole.values()) == sorted(where)  # every token of every document, once over the ranks
+    total = sum(len(b) for b in bodies)
+    for rank in range(4):
+        mine = [where[whole[doc]] for doc, ranks in ranks_of.items() if rank in ranks]
+        bound = footers + sum(group_bytes[k][row] for k, row in mine)
+        assert 0 < fetched[rank] <= bound < 0.6 * total, (rank, fetched[rank], bound, total)
+
+
+def test_block_size_zero_reads_exact_ranges_and_negative_is_refused(s3):
+    docs = token_docs(200, 4)
+    client, bucket = s3
+    body = parquet_bytes(docs, row_group_size=20)
+    client.put_object(Bucket=bucket, Key="x/a.parquet", Body=body)
+    meta = pq.ParquetFile(io.BytesIO(body)).metadata
+    store = Storage(block_size=0, retry=FAST)
+    src = open_source(store.paths(f"s3://{bucket}/x/a.parquet"))
+    assert [np.asarray(d).tolist() for d in src.read(0, np.arange(3))] == [d.tolist() for d in docs[:3]]
+    exact = meta.serialized_size + 8 + sum(meta.row_group(0).column(c).total_compressed_size for c in range(2))
+    assert store.bytes_read == exact  # the footer and row group 0's two column chunks, not a byte more
+    with pytest.raises(ValueError, match="block_size"):
+        Storage(block_size=-1)
+
+
+def test_rank_local_reads_resume_exactly(s3):
+    client, bucket = s3
+    client.put_object(Bucket=bucket, Key="e/a.parquet", Body=one_doc_groups(token_docs(60, 23)))
+    cfg = PlanConfig(strategy="fixed", max_tokens=256, context=256, tokens_per_step=600, parallel=ParallelConfig(dp=4))
+    check_exact_resume(lambda: PackedLoader(Storage(block_size=0, retry=FAST).paths(f"s3://{bucket}/e/"), config=cfg,
+                                            tokenizer=None, num_threads=2, dp_rank=1, check_ranks=False), stop=3)
+
+
+def test_tokenize_one_document_row_groups_give_lengths_from_the_footer(tmp_path, monkeypatch):
+    from packloader.sources.base import IterableSource
+    from packloader.sources.pretokenize import tokenize_to_parquet
+    from packloader.sources.tokenizers import get_tokenizer
+
+    texts = [f"doc {i} " + "x" * (i * 7 % 40) for i in range(12)]
+    tokenize_to_parquet(IterableSource(texts), get_tokenizer("bytes"), tmp_path / "t", row_group_tokens=1,
+                        progress=False)
+    src = open_source(str(tmp_path / "t"))
+
+    def no_column_reads(*a, **k):
+        raise AssertionError("the length column was read")
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups", no_column_reads)
+    monkeypatch.setattr(pq.ParquetFile, "read", no_column_reads)
+    assert src.lengths(0).tolist() == [len(t.encode()) + 1 for t in texts]  # bytes and the EOS appended
+
+
+def test_length_statistics_that_disagree_with_the_tokens_are_named(tmp_path):
+    """The footer's statistics are what the ranks plan from: a row group whose tokens disagree with them is an
+    error naming the file, row and column, not a plan of the wrong length."""
+    docs = [np.arange(300, dtype=np.int32) % 200, np.arange(40, dtype=np.int32)]
+    body = one_doc_groups(docs)
+    n = struct.unpack("<i", body[-8:-4])[0]
+    head, footer = body[: -8 - n], body[-8 - n : -8]
+    assert footer.count(struct.pack("<i", 300)) == 4  # row group 0's length statistics: min, max (old and new fields)
+    path = tmp_path / "forged.parquet"
+    path.write_bytes(head + footer.replace(struct.pack("<i", 300), struct.pack("<i", 299)) + body[-8:])
+    src = open_source(str(path))
+    assert src.lengths(0).tolist() == [299, 40]  # stated, not yet read
+    with pytest.raises(SourceError, match=r"forged\.parquet, row 0, column 'length': the row group's statistics say "
+                                          r"every length is 299, but column 'tokens' holds 300 tokens"):
+        list(src.read(0, np.arange(2)))

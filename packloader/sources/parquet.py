@@ -47,6 +47,7 @@ import pyarrow.parquet as pq
 from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, SourceError
 from packloader.sources.identity import FileWatch, parquet_identity
+from packloader.sources.parquet_footer import constant_lengths, parsed_footer
 from packloader.sources.paths import refuse_duplicates
 from packloader.sources.reader import LruCache, ShardedSource, group_positions
 from packloader.sources.storage import RemoteWatch, open_shard, watch_shard
@@ -121,9 +122,15 @@ class ParquetSource(ShardedSource):
         self.metadata: dict[str, str] = {}  # key-value metadata of the first file with a tokenizer record
         self._metadata_from: str | None = None
         self._watch: list[FileWatch] = []
+        self._footers: list[pq.FileMetaData] = []  # remote shards: reopened without fetching the footer again
         for shard, path in enumerate(self._paths):
             self._watch.append(watch_shard(path, "parquet", _identity, storage, "Parquet shard not found"))
+            parsed = parsed_footer(self._watch[shard])
+            if parsed is not None:
+                self._footers.append(parsed)
             pf = self._open(shard)
+            if parsed is None:
+                self._footers.append(pf.metadata)
             self._check_schema(path, pf.schema_arrow, length_column)
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
             self._rg_starts.append(np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]))
@@ -147,7 +154,8 @@ class ParquetSource(ShardedSource):
             raise FileNotFoundError(f"Parquet shard not found: {path}")
         try:
             source = open_shard(path, self._watch[shard], self.storage) if remote else path
-            return pq.ParquetFile(source, memory_map=False, page_checksum_verification=True)
+            footer = self._footers[shard] if remote and shard < len(self._footers) else None  # reads carry the ETag
+            return pq.ParquetFile(source, metadata=footer, memory_map=False, page_checksum_verification=True)
         except (pa.ArrowException, OSError) as e:
             raise SourceError(f"{path}: not a readable Parquet file ({e})") from e
 
@@ -283,6 +291,8 @@ class ParquetSource(ShardedSource):
             row = start + int(pc.index(arr.is_null(), True).as_py())
             raise SourceError(f"{path}, row {row}, column {self.column!r}: null, expected a value")
         block = self._token_block(path, start, arr, table) if self.pretokenized else arr
+        if self.length_column:
+            self._check_stated(shard, group, block[0])
         self._group_bytes = max(self._group_bytes, table.nbytes)
         return block, table.nbytes
 
@@ -325,6 +335,17 @@ class ParquetSource(ShardedSource):
                 )
         return offsets, tokens
 
+    def _check_stated(self, shard: int, group: int, offsets: np.ndarray) -> None:
+        """The lengths the footer's statistics gave (planned from) are the tokens' lengths."""
+        n = constant_lengths(self._footers[shard], self.length_column, group)[0]
+        bad = np.flatnonzero(np.diff(offsets) != n) if n is not None else ()
+        if len(bad):
+            raise SourceError(
+                f"{self._paths[shard]}, row {int(self._rg_starts[shard][group]) + int(bad[0])}, column "
+                f"{self.length_column!r}: the row group's statistics say every length is {n}, but column "
+                f"{self.column!r} holds {int(np.diff(offsets)[bad[0]])} tokens"
+            )
+
     def _read_raw(self, shard: int, raw_rows: np.ndarray) -> Iterator[RawDocument]:
         starts = self._rg_starts[shard]
         groups = np.searchsorted(starts, raw_rows, side="right") - 1
@@ -363,21 +384,38 @@ class ParquetSource(ShardedSource):
     # --- lengths and empty rows, from the cheapest column that tells -------------------------------------------------
 
     def _raw_lengths(self, shard: int) -> np.ndarray | None:
+        """The length column, from the footer where it can tell: a row group whose length statistics have min ==
+        max and no nulls holds rows of that one length (every row group of one document, as `packloader tokenize
+        --row-group-tokens 1` writes, is told whole), so only the other row groups' length chunks are fetched. A
+        rank with its own reads then plans without touching the token pages; the lengths stay checked against the
+        tokens whenever a row group is decoded."""
         if self.length_column is None:
             return None
         path = self._paths[shard]
+        pf = self._file(shard)
+        starts = self._rg_starts[shard]
+        out = np.empty(int(starts[-1]), dtype=np.int64)
+        stated = constant_lengths(self._footers[shard], self.length_column)
+        unknown = [g for g, n in enumerate(stated) if n is None]
+        for g, n in enumerate(stated):
+            if n is not None:
+                out[starts[g]:starts[g + 1]] = n
+        if not unknown:
+            return out
         try:
-            col = self._file(shard).read(columns=[self.length_column]).column(0).combine_chunks()
+            col = pf.read_row_groups(unknown, columns=[self.length_column]).column(0).combine_chunks()
         except (pa.ArrowException, OSError) as e:
             self._watch[shard].check()
             raise SourceError(
                 f"{path}, column {self.length_column!r}: cannot be read, the file is corrupt or truncated ({e})"
             ) from e
         self._watch[shard].check()
+        rows = np.concatenate([np.arange(starts[g], starts[g + 1]) for g in unknown])
         if col.null_count:
-            row = int(pc.index(col.is_null(), True).as_py())
+            row = int(rows[int(pc.index(col.is_null(), True).as_py())])
             raise SourceError(f"{path}, row {row}, column {self.length_column!r}: null, expected a length")
-        return col.to_numpy(zero_copy_only=False).astype(np.int64)
+        out[rows] = col.to_numpy(zero_copy_only=False).astype(np.int64)
+        return out
 
     def _empty_rows(self, shard: int) -> np.ndarray:
         lengths = self._raw_lengths(shard)

@@ -13,7 +13,9 @@ or an fsspec filesystem: gcsfs, adlfs, huggingface_hub's HfFileSystem, ...) is r
 ranged reads (`FsStore`), so gs://, Azure and hf:// reach packloader as the filesystem the user already configured.
 
 Reads are block-aligned (`block_size`, default 4 MiB): a Parquet row group costs the few requests its column chunk
-spans, never the whole object; the optional `BlockCache` keeps blocks on local disk, bounded in bytes.
+spans, never the whole object; the optional `BlockCache` keeps blocks on local disk, bounded in bytes. `block_size`
+0 fetches exactly the ranges the reader asks for (one request per column chunk), for shards of small row groups
+that each rank reads only in part.
 """
 
 from __future__ import annotations
@@ -308,20 +310,28 @@ class RemoteFile(io.RawIOBase):
             return self._last[1]
         a = k * self.block_size
         b = min(self.info.size, a + self.block_size)
-        key = f"{self.info.url}\0{self.info.etag}\0{self.info.size}\0{a}"
+        data = self._fetch(a, b, f"{a}")
+        self._last = (k, data)
+        return data
+
+    def _fetch(self, a: int, b: int, where: str) -> bytes:
+        key = f"{self.info.url}\0{self.info.etag}\0{self.info.size}\0{where}"
         data = self.cache.get(key) if self.cache is not None else None
         if data is None:
             data = self.store.get_range(self.info, a, b)
             if self.cache is not None:
                 self.cache.put(key, data)
-        self._last = (k, data)
         return data
 
     def pread(self, n: int, offset: int) -> bytes:
-        """Up to `n` bytes at `offset` (fewer only at the object's end), without moving the position."""
+        """Up to `n` bytes at `offset` (fewer only at the object's end), without moving the position. With
+        `block_size` 0 the request fetches exactly these bytes (a rank reading its own small row groups pays no
+        rounding to blocks); the same range asked again comes from the caches."""
         end = min(self.info.size, offset + max(0, n))
         if offset >= end:
             return b""
+        if self.block_size <= 0:
+            return self._fetch(offset, end, f"{offset}-{end}")
         parts = []
         for k in range(offset // self.block_size, (end - 1) // self.block_size + 1):
             block = self._block(k)

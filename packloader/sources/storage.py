@@ -42,6 +42,8 @@ class Storage:
                  cache_bytes: int = 0, retry: RetryPolicy | None = None, endpoint_url: str | None = None,
                  memory_bytes: int = 64 << 20) -> None:
         self.filesystem = filesystem
+        if int(block_size) < 0:
+            raise ValueError(f"block_size must be >= 0 (0: exact ranges), got {block_size}")
         self.block_size = int(block_size)
         self.retry = retry or RetryPolicy()
         self.cache = BlockCache(cache_dir, cache_bytes) if cache_dir and cache_bytes else None
@@ -132,8 +134,9 @@ class RemoteWatch:
         self.path, self.storage = path, storage
         self.info = storage.head(path)
         ident = f"{self.info.size}:{self.info.etag.strip(chr(34))}"
+        self.footer = b""  # a Parquet object's footer, parsed once by the source (not fetched again)
         if kind == "parquet":
-            footer = _footer(storage.open(self.info))
+            self.footer = footer = _footer(storage.open(self.info))
             ident += ":" + hashlib.blake2b(footer, digest_size=12).hexdigest()
         self.identity = ident
 

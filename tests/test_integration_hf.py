@@ -5,6 +5,13 @@ the per-token mean gradient computed one document at a time."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +26,7 @@ from packloader.sources.base import IterableSource  # noqa: E402
 from packloader_integrations import hf as phf  # noqa: E402
 
 VOCAB = 101
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def docs(n=40, seed=0, max_len=120):
@@ -327,3 +335,65 @@ def test_ddp_ranks_stay_in_step_over_an_empty_last_micro_batch(corpus):
     ref_grads = _reference_grads(ref, [s for st in steps for b in st for s in b.segments], toks, total)
     errs = run_ranks(_ddp_ranks, 2, steps, toks, ref_grads, timeout=240)
     assert max(errs) < 1e-5, errs
+
+
+# --- checkpoints and resume through the real Trainer --------------------------------------------------------------
+
+def _run_trainer_process(spec: dict) -> subprocess.CompletedProcess:
+    """tests/helpers/hf_trainer.py's `trainer_run` in a fresh interpreter (the test's PYTHONPATH passed on)."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "hf_trainer.py"), json.dumps(spec)],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def _per_step(records) -> dict[int, tuple[list, float]]:
+    """step -> (its micro-batches' input ids, its loss: the sum of the micro-batches' per-step-normalised losses)."""
+    out: dict[int, tuple[list, float]] = {}
+    for r in records:
+        ids, loss = out.get(r["step"], ([], 0.0))
+        out[r["step"]] = (ids + [r["ids"]], loss + r["loss"])
+    return out
+
+
+@pytest.mark.multiprocess
+def test_trainer_killed_mid_step_resumes_the_same_tokens_and_losses(tmp_path):
+    """A PackedTrainer run killed (SIGKILL) in the middle of step 5, after its checkpoints at steps 2 and 4, and
+    resumed in a new process with train(resume_from_checkpoint=True), trains the same micro-batches (token ids)
+    and the same losses at every step as one uninterrupted run; every checkpoint holds the loader state."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    from helpers.docs import token_docs, write_token_shards
+    from helpers.hf_trainer import VOCAB as HVOCAB
+
+    shards = write_token_shards(tmp_path, token_docs(n=60, seed=1, max_len=300, vocab=HVOCAB), shards=2)
+    base = dict(shards=shards, ga=3, max_steps=8, save_steps=2)
+    runs = {name: dict(base, out=str(tmp_path / name), record=str(tmp_path / f"{name}.jsonl"),
+                       logs=str(tmp_path / f"{name}-logs.json")) for name in ("whole", "killed")}
+    whole = _run_trainer_process(runs["whole"])
+    assert whole.returncode == 0, whole.stderr[-4000:]
+    killed = _run_trainer_process(dict(runs["killed"], kill_at=5))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
+    ckpts = sorted(p.name for p in (tmp_path / "killed").iterdir())
+    assert ckpts == ["checkpoint-2", "checkpoint-4"]
+    for c in ckpts:
+        assert (tmp_path / "killed" / c / "packloader_state-rank0.pt").is_file()
+    # what the killed run trained: steps 1-4 and step 5's first micro-batch, which no checkpoint holds
+    killed_steps = _per_step(_records(runs["killed"]["record"]))
+    assert sorted(killed_steps) == [1, 2, 3, 4, 5] and len(killed_steps[5][0]) == 1
+    resumed = _run_trainer_process(dict(runs["killed"], resume=True, record=str(tmp_path / "resumed.jsonl")))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+
+    ref = _per_step(_records(runs["whole"]["record"]))
+    got = {**{s: v for s, v in killed_steps.items() if s <= 4}, **_per_step(_records(tmp_path / "resumed.jsonl"))}
+    assert sorted(ref) == sorted(got) == list(range(1, 9))
+    for s in ref:
+        assert got[s][0] == ref[s][0], f"step {s}: other tokens than the uninterrupted run"
+        assert got[s][1] == pytest.approx(ref[s][1], rel=1e-6, abs=1e-7), f"step {s}: loss"
+    # the logged losses agree too (the resumed history starts with the checkpoint's steps 1-4)
+    ref_logs = {h["step"]: h["loss"] for h in json.loads(Path(runs["whole"]["logs"]).read_text()) if "loss" in h}
+    got_logs = {h["step"]: h["loss"] for h in json.loads(Path(runs["killed"]["logs"]).read_text()) if "loss" in h}
+    assert got_logs == ref_logs and len(ref_logs) == 8

@@ -264,6 +264,16 @@ def state_from_another_config(tmp):
     return lambda: b.load_state_dict(state)
 
 
+def trainer_checkpoint_without_loader_state(tmp):
+    """What PackedTrainer.train(resume_from_checkpoint=...) runs first: a checkpoint folder without the loader's
+    state (written by another Trainer, or another number of processes)."""
+    from packloader_integrations.hf_resume import load_loader_state
+
+    (tmp / "checkpoint-4").mkdir()
+    a = PackedLoader(IterableSource([np.arange(1, 9, dtype=np.int32)] * 4), config=_config(), num_threads=0)
+    return lambda: load_loader_state(a, str(tmp / "checkpoint-4"), 1)
+
+
 def cli_number_zero(tmp):
     np.save(tmp / "ok.npy", np.array([10, 20, 30]))
     return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--dp", "0", "--quiet")
@@ -346,6 +356,8 @@ CASES = [
     Case("pattern_matches_nothing", pattern_matches_nothing, CliExit, ("exit 1", "no files match '*.py'")),
     Case("state_from_another_config", state_from_another_config, ValueError,
          ("differently configured loader", "max_tokens")),
+    Case("trainer_checkpoint_without_loader_state", trainer_checkpoint_without_loader_state, FileNotFoundError,
+         ("checkpoint-4 holds no packloader loader state for process 1", "packloader_state-rank1.pt")),
     Case("cli_number_zero", cli_number_zero, CliExit,
          ("exit 2", "argument --dp: must be >= 1 and <= 131,072 (field parallel.dp), got 0")),
     Case("cli_number_too_large", cli_number_too_large, CliExit, ("exit 2", "argument --max-tokens", "<= 1,099,511,627,776 (field max_tokens)")),

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -397,3 +398,78 @@ def test_trainer_killed_mid_step_resumes_the_same_tokens_and_losses(tmp_path):
     ref_logs = {h["step"]: h["loss"] for h in json.loads(Path(runs["whole"]["logs"]).read_text()) if "loss" in h}
     got_logs = {h["step"]: h["loss"] for h in json.loads(Path(runs["killed"]["logs"]).read_text()) if "loss" in h}
     assert got_logs == ref_logs and len(ref_logs) == 8
+
+
+def _steps_of(batches) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for b in batches:
+        out.setdefault(b.step, []).append(b)
+    return out
+
+
+def test_trainer_logs_the_data_epoch_and_tokens_per_second(tmp_path, corpus):
+    """The logged epoch is the data's (completed epochs + the share of the epoch's documents drawn), computed here
+    from the documents of each step of an independent loader (`fixed` plans every document it draws, no delay);
+    the run's throughput is tokens per second, its tokens those of the micro-batches trained."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    ga, steps = 3, 9
+    mk = lambda: loader(corpus, num_micro_batches=ga, epochs=None)  # noqa: E731
+    ref = _steps_of(b for b, _ in zip(mk(), range(steps * ga)))
+    assert sorted(ref) == list(range(steps)) and ref[steps - 1][0].epoch >= 1  # crosses an epoch boundary
+    seen: dict[int, set] = {}
+    expected_epoch = {}
+    for s in range(steps):
+        e = ref[s][0].epoch
+        seen.setdefault(e, set()).update(seg.doc for b in ref[s] for seg in b.segments)
+        expected_epoch[s + 1] = e + len(seen[e]) / len(corpus)
+    assert expected_epoch[max(s + 1 for s in ref if ref[s][0].epoch == 0)] == 1.0
+
+    model = tiny_llama("sdpa").train()
+    args = one_step_args(tmp_path, ga, max_steps=steps, logging_strategy="steps", logging_steps=1)
+    trainer = phf.PackedTrainer(model=model, args=args, packed_loader=mk())
+    metrics = trainer.train().metrics
+    logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    assert {s: h["epoch"] for s, h in logs.items()} == pytest.approx(expected_epoch)
+    assert all(h["packloader/tokens_per_second"] > 0 for h in logs.values())
+    tokens = sum(b.num_tokens for s in ref.values() for b in s)
+    assert metrics["train_tokens"] == tokens
+    assert metrics["train_tokens_per_second"] == pytest.approx(tokens / metrics["train_runtime"], rel=1e-3)
+    assert "train_samples_per_second" not in metrics  # micro-batches per second, not samples
+
+
+class _StandInStepMetrics(msgspec.Struct, kw_only=True):
+    """A record shaped like the loader's StepMetrics (contracts.StepMetrics, not on this branch): numbers and a
+    name; PackedTrainer logs the numeric fields."""
+
+    predicted_step_time: float
+    tokens: int
+    note: str = "x"
+    bubble_share: float | None = None
+
+
+def test_trainer_logs_the_loaders_step_metrics(tmp_path, corpus):
+    """Each micro-batch's `step_metrics` record, where the loader sets one, reaches the logs of its step as
+    `packloader/<field>` (numbers only); a step without one logs no such field."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    ga = 3
+    batches = [b for b, _ in zip(loader(corpus, num_micro_batches=ga, epochs=None), range(2 * ga))]
+    for b in batches[:ga]:
+        b.step_metrics = _StandInStepMetrics(predicted_step_time=0.25, tokens=sum(x.num_tokens for x in batches[:ga]))
+    args = one_step_args(tmp_path, ga, max_steps=2, logging_strategy="steps", logging_steps=1)
+    trainer = phf.PackedTrainer(model=tiny_llama("sdpa").train(), args=args, packed_loader=batches)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs[0]["packloader/predicted_step_time"] == 0.25
+    assert logs[0]["packloader/tokens"] == sum(b.num_tokens for b in batches[:ga])
+    assert "packloader/note" not in logs[0] and "packloader/bubble_share" not in logs[0]
+    assert not any(k.startswith("packloader/") and k != "packloader/tokens_per_second" for k in logs[1])
+
+
+def test_trainer_refuses_to_checkpoint_a_loader_without_state(tmp_path, corpus):
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    ga = 3
+    batches = [b for b, _ in zip(loader(corpus, num_micro_batches=ga, epochs=None), range(ga))]
+    args = one_step_args(tmp_path, ga, save_strategy="steps", save_steps=1)
+    trainer = phf.PackedTrainer(model=tiny_llama("sdpa").train(), args=args, packed_loader=batches)
+    with pytest.raises(ValueError, match=r"cannot checkpoint its packed_loader \(list\): it has no state_dict"):
+        trainer.train()

@@ -295,6 +295,11 @@ class _PackedTrainerMixin:
         return torch.tensor(max(1, first["loss_tokens_in_step"]), device=device)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if self.state.global_step >= self.state.max_steps:
+            # resumed from the checkpoint at max_steps: the Trainer (epochs unknown without a length) would train one
+            # step more, on data the uninterrupted run never saw
+            self.control.should_training_stop = True
+            return [], None
         samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._pl_note_window([s[META_KEY] for s in samples if META_KEY in s])
         self._pl_window, self._pl_window_losses = samples, None  # a sliced step runs whole at its first micro-batch

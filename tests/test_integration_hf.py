@@ -473,3 +473,18 @@ def test_trainer_refuses_to_checkpoint_a_loader_without_state(tmp_path, corpus):
     trainer = phf.PackedTrainer(model=tiny_llama("sdpa").train(), args=args, packed_loader=batches)
     with pytest.raises(ValueError, match=r"cannot checkpoint its packed_loader \(list\): it has no state_dict"):
         trainer.train()
+
+
+def test_to_hf_gives_transformers_rows_in_either_layout(corpus):
+    """PackedBatch.to_hf(): [1, T] rows from the flat and the hf layout, use_cache off, packloader's labels as
+    shift_labels and transformers' unshifted labels equal to the adapter's (`unshifted_labels`, a loop per segment)."""
+    from packloader_integrations._common import unshifted_labels
+
+    for layout in ("flat", "hf"):
+        for b in list(loader(corpus, context=90, layout=layout))[:6]:
+            d = b.to_hf()
+            t = b.num_tokens
+            assert d["input_ids"].shape == d["position_ids"].shape == d["labels"].shape == (1, t)
+            assert d["use_cache"] is False
+            assert torch.equal(d["shift_labels"][0], b.labels.reshape(-1))
+            assert torch.equal(d["labels"][0], unshifted_labels(b))

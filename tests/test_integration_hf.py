@@ -488,3 +488,54 @@ def test_to_hf_gives_transformers_rows_in_either_layout(corpus):
             assert d["use_cache"] is False
             assert torch.equal(d["shift_labels"][0], b.labels.reshape(-1))
             assert torch.equal(d["labels"][0], unshifted_labels(b))
+
+
+def _rank_trainer_run(rank, world, out_dir, resume_from):
+    """One DDP rank (gloo) of a 4-step PackedTrainer run checkpointing every 2 steps, or resumed from the
+    checkpoint folder `resume_from`; returns {step: [(input ids, loss)]} of the micro-batches this rank trained."""
+    from packloader.contracts import ParallelConfig
+
+    torch.set_num_threads(1)
+    model = tiny_llama("sdpa").train()
+    got: dict[int, list] = {}
+
+    class StepOf(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            got.setdefault(state.global_step + 1, [])
+            self.step = state.global_step + 1
+
+    step_of = StepOf()
+    model.register_forward_hook(lambda m, a, kw, out: got[step_of.step].append((kw["input_ids"][0].tolist(),
+                                                                                  float(out.loss.detach()))),
+                                with_kwargs=True)
+    cfg = PlanConfig(strategy="wlb", max_tokens=200, context=200, tokens_per_step=600, allow_slicing=False,
+                     num_micro_batches=2, parallel=ParallelConfig(dp=world))
+    ld = PackedLoader(IterableSource(docs(n=60, seed=5)), config=cfg, num_threads=0, append_eos=False, epochs=None)
+    args = one_step_args(out_dir, 2, max_steps=4, save_strategy="steps", save_steps=2, ddp_backend="gloo", seed=0)
+    trainer = phf.PackedTrainer(model=model, args=args, packed_loader=ld, callbacks=[step_of])
+    # transformers (4.57) loads the optimizer state with map_location=args.device when world > 1, which on CPU DDP
+    # is torch.device("cpu:0"), a location torch.load cannot restore: give it plain "cpu" (GPU runs are unaffected)
+    args.__dict__["_setup_devices"] = torch.device("cpu")
+    trainer.train(resume_from_checkpoint=resume_from)
+    return got
+
+
+@pytest.mark.multiprocess
+def test_ddp_trainer_resumes_each_ranks_stream(tmp_path):
+    """Two DDP ranks (gloo): every checkpoint holds both ranks' loader states, and two new processes resumed from
+    checkpoint-2 train, rank by rank, the micro-batches and losses of steps 3-4 of the uninterrupted run (the same
+    max_steps, so the same learning-rate schedule)."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    from helpers.distributed import run_ranks
+
+    whole = run_ranks(_rank_trainer_run, 2, str(tmp_path), None, timeout=400)
+    for c in ("checkpoint-2", "checkpoint-4"):
+        for r in range(2):
+            assert (tmp_path / c / f"packloader_state-rank{r}.pt").is_file()
+    resumed = run_ranks(_rank_trainer_run, 2, str(tmp_path), str(tmp_path / "checkpoint-2"), timeout=400)
+    assert whole[0][1] != whole[1][1]  # the ranks train different micro-batches
+    for r in range(2):
+        assert sorted(whole[r]) == [1, 2, 3, 4] and sorted(resumed[r]) == [3, 4]
+        for s in (3, 4):
+            assert [ids for ids, _ in resumed[r][s]] == [ids for ids, _ in whole[r][s]], (r, s)
+            assert [x for _, x in resumed[r][s]] == pytest.approx([x for _, x in whole[r][s]], rel=1e-6), (r, s)

@@ -30,6 +30,10 @@ micro-batch is its token-loss sum divided by the step's loss tokens over all ran
 which makes the step's gradient the per-token mean over the global step. ``args.max_steps`` must be set (the
 loader has no length).
 
+Checkpoints hold each process's loader state and ``train(resume_from_checkpoint=...)`` continues the stream from it
+(the Trainer's own batch skip is off); the logs carry the data's epoch, tokens per second and the loader's step
+metrics: ``hf_resume``.
+
 Empty micro-batches: planners give every DP rank the same number of micro-batches per step, so a rank with fewer
 pieces than the fullest one gets empty slots. ``hf_batch`` turns one into a one-token padding row with no loss
 target, which PackedTrainer runs like any other: zero loss and zero gradient, but a real forward and backward, so

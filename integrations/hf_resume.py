@@ -78,7 +78,7 @@ def data_epoch(meta: dict, docs_per_epoch: int | None) -> float:
     if documents is None or not docs_per_epoch:
         return float(epoch)
     # documents counts every epoch's draws since the start: epoch e's step holds e * docs_per_epoch + its share
-    return min(documents / docs_per_epoch, epoch + 1.0)
+    return max(float(epoch), min(documents / docs_per_epoch, epoch + 1.0))
 
 
 def metric_logs(record: Any) -> dict[str, float]:

@@ -274,6 +274,13 @@ def trainer_checkpoint_without_loader_state(tmp):
     return lambda: load_loader_state(a, str(tmp / "checkpoint-4"), 1)
 
 
+def trainer_loader_without_state(tmp):
+    """What PackedTrainer runs at each checkpoint, with a packed_loader that cannot save where it stands."""
+    from packloader_integrations.hf_resume import save_loader_state
+
+    return lambda: save_loader_state([], str(tmp / "checkpoint-1"), 0)
+
+
 def cli_number_zero(tmp):
     np.save(tmp / "ok.npy", np.array([10, 20, 30]))
     return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--dp", "0", "--quiet")
@@ -358,6 +365,8 @@ CASES = [
          ("differently configured loader", "max_tokens")),
     Case("trainer_checkpoint_without_loader_state", trainer_checkpoint_without_loader_state, FileNotFoundError,
          ("checkpoint-4 holds no packloader loader state for process 1", "packloader_state-rank1.pt")),
+    Case("trainer_loader_without_state", trainer_loader_without_state, ValueError,
+         ("cannot checkpoint its packed_loader (list): it has no state_dict()", "save_strategy='no'")),
     Case("cli_number_zero", cli_number_zero, CliExit,
          ("exit 2", "argument --dp: must be >= 1 and <= 131,072 (field parallel.dp), got 0")),
     Case("cli_number_too_large", cli_number_too_large, CliExit, ("exit 2", "argument --max-tokens", "<= 1,099,511,627,776 (field max_tokens)")),

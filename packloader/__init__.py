@@ -49,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "load_cost_model": "packloader.balancers.cost.resolve",
     "measured_profile": "packloader.balancers.cost.measured",
     "simulate_step": "packloader.balancers.sim.simulator",
+    "step_actions": "packloader.balancers.sim.actions",
     "score_plans": "packloader.balancers.sim.metrics",
     "verify_plan": "packloader.balancers.sim.verify",
     "varlen_attention": "packloader.runtime.attention",

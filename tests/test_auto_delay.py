@@ -59,6 +59,7 @@ def test_auto_keeps_the_delay_bound_where_it_used_to_break_it(tp, monkeypatch):
     # the same run without the bound breaks it (the test can fail): memory-bound layouts made wlb win with a queue
     monkeypatch.setattr(auto, "DELAY_MEAN_MAX", float("inf"))
     monkeypatch.setattr(auto, "QUEUE_MAX_SHARE", float("inf"))
+    monkeypatch.setattr(auto, "RUN_SHARES", ())  # and without bounded slice runs, which now fit where wlb won
     mean0, _, queued0 = delays_and_queue(lengths, config(tp), 8)
     assert mean0 > 0.5 and queued0 > TPS // 2, (mean0, queued0)
 

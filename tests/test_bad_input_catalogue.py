@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from packloader.cli.main import main
+from packloader.collate.batch import SlicesNotSupported
 from packloader.contracts import PlanConfig
 from packloader.loader.loader import PackedLoader
 from packloader.sources.base import IterableSource
@@ -301,6 +302,89 @@ def cli_length_beyond_bound(tmp):
     return lambda: cli("plan", "--lengths", str(tmp / "huge.npy"), "--quiet", "--out", str(tmp / "p.jsonl"))
 
 
+def _state_with(change: Callable[[dict], None]) -> Callable[[], None]:
+    """A loader's state in its second step, mid-step (so `skip` is checked against the step), changed by
+    `change`, loaded into a fresh loader."""
+    docs = [np.arange(1, 1 + n, dtype=np.int32) for n in (5, 70, 30, 200, 12) * 10]
+    a = PackedLoader(IterableSource(docs), config=_config(), num_threads=0)
+    state = next(a.state_dict() for b in a if b.step == 1)
+    assert state["loader"]["skip"] > 0
+    change(state)
+    b = PackedLoader(IterableSource(docs), config=_config(), num_threads=0)
+    return lambda: b.load_state_dict(state)
+
+
+def state_pos_negative(tmp):
+    return _state_with(lambda s: s["loader"]["step_state"].update(pos=-3))
+
+
+def state_pos_beyond_source(tmp):
+    return _state_with(lambda s: s["loader"]["step_state"].update(pos=10**9))
+
+
+def state_skip_beyond_step(tmp):
+    return _state_with(lambda s: s["loader"].update(skip=10000))
+
+
+def state_epoch_changed(tmp):
+    return _state_with(lambda s: s["loader"]["step_state"].update(epoch=7))
+
+
+def cli_tokens_per_step_below_max_tokens(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--max-tokens", "1024", "--tokens-per-step", "512",
+                       "--quiet")
+
+
+def lengths_forty_digits(tmp):
+    (tmp / "big.txt").write_text("10\n" + "1234567890" * 4 + "\n")
+    return lambda: cli("plan", "--lengths", str(tmp / "big.txt"), "--quiet")
+
+
+def lengths_uint64_max(tmp):
+    np.save(tmp / "u64.npy", np.array([10, 2**64 - 1], np.uint64))
+    return lambda: cli("plan", "--lengths", str(tmp / "u64.npy"), "--quiet")
+
+
+class _ClosedPipe(io.TextIOWrapper):
+    """A stdout whose reader went away: every write is a BrokenPipeError, as after `packloader plan | head`."""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO())
+        self._buf = type("Closed", (), {"write": self._broken, "flush": self._broken})()
+
+    @property
+    def buffer(self):
+        return self._buf
+
+    def _broken(self, *args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def write(self, text):
+        self._broken()
+
+
+def stdout_closed(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+
+    def run():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(_ClosedPipe()):
+            code = main(["plan", "--lengths", str(tmp / "ok.npy"), "--quiet"])
+        raise CliExit(f"exit {code}: {err.getvalue()}")  # the status and all it printed: nothing
+
+    return run
+
+
+def to_hf_with_slices(tmp):
+    from packloader.collate.collate import collate
+    from packloader.contracts import Segment
+
+    b = collate([Segment(8, 0, 2, 0), Segment(7, 4, 10, 0)], {7: np.arange(100, 110), 8: np.array([1, 2])},
+                step=5, index_in_step=2)
+    return b.to_hf
+
+
 def _config(**kw) -> PlanConfig:
     base = dict(strategy="fixed", max_tokens=256, context=256, tokens_per_step=1024)
     base.update(kw)
@@ -373,6 +457,23 @@ CASES = [
     Case("cli_number_not_a_number", cli_number_not_a_number, CliExit, ("exit 2", "argument --threads", "got 'four'")),
     Case("cli_length_beyond_bound", cli_length_beyond_bound, CliExit,
          ("exit 2", "huge.npy", "entry 1", "at most 65,536 pieces per document")),
+    Case("state_pos_negative", state_pos_negative, ValueError,
+         ("state field loader.step_state.pos = -3: expected 0..49, the documents in this source",)),
+    Case("state_pos_beyond_source", state_pos_beyond_source, ValueError,
+         ("state field loader.step_state.pos = 1000000000: expected 0..49",)),
+    Case("state_skip_beyond_step", state_skip_beyond_step, ValueError,
+         ("state field loader.skip = 10000: expected 0..", "the micro-batches this rank has in step")),
+    Case("state_epoch_changed", state_epoch_changed, ValueError,
+         ("state field loader.step_state.epoch = 7: expected 0, the epochs completed",)),
+    Case("cli_tokens_per_step_below_max_tokens", cli_tokens_per_step_below_max_tokens, CliExit,
+         ("exit 2", "(--tokens-per-step, --max-tokens)", "tokens_per_step=512 is below max_tokens=1024")),
+    Case("lengths_forty_digits", lengths_forty_digits, CliExit,
+         ("exit 2", "big.txt, line 2", "is beyond the largest length 9,223,372,036,854,775,807")),
+    Case("lengths_uint64_max", lengths_uint64_max, CliExit,
+         ("exit 2", "u64.npy: entry 1 is 18,446,744,073,709,551,615, beyond the largest length")),
+    Case("stdout_closed", stdout_closed, CliExit, ("exit 141: ",)),
+    Case("to_hf_with_slices", to_hf_with_slices, SlicesNotSupported,
+         ("PackedBatch.to_hf(): step 5, micro-batch 2 holds a slice of document 7", "allow_slicing=False")),
 ]
 
 

@@ -395,6 +395,64 @@ def test_karmarkar_karp_balances_workload_with_equal_counts():
     # hand-worked: workloads of 1..8 tokens at dp 2 with equal sizes -> 4 pieces each
     plans, _ = run_steps("karmarkar_karp", [Window.from_lengths(np.arange(1, 9))], 2, 1 << 16)
     assert [sum(len(mb.segments) for mb in r.micro_batches) for r in plans[0].ranks] == [4, 4]
-    # the historical variant balances tokens without equal sizes: one 100-token piece against ten of 10
+    # verl before PR 3605 kept equal sizes too: one 100-token piece and ten of 10 (padded to 12) go 6 and 6
     plans, _ = run_steps("karmarkar_karp_verl_legacy", [Window.from_lengths(np.array([100] + [10] * 10))], 2, 1 << 16)
-    assert sorted(sum(len(mb.segments) for mb in r.micro_batches) for r in plans[0].ranks) == [1, 10]
+    assert sorted(sum(len(mb.segments) for mb in r.micro_batches) for r in plans[0].ranks) == [5, 6]
+
+
+def ldm_parts_reference(values, k, equal_size=False):
+    """Plain-Python largest differencing method returning each partition's items (partitions by decreasing sum);
+    with `equal_size` the sorted items enter k at a time, one per set. Independent of the numba kernel."""
+    order = sorted(range(len(values)), key=lambda i: (values[i], i))
+    if equal_size:
+        starts = [[(values[i], 1, i, [i]) for i in order[j:j + k]] for j in range(0, len(order), k)]
+    else:
+        starts = [[(values[i], 1, i, [i])] + [(0, 0, -1, [])] * (k - 1) for i in order]
+    heap = []
+    for seq, sets in enumerate(starts):
+        sets = sorted(sets, key=lambda x: x[:3], reverse=True)
+        heapq.heappush(heap, (-(sets[0][0] - sets[-1][0]), -sets[0][0], seq, sets))
+    seq = len(starts)
+    while len(heap) > 1:
+        a, b = heapq.heappop(heap)[3], heapq.heappop(heap)[3]
+        merged = [(x[0] + y[0], x[1] + y[1], x[2] if x[1] else y[2], x[3] + y[3]) for x, y in zip(a, b[::-1])]
+        merged.sort(key=lambda x: x[:3], reverse=True)
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), -merged[0][0], seq, merged))
+        seq += 1
+    return [sorted(x[3]) for x in heap[0][3]]
+
+
+def verl_before_3605_micro_batches(lengths, cap):
+    """verl's rearrange_micro_batches before PR 3605, one rank: min(items, ceil(tokens / cap)) micro-batches (one
+    more while a partition is over the cap: packloader's contract), LDM over the token counts, ordered by the sum
+    of l^2, heaviest first (ties: larger first index)."""
+    m = min(len(lengths), -(-sum(lengths) // cap))
+    while True:
+        parts = ldm_parts_reference(lengths, m)
+        if max(sum(lengths[i] for i in p) for p in parts) <= cap:
+            break
+        m += 1
+    parts.sort(key=lambda p: (sum(lengths[i] ** 2 for i in p), min(p)), reverse=True)
+    return parts
+
+
+def test_the_legacy_variant_is_verl_before_pr_3605():
+    """Micro-batches of one rank against the reference above (exactly, documents of distinct lengths so no tie
+    decides), and the DP level's token sums against equal-size LDM over token counts."""
+    rng = np.random.default_rng(11)
+    for trial in range(12):
+        lengths = [int(x) for x in rng.choice(np.arange(1, 3000), size=int(rng.integers(5, 60)), replace=False)]
+        cap = int(rng.integers(3000, 12000))
+        plans, _ = run_steps("karmarkar_karp_verl_legacy", [Window.from_lengths(np.array(lengths))], 1, cap)
+        got = [sorted(s.doc for s in mb.segments) for mb in plans[0].ranks[0].micro_batches]
+        assert got == verl_before_3605_micro_batches(lengths, cap), trial
+        dp = int(rng.integers(2, 5))
+        plans, _ = run_steps("karmarkar_karp_verl_legacy", [Window.from_lengths(np.array(lengths))], dp, cap)
+        per_rank = [[s for mb in r.micro_batches for s in mb.segments] for r in plans[0].ranks]
+        padded = lengths + [0] * (-len(lengths) % dp)
+        want = [sum(padded[i] for i in p) for p in ldm_parts_reference(padded, dp, equal_size=True)]
+        assert sorted(sum(s.end - s.start for s in r) for r in per_rank) == sorted(want), trial
+        assert max(map(len, per_rank)) - min(map(len, per_rank)) <= 1
+    # hand-worked: 1..8 at DP 2 by tokens with equal sizes: {8,7},{6,5},{4,3},{2,1} merge to 18 and 18, 4 each
+    plans, _ = run_steps("karmarkar_karp_verl_legacy", [Window.from_lengths(np.arange(1, 9))], 2, 1 << 16)
+    assert [sum(s.end - s.start for mb in r.micro_batches for s in mb.segments) for r in plans[0].ranks] == [18, 18]

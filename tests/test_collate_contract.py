@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packloader.collate.batch import IGNORE_INDEX
+from packloader.collate.batch import IGNORE_INDEX, SlicesNotSupported
 from packloader.collate.collate import collate, collate_padded, collate_step, loss_tokens_in_plan
 from packloader.contracts import MicroBatch, RankPlan, Segment, StepPlan
 
@@ -61,8 +61,26 @@ def test_collate_matches_reference(mb):
     assert b.num_loss_tokens == sum(l != IGNORE_INDEX for l in labels)
     assert (b.step, b.index_in_step, b.micro_batches_in_step, b.loss_tokens_in_step) == (3, 1, 2, 999)
     assert b.cu_seqlens_padded is None and b.cp is None
-    hf = b.to_hf()
-    assert hf["input_ids"].shape == (1, len(ids)) and hf["max_length_q"] == b.max_seqlen
+    if all(s.attend_from == s.start for s in segments):
+        hf = b.to_hf()
+        assert hf["input_ids"].shape == (1, len(ids)) and hf["max_length_q"] == b.max_seqlen
+    else:
+        with pytest.raises(SlicesNotSupported, match="to_hf"):
+            b.to_hf()
+
+
+def test_to_hf_refuses_a_slice_whose_keys_the_row_does_not_hold():
+    """A slice of tokens 4..10 attending from 0: the row holds 6 of its tokens, while its keys are 10, so
+    cu_seq_lens_k would end at 10 + 2 for a row of 8 tokens (hand-worked); refused, naming step, micro-batch and
+    document. The same micro-batch without the slice converts."""
+    docs = {7: np.arange(100, 110), 8: np.array([1, 2])}
+    b = collate([Segment(8, 0, 2, 0), Segment(7, 4, 10, 0)], docs, step=5, index_in_step=2)
+    assert b.cu_seqlens_k.tolist() == [0, 2, 12] and b.input_ids.numel() == 8
+    with pytest.raises(SlicesNotSupported, match=r"step 5, micro-batch 2 holds a slice of document 7 \(tokens 4..10, "
+                       r"attending from 0\)"):
+        b.to_hf()
+    whole = collate([Segment(8, 0, 2, 0), Segment(7, 4, 10, 4)], docs, step=5, index_in_step=2)
+    assert whole.to_hf()["cu_seq_lens_k"].tolist() == [0, 2, 8]
 
 
 def test_labels_never_cross_a_document_and_positions_restart():

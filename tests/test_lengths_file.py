@@ -58,7 +58,7 @@ def test_plan_reads_comments_and_skips_empty_documents(tmp_path, capsys):
     (tmp_path / "ok.txt").write_text("# two documents\n100\n200\n")
     out = tmp_path / "p.jsonl"
     assert main(["plan", "--lengths", str(tmp_path / "ok.txt"), "--tokens-per-step", "300", "--steps", "1",
-                 "--max-tokens", "1024", "--out", str(out), "--quiet"]) == 0
+                 "--max-tokens", "256", "--out", str(out), "--quiet"]) == 0
     docs = sorted({seg[0] for line in out.read_text().splitlines() for rank in json.loads(line)["ranks"]
                    for mb in rank for seg in mb})
     assert docs == [0, 1]

@@ -51,6 +51,7 @@ def test_scores_pp1_by_hand():
     assert s.dp_spread == 1.0
     assert s.step_time == 18.0 and s.work_bound == 18.0 and s.bound_time == 18.0
     assert s.efficiency == 1.0 and s.bubble_share == pytest.approx(0.0)
+    assert s.fill_bound == 18.0 and s.efficiency_fill == 1.0  # PP 1: no fill to credit
     assert s.packing_efficiency == pytest.approx(12 / 16)
     assert s.tokens == 12 and s.tokens_split == 0 and s.micro_batches == 2
     assert not s.delay_known and s.tokens_delayed == 0
@@ -63,8 +64,12 @@ def test_scores_pp2_by_hand():
     assert s.rank_times == [28.0, 27.0]
     assert s.step_time == 28.0
     assert s.dp_spread == pytest.approx(28 / 27.5)
-    assert s.bound_time == pytest.approx(18 * 3 / 2)
-    assert s.efficiency == pytest.approx(27 / 28)
+    # the no-bubble ideal: 36 of work per stage over 2 ranks, every GPU busy all the time
+    assert s.bound_time == s.work_bound == pytest.approx(18)
+    assert s.efficiency == pytest.approx(18 / 28) == pytest.approx(1 - s.bubble_share)
+    # fill-credited: 18 x (m + pp - 1) / m = 18 x 3 / 2
+    assert s.fill_bound == pytest.approx(18 * 3 / 2)
+    assert s.efficiency_fill == pytest.approx(27 / 28)
     # 2 ranks x 2 stages x 18 busy out of 4 x 28
     assert s.bubble_share == pytest.approx(1 - 72 / 112)
 
@@ -100,7 +105,8 @@ def test_plan_costs_and_aggregate():
                            pieces=[(0, 0, 4), (1, 0, 2), (2, 0, 3), (3, 0, 3)])
     assert per[0].step_time == 28.0
     assert run.steps == 2 and run.tokens == 24
-    assert run.efficiency == pytest.approx(54 / 56)
+    assert run.efficiency == pytest.approx(36 / 56)
+    assert run.efficiency_fill == pytest.approx(54 / 56) and run.fill_bound_total == pytest.approx(54)
     assert run.imbalance_max == pytest.approx(4 / 3)
     # step 1 trains everything one step late
     assert run.tokens_delayed == 12 and run.delay_share == pytest.approx(0.5) and run.delay_mean == pytest.approx(0.5)

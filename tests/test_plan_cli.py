@@ -133,8 +133,8 @@ def test_documents_running_out_stop_early(tmp_path):
     np.save(tmp_path / "l.npy", lengths)
     out = tmp_path / "p.jsonl"
     assert main(["plan", "--lengths", str(tmp_path / "l.npy"), "--tokens-per-step", "1000", "--steps", "10",
-                 "--max-tokens", "1024", "--out", str(out), "--quiet"]) == 0
-    recs = check_jsonl(out.read_text(), lengths, dp=1, max_tokens=1024, context=1024, tokens_per_step=1000, steps=10,
+                 "--max-tokens", "1000", "--out", str(out), "--quiet"]) == 0
+    recs = check_jsonl(out.read_text(), lengths, dp=1, max_tokens=1000, context=1000, tokens_per_step=1000, steps=10,
                        slicing=True)
     assert len(recs) == 2  # [500, 600] then [700]
 
@@ -206,7 +206,7 @@ def test_empty_documents_are_skipped_keeping_ids_and_counted(tmp_path, capsys):
     lengths = [5, 0, 7, 0, 0, 9, 3]
     (tmp_path / "l.txt").write_text("\n".join(map(str, lengths)) + "\n")
     out = tmp_path / "p.jsonl"
-    assert main(["plan", "--lengths", str(tmp_path / "l.txt"), "--dp", "2", "--max-tokens", "16", "--context", "16",
+    assert main(["plan", "--lengths", str(tmp_path / "l.txt"), "--dp", "2", "--max-tokens", "12", "--context", "12",
                  "--tokens-per-step", "12", "--steps", "5", "--strategy", "fixed", "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert "holds 3 empty documents (length 0), skipped" in err, err

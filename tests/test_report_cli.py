@@ -134,6 +134,7 @@ def test_lengths_report_figures_match_hand_computation(lengths_report):
         assert fig["steps"] == 4 and len(plans) == 4 + fig["drain_steps"]
         assert [st["drain"] for st in fig["per_step"]] == [False] * 4 + [True] * fig["drain_steps"]
         planned = 0
+        ideal = 0.0
         delayed = 0
         delay_sum = 0
         delay_max = 0
@@ -147,6 +148,8 @@ def test_lengths_report_figures_match_hand_computation(lengths_report):
             assert st["step_time"] == pytest.approx(max(times), rel=1e-9), fig["name"]
             assert st["dp_spread"] == pytest.approx(max(times) / np.mean(times), rel=1e-9)
             assert st["bound_time"] == pytest.approx(sum(times) / 2, rel=1e-9)
+            assert st["efficiency"] == pytest.approx(sum(times) / 2 / max(times), rel=1e-9)  # the no-bubble ideal
+            ideal += sum(times) / 2
             assert st["micro_batches"] == len(costs[0])
             step_tokens = 0
             for r in plan.ranks:
@@ -181,6 +184,7 @@ def test_lengths_report_figures_match_hand_computation(lengths_report):
         step_total = sum(st["step_time"] for st in fig["per_step"])
         assert fig["step_time_total"] == pytest.approx(step_total)
         assert fig["tokens_per_second"] == pytest.approx(planned / step_total)
+        assert fig["efficiency"] == pytest.approx(ideal / step_total)
         assert fig["imbalance_mean"] == pytest.approx(np.mean([st["imbalance"] for st in fig["per_step"][:4]]))
         assert fig["step_time_mean"] == pytest.approx(np.mean([st["step_time"] for st in fig["per_step"][:4]]))
         assert len(fig["peak_activation_gib"]) == 1 and fig["plan_ms_mean"] >= 0

@@ -48,9 +48,10 @@ def plan_run(lengths: np.ndarray, config: PlanConfig, steps: int, planner=None) 
     return PlanRun(plans, windows, state)
 
 
-def plan_record(plan: StepPlan) -> dict:
+def plan_record(plan: StepPlan, actions: list | None = None) -> dict:
     """One JSON line of `packloader plan`: {"step", "ranks": [[[doc, start, end, attend_from], ...] per
-    micro-batch] per rank, "costs": [[fwd, bwd] per micro-batch] per rank, ...}.
+    micro-batch] per rank, "costs": [[fwd, bwd] per micro-batch] per rank, ...}; with `actions`
+    (`sim.actions.step_actions`), "actions": [per DP rank: [per pipeline rank: [[op, micro_batch, stage], ...]]].
 
     A DP-Merge micro-batch is written once, under the first rank of its group, and as an empty micro-batch at
     the same position of the other members; "dp_groups" lists [rank, position, [ranks]] for each."""
@@ -81,6 +82,8 @@ def plan_record(plan: StepPlan) -> dict:
         rec["backward_order"] = orders
     if plan.delayed:
         rec["delayed"] = plan.delayed
+    if actions is not None:
+        rec["actions"] = actions
     return rec
 
 

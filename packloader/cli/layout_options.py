@@ -21,7 +21,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from packloader.balancers.planners.registry import planner_spec
-from packloader.contracts import ParallelConfig, PlanConfig
+from packloader.contracts import ParallelConfig, PlanConfig, check_plan_config
 
 # Historical flag names kept where they differ from the field's; a bool field whose default is True gets a
 # negative flag (store_false).
@@ -175,8 +175,10 @@ def layout_values(args: argparse.Namespace, defaults: dict[str, Any] | None = No
 
 
 def config_from_args(args: argparse.Namespace, strategy: str = "auto", defaults: dict[str, Any] | None = None,
-                     **overrides: Any) -> PlanConfig:
-    """The PlanConfig of the parsed flags; a ValueError naming the flag when msgspec rejects a value."""
+                     check: bool = True, **overrides: Any) -> PlanConfig:
+    """The PlanConfig of the parsed flags; a ValueError naming the flag when msgspec rejects a value, or (with
+    `check`) when the fields break a rule between them that the library refuses too (`check_plan_config`).
+    `check=False` for a draft whose fields the command derives further."""
     values = {**layout_values(args, defaults), **overrides}
     parallel_names = {f.name for f in mi.type_info(ParallelConfig).fields}
     raw: dict[str, Any] = {"strategy": strategy, "parallel": {}}
@@ -193,4 +195,9 @@ def config_from_args(args: argparse.Namespace, strategy: str = "auto", defaults:
         planner_spec(config.strategy)
     except ValueError as e:
         raise ValueError(f"invalid configuration (--strategy): {e}") from None
+    if check:
+        try:
+            check_plan_config(config)
+        except ValueError as e:
+            raise ValueError(f"invalid configuration (--tokens-per-step, --max-tokens): {e}") from None
     return config

@@ -5,7 +5,9 @@
 
 One line per step: {"step": s, "ranks": [[micro-batch, ...] per DP rank], "costs": ..., ...}, a micro-batch
 being a list of [doc, start, end, attend_from] (doc = index in the lengths file, offsets within the document).
-Empty documents (length 0) are skipped, keeping the other documents' ids, and counted in the summary.
+"actions" gives, per DP rank and pipeline rank, the [op, micro_batch, stage] lists in the order the simulator
+scored (`packloader.balancers.sim.actions`; op "F" or "B", stage the model chunk). Empty documents (length 0)
+are skipped, keeping the other documents' ids, and counted in the summary.
 Every token of every drawn document appears exactly once (the last step flushes what was delayed); no
 micro-batch holds more than --max-tokens tokens. A short score summary goes to stderr. Bad input (missing file,
 wrong column, negative or non-integer lengths, invalid configuration) exits with status 2 and a message naming it.
@@ -50,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from packloader.balancers.offline import plan_record, plan_run
     from packloader.balancers.planners.packing import cost_model_for
     from packloader.balancers.planners.registry import make_planner
+    from packloader.balancers.sim.actions import step_actions
     from packloader.balancers.sim.metrics import drawn_steps, score_plans
     from packloader.sources.lengths_file import LengthsError, check_pieces, read_lengths
 
@@ -84,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--out {args.out}: cannot write ({e.strerror})")
     try:
         for plan in result.plans:
-            out.write(enc.encode(plan_record(plan)) + b"\n")
+            actions = step_actions(plan, model, config.parallel, schedule=config.schedule)
+            out.write(enc.encode(plan_record(plan, actions)) + b"\n")
     finally:
         if out is not sys.stdout.buffer:
             out.close()
@@ -100,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"packloader plan: {s.steps} steps, {docs} documents, {s.tokens} tokens, strategy {config.strategy}; "
             f"imbalance {s.imbalance_mean:.3f} (max {s.imbalance_max:.3f}), DP spread {s.dp_spread_mean:.4f}, "
-            f"simulated efficiency {s.efficiency:.3f}, packing {s.packing_efficiency:.3f}, "
+            f"simulated efficiency {s.efficiency:.3f} against the no-bubble ideal ({s.efficiency_fill:.3f} fill-credited), packing {s.packing_efficiency:.3f}, "
             f"delay mean {s.delay_mean:.3f} / max {s.delay_max} steps (share {s.delay_share:.3f}), split {s.split_share:.3f}, "
             f"dropped {s.tokens_dropped}, duplicated {s.tokens_duplicated}",
             file=sys.stderr,

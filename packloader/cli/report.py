@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace):
     """The PlanConfig of the flags (demo defaults under --demo); tokens per step derived when not given."""
     defaults = DEMO if args.demo else {}
-    config = config_from_args(args, strategy="fixed", defaults=defaults)
+    config = config_from_args(args, strategy="fixed", defaults=defaults, check=False)  # tokens per step not final
     given = "layout_tokens_per_step" in args.layout_given or (args.demo and "tokens_per_step" in defaults)
     if args.global_batch is not None:
         if "layout_tokens_per_step" in args.layout_given:

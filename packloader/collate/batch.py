@@ -12,6 +12,10 @@ from packloader.contracts import LoaderStats, Segment, StepPlan
 IGNORE_INDEX = -100
 
 
+class SlicesNotSupported(ValueError):
+    """A plan (or a micro-batch) holds slices and the consumer that was handed it cannot run them."""
+
+
 @dataclass
 class PackedBatch:
     """One micro-batch, flat `[T]` convention (use `to_hf()` for `[1, T]`).
@@ -63,7 +67,20 @@ class PackedBatch:
         target in the next piece); `labels` are the same targets in transformers' unshifted convention (-100 at
         every segment's first token), for code that shifts them itself. `use_cache=False`: with a KV cache
         transformers does not look for packed sequences and attention would cross documents. The cu_seq_lens /
-        max_length entries are the flash-attention varlen arguments; other attention implementations ignore them."""
+        max_length entries are the flash-attention varlen arguments; other attention implementations ignore them.
+
+        A micro-batch holding a SlimPack slice is refused (SlicesNotSupported): the slice's keys begin in an
+        earlier micro-batch, so `cu_seq_lens_k` would count keys this row does not hold, and transformers' flash
+        path would cut every such row into the wrong sequences."""
+        for s in self.segments:
+            if s.attend_from != s.start:
+                raise SlicesNotSupported(
+                    f"PackedBatch.to_hf(): step {self.step}, micro-batch {self.index_in_step} holds a slice of "
+                    f"document {s.doc} (tokens {s.start}..{s.end}, attending from {s.attend_from}), whose keys start "
+                    "in an earlier micro-batch: a transformers model given this row alone would attend to the wrong "
+                    "tokens. Plan with PlanConfig(allow_slicing=False), or run slices with "
+                    "packloader.runtime.slices.SliceExecutor (packloader_integrations.hf.PackedTrainer does)"
+                )
         labels = self.labels.reshape(1, -1)
         unshifted = torch.full_like(labels, IGNORE_INDEX)
         unshifted[0, 1:] = labels[0, :-1]  # token t is the target of token t - 1 ...

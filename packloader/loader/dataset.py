@@ -11,6 +11,7 @@ from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
 from packloader.loader.graph import LoaderPipeline, StepGraph
 from packloader.loader.state import STATE_FORMAT, check_state, fingerprint, validate_config
+from packloader.loader.state_check import StateContext, check_state_values, source_lengths
 from packloader.sources.order import split_range
 
 
@@ -55,6 +56,10 @@ class _StepIterator:
 
     def load_state_dict(self, state: dict) -> None:
         check_state(state, self._fingerprint())
+        p = self.dataset._p
+        check_state_values(state, StateContext(
+            num_docs=p.stream.num_docs, span=self.span, step_offset=self.worker, step_stride=self.workers,
+            loader=False, max_epochs=self.max_epochs, doc_lengths=source_lengths(p.stream)))
         self.close()
         self._position = state["loader"]["step_state"]
 

@@ -48,6 +48,7 @@ from packloader.contracts import LoaderStats, PlanConfig
 from packloader.loader.distributed import RankExchange, check_settings, next_instance, torch_rank_world
 from packloader.loader.graph import LoaderPipeline, ReadyStep, StepGraph
 from packloader.loader.state import STATE_FORMAT, LoaderOptions, check_state, fingerprint, validate_config
+from packloader.loader.state_check import StateContext, check_skip, check_state_values, source_lengths
 from packloader.sources.stream import DocumentStream
 
 
@@ -250,8 +251,22 @@ class PackedLoader:
 
         A state saved by a loader with another configuration, seed, shuffle, tokenizer, source or rank is refused,
         with `strict=False` too: continuing it would drop and repeat tokens (`strict` is kept for the torch
-        signature only)."""
+        signature only). So is a state whose numbers describe no point of this stream (`state_check.py`), naming
+        the field; a mid-step state's step is planned here, to check `skip` against it (the loader is left as it
+        was when refused)."""
         check_state(state, self._fingerprint())
+        n = self._p.stream.num_docs
+        check_state_values(state, StateContext(num_docs=n, span=(0, n), doc_lengths=source_lengths(self._p.stream)))
+        previous = self.state_dict()
+        self._apply(state)
+        if self._skip:  # mid-step: plan the step now, to check `skip` against it (it is the first one yielded)
+            try:
+                self._plan_skipped_step(state["loader"]["step_state"]["k"])
+            except BaseException:
+                self._apply(previous)
+                raise
+
+    def _apply(self, state: dict) -> None:
         self._close_graph()
         pos = state["loader"]
         self._start, self._skip = pos["step_state"], int(pos["skip"])
@@ -261,6 +276,11 @@ class PackedLoader:
         self._pass_left = state["pass_left"]
         self._pass_open = bool(state["pass_open"])
         self._stats = msgspec.convert(state["stats"], LoaderStats)
+
+    def _plan_skipped_step(self, step_number: int) -> None:
+        step = self._fetch()
+        check_skip(self._skip, None if step is None else len(step.batches), step_number)
+        self._cur, self._at, self._skip = step, self._skip, 0
 
     def _close_graph(self) -> None:
         if self._graph is not None:

@@ -202,7 +202,7 @@ def _plots(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
         take = f"At your settings, {best.name} is the fastest packloader strategy that fits in memory: {best.tokens_per_second / 1e3:,.0f}k tokens/s"
         if ref is not None:
             take += f" = {best.speedup.get(ref.name, 0):.2f}x the fastest baseline ({ref.name})"
-        take += f", {best.efficiency:.0%} of perfect balance."
+        take += f", {best.efficiency:.0%} of the no-bubble ideal."
         if flags:
             take += " Hatched bars need more memory than a GPU has."
         if adv is not None and (adv.strategy, adv.max_tokens, adv.num_micro_batches) != (
@@ -228,7 +228,7 @@ def _plots(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
     if ref is not None and best is not None and ref.per_step and best.per_step:
         n = min(ref.steps, best.steps)
         # among steps where both train about the same tokens (outlier delay moves tokens between steps), the one
-        # where the baseline is furthest from its perfect-balance bound: where imbalance costs most
+        # where the baseline is furthest from its no-bubble ideal: where imbalance costs most
         gap = [abs(best.per_step[i].tokens - ref.per_step[i].tokens) / max(ref.per_step[i].tokens, 1) for i in range(n)]
         close = [i for i in range(n) if gap[i] <= 0.05] or [int(np.argmin(gap))]
         k = max(close, key=lambda i: ref.per_step[i].step_time / max(ref.per_step[i].bound_time, 1e-12))
@@ -240,7 +240,7 @@ def _plots(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
                  simulate_step(runs[best.name].plans[k], model, config.parallel, schedule=config.schedule))]
         bounds = [rp.bound_time, bp.bound_time]
         t0, t1 = sims[0][1].step_time, sims[1][1].step_time
-        take = (f"Step {k}: {ref.name} needs {t0 * 1e3:,.0f} ms ({rp.efficiency:.0%} of perfect balance), {best.name} "
+        take = (f"Step {k}: {ref.name} needs {t0 * 1e3:,.0f} ms ({rp.efficiency:.0%} of the no-bubble ideal), {best.name} "
                 f"{t1 * 1e3:,.0f} ms ({bp.efficiency:.0%}). White gaps are GPUs waiting: pipeline fill and drain, "
                 f"a slower micro-batch upstream, or a slower rank.")
         if gap[k] > 0.05:

@@ -106,7 +106,8 @@ class StrategyFigures(msgspec.Struct, kw_only=True):
     step_time_mean: float = 0.0  # over the drawn steps
     step_time_total: float = 0.0  # drain steps included: the time to train every drawn token
     bound_time_total: float = 0.0
-    efficiency: float = 0.0  # perfect-balance bound / simulated time, over the run
+    efficiency: float = 0.0  # the no-bubble ideal / simulated time, over the run
+    efficiency_fill: float = 0.0  # the fill-credited bound / simulated time, over the run
     tokens_per_second: float = 0.0  # tokens trained / simulated time, all GPUs together
     # baseline name -> this strategy's tokens_per_second / the baseline's: the step-time ratio corrected for
     # tokens a strategy holds back past the last step (outlier delay) or trains in addition
@@ -272,7 +273,7 @@ def strategy_figures(run: StrategyRun, draw: Draw, model: CostModel, config: Pla
     fig.dp_spread_mean, fig.dp_spread_max = drawn.dp_spread_mean, drawn.dp_spread_max
     fig.step_time_total, fig.bound_time_total = agg.step_time_total, agg.bound_time_total
     fig.step_time_mean = float(np.mean([s.step_time for s in per[:regular]]))
-    fig.efficiency = agg.efficiency
+    fig.efficiency, fig.efficiency_fill = agg.efficiency, agg.efficiency_fill
     fig.tokens_per_second = fig.tokens_planned / agg.step_time_total if agg.step_time_total > 0 else 0.0
     fig.bubble_share_mean = drawn.bubble_share_mean
     if act:

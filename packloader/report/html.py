@@ -22,7 +22,8 @@ dl{display:grid;grid-template-columns:max-content auto;gap:.2em 1em} dt{font-wei
 EXPLAIN = {
     "imbalance degree (mean / max)": "slowest micro-batch x number of micro-batches / total, per DP rank (1.00 = even)",
     "DP spread (mean / max)": "slowest DP rank's step / the mean rank's (1.00 = no rank waits)",
-    "efficiency vs perfect balance": "the step time if all work were spread evenly (same micro-batch count) / simulated step time",
+    "efficiency vs no-bubble ideal": "the step time if all work were spread evenly over every GPU, none ever idle / simulated step time",
+    "efficiency, fill-credited": "as above, with the pipeline's fill and drain ((m + pp - 1) / m) credited to the ideal: not the headline",
     "pipeline bubble share": "share of GPU time idle in the step (pipeline fill and drain, waiting for slower ranks)",
     "packing efficiency": "tokens / (micro-batches x token cap)",
     "throughput (k tokens/s)": "tokens trained / simulated time; speedups compare it, so tokens held back past the last step do not count as a gain",

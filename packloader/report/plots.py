@@ -119,7 +119,7 @@ def plot_costs(path: str, costs: dict[str, np.ndarray], roles: dict[str, str], t
 def plot_summary(path: str, names: Sequence[str], roles: dict[str, str], tokens_per_s: Sequence[float],
                  bound_tokens_per_s: Sequence[float], step_ms: Sequence[float], flags: dict[str, str], gpus: int,
                  takeaway: str) -> str:
-    """Simulated throughput per strategy next to what perfect balance would give; `flags` marks strategies
+    """Simulated throughput per strategy next to what the no-bubble ideal would give; `flags` marks strategies
     with a caveat (e.g. over the memory budget) with a hatched bar and the reason."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(10, 1.0 + 0.5 * len(names) + 1.6))
@@ -130,7 +130,7 @@ def plot_summary(path: str, names: Sequence[str], roles: dict[str, str], tokens_
         col = COLORS.get(roles.get(n, ""), "#1f77b4")
         ax.barh(yi, v, color=col if n not in flags else "white", edgecolor=col, hatch="//" if n in flags else None,
                 height=0.6)
-    ax.scatter(np.asarray(bound_tokens_per_s) / 1e3, y, marker="|", s=400, color="k", zorder=3, label="with perfect balance")
+    ax.scatter(np.asarray(bound_tokens_per_s) / 1e3, y, marker="|", s=400, color="k", zorder=3, label="no-bubble ideal")
     bk = np.asarray(bound_tokens_per_s) / 1e3
     for yi, n, v, b, ms in zip(y, names, k, bk, step_ms):
         ax.text(max(v, 0) * 0.01, yi, f" {v:,.0f}k tokens/s ({ms:,.0f} ms per step)", va="center", fontsize=8,
@@ -198,7 +198,7 @@ def plot_timeline(path: str, sims: Sequence[tuple[str, object]], bounds: Sequenc
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("time within the step (ms); numbers are micro-batch indices")
     fig.legend(handles=[Patch(color="#6baed6", label="forward"), Patch(color="#fd8d3c", label="backward"),
-                        Patch(color="#d62728", label="step end"), Patch(facecolor="white", edgecolor="k", ls="--", label="perfect balance")],
+                        Patch(color="#d62728", label="step end"), Patch(facecolor="white", edgecolor="k", ls="--", label="no-bubble ideal")],
                loc="lower right", ncol=4, fontsize=8, frameon=False)
     _title(fig, axes[0, 0], f"One step ({step}) on every GPU: pipeline timeline per DP rank and stage", takeaway)
     return _save(fig, path)

@@ -26,7 +26,7 @@ DESCRIPTIONS = {
     "multipack": "multipack across ranks (Axolotl)",
     "karmarkar_karp": "Karmarkar-Karp by workload (verl)",
     "multipack_openchat2023": "multipack, 2023 allocator (OpenChat)",
-    "karmarkar_karp_verl_legacy": "Karmarkar-Karp by tokens (verl, legacy)",
+    "karmarkar_karp_verl_legacy": "Karmarkar-Karp by tokens (verl before PR 3605)",
     "wlb": "WLB-LLM: workload packing + outlier delay",
     "hydraulis": "Hydraulis: cost-aware dispatch + packing",
     "slimpack": "SlimPack: slices + asymmetric balance",

@@ -23,7 +23,8 @@ def rows_for(report: Report) -> list[Row]:
     for b in bases:
         rows.append((f"speedup over {b} (tokens/s)", lambda f, b=b: f"{f.speedup[b]:.2f}x" if b in f.speedup else "-"))
     rows += [
-        ("efficiency vs perfect balance", lambda f: f"{f.efficiency:.0%}"),
+        ("efficiency vs no-bubble ideal", lambda f: f"{f.efficiency:.0%}"),
+        ("efficiency, fill-credited", lambda f: f"{f.efficiency_fill:.0%}"),
         ("imbalance degree (mean / max)", lambda f: f"{f.imbalance_mean:.2f}/{f.imbalance_max:.2f}"),
         ("DP spread (mean / max)", lambda f: f"{f.dp_spread_mean:.2f}/{f.dp_spread_max:.2f}"),
         ("pipeline bubble share", lambda f: f"{f.bubble_share_mean:.0%}"),
@@ -68,7 +69,8 @@ def render_text(report: Report) -> str:
         "",
         render_table(report),
         "(imbalance degree: slowest micro-batch x micro-batches / total on a DP rank, 1.00 = even; DP spread: slowest rank"
-        " / mean rank; efficiency: perfect-balance step time / simulated; speedups compare tokens/s; times are simulated"
+        " / mean rank; efficiency: the no-bubble ideal (the work spread over every GPU, none idle) / simulated step time;"
+        " fill-credited: the same with the pipeline's fill and drain credited to the ideal; speedups compare tokens/s; times are simulated"
         " with the cost model)",
     ]
     skipped = [f for f in report.strategies if f.status != "ok"]

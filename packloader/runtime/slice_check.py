@@ -5,11 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from packloader.collate.batch import SlicesNotSupported  # defined with the batch, whose to_hf() refuses slices
 from packloader.contracts import Segment, StepPlan
-
-
-class SlicesNotSupported(ValueError):
-    """A plan (or a micro-batch) holds slices and the consumer that was handed it cannot run them."""
 
 
 @dataclass(frozen=True)

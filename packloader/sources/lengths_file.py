@@ -24,12 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["MAX_PIECES_PER_DOCUMENT", "Lengths", "LengthsError", "LengthsFileMissing", "check_pieces", "read_lengths"]
+__all__ = ["MAX_LENGTH", "MAX_PIECES_PER_DOCUMENT", "Lengths", "LengthsError", "LengthsFileMissing", "check_pieces", "read_lengths"]
 
 # A document longer than the context is cut into ceil(length / context) pieces, each planned on its own: past this
 # many, planning one document would take memory and time out of proportion to the rest of the run, so the commands
 # that plan from lengths refuse it instead (a length of 10^12 at context 8,192 would be 1.2e8 pieces).
 MAX_PIECES_PER_DOCUMENT = 1 << 16
+# Lengths are held as int64: a larger number (a 40-digit line, a uint64 near 2^64, a float of 1e30) is refused
+# by name rather than wrapped to a negative or an OverflowError.
+MAX_LENGTH = int(np.iinfo(np.int64).max)
 
 
 class LengthsError(ValueError):
@@ -65,6 +68,12 @@ def _check_values(values: np.ndarray, path: str, place, empty: str) -> np.ndarra
             raise LengthsError(f"{path}: entry {i} is {float(values[i])!r}, expected a whole number of tokens{place(i)}")
     elif values.dtype.kind not in "iu":
         raise LengthsError(f"{path}: expected integer lengths, got dtype {values.dtype}")
+    big = np.flatnonzero(values >= 2.0**63) if values.dtype.kind == "f" else (
+        np.flatnonzero(values > MAX_LENGTH) if values.dtype.kind == "u" else np.zeros(0, np.int64))
+    if len(big):
+        i = int(big[0])
+        v = int(values[i])
+        raise LengthsError(f"{path}: entry {i} is {v:,}, beyond the largest length {MAX_LENGTH:,} (2^63 - 1){place(i)}")
     out = values.astype(np.int64)
     neg = np.flatnonzero(out < 0)
     if len(neg):
@@ -91,6 +100,9 @@ def _read_text(path: str, empty: str) -> tuple[np.ndarray, list[int]]:
                 raise LengthsError(f"{path}, line {no}: {line[:40]!r} is not an integer; expected one length per line") from None
             if v < 0:
                 raise LengthsError(f"{path}, line {no}: {v} is negative; expected {_expected(empty)}")
+            if v > MAX_LENGTH:
+                shown = f"{v:,}" if len(line) <= 40 else f"a {len(line)}-digit number"
+                raise LengthsError(f"{path}, line {no}: {shown} is beyond the largest length {MAX_LENGTH:,} (2^63 - 1)")
             vals.append(v)
             lines.append(no)
     return np.asarray(vals, dtype=np.int64), lines

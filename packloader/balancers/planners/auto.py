@@ -3,10 +3,11 @@ says runs fastest under the device's memory, as SlimPack's simulator-guided sele
 
 Candidates are (planner, micro-batches per rank): `wlb`, `hydraulis`, `slimpack` (only with
 config.allow_slicing) and `fixed`, each at its own default number of micro-batches and at a few others around
-it (`micro_batch_counts`); config.num_micro_batches pins the count. In a pipeline (PP > 1) with slicing
-allowed, slimpack's default count and wlb at 2x are planned only when slimpack at 2x does not fit the device
-(`AutoPlanner.deferred`; docs/benchmarks.md has the measurements behind this). Every candidate plans the same
-pieces (the queued ones, then the window) under the same token cap, min(config.max_tokens, the cost model's
+it (`micro_batch_counts`: 2x; slimpack in a pipeline 2x, 4x and 8x, COUNT_LADDER); config.num_micro_batches
+pins the count. The simulated step time chooses among them, within memory. In a pipeline (PP > 1) with slicing
+allowed, slimpack's default count and wlb at 2x are planned only when no slimpack count of the ladder fits
+the device (`AutoPlanner.deferred`; docs/benchmarks.md has the measurements behind this). Every candidate plans
+the same pieces (the queued ones, then the window) under the same token cap, min(config.max_tokens, the cost model's
 memory cap MaxLen); a candidate that cannot (a piece over the cap without slicing) is skipped.
 
 Score: the slowest DP rank's simulated step time (the batched numba simulator, 1F1B / GPipe / interleaved as
@@ -21,12 +22,16 @@ tolerance of the best score.
 Memory: when config.model is a preset, its memory model (`cost.memory.memory_model_for`) bounds the choice.
 Candidates are taken in score order and the simulated peak memory of one GPU (`sim.peaks.packing_peaks`, the
 same peak `simulate_step` gives the report) is computed for each until one fits the device's limit; the ties
-within TOLERANCE of that one are checked too. If no candidate fits, the one with the lowest peak is taken and
-its plan records StepPlan.memory_over = peak / limit (> 1) instead of failing. With a calibration
+within TOLERANCE of that one are checked too. In a pipeline with slicing, when no slimpack count fits (a run
+of linked packs keeps whole pieces' activations alive until its first-in-last-out backward), slimpack is
+planned again at each count with runs bounded to half, then a quarter of its packs, then pp packs, until one
+fits (`bounded_runs`, SlimPackPlanner.run_share), before any whole-piece plan is taken. If no candidate fits,
+the one with the lowest peak is taken and its plan records StepPlan.memory_over = peak / limit (> 1) instead
+of failing. With a calibration
 profile JSON (no model shape, so no memory information) the check is skipped.
 
 Cost of the search: hydraulis runs its longest-first dispatch only (one trial, not the paper's 100) with at
-most three V values (two at scale); slimpack's phase one is computed once for both of its counts; with pieces
+most three V values (two at scale); slimpack's phase one is computed once for all of its counts; with pieces
 x DP ranks above SMALL_WORK only each planner's default count is tried, and above FIXED_MAX_WORK fixed is
 dropped. The imbalance degree is computed only when candidates tie within TOLERANCE.
 
@@ -78,6 +83,7 @@ FIXED_MAX_WORK = 2_000_000  # fixed's BFD is O(pieces x bins): dropped above thi
 TOLERANCE = 0.005  # simulated step times this close count as equal (the cost model is no finer than that)
 DELAY_MEAN_MAX = 0.5  # steps: the run's mean delay over all tokens, what is queued counted as trained next step
 QUEUE_MAX_SHARE = 0.5  # of config.tokens_per_step: the most tokens held back after a step
+RUN_SHARES = (0.5, 0.25, 1e-9)  # memory fallback: runs of at most this share of a rank's packs (1e-9: pp packs)
 DELAY_KEY = "auto_delay"  # PlannerState.extra: [tokens trained so far, token-steps of delay so far]
 
 
@@ -85,12 +91,18 @@ DELAY_KEY = "auto_delay"  # PlannerState.extra: [tokens trained so far, token-st
 class Candidate:
     planner: str
     micro_batches: int | None  # None: the planner's own choice
+    run_share: float = 0.0  # slimpack with runs of linked packs bounded (SlimPackPlanner.run_share): memory fallback
 
 
-def micro_batch_counts(base: int, small: bool) -> list[int | None]:
-    """The counts tried around a planner's default `base`: the default itself and, for small problems, twice
-    as many (a finer balance and a smaller pipeline fill share, for more per-micro-batch floors)."""
-    return [None, 2 * base] if small else [None]
+COUNT_LADDER = (2, 4, 8)  # multiples of a slicing planner's default count tried in a pipeline (issue 25)
+
+
+def micro_batch_counts(base: int, small: bool, ladder: tuple[int, ...] = (2,)) -> list[int | None]:
+    """The counts tried around a planner's default `base`: the default itself and, for small problems, each
+    multiple in `ladder` (a finer balance and a smaller pipeline fill share, for more per-micro-batch floors).
+    In a pipeline, slimpack climbs COUNT_LADDER up to 8x its default: against the no-bubble ideal the fill and
+    drain, (pp - 1) / m of the step, is what is left once slicing has balanced the micro-batches."""
+    return [None] + [k * base for k in ladder] if small else [None]
 
 
 def slice_edges(packing: Packing) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -133,6 +145,9 @@ class AutoPlanner:
         self.hydraulis = HydraulisPlanner(msgspec.structs.replace(sub, strategy="hydraulis"), trials=1, v_limit=3)
         self.hydraulis_fast = HydraulisPlanner(msgspec.structs.replace(sub, strategy="hydraulis"), trials=1, v_limit=2)
         self.slimpack = SlimPackPlanner(msgspec.structs.replace(sub, strategy="slimpack")) if config.allow_slicing else None
+        # the memory fallback: slimpack with runs of linked packs bounded, loosest first (RUN_SHARES)
+        self.slimpack_runs = {r: SlimPackPlanner(msgspec.structs.replace(sub, strategy="slimpack"), run_share=r)
+                              for r in RUN_SHARES} if config.allow_slicing and config.parallel.pp > 1 else None
         self.fixed = FixedPlanner(msgspec.structs.replace(sub, strategy="fixed"))
         self.planners: dict[str, Solver] = {"wlb": self.wlb, "hydraulis": self.hydraulis, "fixed": self.fixed}
         if self.slimpack is not None:
@@ -182,13 +197,15 @@ class AutoPlanner:
             else:  # hydraulis enumerates its own V; fixed takes the fewest bins that hold the step
                 out.append(Candidate(name, None))
                 continue
-            out += [Candidate(name, v) for v in micro_batch_counts(int(base), small)]
+            ladder = COUNT_LADDER if name == "slimpack" and pp > 1 else (2,)
+            out += [Candidate(name, v) for v in micro_batch_counts(int(base), small, ladder)]
         return out
 
     def deferred(self, cand: Candidate, cands: list[Candidate]) -> bool:
-        """Candidates planned only when slimpack at twice its packs does not fit the device: in a pipeline with
-        slicing, that one wins when it fits (the measurements are in docs/benchmarks.md), so the default slimpack
-        count and wlb's 2x are planned only when it does not (the report's memory-bound demo)."""
+        """Candidates planned only when slimpack at none of its ladder's counts (2x to 8x its packs) fits the
+        device: in a pipeline with slicing, one of those wins when it fits (the measurements are in
+        docs/benchmarks.md), so the default slimpack count and wlb's 2x are planned only when none does (the
+        report's memory-bound demo)."""
         if self.config.parallel.pp <= 1 or self.slimpack is None or self.config.num_micro_batches:
             return False
         counts = [c.micro_batches for c in cands if c.planner == cand.planner]
@@ -199,6 +216,8 @@ class AutoPlanner:
 
     def solve_candidate(self, cand: Candidate, pieces: Pieces, step: int, flush: bool, small: bool) -> Packing:
         planner = self.hydraulis_fast if cand.planner == "hydraulis" and not small else self.planners[cand.planner]
+        if cand.run_share:
+            planner = self.slimpack_runs[cand.run_share]
         return planner.solve(pieces, StepLayout(step, flush, cand.micro_batches), self.model)
 
     # --- scoring ---------------------------------------------------------------------------------------------
@@ -242,7 +261,7 @@ class AutoPlanner:
         listed = self.candidates(pieces)
         cands = list(enumerate(listed))
         # slicing candidates first: their time often rules out the whole-piece planners without running them;
-        # deferred ones last, and only if slimpack at 2x does not fit (`deferred`)
+        # deferred ones last, and only if no slimpack count of the ladder fits (`deferred`)
         later = {i for i, c in cands if self.deferred(c, listed)}
         cands.sort(key=lambda ic: (ic[0] in later, ic[1].planner != "slimpack", ic[0]))
         floor = sum(self.model.floor())
@@ -253,7 +272,7 @@ class AutoPlanner:
         over_bound = 0
         for idx, cand in cands:
             if idx in later and any(r.cand.planner == "slimpack" and self.fits(r) for r in results):
-                continue  # slimpack at 2x planned and fits: the deferred candidates would not win
+                continue  # a slimpack count of the ladder fits: the deferred candidates would not win
             if cand.planner in ("hydraulis", "fixed") and results:
                 if whole_bound > self.fastest_fitting(results) * (1.0 + TOLERANCE):
                     continue  # cannot come within the tolerance of the fastest plan that fits so far
@@ -276,6 +295,8 @@ class AutoPlanner:
                 over_bound += 1
                 continue  # holding these back would break the delay bound
             results.append(_Result(score, idx, packing, cand, edges))
+        if self.slimpack_runs is not None and results and not any(r.cand.planner == "slimpack" and self.fits(r) for r in results):
+            results += self.bounded_runs(listed, pieces, step, flush, small, total_work)
         if not results and over_bound:  # every candidate that could plan queued past the bound: wlb plans everything
             cand = Candidate("wlb", None)
             packing = self.wlb.solve(pieces, StepLayout(step, True), self.model)
@@ -295,6 +316,27 @@ class AutoPlanner:
         plan.planner = best.cand.planner
         plan.memory_over = over
         return plan, packing.state()
+
+    def bounded_runs(self, listed: list[Candidate], pieces: Pieces, step: int, flush: bool, small: bool,
+                     total_work: float) -> list["_Result"]:
+        """Slimpack at each of its counts with bounded runs of linked packs, loosest bound first until one fits:
+        when no slimpack plan fits the device because a long run keeps whole pieces' activations alive until
+        its first backward, these keep slicing (and the balance it buys) instead of falling back to whole
+        pieces. The tightest bound, pp packs, leaves about one piece's slices per run."""
+        out: list[_Result] = []
+        for c in (c for c in listed if c.planner == "slimpack"):
+            for share in RUN_SHARES:
+                cand = Candidate("slimpack", c.micro_batches, run_share=share)
+                packing = self.solve_candidate(cand, pieces, step, flush, small)
+                if self.compact:
+                    packing = packing.drop_empty_slots()
+                packing.costs(self.model)
+                edges = slice_edges_prefix(packing)
+                t = self.step_time(packing, edges)
+                out.append(_Result(t / total_work if total_work > 0 else 0.0, len(listed) + 1 + len(out), packing, cand, edges))
+                if self.fits(out[-1]):
+                    break
+        return out
 
     def choose(self, results: list["_Result"]) -> tuple["_Result", float]:
         """The winner among scored candidates (module docstring) and its peak over the memory limit (0 when it
@@ -341,6 +383,7 @@ class AutoPlanner:
         parts = []
         for cand, (n, peak) in sorted(self.memory_drops.items(), key=lambda kv: -kv[1][1]):
             mbs = "its default micro-batches" if cand.micro_batches is None else f"{cand.micro_batches} micro-batches"
+            mbs += f", runs bounded to {cand.run_share:g} of its packs" if cand.run_share else ""
             parts.append(f"{cand.planner} at {mbs} (peak {peak / GiB:.1f} GiB, {n} step{'s' * (n != 1)})")
         text = (f"auto dropped {len(parts)} candidates that do not fit in memory, against "
                 f"{self.mem_limit / GiB:.1f} GiB usable of the {self.memory.memory_gib:g} GiB "

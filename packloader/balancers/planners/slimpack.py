@@ -35,6 +35,11 @@ its share (CostModel.microbatch_times). Coverage counts a micro-batch with a dp_
 rank). `packloader plan` writes its segments under the first rank of the group and an empty micro-batch at
 the same position of the other members (step key "dp_groups").
 
+Bounded runs (`run_share`, what `auto` falls back to when no plan with one run per rank fits the device): a
+sliced piece that would make its run longer than max(pp, run_share x V) packs starts a new run in a fresh
+pack, so fewer forwards wait for the run's first backward and fewer activations stay alive; each run costs a
+pipeline drain.
+
 V is config.num_micro_batches, or by default enough packs for the cap with slack, at least 4 x PP when
 pipelining (SlimPack's micropack factor; `auto` searches it by simulation). Without config.allow_slicing no
 piece is sliced (a piece over the cap is then an error) and a DP-Merge micro-batch holds its piece whole.
@@ -93,8 +98,10 @@ def backward_runs(num_slots: int, spans: list[tuple[int, int]]) -> list[int] | N
 class SlimPackPlanner(PackingPlanner):
     name = "slimpack"
 
-    def __init__(self, config: PlanConfig, *, dp_merge: bool = True, factor: int = 4, min_slice: int | None = None) -> None:
+    def __init__(self, config: PlanConfig, *, dp_merge: bool = True, factor: int = 4, min_slice: int | None = None,
+                 run_share: float = 0.0) -> None:
         self.config = config
+        self.run_share = run_share  # > 0: runs bounded to max(pp, run_share x packs) packs (`auto`'s memory fallback)
         self.model = cost_model_for(config)
         self.dp_merge = dp_merge
         self.factor = factor
@@ -243,7 +250,7 @@ class SlimPackPlanner(PackingPlanner):
         div = np.maximum(kp, 1)
         failed, sr, spc, ss, se, sk = slim_pack_ranks(
             c, np.ascontiguousarray(pieces.length[by_rank]), bounds.astype(np.int64), kp, fsum / div, bsum / div,
-            cap, self.min_slice, slicing,
+            cap, self.min_slice, slicing, max(cfg.parallel.pp, int(self.run_share * v)) if self.run_share > 0 else 0,
         )
         if failed >= 0:
             return None

@@ -78,9 +78,10 @@ def slice_end(c, x0, budget, length, scale):
 
 @njit(cache=True)
 def _slim(c, cb, lengths, f_one, budget, bbudget, cap, min_slice, allow_slice, npacks, fl, bl, tok, seg_piece,
-          seg_start, seg_end, seg_pack, placed_whole):
+          seg_start, seg_end, seg_pack, placed_whole, run_packs):
     """`slim_pack_rank`'s slicing of the long pieces (next-fit from pack 0); returns the segment count, or -1
-    when they do not fit."""
+    when they do not fit. run_packs > 0 bounds a run of linked packs: a piece that would take it past that many
+    packs starts a new run in a fresh pack."""
     n = lengths.shape[0]
     maxseg = seg_piece.shape[0]
     lam_f = c[LIN_FWD + 1]
@@ -93,12 +94,17 @@ def _slim(c, cb, lengths, f_one, budget, bbudget, cap, min_slice, allow_slice, n
     # first-in-last-out backward overlaps the pipeline warm-up. A new run starting mid-step would have to
     # wait for its own last forward to cross every stage before its first backward: one more pipeline drain.
     chain = -1
+    run_first = 0
     for i in range(n):
         l = lengths[i]
         if not allow_slice or (f_one[i] <= budget and l <= cap):
             continue
         if l <= min_slice and l <= cap:
             continue
+        if run_packs > 0 and chain >= 0 and budget > 0.0 and cur - run_first + f_one[i] / budget > run_packs:
+            cur += 1 if tok[cur] > 0 else 0  # a new run: its FILO backward no longer waits for this one's forwards
+            chain = -1
+            run_first = cur
         x0 = 0
         while x0 < l:
             if cur >= npacks:
@@ -234,7 +240,7 @@ def _refine(lengths, f_one, b_one, cap, npacks, fl, bl, tok, seg_piece, seg_star
 
 
 @njit(cache=True)
-def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_slice):
+def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_slice, run_packs=0):
     """SlimPack phase two on one rank: pack its pieces (in the given order, heaviest forward workload first)
     into `npacks` MicroPacks of about `budget` forward seconds each.
 
@@ -266,7 +272,7 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
         cb[ATTN_FWD + j] = c[ATTN_BWD + j]
         cb[LIN_FWD + j] = c[LIN_BWD + j]
     ns = _slim(c, cb, lengths, f_one, budget, bbudget, cap, min_slice, allow_slice, npacks, fl, bl, tok,
-               seg_piece, seg_start, seg_end, seg_pack, placed_whole)
+               seg_piece, seg_start, seg_end, seg_pack, placed_whole, run_packs)
     if ns >= 0:
         ns = _pack_whole(lengths, f_one, b_one, budget, bbudget, cap, npacks, fl, bl, tok, seg_piece, seg_start,
                          seg_end, seg_pack, ns, placed_whole)
@@ -277,7 +283,7 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
 
 
 @njit(cache=True)
-def slim_pack_ranks(c, lengths, bounds, npacks, budgets, bbudgets, cap, min_slice, allow_slice):
+def slim_pack_ranks(c, lengths, bounds, npacks, budgets, bbudgets, cap, min_slice, allow_slice, run_packs=0):
     """`slim_pack_rank` for every rank in one call: rank r packs lengths[bounds[r]:bounds[r+1]] (in that
     order) into npacks[r] packs with its own budgets. Returns (the first rank that does not fit, or -1;
     seg_rank, seg_piece (index into lengths), seg_start, seg_end, seg_pack), segments rank by rank."""
@@ -300,7 +306,8 @@ def slim_pack_ranks(c, lengths, bounds, npacks, budgets, bbudgets, cap, min_slic
             continue
         if npacks[r] <= 0:
             return r, seg_rank[:0], seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
-        ok, sp, ss, se, sk = slim_pack_rank(c, lengths[lo:hi], npacks[r], budgets[r], bbudgets[r], cap, min_slice, allow_slice)
+        ok, sp, ss, se, sk = slim_pack_rank(c, lengths[lo:hi], npacks[r], budgets[r], bbudgets[r], cap, min_slice, allow_slice,
+                                         run_packs)
         if not ok:
             return r, seg_rank[:0], seg_piece[:0], seg_start[:0], seg_end[:0], seg_pack[:0]
         k = sp.shape[0]

@@ -1,7 +1,7 @@
 """verl's balancer, behind the Planner contract so its plans are scored like every other.
 
-* ``karmarkar_karp`` (verl's ``RayPPOTrainer._balance_batch`` since verl PR 3605, "DP workload balance", September
-  2025): the largest differencing method (LDM, ``get_seqlen_balanced_partitions``) partitions the pieces over DP
+* ``karmarkar_karp`` (verl's ``RayPPOTrainer._balance_batch`` since verl PR 3605, "DP workload balance", merged on
+  2025-10-23): the largest differencing method (LDM, ``get_seqlen_balanced_partitions``) partitions the pieces over DP
   ranks by verl's estimated workload ``calculate_workload`` = ``24576 l + l^2`` (a 7B model's
   ``12 h^2 l + 2 h l^2`` over ``2h``, h = 4096) with ``equal_size=True`` (every rank the same number of
   sequences; the piece count is padded to a multiple of DP with empty items, which verl avoids by sizing its
@@ -11,8 +11,11 @@
   (``use_dynamic_bsz_balance``). LDM does not bound a partition's tokens; where a micro-batch would exceed
   ``max_tokens`` every rank gets one more micro-batch and the ranks are partitioned again (verl has no such check;
   the contract needs it).
-* ``karmarkar_karp_verl_legacy``: the same, but the DP level balances token counts with ``equal_size=False``
-  (verl before PR 3605 balanced token counts).
+* ``karmarkar_karp_verl_legacy``: verl before PR 3605 (from PR 2452 of 2025-07-15, which ordered micro-batches,
+  to 2025-10-23): ``_balance_batch`` partitioned by token counts, with ``equal_size=True`` (as since January 2025,
+  PR 118); ``rearrange_micro_batches`` split each rank's pieces over micro-batches by token counts (LDM,
+  ``equal_size=False``, the same count rule) and ordered them by the sum of l^2, heaviest first (ties: larger
+  first index), without the heaviest-in-the-middle arrangement.
 
 LDM runs on thousands of items and up to thousands of partitions, so it is a numba kernel (`ldm_kernels`).
 """
@@ -72,8 +75,10 @@ def kk_micro_batches(lengths, work, rank_of, dp, m, cap):
     return part, ok
 
 
-def verl_positions(rank_of: np.ndarray, part: np.ndarray, work: np.ndarray, dp: int, m: int) -> np.ndarray:
-    """Position of each piece's micro-batch on its rank under verl_order, vectorised over all ranks."""
+def verl_positions(rank_of: np.ndarray, part: np.ndarray, work: np.ndarray, dp: int, m: int,
+                   middle: bool = True) -> np.ndarray:
+    """Position of each piece's micro-batch on its rank under verl_order, vectorised over all ranks (without
+    `middle`: heaviest first, verl's order before PR 3605)."""
     key = rank_of * m + part
     sums = np.bincount(key, weights=work.astype(np.float64), minlength=dp * m)
     local = np.empty(len(rank_of), np.int64)  # index of each piece among its rank's pieces (verl's partition[0])
@@ -88,6 +93,8 @@ def verl_positions(rank_of: np.ndarray, part: np.ndarray, work: np.ndarray, dp: 
     srt = np.lexsort((-first, -sums, mb // m))
     q = np.empty(dp * m, np.int64)
     q[srt] = np.tile(np.arange(m), dp)
+    if not middle:
+        return q[key]
     ne = (m + 1) // 2
     pos = np.where(q % 2 == 0, ne - 1 - q // 2, ne + q // 2)
     return pos[key]
@@ -118,11 +125,13 @@ class KarmarkarKarpPlanner(PackingPlanner):
     name = "karmarkar_karp"
 
     def __init__(self, config: PlanConfig, *, dp_balance: str = "workload", equal_size: bool = True,
-                 workload_linear: int = VERL_WORKLOAD_LINEAR) -> None:
-        if dp_balance not in ("tokens", "workload"):
-            raise ValueError(f"karmarkar_karp: dp_balance must be 'tokens' or 'workload', got {dp_balance!r}")
+                 mb_balance: str = "workload", workload_linear: int = VERL_WORKLOAD_LINEAR) -> None:
+        for name, v in (("dp_balance", dp_balance), ("mb_balance", mb_balance)):
+            if v not in ("tokens", "workload"):
+                raise ValueError(f"karmarkar_karp: {name} must be 'tokens' or 'workload', got {v!r}")
         self.config = config
         self.dp_balance = dp_balance
+        self.mb_balance = mb_balance  # "tokens": verl before PR 3605, micro-batches by tokens, ordered by sum l^2
         self.equal_size = equal_size
         self.workload_linear = workload_linear
         self.model = cost_model_for(config)
@@ -148,23 +157,26 @@ class KarmarkarKarpPlanner(PackingPlanner):
         m = int(np.minimum(counts, -(-tokens // cap)).max()) if len(lengths) else 1
         m = max(m, 1, layout.micro_batches or cfg.num_micro_batches or 1)
         m = -(-m // vpp) * vpp
+        legacy = self.mb_balance == "tokens"
         while True:
-            part, ok = kk_micro_batches(lengths, work, rank_of, dp, m, cap)
+            part, ok = kk_micro_batches(lengths, lengths if legacy else work, rank_of, dp, m, cap)
             if ok:
                 break
             m += vpp  # a partition over the cap: one more round of micro-batches everywhere
-        piece_mb = rank_of * m + verl_positions(rank_of, part, work, dp, m)
+        order_key = lengths * lengths if legacy else work
+        piece_mb = rank_of * m + verl_positions(rank_of, part, order_key, dp, m, middle=not legacy)
         rank_mbs = (np.arange(dp)[:, None] * m + np.arange(m)[None, :]).astype(np.int64)
         return whole_pieces_packing(pieces, piece_mb, rank_mbs, strategy=self.name)
 
 
 class KarmarkarKarpLegacyPlanner(KarmarkarKarpPlanner):
-    """Historical: DP ranks balanced by token count without equal sizes (see the module docstring)."""
+    """verl before PR 3605 (see the module docstring): DP ranks by token count with equal sizes, micro-batches by
+    token count, heaviest sum of l^2 first."""
 
     name = "karmarkar_karp_verl_legacy"
 
     def __init__(self, config: PlanConfig) -> None:
-        super().__init__(config, dp_balance="tokens", equal_size=False)
+        super().__init__(config, dp_balance="tokens", equal_size=True, mb_balance="tokens")
 
 
 @register_planner("karmarkar_karp")

@@ -30,6 +30,10 @@ micro-batch is its token-loss sum divided by the step's loss tokens over all ran
 which makes the step's gradient the per-token mean over the global step. ``args.max_steps`` must be set (the
 loader has no length).
 
+Checkpoints hold each process's loader state and ``train(resume_from_checkpoint=...)`` continues the stream from it
+(the Trainer's own batch skip is off); the logs carry the data's epoch, tokens per second and the loader's step
+metrics: ``hf_resume``.
+
 Empty micro-batches: planners give every DP rank the same number of micro-batches per step, so a rank with fewer
 pieces than the fullest one gets empty slots. ``hf_batch`` turns one into a one-token padding row with no loss
 target, which PackedTrainer runs like any other: zero loss and zero gradient, but a real forward and backward, so
@@ -57,6 +61,7 @@ from packloader.collate.batch import PackedBatch
 
 from ._common import check_micro_batches, flat, placeholder_batch, refuse_slices, unshifted_labels
 from ._lazy import require
+from .hf_resume import _ResumeMixin
 
 SEGMENTS_KEY = "segments"  # in META_KEY: the segments of a micro-batch of a sliced step (for SliceExecutor)
 ALL_SEGMENTS_KEY = "all_segments"  # in META_KEY: the segments of a micro-batch of a step without slices
@@ -88,7 +93,8 @@ def hf_batch(batch: PackedBatch, *, attention: str = "position_ids", include_met
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     refuse_slices(batch, "a transformers model")
-    if batch.num_tokens == 0:
+    tokens = batch.num_tokens
+    if tokens == 0:
         batch = placeholder_batch(batch, 1, pad_id)
     ids, pos = flat(batch.input_ids), flat(batch.position_ids)
     out: dict[str, Any] = {
@@ -118,10 +124,19 @@ def hf_batch(batch: PackedBatch, *, attention: str = "position_ids", include_met
         out["max_length_q"] = int(batch.max_seqlen)
         out["max_length_k"] = int(batch.max_seqlen_k)
     if include_meta:
-        out[META_KEY] = {"step": batch.step, "index_in_step": batch.index_in_step,
-                         "micro_batches_in_step": batch.micro_batches_in_step,
-                         "loss_tokens_in_step": batch.loss_tokens_in_step, "num_loss_tokens": batch.num_loss_tokens}
+        out[META_KEY] = _meta(batch, tokens)
     return out
+
+
+def _meta(batch: PackedBatch, tokens: int) -> dict[str, Any]:
+    """What PackedTrainer needs to know of a micro-batch besides its tensors: its place in the step, the step's
+    loss normaliser, its `tokens` (0 for an empty slot's padding row), the data's epoch and the step's metrics."""
+    stats = batch.stats
+    return {"step": batch.step, "index_in_step": batch.index_in_step,
+            "micro_batches_in_step": batch.micro_batches_in_step, "loss_tokens_in_step": batch.loss_tokens_in_step,
+            "num_loss_tokens": batch.num_loss_tokens, "num_tokens": tokens, "epoch": batch.epoch,
+            "documents": None if stats is None else stats.documents,
+            "step_metrics": getattr(batch, "step_metrics", None)}  # the loader's StepMetrics, where it has them
 
 
 def packloader_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -194,10 +209,7 @@ def _sliced_step_batch(batch: PackedBatch) -> dict[str, Any]:
         "shift_labels": flat(batch.labels).unsqueeze(0),
         "use_cache": False,
     }
-    out[META_KEY] = {"step": batch.step, "index_in_step": batch.index_in_step,
-                     "micro_batches_in_step": batch.micro_batches_in_step,
-                     "loss_tokens_in_step": batch.loss_tokens_in_step, "num_loss_tokens": batch.num_loss_tokens,
-                     SEGMENTS_KEY: list(batch.segments)}
+    out[META_KEY] = {**_meta(batch, batch.num_tokens), SEGMENTS_KEY: list(batch.segments)}
     return out
 
 
@@ -266,6 +278,7 @@ class _PackedTrainerMixin:
         if not self.model_accepts_loss_kwargs:
             raise ValueError(f"{type(self.model).__name__}.forward does not take loss kwargs (num_items_in_batch, "
                              "shift_labels): PackedTrainer's per-token normalisation needs a transformers causal LM")
+        self._pl_resume_init()
 
     def get_train_dataloader(self):
         return self.packed_batches
@@ -286,7 +299,13 @@ class _PackedTrainerMixin:
         return torch.tensor(max(1, first["loss_tokens_in_step"]), device=device)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if self.state.global_step >= self.state.max_steps:
+            # resumed from the checkpoint at max_steps: the Trainer (epochs unknown without a length) would train one
+            # step more, on data the uninterrupted run never saw
+            self.control.should_training_stop = True
+            return [], None
         samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._pl_note_window([s[META_KEY] for s in samples if META_KEY in s])
         self._pl_window, self._pl_window_losses = samples, None  # a sliced step runs whole at its first micro-batch
         if self.accelerator.num_processes > 1 and samples:
             # every DP rank must take the same path (the sliced one syncs gradients itself, DDP's at the window's
@@ -380,7 +399,7 @@ class _PackedTrainerMixin:
 def _build_trainer_class():
     Trainer = _trainer_base()
 
-    class PackedTrainer(_PackedTrainerMixin, Trainer):
+    class PackedTrainer(_PackedTrainerMixin, _ResumeMixin, Trainer):
         """transformers.Trainer fed by a packloader loader (see the module docstring)."""
 
         def __init__(self, *args: Any, packed_loader: Iterable[PackedBatch], attention: str = "position_ids",

@@ -333,6 +333,23 @@ def worker_state_at_another_worker_count(tmp):
     return lambda: _StepIterator(ds, 1, 2).load_state_dict(state)
 
 
+def trainer_checkpoint_without_loader_state(tmp):
+    """What PackedTrainer.train(resume_from_checkpoint=...) runs first: a checkpoint folder without the loader's
+    state (written by another Trainer, or another number of processes)."""
+    from packloader_integrations.hf_resume import load_loader_state
+
+    (tmp / "checkpoint-4").mkdir()
+    a = PackedLoader(IterableSource([np.arange(1, 9, dtype=np.int32)] * 4), config=_config(), num_threads=0)
+    return lambda: load_loader_state(a, str(tmp / "checkpoint-4"), 1)
+
+
+def trainer_loader_without_state(tmp):
+    """What PackedTrainer runs at each checkpoint, with a packed_loader that cannot save where it stands."""
+    from packloader_integrations.hf_resume import save_loader_state
+
+    return lambda: save_loader_state([], str(tmp / "checkpoint-1"), 0)
+
+
 def cli_number_zero(tmp):
     np.save(tmp / "ok.npy", np.array([10, 20, 30]))
     return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--dp", "0", "--quiet")
@@ -808,6 +825,10 @@ CASES = [
          ("shape:mine:hidden=4096,layers=32", "missing: heads, kv_heads, head_dim, ffn, vocab, gated_mlp")),
     Case("worker_state_at_another_worker_count", worker_state_at_another_worker_count, ValueError,
          ("DataLoader worker 0 of 1, loaded into worker 1 of 2", "dataloader_state_for(state, num_workers)")),
+    Case("trainer_checkpoint_without_loader_state", trainer_checkpoint_without_loader_state, FileNotFoundError,
+         ("checkpoint-4 holds no packloader loader state for process 1", "packloader_state-rank1.pt")),
+    Case("trainer_loader_without_state", trainer_loader_without_state, ValueError,
+         ("cannot checkpoint its packed_loader (list): it has no state_dict()", "save_strategy='no'")),
     Case("cli_number_zero", cli_number_zero, CliExit,
          ("exit 2", "argument --dp: must be >= 1 and <= 131,072 (field parallel.dp), got 0")),
     Case("cli_number_too_large", cli_number_too_large, CliExit, ("exit 2", "argument --max-tokens", "<= 1,099,511,627,776 (field max_tokens)")),

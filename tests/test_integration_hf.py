@@ -5,6 +5,14 @@ the per-token mean gradient computed one document at a time."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -19,6 +27,7 @@ from packloader.sources.base import IterableSource  # noqa: E402
 from packloader_integrations import hf as phf  # noqa: E402
 
 VOCAB = 101
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def docs(n=40, seed=0, max_len=120):
@@ -329,3 +338,206 @@ def test_ddp_ranks_stay_in_step_over_an_empty_last_micro_batch(corpus):
     ref_grads = _reference_grads(ref, [s for st in steps for b in st for s in b.segments], toks, total)
     errs = run_ranks(_ddp_ranks, 2, steps, toks, ref_grads, timeout=240)
     assert max(errs) < 1e-5, errs
+
+
+# --- checkpoints and resume through the real Trainer --------------------------------------------------------------
+
+def _run_trainer_process(spec: dict) -> subprocess.CompletedProcess:
+    """tests/helpers/hf_trainer.py's `trainer_run` in a fresh interpreter (the test's PYTHONPATH passed on)."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "hf_trainer.py"), json.dumps(spec)],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def _per_step(records) -> dict[int, tuple[list, float]]:
+    """step -> (its micro-batches' input ids, its loss: the sum of the micro-batches' per-step-normalised losses)."""
+    out: dict[int, tuple[list, float]] = {}
+    for r in records:
+        ids, loss = out.get(r["step"], ([], 0.0))
+        out[r["step"]] = (ids + [r["ids"]], loss + r["loss"])
+    return out
+
+
+@pytest.mark.multiprocess
+def test_trainer_killed_mid_step_resumes_the_same_tokens_and_losses(tmp_path):
+    """A PackedTrainer run killed (SIGKILL) in the middle of step 5, after its checkpoints at steps 2 and 4, and
+    resumed in a new process with train(resume_from_checkpoint=True), trains the same micro-batches (token ids)
+    and the same losses at every step as one uninterrupted run; every checkpoint holds the loader state."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    from helpers.docs import token_docs, write_token_shards
+    from helpers.hf_trainer import VOCAB as HVOCAB
+
+    shards = write_token_shards(tmp_path, token_docs(n=60, seed=1, max_len=300, vocab=HVOCAB), shards=2)
+    base = dict(shards=shards, ga=3, max_steps=8, save_steps=2)
+    runs = {name: dict(base, out=str(tmp_path / name), record=str(tmp_path / f"{name}.jsonl"),
+                       logs=str(tmp_path / f"{name}-logs.json")) for name in ("whole", "killed")}
+    whole = _run_trainer_process(runs["whole"])
+    assert whole.returncode == 0, whole.stderr[-4000:]
+    killed = _run_trainer_process(dict(runs["killed"], kill_at=5))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
+    ckpts = sorted(p.name for p in (tmp_path / "killed").iterdir())
+    assert ckpts == ["checkpoint-2", "checkpoint-4"]
+    for c in ckpts:
+        assert (tmp_path / "killed" / c / "packloader_state-rank0.pt").is_file()
+    # what the killed run trained: steps 1-4 and step 5's first micro-batch, which no checkpoint holds
+    killed_steps = _per_step(_records(runs["killed"]["record"]))
+    assert sorted(killed_steps) == [1, 2, 3, 4, 5] and len(killed_steps[5][0]) == 1
+    resumed = _run_trainer_process(dict(runs["killed"], resume=True, record=str(tmp_path / "resumed.jsonl")))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+
+    ref = _per_step(_records(runs["whole"]["record"]))
+    got = {**{s: v for s, v in killed_steps.items() if s <= 4}, **_per_step(_records(tmp_path / "resumed.jsonl"))}
+    assert sorted(ref) == sorted(got) == list(range(1, 9))
+    for s in ref:
+        assert got[s][0] == ref[s][0], f"step {s}: other tokens than the uninterrupted run"
+        assert got[s][1] == pytest.approx(ref[s][1], rel=1e-6, abs=1e-7), f"step {s}: loss"
+    # the logged losses agree too (the resumed history starts with the checkpoint's steps 1-4)
+    ref_logs = {h["step"]: h["loss"] for h in json.loads(Path(runs["whole"]["logs"]).read_text()) if "loss" in h}
+    got_logs = {h["step"]: h["loss"] for h in json.loads(Path(runs["killed"]["logs"]).read_text()) if "loss" in h}
+    assert got_logs == ref_logs and len(ref_logs) == 8
+
+
+def _steps_of(batches) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for b in batches:
+        out.setdefault(b.step, []).append(b)
+    return out
+
+
+def test_trainer_logs_the_data_epoch_and_tokens_per_second(tmp_path, corpus):
+    """The logged epoch is the data's (completed epochs + the share of the epoch's documents drawn), computed here
+    from the documents of each step of an independent loader (`fixed` plans every document it draws, no delay);
+    the run's throughput is tokens per second, its tokens those of the micro-batches trained."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    ga, steps = 3, 9
+    mk = lambda: loader(corpus, num_micro_batches=ga, epochs=None)  # noqa: E731
+    ref = _steps_of(b for b, _ in zip(mk(), range(steps * ga)))
+    assert sorted(ref) == list(range(steps)) and ref[steps - 1][0].epoch >= 1  # crosses an epoch boundary
+    seen: dict[int, set] = {}
+    expected_epoch = {}
+    for s in range(steps):
+        e = ref[s][0].epoch
+        seen.setdefault(e, set()).update(seg.doc for b in ref[s] for seg in b.segments)
+        expected_epoch[s + 1] = e + len(seen[e]) / len(corpus)
+    assert expected_epoch[max(s + 1 for s in ref if ref[s][0].epoch == 0)] == 1.0
+
+    model = tiny_llama("sdpa").train()
+    args = one_step_args(tmp_path, ga, max_steps=steps, logging_strategy="steps", logging_steps=1)
+    trainer = phf.PackedTrainer(model=model, args=args, packed_loader=mk())
+    metrics = trainer.train().metrics
+    logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    assert {s: h["epoch"] for s, h in logs.items()} == pytest.approx(expected_epoch)
+    assert all(h["packloader/tokens_per_second"] > 0 for h in logs.values())
+    tokens = sum(b.num_tokens for s in ref.values() for b in s)
+    assert metrics["train_tokens"] == tokens
+    assert metrics["train_tokens_per_second"] == pytest.approx(tokens / metrics["train_runtime"], rel=1e-3)
+    assert "train_samples_per_second" not in metrics  # micro-batches per second, not samples
+
+
+class _StandInStepMetrics(msgspec.Struct, kw_only=True):
+    """A record shaped like the loader's StepMetrics (contracts.StepMetrics, not on this branch): numbers and a
+    name; PackedTrainer logs the numeric fields."""
+
+    predicted_step_time: float
+    tokens: int
+    note: str = "x"
+    bubble_share: float | None = None
+
+
+def test_trainer_logs_the_loaders_step_metrics(tmp_path, corpus):
+    """Each micro-batch's `step_metrics` record, where the loader sets one, reaches the logs of its step as
+    `packloader/<field>` (numbers only); a step without one logs no such field."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    ga = 3
+    batches = [b for b, _ in zip(loader(corpus, num_micro_batches=ga, epochs=None), range(2 * ga))]
+    for b in batches[:ga]:
+        b.step_metrics = _StandInStepMetrics(predicted_step_time=0.25, tokens=sum(x.num_tokens for x in batches[:ga]))
+    args = one_step_args(tmp_path, ga, max_steps=2, logging_strategy="steps", logging_steps=1)
+    trainer = phf.PackedTrainer(model=tiny_llama("sdpa").train(), args=args, packed_loader=batches)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs[0]["packloader/predicted_step_time"] == 0.25
+    assert logs[0]["packloader/tokens"] == sum(b.num_tokens for b in batches[:ga])
+    assert "packloader/note" not in logs[0] and "packloader/bubble_share" not in logs[0]
+    assert not any(k.startswith("packloader/") and k != "packloader/tokens_per_second" for k in logs[1])
+
+
+def test_trainer_refuses_to_checkpoint_a_loader_without_state(tmp_path, corpus):
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    ga = 3
+    batches = [b for b, _ in zip(loader(corpus, num_micro_batches=ga, epochs=None), range(ga))]
+    args = one_step_args(tmp_path, ga, save_strategy="steps", save_steps=1)
+    trainer = phf.PackedTrainer(model=tiny_llama("sdpa").train(), args=args, packed_loader=batches)
+    with pytest.raises(ValueError, match=r"cannot checkpoint its packed_loader \(list\): it has no state_dict"):
+        trainer.train()
+
+
+def test_to_hf_gives_transformers_rows_in_either_layout(corpus):
+    """PackedBatch.to_hf(): [1, T] rows from the flat and the hf layout, use_cache off, packloader's labels as
+    shift_labels and transformers' unshifted labels equal to the adapter's (`unshifted_labels`, a loop per segment)."""
+    from packloader_integrations._common import unshifted_labels
+
+    for layout in ("flat", "hf"):
+        for b in list(loader(corpus, context=90, layout=layout))[:6]:
+            d = b.to_hf()
+            t = b.num_tokens
+            assert d["input_ids"].shape == d["position_ids"].shape == d["labels"].shape == (1, t)
+            assert d["use_cache"] is False
+            assert torch.equal(d["shift_labels"][0], b.labels.reshape(-1))
+            assert torch.equal(d["labels"][0], unshifted_labels(b))
+
+
+def _rank_trainer_run(rank, world, out_dir, resume_from):
+    """One DDP rank (gloo) of a 4-step PackedTrainer run checkpointing every 2 steps, or resumed from the
+    checkpoint folder `resume_from`; returns {step: [(input ids, loss)]} of the micro-batches this rank trained."""
+    from packloader.contracts import ParallelConfig
+
+    torch.set_num_threads(1)
+    model = tiny_llama("sdpa").train()
+    got: dict[int, list] = {}
+
+    class StepOf(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            got.setdefault(state.global_step + 1, [])
+            self.step = state.global_step + 1
+
+    step_of = StepOf()
+    model.register_forward_hook(lambda m, a, kw, out: got[step_of.step].append((kw["input_ids"][0].tolist(),
+                                                                                  float(out.loss.detach()))),
+                                with_kwargs=True)
+    cfg = PlanConfig(strategy="wlb", max_tokens=200, context=200, tokens_per_step=600, allow_slicing=False,
+                     num_micro_batches=2, parallel=ParallelConfig(dp=world))
+    ld = PackedLoader(IterableSource(docs(n=60, seed=5)), config=cfg, num_threads=0, append_eos=False, epochs=None)
+    args = one_step_args(out_dir, 2, max_steps=4, save_strategy="steps", save_steps=2, ddp_backend="gloo", seed=0)
+    trainer = phf.PackedTrainer(model=model, args=args, packed_loader=ld, callbacks=[step_of])
+    # transformers (4.57) loads the optimizer state with map_location=args.device when world > 1, which on CPU DDP
+    # is torch.device("cpu:0"), a location torch.load cannot restore: give it plain "cpu" (GPU runs are unaffected)
+    args.__dict__["_setup_devices"] = torch.device("cpu")
+    trainer.train(resume_from_checkpoint=resume_from)
+    return got
+
+
+@pytest.mark.multiprocess
+def test_ddp_trainer_resumes_each_ranks_stream(tmp_path):
+    """Two DDP ranks (gloo): every checkpoint holds both ranks' loader states, and two new processes resumed from
+    checkpoint-2 train, rank by rank, the micro-batches and losses of steps 3-4 of the uninterrupted run (the same
+    max_steps, so the same learning-rate schedule)."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    from helpers.distributed import run_ranks
+
+    whole = run_ranks(_rank_trainer_run, 2, str(tmp_path), None, timeout=400)
+    for c in ("checkpoint-2", "checkpoint-4"):
+        for r in range(2):
+            assert (tmp_path / c / f"packloader_state-rank{r}.pt").is_file()
+    resumed = run_ranks(_rank_trainer_run, 2, str(tmp_path), str(tmp_path / "checkpoint-2"), timeout=400)
+    assert whole[0][1] != whole[1][1]  # the ranks train different micro-batches
+    for r in range(2):
+        assert sorted(whole[r]) == [1, 2, 3, 4] and sorted(resumed[r]) == [3, 4]
+        for s in (3, 4):
+            assert [ids for ids, _ in resumed[r][s]] == [ids for ids, _ in whole[r][s]], (r, s)
+            assert [x for _, x in resumed[r][s]] == pytest.approx([x for _, x in whole[r][s]], rel=1e-6), (r, s)

@@ -60,7 +60,13 @@ class PackedBatch:
         return int(self.input_ids.numel())
 
     def to_hf(self) -> dict[str, Any]:
-        """Keyword arguments for a transformers model's packed path (`[1, T]` tensors plus flash varlen kwargs).
+        """Keyword arguments for a transformers causal LM's packed path, `[1, T]` in either layout.
+
+        `shift_labels` are these labels, which transformers' loss takes as they are (a piece's last token keeps its
+        target in the next piece); `labels` are the same targets in transformers' unshifted convention (-100 at
+        every segment's first token), for code that shifts them itself. `use_cache=False`: with a KV cache
+        transformers does not look for packed sequences and attention would cross documents. The cu_seq_lens /
+        max_length entries are the flash-attention varlen arguments; other attention implementations ignore them.
 
         A micro-batch holding a SlimPack slice is refused (SlicesNotSupported): the slice's keys begin in an
         earlier micro-batch, so `cu_seq_lens_k` would count keys this row does not hold, and transformers' flash
@@ -74,10 +80,18 @@ class PackedBatch:
                     "tokens. Plan with PlanConfig(allow_slicing=False), or run slices with "
                     "packloader.runtime.slices.SliceExecutor (packloader_integrations.hf.PackedTrainer does)"
                 )
+        labels = self.labels.reshape(1, -1)
+        unshifted = torch.full_like(labels, IGNORE_INDEX)
+        unshifted[0, 1:] = labels[0, :-1]  # token t is the target of token t - 1 ...
+        offsets = self.cu_seqlens_padded if self.cu_seqlens_padded is not None else self.cu_seqlens
+        starts = offsets[:-1].long()
+        unshifted[0, starts[starts < labels.shape[1]]] = IGNORE_INDEX  # ... unless a segment starts at t
         return {
-            "input_ids": self.input_ids.unsqueeze(0),
-            "labels": self.labels.unsqueeze(0),
-            "position_ids": self.position_ids.unsqueeze(0),
+            "input_ids": self.input_ids.reshape(1, -1),
+            "labels": unshifted,
+            "shift_labels": labels,
+            "position_ids": self.position_ids.reshape(1, -1),
+            "use_cache": False,
             "cu_seq_lens_q": self.cu_seqlens,
             "cu_seq_lens_k": self.cu_seqlens_k,
             "max_length_q": self.max_seqlen,

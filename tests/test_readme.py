@@ -75,7 +75,11 @@ def test_readme_python_blocks_run_as_written(tmp_path, monkeypatch):
     pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
     monkeypatch.chdir(tmp_path)
     texts = corpus(tmp_path)
-    loop, trainer_block = python_blocks()
+    # the training loop and the Trainer block; the elastic-resume blocks after them need several processes and
+    # run as tests/test_elastic_resume.py and tests/test_elastic_workers.py do
+    loop, trainer_block, *elastic = python_blocks()
+    assert "for batch in loader" in loop and "PackedTrainer" in trainer_block
+    assert all("merge_states" in b or "dataloader_state_for" in b for b in elastic)
     common = [('"shards/*.parquet"', f'"{tmp_path}/shards/*.parquet"'), ('tokenizer="tekken"', 'tokenizer="bytes"'),
               ("ParallelConfig(dp=8)", "ParallelConfig(dp=1)")]
 

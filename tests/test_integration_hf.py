@@ -457,6 +457,8 @@ def test_trainer_logs_the_loaders_step_metrics(tmp_path, corpus):
     batches = [b for b, _ in zip(loader(corpus, num_micro_batches=ga, epochs=None), range(2 * ga))]
     for b in batches[:ga]:
         b.step_metrics = _StandInStepMetrics(predicted_step_time=0.25, tokens=sum(x.num_tokens for x in batches[:ga]))
+    for b in batches[ga:]:  # the loader sets a real StepMetrics on every batch: this step stands for one without
+        b.step_metrics = None
     args = one_step_args(tmp_path, ga, max_steps=2, logging_strategy="steps", logging_steps=1)
     trainer = phf.PackedTrainer(model=tiny_llama("sdpa").train(), args=args, packed_loader=batches)
     trainer.train()
@@ -465,6 +467,21 @@ def test_trainer_logs_the_loaders_step_metrics(tmp_path, corpus):
     assert logs[0]["packloader/tokens"] == sum(b.num_tokens for b in batches[:ga])
     assert "packloader/note" not in logs[0] and "packloader/bubble_share" not in logs[0]
     assert not any(k.startswith("packloader/") and k != "packloader/tokens_per_second" for k in logs[1])
+
+
+def test_trainer_logs_the_real_step_metrics(tmp_path, corpus):
+    """The loader's own StepMetrics record (not a stand-in) reaches the logs of its step."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (in the hf extra)")
+    ga = 3
+    batches = [b for b, _ in zip(loader(corpus, num_micro_batches=ga, epochs=None), range(ga))]
+    record = batches[0].step_metrics
+    assert record is not None and all(b.step_metrics == record for b in batches)
+    args = one_step_args(tmp_path, ga, max_steps=1, logging_strategy="steps", logging_steps=1)
+    trainer = phf.PackedTrainer(model=tiny_llama("sdpa").train(), args=args, packed_loader=batches)
+    trainer.train()
+    log = next(h for h in trainer.state.log_history if "loss" in h)
+    assert log["packloader/step_time"] == record.step_time and log["packloader/tokens"] == record.tokens
+    assert log["packloader/tokens"] == sum(b.num_tokens for b in batches)
 
 
 def test_trainer_refuses_to_checkpoint_a_loader_without_state(tmp_path, corpus):

@@ -38,6 +38,7 @@ logging.getLogger("packloader").addHandler(logging.NullHandler())
 # name -> module that defines it
 _EXPORTS: dict[str, str] = {
     "Segment": "packloader.contracts",
+    "CPPlacement": "packloader.contracts",
     "MicroBatch": "packloader.contracts",
     "RankPlan": "packloader.contracts",
     "StepPlan": "packloader.contracts",

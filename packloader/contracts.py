@@ -45,6 +45,15 @@ class Segment(msgspec.Struct, frozen=True, array_like=True):
         return self.end - self.start
 
 
+class CPPlacement(msgspec.Struct, frozen=True, array_like=True):
+    """Where one segment of a per-document-CP micro-batch runs: on GPUs `first .. first + size - 1` of its
+    DP x CP pool, `size` a power of two and `first` a multiple of it (aligned subgroups, as megatron-core's hybrid
+    context parallelism forms them). The segment's shard on pool GPU g is `g - first` of `size`."""
+
+    size: int
+    first: int
+
+
 class MicroBatch(msgspec.Struct, kw_only=True):
     """One forward/backward unit on one DP rank (or on a DP-Merge group of ranks)."""
 
@@ -54,6 +63,9 @@ class MicroBatch(msgspec.Struct, kw_only=True):
     # DP-Merge (SlimPack): the DP ranks that run this micro-batch together as context parallelism. None means
     # the micro-batch belongs to the rank whose list holds it.
     dp_group: list[int] | None = None
+    # Per-document context parallelism (StepPlan.cp_mode == "dynamic"): one placement per segment, aligned with
+    # `segments`. None for fixed CP, where every segment is sharded over the rank's whole CP group.
+    cp: list[CPPlacement] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +96,11 @@ class StepPlan(msgspec.Struct, kw_only=True):
     # The pipeline schedule the planner chose for this step under PlanConfig.schedule "auto" ("" otherwise:
     # the configured one); the simulator, scores and action lists follow it.
     schedule: str = ""
+    # "fixed": `ranks` holds one RankPlan per DP rank, each sharded over its whole CP group. "dynamic" (per-document
+    # CP): `ranks` holds one RankPlan per GPU of the DP x CP pool (index dp_rank * cp + cp_rank); micro-batch m of
+    # every pool GPU runs in the same slot, and a segment placed on `size` GPUs appears, with the same placement,
+    # in micro-batch m of each of them.
+    cp_mode: Literal["fixed", "dynamic"] = "fixed"
     extra: dict[str, float] = {}  # for planners registered from outside; packloader's own leave it empty
 
 

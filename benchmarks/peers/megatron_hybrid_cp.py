@@ -1,0 +1,179 @@
+"""megatron-core's hybrid context parallelism, run on CPU on one step's document lengths, as a packloader plan.
+
+The peer that per-document CP is compared with (issue 26): megatron-core 0.16's `BalancedCPScheduler`
+(`pipeline_parallel/hybrid_cp_schedule.py`) as `HybridCPDataLoaderWrapper` (`datasets/data_schedule.py`) builds
+and calls it. Megatron's own code does all the scheduling (its workload function, its CP size per sample, its
+groups of DP x CP ranks); nothing here re-implements it. The one stand-in is the DP x CP process group, of which
+the scheduler reads only `size()`; the set of CP groups megatron can form comes from its own
+`parallel_state.create_hybrid_dp_cp_groups` with the group constructor replaced by one that returns the ranks.
+
+Megatron's output, per group (a phase that ends in a barrier over the DP x CP ranks): the sample ids each GPU runs,
+in order, each one a forward/backward of its own. A sample's CP group is the GPUs that hold it in that group (its
+`local_cp_size` is their count, as megatron's schedule computes it). The plan: one micro-batch per megatron group
+per pool GPU, holding that GPU's samples of the group as segments, each with its placement; a GPU belongs to one
+CP group per megatron group, so a micro-batch's segments share one placement.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from unittest import mock
+
+from packloader.contracts import CPPlacement, MicroBatch, RankPlan, Segment, StepPlan
+
+with warnings.catch_warnings():  # megatron-core warns on import that Transformer Engine and Apex are absent
+    warnings.simplefilter("ignore")
+    from megatron.core import parallel_state
+    from megatron.core.datasets.data_schedule import HybridCPDataLoaderWrapper
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+# StepPlan.extra keys this module fills (per step):
+#   megatron_groups         megatron's groups (barrier phases) in the step: the plan's micro-batches per GPU
+#   megatron_idle_share     share of GPU time idle at the groups' barriers, by megatron's own workload estimate
+#   pad_tokens_required     tokens megatron-core's hybrid CP requires padded: every sample to a multiple of
+#                           2 x DP x CP (x TP with sequence parallelism), as its dataset config states
+#   pad_tokens_min          padding its CP split cannot do without: each sample at CP size s > 1 to a multiple of 2s
+#   placements_outside_megatron_groups  segments whose GPUs are not one of the CP groups megatron creates
+
+
+class _PoolGroup:
+    """Stands in for the DP x CP process group: the scheduler and the wrapper's constructor read its size."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+
+def megatron_scheduler(*, dp: int, cp: int, max_tokens_per_gpu: int) -> BalancedCPScheduler:
+    """Megatron's scheduler as its data-loader wrapper builds it from a real `ModelParallelConfig`."""
+    config = ModelParallelConfig(context_parallel_size=cp, hybrid_context_parallel=True,
+                                 max_seqlen_per_dp_cp_rank=max_tokens_per_gpu)
+    groups = ProcessGroupCollection(dp_cp=_PoolGroup(dp * cp), dp=_PoolGroup(dp), tp=_PoolGroup(1))
+    wrapper = HybridCPDataLoaderWrapper(None, config, pg_collection=groups)
+    wrapper.cp_balancing_scheduler.config = config  # get_groups_and_subsamples takes it (and reads nothing of it)
+    return wrapper.cp_balancing_scheduler
+
+
+def megatron_cp_groups(pool: int) -> set[tuple[int, int]]:
+    """(size, first GPU) of every CP group megatron creates over a DP x CP pool: its `create_hybrid_dp_cp_groups`
+    (power-of-two sizes from 2 below the pool's size), the whole pool, and single GPUs (no group)."""
+    ranks = list(range(pool))
+    found = {(1, r) for r in ranks} | {(pool, 0)}
+    with mock.patch.object(parallel_state, "create_group", lambda group_ranks, **_: tuple(group_ranks)):
+        for rank in ranks:
+            for members in parallel_state.create_hybrid_dp_cp_groups(rank, ranks, None).values():
+                found.add((len(members), members[0]))
+    return found
+
+
+def megatron_hybrid_cp_schedule(lengths: Sequence[int], *, dp: int, cp: int,
+                                 max_tokens_per_gpu: int) -> list[list[list[int]]]:
+    """Megatron's own output: per group, per pool GPU (dp_rank * cp + cp_rank), the sample ids (indices into
+    `lengths`) it runs, in order. Refuses what megatron would silently drop or fail on, naming the sample."""
+    return _run(lengths, dp=dp, cp=cp, max_tokens_per_gpu=max_tokens_per_gpu)[1]
+
+
+def _run(lengths: Sequence[int], *, dp: int, cp: int,
+         max_tokens_per_gpu: int) -> tuple[BalancedCPScheduler, list[list[list[int]]]]:
+    _check(lengths, dp=dp, cp=cp, max_tokens_per_gpu=max_tokens_per_gpu)
+    scheduler = megatron_scheduler(dp=dp, cp=cp, max_tokens_per_gpu=max_tokens_per_gpu)
+    _, sample_id_groups = scheduler.get_groups_and_subsamples(list(enumerate(lengths)), scheduler.config)
+    return scheduler, sample_id_groups
+
+
+def _check(lengths: Sequence[int], *, dp: int, cp: int, max_tokens_per_gpu: int) -> None:
+    for name, value in (("dp", dp), ("cp", cp), ("max_tokens_per_gpu", max_tokens_per_gpu)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    pool = dp * cp
+    if pool % 2:
+        raise ValueError(f"dp x cp = {pool}: megatron-core's hybrid context parallelism needs an even number of "
+                         "DP x CP ranks (parallel_state asserts it)")
+    for i, length in enumerate(lengths):
+        if not isinstance(length, int) or length < 1:
+            raise ValueError(f"lengths[{i}] = {length!r}: expected a positive token count (megatron's wrapper "
+                             "drops empty sub-samples without a word)")
+        if length > pool * max_tokens_per_gpu:
+            raise ValueError(f"lengths[{i}] = {length} tokens: over dp x cp x max_tokens_per_gpu = {pool} x "
+                             f"{max_tokens_per_gpu}; megatron's scheduler can place no sample wider than its pool")
+
+
+def group_placements(group: list[list[int]]) -> dict[int, CPPlacement]:
+    """Each sample's GPUs in one megatron group, read as megatron's schedule reads them (its `local_cp_size` is
+    the number of GPUs whose list holds it). Contiguous GPUs become a CPPlacement; anything else is refused,
+    since no CPPlacement can name it."""
+    holders: dict[int, list[int]] = {}
+    for gpu, sample_ids in enumerate(group):
+        for sample_id in dict.fromkeys(sample_ids):
+            holders.setdefault(sample_id, []).append(gpu)
+    out = {}
+    for sample_id, gpus in holders.items():
+        if gpus != list(range(gpus[0], gpus[0] + len(gpus))):
+            raise ValueError(f"sample {sample_id}: megatron placed it on GPUs {gpus}, not a contiguous range")
+        out[sample_id] = CPPlacement(size=len(gpus), first=gpus[0])
+    return out
+
+
+def megatron_hybrid_cp_plan(lengths: list[int], *, dp: int, cp: int, max_tokens_per_gpu: int, step: int = 0,
+                            segments: Sequence[Segment] | None = None, sequence_parallel_tp: int = 1) -> StepPlan:
+    """megatron-core's hybrid-CP schedule of one step's samples as a StepPlan with cp_mode "dynamic".
+
+    `lengths[i]` is sample i's token count; `segments[i]`, if given, names it (its doc and token range: a piece of a
+    document), else sample i is `Segment(i, 0, lengths[i], 0)`. `sequence_parallel_tp`: the TP size when sequence
+    parallelism is on (megatron's padding rule multiplies by it). Megatron's figures go in `extra` (keys above).
+    """
+    if segments is not None:
+        if len(segments) != len(lengths):
+            raise ValueError(f"segments: {len(segments)} given for {len(lengths)} lengths")
+        for i, (seg, length) in enumerate(zip(segments, lengths)):
+            if seg.end - seg.start != length:
+                raise ValueError(f"segments[{i}] holds {seg.end - seg.start} tokens, lengths[{i}] = {length}")
+    scheduler, groups = _run(lengths, dp=dp, cp=cp, max_tokens_per_gpu=max_tokens_per_gpu)
+    per_group = [group_placements(group) for group in groups]
+    pool = dp * cp
+    named = list(segments) if segments is not None else [Segment(i, 0, n, 0) for i, n in enumerate(lengths)]
+    ranks = [RankPlan(micro_batches=[]) for _ in range(pool)]
+    sizes: dict[int, int] = {}
+    formable = megatron_cp_groups(pool)
+    outside = 0
+    for group, placements in zip(groups, per_group):
+        for gpu in range(pool):
+            ids = group[gpu] if gpu < len(group) else []
+            ranks[gpu].micro_batches.append(MicroBatch(segments=[named[i] for i in ids],
+                                                       cp=[placements[i] for i in ids]))
+        for sample_id, place in placements.items():
+            sizes[sample_id] = place.size
+            outside += (place.size, place.first) not in formable
+    extra = {
+        "megatron_groups": float(len(groups)),
+        "megatron_idle_share": idle_share(scheduler, groups, per_group, lengths),
+        "pad_tokens_required": float(padding(lengths, [2 * pool * sequence_parallel_tp] * len(lengths))),
+        "pad_tokens_min": float(padding(lengths, [2 * sizes[i] if sizes[i] > 1 else 1 for i in range(len(lengths))])),
+        "placements_outside_megatron_groups": float(outside),
+    }
+    return StepPlan(step=step, ranks=ranks, planner="megatron-hybrid-cp", cp_mode="dynamic", extra=extra)
+
+
+def padding(lengths: Sequence[int], multiples: Sequence[int]) -> int:
+    """Tokens added to bring each length up to its multiple."""
+    return sum(-n % m for n, m in zip(lengths, multiples))
+
+
+def idle_share(scheduler: BalancedCPScheduler, groups: list[list[list[int]]],
+               placements_per_group: list[dict[int, CPPlacement]], lengths: Sequence[int]) -> float:
+    """Share of GPU time spent waiting at the barrier that ends each megatron group, each sample priced by
+    megatron's own workload estimate (`get_total_workload`) at the CP size it runs at."""
+    busy_total = span_total = 0.0
+    for group, placements in zip(groups, placements_per_group):
+        busy = [sum(scheduler.get_total_workload(lengths[i], placements[i].size) for i in ids) for ids in group]
+        busy_total += sum(busy)
+        span_total += max(busy, default=0.0) * len(group)
+    return 0.0 if span_total == 0 else 1.0 - busy_total / span_total

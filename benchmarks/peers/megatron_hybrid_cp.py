@@ -39,6 +39,10 @@ with warnings.catch_warnings():  # megatron-core warns on import that Transforme
 #   placements_outside_megatron_groups  segments whose GPUs are not one of the CP groups megatron creates
 
 
+class MegatronSchedulerError(RuntimeError):
+    """megatron-core's own scheduler failed on input this module accepted (its error chained)."""
+
+
 class _PoolGroup:
     """Stands in for the DP x CP process group: the scheduler and the wrapper's constructor read its size."""
 
@@ -52,14 +56,13 @@ class _PoolGroup:
         return 0
 
 
-def megatron_scheduler(*, dp: int, cp: int, max_tokens_per_gpu: int) -> BalancedCPScheduler:
-    """Megatron's scheduler as its data-loader wrapper builds it from a real `ModelParallelConfig`."""
+def megatron_wrapper(*, dp: int, cp: int, max_tokens_per_gpu: int) -> HybridCPDataLoaderWrapper:
+    """Megatron's hybrid-CP data-loader wrapper over a real `ModelParallelConfig`: it builds the scheduler from
+    the config (`max_seqlen_per_dp_cp_rank`) and the DP x CP group's size, as in training. It reads no data here."""
     config = ModelParallelConfig(context_parallel_size=cp, hybrid_context_parallel=True,
                                  max_seqlen_per_dp_cp_rank=max_tokens_per_gpu)
     groups = ProcessGroupCollection(dp_cp=_PoolGroup(dp * cp), dp=_PoolGroup(dp), tp=_PoolGroup(1))
-    wrapper = HybridCPDataLoaderWrapper(None, config, pg_collection=groups)
-    wrapper.cp_balancing_scheduler.config = config  # get_groups_and_subsamples takes it (and reads nothing of it)
-    return wrapper.cp_balancing_scheduler
+    return HybridCPDataLoaderWrapper(None, config, pg_collection=groups)
 
 
 def megatron_cp_groups(pool: int) -> set[tuple[int, int]]:
@@ -83,13 +86,19 @@ def megatron_hybrid_cp_schedule(lengths: Sequence[int], *, dp: int, cp: int,
 
 def _run(lengths: Sequence[int], *, dp: int, cp: int,
          max_tokens_per_gpu: int) -> tuple[BalancedCPScheduler, list[list[list[int]]]]:
-    _check(lengths, dp=dp, cp=cp, max_tokens_per_gpu=max_tokens_per_gpu)
-    scheduler = megatron_scheduler(dp=dp, cp=cp, max_tokens_per_gpu=max_tokens_per_gpu)
-    _, sample_id_groups = scheduler.get_groups_and_subsamples(list(enumerate(lengths)), scheduler.config)
+    _check_layout(dp=dp, cp=cp, max_tokens_per_gpu=max_tokens_per_gpu)
+    wrapper = megatron_wrapper(dp=dp, cp=cp, max_tokens_per_gpu=max_tokens_per_gpu)
+    scheduler = wrapper.cp_balancing_scheduler
+    _check_lengths(lengths, scheduler, pool=dp * cp, max_tokens_per_gpu=max_tokens_per_gpu)
+    try:  # sample ids as the wrapper numbers them: positions in the step's list of sub-sample lengths
+        _, sample_id_groups = scheduler.get_groups_and_subsamples(list(enumerate(lengths)), wrapper.config)
+    except (AssertionError, IndexError) as err:  # seen on pools that are not a power of two (docs/dynamic_cp.md)
+        raise MegatronSchedulerError(f"megatron-core's BalancedCPScheduler failed at dp x cp = {dp * cp} on "
+                                     f"{len(lengths)} samples: {type(err).__name__}: {err}") from err
     return scheduler, sample_id_groups
 
 
-def _check(lengths: Sequence[int], *, dp: int, cp: int, max_tokens_per_gpu: int) -> None:
+def _check_layout(*, dp: int, cp: int, max_tokens_per_gpu: int) -> None:
     for name, value in (("dp", dp), ("cp", cp), ("max_tokens_per_gpu", max_tokens_per_gpu)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -97,13 +106,18 @@ def _check(lengths: Sequence[int], *, dp: int, cp: int, max_tokens_per_gpu: int)
     if pool % 2:
         raise ValueError(f"dp x cp = {pool}: megatron-core's hybrid context parallelism needs an even number of "
                          "DP x CP ranks (parallel_state asserts it)")
+
+
+def _check_lengths(lengths: Sequence[int], scheduler: BalancedCPScheduler, *, pool: int,
+                   max_tokens_per_gpu: int) -> None:
     for i, length in enumerate(lengths):
         if not isinstance(length, int) or length < 1:
             raise ValueError(f"lengths[{i}] = {length!r}: expected a positive token count (megatron's wrapper "
                              "drops empty sub-samples without a word)")
-        if length > pool * max_tokens_per_gpu:
-            raise ValueError(f"lengths[{i}] = {length} tokens: over dp x cp x max_tokens_per_gpu = {pool} x "
-                             f"{max_tokens_per_gpu}; megatron's scheduler can place no sample wider than its pool")
+        if scheduler.gpus_needed(length) > pool:  # megatron would fail an assertion once no group could take it
+            raise ValueError(f"lengths[{i}] = {length} tokens: megatron's CP size for it (max_tokens_per_gpu = "
+                             f"{max_tokens_per_gpu}, rounded up to a power of two) is "
+                             f"{scheduler.gpus_needed(length)}, over its dp x cp = {pool} GPUs")
 
 
 def group_placements(group: list[list[int]]) -> dict[int, CPPlacement]:

@@ -172,3 +172,19 @@ def test_dynamic_cp_peer_refuses_bad_input(lengths, kwargs, message):
     args = {"dp": 2, "cp": 2, "max_tokens_per_gpu": 100} | kwargs
     with pytest.raises(ValueError, match=message):
         megatron_hybrid_cp_plan(lengths, **args)
+
+
+def test_dynamic_cp_peer_benchmark_writes_its_section(tmp_path):
+    """benchmarks/peer_megatron.py on one small step: every drawn token is counted at one CP size."""
+    import peer_megatron
+
+    doc = tmp_path / "page.md"
+    doc.write_text("# P\n\n<!-- SECTION:megatron-hybrid-cp -->\n(pending)\n<!-- END:megatron-hybrid-cp -->\n")
+    args = ["--steps", "1", "--datasets", "synthetic-github", "--tokens-per-step", "300000", "--write", str(doc)]
+    assert peer_megatron.main(args) == 0
+    text = doc.read_text()
+    assert "(pending)" not in text and "| synthetic-github |" in text and text.count("SECTION:megatron-hybrid-cp") == 1
+    setup = peer_megatron.Setup("t", 4, 1, 131072, 300000, 1)
+    row = peer_megatron.run("synthetic-github", setup, cp=4, tp=8, seed=0)
+    assert sum(row.cp_share.values()) == pytest.approx(1.0)
+    assert row.outside == 0 and row.pad_min <= row.pad_required and 0 <= row.idle < 1

@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Sequence
 from unittest import mock
 
+from packloader.balancers.planners.registry import Window
 from packloader.contracts import CPPlacement, MicroBatch, RankPlan, Segment, StepPlan
 
 with warnings.catch_warnings():  # megatron-core warns on import that Transformer Engine and Apex are absent
@@ -174,6 +175,15 @@ def megatron_hybrid_cp_plan(lengths: list[int], *, dp: int, cp: int, max_tokens_
         "placements_outside_megatron_groups": float(outside),
     }
     return StepPlan(step=step, ranks=ranks, planner="megatron-hybrid-cp", cp_mode="dynamic", extra=extra)
+
+
+def megatron_hybrid_cp_window_plan(window: Window, *, step: int, dp: int, cp: int, max_tokens_per_gpu: int,
+                                   sequence_parallel_tp: int = 1) -> StepPlan:
+    """The same for a step's drawn pieces (a planner's Window): each piece one megatron sub-sample."""
+    segments = [Segment(int(d), int(o), int(o + n), int(o)) for d, o, n in zip(window.doc, window.offset,
+                                                                               window.length)]
+    return megatron_hybrid_cp_plan([int(n) for n in window.length], dp=dp, cp=cp, max_tokens_per_gpu=max_tokens_per_gpu,
+                                   step=step, segments=segments, sequence_parallel_tp=sequence_parallel_tp)
 
 
 def padding(lengths: Sequence[int], multiples: Sequence[int]) -> int:

@@ -22,7 +22,11 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
-from peers.megatron_hybrid_cp import megatron_hybrid_cp_window_plan, megatron_wrapper  # benchmarks/, this folder
+from peers.megatron_hybrid_cp import (  # benchmarks/, this folder
+    megatron_hybrid_cp_window_plan,
+    megatron_slots,
+    megatron_wrapper,
+)
 from planner import Setup, draw_stream, synthetic, windows_for
 from sections import write_section
 
@@ -86,9 +90,9 @@ def run(dataset: str, setup: Setup, cp: int, tp: int, seed: int) -> Row:
 def token_spreads(plan) -> list[float]:
     """Per megatron group: the most tokens one GPU processes (its shares of its sub-samples) over the mean."""
     out = []
-    for m in range(len(plan.ranks[0].micro_batches)):
-        per_gpu = [sum((s.end - s.start) / c.size for s, c in zip(r.micro_batches[m].segments, r.micro_batches[m].cp))
-                   for r in plan.ranks]
+    for slots in megatron_slots(plan):
+        per_gpu = [sum((s.end - s.start) / c.size for m in slots
+                       for s, c in zip(r.micro_batches[m].segments, r.micro_batches[m].cp)) for r in plan.ranks]
         out.append(max(per_gpu) / float(np.mean(per_gpu)))
     return out
 

@@ -12,6 +12,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 with warnings.catch_warnings():
@@ -21,7 +22,13 @@ with warnings.catch_warnings():
 from packloader.contracts import CPPlacement, Segment, StepPlan  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from peers.megatron_hybrid_cp import MegatronSchedulerError, megatron_cp_groups, megatron_hybrid_cp_plan  # noqa: E402
+from peers.megatron_hybrid_cp import (  # noqa: E402
+    MegatronSchedulerError,
+    barrier_step_time,
+    megatron_cp_groups,
+    megatron_hybrid_cp_plan,
+    megatron_slots,
+)
 
 
 def layout(plan: StepPlan) -> list[list[list[tuple[int, int, int]]]]:
@@ -36,15 +43,25 @@ def test_dynamic_cp_peer_hand_worked_schedule():
     all four GPUs and nothing else fits, so the group closes. Second group: buckets [150], [80, 60, 50], [40]
     (target 25350 / 2, closed past 1.1 x target); 150 on GPUs 0-1, 80 on GPU 2, 60 on GPU 3 (free GPUs first),
     50 and 40 on the least loaded CP-1 GPU, 3 (3600, then 6100, against GPU 2's 6400)."""
-    plan = megatron_hybrid_cp_plan([300, 150, 80, 60, 50, 40], dp=2, cp=2, max_tokens_per_gpu=100)
+    lengths = [300, 150, 80, 60, 50, 40]
+    plan = megatron_hybrid_cp_plan(lengths, dp=2, cp=2, max_tokens_per_gpu=100)
     assert plan.cp_mode == "dynamic" and len(plan.ranks) == 4
-    assert layout(plan) == [
+    assert layout(plan) == [  # one micro-batch per sub-sample, as megatron runs them; group 2 takes 3 slots
+        [[(0, 4, 0)], [(1, 2, 0)], [], []],
+        [[(0, 4, 0)], [(1, 2, 0)], [], []],
+        [[(0, 4, 0)], [(2, 1, 2)], [], []],
+        [[(0, 4, 0)], [(3, 1, 3)], [(4, 1, 3)], [(5, 1, 3)]],
+    ]
+    assert megatron_slots(plan) == [range(0, 1), range(1, 4)]
+    assert [s.end for mb in plan.ranks[3].micro_batches[1:] for s in mb.segments] == [60, 50, 40]
+    grouped = megatron_hybrid_cp_plan(lengths, dp=2, cp=2, max_tokens_per_gpu=100, layout="group")
+    assert layout(grouped) == [
         [[(0, 4, 0)], [(1, 2, 0)]],
         [[(0, 4, 0)], [(1, 2, 0)]],
         [[(0, 4, 0)], [(2, 1, 2)]],
         [[(0, 4, 0)], [(3, 1, 3), (4, 1, 3), (5, 1, 3)]],
     ]
-    assert [s.end for s in plan.ranks[3].micro_batches[1].segments] == [60, 50, 40]
+    assert megatron_slots(grouped) == [range(0, 1), range(1, 2)]
     assert plan.extra["megatron_groups"] == 2
     # busy per GPU in group 2: 11250, 11250, 6400, 3600 + 2500 + 1600; group 1 has none idle
     assert plan.extra["megatron_idle_share"] == pytest.approx((4 * 11250 - 36600) / (4 * 22500 + 4 * 11250))
@@ -52,9 +69,12 @@ def test_dynamic_cp_peer_hand_worked_schedule():
     assert plan.extra["pad_tokens_required"] == 16
     assert plan.extra["pad_tokens_min"] == 6
     assert plan.extra["placements_outside_megatron_groups"] == 0
-    sp = megatron_hybrid_cp_plan([300, 150, 80, 60, 50, 40], dp=2, cp=2, max_tokens_per_gpu=100,
-                                 sequence_parallel_tp=2)
+    sp = megatron_hybrid_cp_plan(lengths, dp=2, cp=2, max_tokens_per_gpu=100, sequence_parallel_tp=2)
     assert sp.extra["pad_tokens_required"] == 4 + 10 + 0 + 4 + 14 + 8  # multiples of 16
+    # a time per sub-sample share of L / size tokens: group 1 lasts 75, group 2 its busiest GPU, 3 (60 + 50 + 40)
+    times = [[sum(s.end / c.size for s, c in zip(r.micro_batches[m].segments, r.micro_batches[m].cp))
+              for r in plan.ranks] for m in range(4)]
+    assert barrier_step_time(plan, times) == pytest.approx(75 + 150)
 
 
 def megatron_reference(lengths, pool, cap):
@@ -81,17 +101,22 @@ def random_lengths(rng, pool, cap):
 def test_dynamic_cp_peer_same_groups_as_megatron(dp, cp):
     rng = random.Random(dp * 100 + cp)
     pool = dp * cp
-    for _ in range(25):
+    for trial in range(25):
         cap = rng.choice([64, 100, 256])
         lengths = random_lengths(rng, pool, cap)
-        plan = megatron_hybrid_cp_plan(lengths, dp=dp, cp=cp, max_tokens_per_gpu=cap)
+        mode = ("sample", "group")[trial % 2]
+        plan = megatron_hybrid_cp_plan(np.array(lengths), dp=dp, cp=cp, max_tokens_per_gpu=cap, layout=mode)
         groups = megatron_reference(lengths, pool, cap)
-        assert all(len(r.micro_batches) == len(groups) for r in plan.ranks)
-        for m, group in enumerate(groups):
+        slots = megatron_slots(plan)
+        assert len(slots) == len(groups)
+        assert all(len(r.micro_batches) == slots[-1].stop for r in plan.ranks)
+        for group, group_slots in zip(groups, slots):
             for gpu in range(pool):
-                mb = plan.ranks[gpu].micro_batches[m]
-                assert [s.doc for s in mb.segments] == group[gpu]
-                for s, place in zip(mb.segments, mb.cp, strict=True):
+                mbs = [plan.ranks[gpu].micro_batches[m] for m in group_slots]
+                assert [s.doc for mb in mbs for s in mb.segments] == group[gpu]
+                if mode == "sample":  # one sub-sample per micro-batch, the rest of the group's slots empty
+                    assert [len(mb.segments) for mb in mbs] == [1] * len(group[gpu]) + [0] * (len(mbs) - len(group[gpu]))
+                for s, place in ((s, c) for mb in mbs for s, c in zip(mb.segments, mb.cp, strict=True)):
                     holders = [g for g in range(pool) if s.doc in group[g]]
                     # megatron's local_cp_size: the number of GPUs of the group holding the sample
                     assert place.size == len([True for ids in group if s.doc in ids])
@@ -125,11 +150,14 @@ def test_dynamic_cp_peer_every_document_once_within_the_memory_cap(dp, cp):
             smallest = next(p for p in (1 << k for k in range(20)) if lengths[doc] <= p * cap)
             assert place.size >= smallest  # at least its own CP size; more when megatron fills idle GPUs
         assert plan.extra["placements_outside_megatron_groups"] == 0
+        for rank in plan.ranks:  # one forward at a time: every micro-batch within the cap, as megatron runs them
+            for mb in rank.micro_batches:
+                assert sum(-(-(s.end - s.start) // c.size) for s, c in zip(mb.segments, mb.cp)) <= cap
 
 
 def test_dynamic_cp_peer_fills_idle_gpus_by_widening_cp():
     """One short sample on 8 GPUs: megatron leaves no GPU empty, doubling its CP size until it spans all 8."""
-    plan = megatron_hybrid_cp_plan([40], dp=4, cp=2, max_tokens_per_gpu=100)
+    plan = megatron_hybrid_cp_plan([np.int64(40)], dp=4, cp=2, max_tokens_per_gpu=100)
     assert layout(plan) == [[[(0, 8, 0)]]] * 8
     assert plan.extra["megatron_idle_share"] == 0
 
@@ -155,7 +183,7 @@ def test_dynamic_cp_peer_pool_not_a_power_of_two():
     """DP 3 x CP 2: megatron gives the 248-token sample CP 4 on GPUs 0-3, a group it never creates over 6
     ranks; the plan keeps it as megatron placed it and counts it."""
     plan = megatron_hybrid_cp_plan([32, 22, 4, 31, 248], dp=3, cp=2, max_tokens_per_gpu=100)
-    assert [mb.cp[0] for mb in plan.ranks[0].micro_batches] == [CPPlacement(4, 0)]
+    assert [c for mb in plan.ranks[0].micro_batches for c in mb.cp] == [CPPlacement(4, 0)]
     assert plan.extra["placements_outside_megatron_groups"] == 1
     # DP 5 x CP 2: widening the samples to fill idle GPUs runs past the pool inside megatron
     with pytest.raises(MegatronSchedulerError, match="dp x cp = 10 on 2 samples: IndexError"):
@@ -167,6 +195,8 @@ def test_dynamic_cp_peer_pool_not_a_power_of_two():
     ([10, 401], {}, r"lengths\[1\] = 401 tokens: megatron's CP size for it .* is 8, over its dp x cp = 4"),
     ([10], {"dp": 3, "cp": 1}, r"dp x cp = 3: .* even number"),
     ([10], {"max_tokens_per_gpu": 0}, r"max_tokens_per_gpu: expected a positive integer, got 0"),
+    ([10, 2.5], {}, r"lengths\[1\] = 2.5: expected an integer token count"),
+    ([10], {"layout": "rows"}, r"layout: expected 'sample' or 'group', got 'rows'"),
 ])
 def test_dynamic_cp_peer_refuses_bad_input(lengths, kwargs, message):
     args = {"dp": 2, "cp": 2, "max_tokens_per_gpu": 100} | kwargs

@@ -9,15 +9,17 @@ the scheduler reads only `size()`; the set of CP groups megatron can form comes 
 
 Megatron's output, per group (a phase that ends in a barrier over the DP x CP ranks): the sample ids each GPU runs,
 in order, each one a forward/backward of its own. A sample's CP group is the GPUs that hold it in that group (its
-`local_cp_size` is their count, as megatron's schedule computes it). The plan: one micro-batch per megatron group
-per pool GPU, holding that GPU's samples of the group as segments, each with its placement; a GPU belongs to one
-CP group per megatron group, so a micro-batch's segments share one placement.
+`local_cp_size` is their count, as megatron's schedule computes it). The plan has one micro-batch per sub-sample
+(or, with layout="group", per group) on every pool GPU; `megatron_slots` gives each group's slots and
+`barrier_step_time` prices the barriers, which a plan cannot express (docs/megatron-hybrid-cp.md).
 """
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Sequence
+from typing import Literal
 from unittest import mock
 
 from packloader.balancers.planners.registry import Window
@@ -38,6 +40,8 @@ with warnings.catch_warnings():  # megatron-core warns on import that Transforme
 #                           2 x DP x CP (x TP with sequence parallelism), as its dataset config states
 #   pad_tokens_min          padding its CP split cannot do without: each sample at CP size s > 1 to a multiple of 2s
 #   placements_outside_megatron_groups  segments whose GPUs are not one of the CP groups megatron creates
+#   megatron_slots_group_<j>  the slots (micro-batches per GPU) group j takes: see megatron_slots
+SLOTS_KEY = "megatron_slots_group_"
 
 
 class MegatronSchedulerError(RuntimeError):
@@ -82,6 +86,7 @@ def megatron_hybrid_cp_schedule(lengths: Sequence[int], *, dp: int, cp: int,
                                  max_tokens_per_gpu: int) -> list[list[list[int]]]:
     """Megatron's own output: per group, per pool GPU (dp_rank * cp + cp_rank), the sample ids (indices into
     `lengths`) it runs, in order. Refuses what megatron would silently drop or fail on, naming the sample."""
+    lengths = [_count(n, f"lengths[{i}]") for i, n in enumerate(lengths)]
     return _run(lengths, dp=dp, cp=cp, max_tokens_per_gpu=max_tokens_per_gpu)[1]
 
 
@@ -93,7 +98,7 @@ def _run(lengths: Sequence[int], *, dp: int, cp: int,
     _check_lengths(lengths, scheduler, pool=dp * cp, max_tokens_per_gpu=max_tokens_per_gpu)
     try:  # sample ids as the wrapper numbers them: positions in the step's list of sub-sample lengths
         _, sample_id_groups = scheduler.get_groups_and_subsamples(list(enumerate(lengths)), wrapper.config)
-    except (AssertionError, IndexError) as err:  # seen on pools that are not a power of two (docs/dynamic_cp.md)
+    except (AssertionError, IndexError) as err:  # seen on pools that are not a power of two (docs/megatron-hybrid-cp.md)
         raise MegatronSchedulerError(f"megatron-core's BalancedCPScheduler failed at dp x cp = {dp * cp} on "
                                      f"{len(lengths)} samples: {type(err).__name__}: {err}") from err
     return scheduler, sample_id_groups
@@ -109,10 +114,18 @@ def _check_layout(*, dp: int, cp: int, max_tokens_per_gpu: int) -> None:
                          "DP x CP ranks (parallel_state asserts it)")
 
 
+def _count(value: object, name: str) -> int:
+    """An integer of any kind (numpy's included) as an int; anything else refused, naming it."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} = {value!r}: expected an integer token count") from None
+
+
 def _check_lengths(lengths: Sequence[int], scheduler: BalancedCPScheduler, *, pool: int,
                    max_tokens_per_gpu: int) -> None:
     for i, length in enumerate(lengths):
-        if not isinstance(length, int) or length < 1:
+        if length < 1:
             raise ValueError(f"lengths[{i}] = {length!r}: expected a positive token count (megatron's wrapper "
                              "drops empty sub-samples without a word)")
         if scheduler.gpus_needed(length) > pool:  # megatron would fail an assertion once no group could take it
@@ -137,44 +150,75 @@ def group_placements(group: list[list[int]]) -> dict[int, CPPlacement]:
     return out
 
 
-def megatron_hybrid_cp_plan(lengths: list[int], *, dp: int, cp: int, max_tokens_per_gpu: int, step: int = 0,
-                            segments: Sequence[Segment] | None = None, sequence_parallel_tp: int = 1) -> StepPlan:
+def megatron_hybrid_cp_plan(lengths: Sequence[int], *, dp: int, cp: int, max_tokens_per_gpu: int, step: int = 0,
+                            segments: Sequence[Segment] | None = None, sequence_parallel_tp: int = 1,
+                            layout: Literal["sample", "group"] = "sample") -> StepPlan:
     """megatron-core's hybrid-CP schedule of one step's samples as a StepPlan with cp_mode "dynamic".
 
     `lengths[i]` is sample i's token count; `segments[i]`, if given, names it (its doc and token range: a piece of a
     document), else sample i is `Segment(i, 0, lengths[i], 0)`. `sequence_parallel_tp`: the TP size when sequence
-    parallelism is on (megatron's padding rule multiplies by it). Megatron's figures go in `extra` (keys above).
+    parallelism is on (megatron's padding rule multiplies by it). `layout`: "sample" (one micro-batch per
+    sub-sample, as megatron runs them: each GPU's k-th sample of group j in slot `megatron_slots(plan)[j].start +
+    k`, empty micro-batches where a GPU has fewer) or "group" (one micro-batch per group per GPU, its samples
+    together). Megatron's figures go in `extra` (keys above).
     """
+    lengths = [_count(n, f"lengths[{i}]") for i, n in enumerate(lengths)]
     if segments is not None:
         if len(segments) != len(lengths):
             raise ValueError(f"segments: {len(segments)} given for {len(lengths)} lengths")
         for i, (seg, length) in enumerate(zip(segments, lengths)):
             if seg.end - seg.start != length:
                 raise ValueError(f"segments[{i}] holds {seg.end - seg.start} tokens, lengths[{i}] = {length}")
+    if layout not in ("sample", "group"):
+        raise ValueError(f"layout: expected 'sample' or 'group', got {layout!r}")
     scheduler, groups = _run(lengths, dp=dp, cp=cp, max_tokens_per_gpu=max_tokens_per_gpu)
     per_group = [group_placements(group) for group in groups]
-    pool = dp * cp
     named = list(segments) if segments is not None else [Segment(i, 0, n, 0) for i, n in enumerate(lengths)]
-    ranks = [RankPlan(micro_batches=[]) for _ in range(pool)]
-    sizes: dict[int, int] = {}
-    formable = megatron_cp_groups(pool)
-    outside = 0
-    for group, placements in zip(groups, per_group):
-        for gpu in range(pool):
-            ids = group[gpu] if gpu < len(group) else []
-            ranks[gpu].micro_batches.append(MicroBatch(segments=[named[i] for i in ids],
-                                                       cp=[placements[i] for i in ids]))
-        for sample_id, place in placements.items():
-            sizes[sample_id] = place.size
-            outside += (place.size, place.first) not in formable
+    ranks, widths = _micro_batches(groups, per_group, named, dp * cp, layout)
+    sizes = {i: place.size for placements in per_group for i, place in placements.items()}
+    formable = megatron_cp_groups(dp * cp)
     extra = {
         "megatron_groups": float(len(groups)),
         "megatron_idle_share": idle_share(scheduler, groups, per_group, lengths),
-        "pad_tokens_required": float(padding(lengths, [2 * pool * sequence_parallel_tp] * len(lengths))),
+        "pad_tokens_required": float(padding(lengths, [2 * dp * cp * sequence_parallel_tp] * len(lengths))),
         "pad_tokens_min": float(padding(lengths, [2 * sizes[i] if sizes[i] > 1 else 1 for i in range(len(lengths))])),
-        "placements_outside_megatron_groups": float(outside),
+        "placements_outside_megatron_groups": float(sum((p.size, p.first) not in formable
+                                                        for placements in per_group for p in placements.values())),
     }
+    extra |= {f"{SLOTS_KEY}{j}": float(w) for j, w in enumerate(widths)}
     return StepPlan(step=step, ranks=ranks, planner="megatron-hybrid-cp", cp_mode="dynamic", extra=extra)
+
+
+def _micro_batches(groups: list[list[list[int]]], per_group: list[dict[int, CPPlacement]], named: list[Segment],
+                   pool: int, layout: str) -> tuple[list[RankPlan], list[int]]:
+    """Every pool GPU's micro-batches, and the slots each megatron group takes."""
+    ranks = [RankPlan(micro_batches=[]) for _ in range(pool)]
+    widths = []
+    for group, placements in zip(groups, per_group):
+        width = 1 if layout == "group" else max(len(ids) for ids in group)
+        widths.append(width)
+        for gpu, ids in enumerate(group):
+            units = [ids] if layout == "group" else [[i] for i in ids] + [[]] * (width - len(ids))
+            ranks[gpu].micro_batches += [MicroBatch(segments=[named[i] for i in unit], cp=[placements[i] for i in unit])
+                                         for unit in units]
+    return ranks, widths
+
+
+def megatron_slots(plan: StepPlan) -> list[range]:
+    """The slots of each megatron group in a plan from `megatron_hybrid_cp_plan`, in order."""
+    out, start = [], 0
+    for j in range(int(plan.extra["megatron_groups"])):
+        width = int(plan.extra[f"{SLOTS_KEY}{j}"])
+        out.append(range(start, start + width))
+        start += width
+    return out
+
+
+def barrier_step_time(plan: StepPlan, slot_times: Sequence[Sequence[float]]) -> float:
+    """Megatron's step time from each micro-batch's time (`slot_times[slot][gpu]`, waits for CP partners
+    included): every group lasts as long as its busiest GPU, since a barrier over the DP x CP GPUs ends it."""
+    return sum(max(sum(slot_times[m][g] for m in slots) for g in range(len(plan.ranks)))
+               for slots in megatron_slots(plan))
 
 
 def megatron_hybrid_cp_window_plan(window: Window, *, step: int, dp: int, cp: int, max_tokens_per_gpu: int,

@@ -34,7 +34,7 @@ with warnings.catch_warnings():  # megatron-core warns on import that Transforme
     from megatron.core.process_groups_config import ProcessGroupCollection
 
 # StepPlan.extra keys this module fills (per step):
-#   megatron_groups         megatron's groups (barrier phases) in the step: the plan's micro-batches per GPU
+#   megatron_groups         megatron's groups (phases, each ended by a barrier over the DP x CP GPUs) in the step
 #   megatron_idle_share     share of GPU time idle at the groups' barriers, by megatron's own workload estimate
 #   pad_tokens_required     tokens megatron-core's hybrid CP requires padded: every sample to a multiple of
 #                           2 x DP x CP (x TP with sequence parallelism), as its dataset config states
@@ -49,16 +49,13 @@ class MegatronSchedulerError(RuntimeError):
 
 
 class _PoolGroup:
-    """Stands in for the DP x CP process group: the scheduler and the wrapper's constructor read its size."""
+    """Stands in for a process group: the scheduler and the wrapper's constructor read only its size."""
 
     def __init__(self, size: int) -> None:
         self._size = size
 
     def size(self) -> int:
         return self._size
-
-    def rank(self) -> int:
-        return 0
 
 
 def megatron_wrapper(*, dp: int, cp: int, max_tokens_per_gpu: int) -> HybridCPDataLoaderWrapper:
@@ -72,7 +69,8 @@ def megatron_wrapper(*, dp: int, cp: int, max_tokens_per_gpu: int) -> HybridCPDa
 
 def megatron_cp_groups(pool: int) -> set[tuple[int, int]]:
     """(size, first GPU) of every CP group megatron creates over a DP x CP pool: its `create_hybrid_dp_cp_groups`
-    (power-of-two sizes from 2 below the pool's size), the whole pool, and single GPUs (no group)."""
+    (power-of-two sizes from 2 up to half the largest power of two within the pool, aligned), the whole pool, and
+    single GPUs (no group)."""
     ranks = list(range(pool))
     found = {(1, r) for r in ranks} | {(pool, 0)}
     with mock.patch.object(parallel_state, "create_group", lambda group_ranks, **_: tuple(group_ranks)):

@@ -1,12 +1,13 @@
 """Per-document CP over gloo: CP groups of sizes 1, 2, 4 and 8 in one micro-batch slot of a pool of G = 4 and 8
 GPUs. Every GPU runs `dynamic_cp_attention` on its part; its outputs and the gradients of its q, k and v rows must
-equal a dense single-process causal attention over the whole documents (written here, independent of packloader's
+equal a dense single-process causal attention over the whole documents (tests/helpers, independent of packloader's
 attention); the pool's aligned groups are created once."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.dense_attention import dense_causal_reference
 from helpers.distributed import run_ranks
 
 from packloader.contracts import CPPlacement, MicroBatch, Segment
@@ -40,19 +41,6 @@ def _doc_tensors(doc: int, length: int):
     return tuple(torch.randn(length, h, D, generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ))
 
 
-def _dense_reference(q, k, v, w):
-    """Causal softmax attention of one document, GQA by repeating heads; output and q/k/v gradients of sum(out*w)."""
-    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
-    rep = HQ // HKV
-    kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q, kk) * D ** -0.5
-    n = q.shape[0]
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    out = torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
-    (out * w).sum().backward()
-    return out.detach(), q.grad, k.grad, v.grad
-
-
 def _rank(rank: int, world: int) -> dict:
     import numpy as np
 
@@ -72,7 +60,7 @@ def _rank(rank: int, world: int) -> dict:
         runs = np.diff(shard.cu_seqlens_q)
         doc_of = [mb.segments[s].doc for s in np.repeat(shard.run_segment, runs)]
         pos = shard.position_ids.tolist()
-        ref = {d: _dense_reference(*_doc_tensors(d, slot[d][0])) for d in set(doc_of)}
+        ref = {d: dense_causal_reference(*_doc_tensors(d, slot[d][0]), D ** -0.5) for d in set(doc_of)}
         local = [torch.stack([_doc_tensors(d, slot[d][0])[j][p] for d, p in zip(doc_of, pos)])
                  if pos else torch.zeros(0, HQ if j in (0, 3) else HKV, D, dtype=torch.float64) for j in range(4)]
         q, k, v = (t.clone().requires_grad_(True) for t in local[:3])

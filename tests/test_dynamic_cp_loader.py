@@ -1,6 +1,7 @@
 """The loader under per-document CP: each GPU of a DP 2 x CP 4 pool gets its part of a dynamic plan (rank
 dp_rank * cp + cp_rank), and over the pool every token of every document is trained once per epoch, with the
-source's tokens, next-token labels and document positions; the pool's loss tokens add up to each step's normaliser."""
+source's tokens, next-token labels and document positions; the pool's loss tokens add up to each step's normaliser;
+an interrupted step leaves, for elastic resume, exactly the segments no CP group trained."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import pytest
 from helpers.docs import token_docs
 
 from packloader.balancers.planners.fixed import FixedPlanner
-from packloader.contracts import CPPlacement, MicroBatch, ParallelConfig, PlanConfig, RankPlan
+from packloader.contracts import CPPlacement, MicroBatch, ParallelConfig, PlanConfig, RankPlan, Segment, StepPlan
 from packloader.loader.loader import PackedLoader
 from packloader.sources.base import IterableSource
 
 DP, CP = 2, 4
+P = CPPlacement
 
 
 class PoolPlanner:
@@ -96,3 +98,35 @@ def test_dynamic_cp_loader_needs_the_cp_rank():
     with pytest.raises(ValueError, match=r"cp_mode 'dynamic', cp=4.*cp_rank="):
         next(iter(loader))
     loader.close()
+
+
+def _pool_plan() -> StepPlan:
+    place = {1: (20, P(4, 0), 0), 2: (5, P(1, 0), 0), 3: (7, P(2, 2), 0),
+             4: (9, P(2, 0), 1), 5: (4, P(2, 2), 1), 6: (3, P(1, 1), 1)}  # doc: (length, placement, slot)
+    ranks = []
+    for g in range(4):
+        mbs = []
+        for slot in (0, 1):
+            docs = [d for d, (_, p, m) in place.items() if m == slot and p.first <= g < p.first + p.size]
+            mbs.append(MicroBatch(segments=[Segment(d, 0, place[d][0], 0) for d in docs],
+                                  cp=[place[d][1] for d in docs]))
+        ranks.append(RankPlan(micro_batches=mbs))
+    return StepPlan(step=3, ranks=ranks, cp_mode="dynamic")
+
+
+@pytest.mark.parametrize("skips, untrained", [
+    ([2, 1], [(5, 0, 4)]),  # DP rank 1 (GPUs 2, 3) stopped after slot 0: document 5 of its pair's slot 1
+    ([1, 1], [(4, 0, 9), (5, 0, 4), (6, 0, 3)]),
+    ([0, 0], [(d, 0, n) for d, n in ((1, 20), (2, 5), (3, 7), (4, 9), (5, 4), (6, 3))]),
+])
+def test_dynamic_cp_interrupted_step_leaves_what_no_group_trained(skips, untrained):
+    from packloader.loader.elastic import remainder
+
+    assert sorted(remainder(_pool_plan(), skips)) == untrained
+
+
+def test_dynamic_cp_interrupted_step_refuses_a_group_split_by_the_save():
+    from packloader.loader.elastic import remainder
+
+    with pytest.raises(ValueError, match=r"micro-batch 0 of the CP group of GPUs 0..3 \(document 1\)"):
+        remainder(_pool_plan(), [1, 0])

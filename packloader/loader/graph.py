@@ -111,7 +111,7 @@ class LoaderPipeline:
         chunk_node = ChunkNode(span, self.options.chunk_docs, None)
         chunks = ParallelMapper(chunk_node, ChunkLoader(self.stream, mode, 0, 1), num_workers=0)
         node = StepNode(chunk_node, chunks, self.stream, make_planner(config), config, 0, span=span, mode=mode,
-                        check_ranks=False, start_state=step_state)
+                        check_ranks=False, start_state=step_state, cp_rank=0)
         try:
             node.reset(None)
             return node.next()

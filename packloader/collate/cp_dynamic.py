@@ -159,13 +159,13 @@ def localize(batch: PackedBatch, mb: MicroBatch, *, gpu: int, pool: int | None =
         raise ValueError(f"step {batch.step}, micro-batch {batch.index_in_step}: the batch holds other segments than "
                          "the plan's micro-batch")
     shard = plan_dynamic_cp(mb, gpu=gpu, pool=pool)
-    index = torch.from_numpy(shard.token_index)
     shape = (1, -1) if batch.layout == "hf" else (-1,)
-    ids, labels = (t.reshape(-1)[index].reshape(shape) for t in (batch.input_ids, batch.labels))
-    runs = torch.from_numpy(shard.run_segment)
+    # numpy gathers: torch's indexing kernels cost milliseconds here on a loaded CPU (thread start-up per call)
+    ids, labels = (t.reshape(-1).numpy()[shard.token_index] for t in (batch.input_ids, batch.labels))
     return dataclasses.replace(
-        batch, input_ids=ids, labels=labels, position_ids=torch.from_numpy(shard.position_ids).reshape(shape),
+        batch, input_ids=torch.from_numpy(ids).reshape(shape), labels=torch.from_numpy(labels).reshape(shape),
+        position_ids=torch.from_numpy(shard.position_ids).reshape(shape),
         cu_seqlens=torch.from_numpy(shard.cu_seqlens_q), cu_seqlens_k=torch.from_numpy(shard.cu_seqlens_k),
         max_seqlen=shard.max_seqlen_q, max_seqlen_k=shard.max_seqlen_k,
-        doc_ids=batch.doc_ids[runs] if runs.numel() else batch.doc_ids[:0],
-        num_loss_tokens=int((labels != -100).sum()), cp=shard, extra=dict(batch.extra))
+        doc_ids=torch.from_numpy(batch.doc_ids.numpy()[shard.run_segment]),
+        num_loss_tokens=int(np.count_nonzero(labels != -100)), cp=shard, extra=dict(batch.extra))

@@ -104,6 +104,7 @@ class StepNode(BaseNode[StepWork]):
         super().__init__()
         self.chunk_node, self.chunks, self.stream = chunk_node, chunks, stream
         self.planner, self.config, self.dp_rank, self.cp_rank = planner, config, dp_rank, cp_rank
+        self.pool_gpu = dp_rank  # the index of this loader's RankPlan (loader.pool.own_rank), set per step
         self.span, self.mode, self.exchange, self.check_ranks = span, mode, exchange, check_ranks
         self.start_epoch = start_epoch
         self.step_stride, self.step_offset = step_stride, step_offset

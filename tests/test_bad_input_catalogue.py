@@ -488,6 +488,36 @@ def to_hf_with_slices(tmp):
     b = collate([Segment(8, 0, 2, 0), Segment(7, 4, 10, 0)], {7: np.arange(100, 110), 8: np.array([1, 2])},
                 step=5, index_in_step=2)
     return b.to_hf
+
+
+def dynamic_cp_misaligned_group(tmp):
+    from packloader.collate.cp_dynamic import plan_dynamic_cp
+    from packloader.contracts import CPPlacement, MicroBatch, Segment
+
+    mb = MicroBatch(segments=[Segment(2, 0, 10, 0), Segment(9, 4, 12, 4)], cp=[CPPlacement(1, 1), CPPlacement(2, 1)])
+    return lambda: plan_dynamic_cp(mb, gpu=1, pool=4)
+
+
+def dynamic_cp_without_cp_rank(tmp):
+    import msgspec
+
+    from packloader.balancers.planners.fixed import FixedPlanner
+    from packloader.contracts import CPPlacement, RankPlan
+
+    cfg = _config(parallel=ParallelConfig(dp=1, cp=2), allow_slicing=False)
+
+    class OneGpuEach:  # the fixed plan as per-document CP: each micro-batch whole on pool GPU 0, GPU 1 idle
+        def plan(self, window, state, layout):
+            plan, st = FixedPlanner(cfg).plan(window, state, layout)
+            mbs = [msgspec.structs.replace(mb, cp=[CPPlacement(1, 0)] * len(mb.segments))
+                   for mb in plan.ranks[0].micro_batches]
+            idle = [msgspec.structs.replace(mb, segments=[], cp=[]) for mb in mbs]
+            ranks = [RankPlan(micro_batches=mbs), RankPlan(micro_batches=idle)]
+            return msgspec.structs.replace(plan, ranks=ranks, cp_mode="dynamic"), st
+
+    loader = PackedLoader(IterableSource([np.arange(40, dtype=np.int32)]), config=cfg, planner=OneGpuEach(),
+                          dp_rank=0, num_threads=0)
+    return lambda: next(iter(loader))
 # --- what the user did not mean: shards known by content, files read twice, tokenizers, columns (issue 22) -----------
 
 
@@ -867,6 +897,11 @@ CASES = [
     Case("stdout_closed", stdout_closed, CliExit, ("exit 141: ",)),
     Case("to_hf_with_slices", to_hf_with_slices, SlicesNotSupported,
          ("PackedBatch.to_hf(): step 5, micro-batch 2 holds a slice of document 7", "allow_slicing=False")),
+    Case("dynamic_cp_misaligned_group", dynamic_cp_misaligned_group, ValueError,
+         ("segment 1 (document 9, tokens 4..11): CP group starts at GPU 1, not a multiple of its size 2",)),
+    Case("dynamic_cp_without_cp_rank", dynamic_cp_without_cp_rank, ValueError,
+         ("step 0 is planned with per-document context parallelism (cp_mode 'dynamic', cp=2)",
+          "PackedLoader(..., cp_rank=...)")),
     Case("action_list_slice_order", action_list_slice_order, ValueError,
          ("action lists: pipeline rank 0, stage 0: backward of micro-batch 0 before that of micro-batch 1, which reads "
           "its keys",)),

@@ -1,0 +1,76 @@
+"""PlanConfig.cp_mode: which context parallelism plans a step.
+
+"dynamic" plans every step with `dynamic-cp`. "auto" plans each step twice when cp > 1, with the configured
+strategy (fixed CP: every micro-batch sharded over the whole CP group) and with `dynamic-cp`, and keeps the one
+whose slowest GPU's simulated step time per trained token is lower (ties to fixed CP, which every runtime runs);
+at cp 1 it is fixed CP. Both are priced alike: the fixed plan's micro-batches pay their CP group's K/V all-gather
+(`fixed_with_comm`; the cost model's CP scaling alone assumes it free), as the dynamic plan's subgroups do. The
+choice is per step, so a run may mix both; StepPlan.cp_mode says which each step is. Not the default under
+strategy "auto": a dynamic plan needs a runtime that runs per-document subgroups, which the user opts into.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from packloader.balancers.cost.cp_comm import CPComm
+from packloader.balancers.planners.dynamic_cp import NAME, DynamicCPPlanner
+from packloader.balancers.planners.registry import Planner, StepLayout, Window, planner_spec
+from packloader.balancers.sim.metrics import score_plan
+from packloader.contracts import PlanConfig, PlannerState, StepPlan
+
+
+def fixed_with_comm(plan: StepPlan, comm: CPComm, cp: int) -> StepPlan:
+    """A fixed-CP plan whose micro-batches also pay the K/V exchange of their CP group (one collective per layer
+    over the micro-batch's tokens); the plan's own costs otherwise (a copy; unpriced plans are returned as is)."""
+    if cp <= 1 or plan.cp_mode != "fixed":
+        return plan
+    ranks = []
+    for rank in plan.ranks:
+        mbs = []
+        for mb in rank.micro_batches:
+            f, b = comm.times(mb.num_tokens, cp) if mb.segments else (0.0, 0.0)
+            mbs.append(msgspec.structs.replace(mb, fwd_cost=mb.fwd_cost + f, bwd_cost=mb.bwd_cost + b))
+        ranks.append(msgspec.structs.replace(rank, micro_batches=mbs))
+    return msgspec.structs.replace(plan, ranks=ranks)
+
+
+def seconds_per_token(plan: StepPlan, config: PlanConfig, model) -> float:
+    s = score_plan(plan, model, config.parallel, max_tokens=config.max_tokens, schedule=config.schedule,
+                   use_plan_costs=True)
+    return s.step_time / s.tokens if s.tokens else 0.0
+
+
+class CPModeChoice:
+    """cp_mode "auto": fixed CP or per-document CP, per step (module docstring)."""
+
+    def __init__(self, config: PlanConfig, fixed: Planner, dynamic: DynamicCPPlanner, model) -> None:
+        self.config = config
+        self.fixed = fixed
+        self.dynamic = dynamic
+        self.model = model
+
+    def plan(self, window: Window, state: PlannerState, layout: StepLayout | int) -> tuple[StepPlan, PlannerState]:
+        fplan, fstate = self.fixed.plan(window, state, layout)
+        fplan = fixed_with_comm(fplan, self.dynamic.cost.comm, self.config.parallel.cp)
+        dplan, dstate = self.dynamic.plan(window, state, layout)
+        if not all(mb.fwd_cost > 0 or not mb.segments for r in fplan.ranks for mb in r.micro_batches):
+            return fplan, fstate  # an unpriced fixed plan (token-count planners) cannot be compared
+        if seconds_per_token(dplan, self.config, self.model) < seconds_per_token(fplan, self.config, self.model):
+            return dplan, dstate
+        return fplan, fstate
+
+
+def cp_mode_planner(config: PlanConfig, model=None) -> Planner:
+    """The planner PlanConfig.cp_mode asks for ("dynamic": dynamic-cp; "auto" at cp > 1: CPModeChoice)."""
+    spec = planner_spec(NAME)
+    dynamic = spec.build(config)
+    fixed_config = msgspec.structs.replace(config, cp_mode="fixed")
+    if config.cp_mode == "dynamic":
+        return dynamic
+    fixed = planner_spec(config.strategy).build(fixed_config, model)
+    if config.parallel.cp <= 1:
+        return fixed
+    from packloader.balancers.planners.registry import cost_model_for
+
+    return CPModeChoice(config, fixed, dynamic, model if model is not None else cost_model_for(config))  # type: ignore[arg-type]

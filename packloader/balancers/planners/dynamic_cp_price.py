@@ -129,3 +129,40 @@ def block_max(t: np.ndarray, blocks: np.ndarray) -> np.ndarray:
             members = blocks[m] == f
             out[m, members] = t[m, members].max()
     return out
+
+
+def placed_of(plan) -> tuple[Placed, int]:
+    """The unique placed segments of a per-document CP StepPlan (each listed by its subgroup's first GPU) and its
+    slot count: what `DynamicCPCost.slot_times` prices, for plans from any planner (a peer's included)."""
+    rows = []
+    for g, rank in enumerate(plan.ranks):
+        for m, mb in enumerate(rank.micro_batches):
+            for s, c in zip(mb.segments, mb.cp or []):
+                if c.first == g:
+                    rows.append((s.end - s.start, s.start - s.attend_from, m, c.first, c.size))
+    a = np.array(rows, dtype=np.int64).reshape(-1, 5)
+    slots = max((len(r.micro_batches) for r in plan.ranks), default=0)
+    return Placed(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4]), slots
+
+
+def priced_dynamic(plan, cost: DynamicCPCost):
+    """A copy of a per-document CP StepPlan with every micro-batch's cost from `cost` (waits included), so plans
+    of different planners are priced alike."""
+    placed, slots = placed_of(plan)
+    t = cost.slot_times(placed, slots)
+    ranks = []
+    for g, rank in enumerate(plan.ranks):
+        mbs = [msgspec.structs.replace(mb, fwd_cost=float(t.synced_fwd[m, g]) if mb.segments else 0.0,
+                                       bwd_cost=float(t.synced_bwd[m, g]) if mb.segments else 0.0)
+               for m, mb in enumerate(rank.micro_batches)]
+        ranks.append(msgspec.structs.replace(rank, micro_batches=mbs))
+    return msgspec.structs.replace(plan, ranks=ranks)
+
+
+def idle_share(plan, cost: DynamicCPCost, step_time: float) -> float:
+    """Share of the pool's GPU time not spent on its own work (pipeline bubbles, waits for subgroup peers, DP
+    waiting) in a per-document CP plan: 1 - own work / (GPUs x pp x step time)."""
+    placed, slots = placed_of(plan)
+    t = cost.slot_times(placed, slots)
+    busy = float(t.own_fwd.sum() + t.own_bwd.sum())
+    return 1.0 - busy / (cost.pool * step_time) if step_time > 0 else 0.0

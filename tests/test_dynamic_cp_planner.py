@@ -259,3 +259,47 @@ def test_dynamic_cp_auto_picks_per_document_cp_where_short_documents_pay_the_all
                for p, f in zip(rp.micro_batches, rf.micro_batches) if f.segments)
     one = msgspec.structs.replace(config, parallel=ParallelConfig(dp=8, cp=1, tp=8))
     assert not isinstance(make_planner(one), CPModeChoice)
+
+
+def test_dynamic_cp_step_metrics_and_pipeline_stages():
+    from packloader.loader.step_metrics import step_metrics
+
+    rng = np.random.default_rng(7)
+    lengths = np.concatenate([rng.integers(100, 3000, 60), [15000, 30000]])
+    for pp in (1, 2):
+        config = msgspec.structs.replace(cfg(dp=2, cp=2, max_tokens=16384, tps=1 << 20),
+                                         parallel=ParallelConfig(dp=2, cp=2, tp=8, pp=pp))
+        planner = make_planner(config)
+        plan, state = planner.plan(Window.from_lengths(lengths), PlannerState(), 0)
+        covered_once([plan], lengths)
+        m = step_metrics(plan, planner.cost.model, config, epoch=0, state_in=PlannerState(), state_out=state)
+        assert m.tokens == int(lengths.sum()) and m.planner == "dynamic-cp"
+        # the slowest GPU's pipeline over its micro-batches, by hand at PP 1: the sum of its costs
+        if pp == 1:
+            assert m.step_time == pytest.approx(max(sum(mb.fwd_cost + mb.bwd_cost for mb in r.micro_batches)
+                                                    for r in plan.ranks))
+        else:
+            assert m.step_time > max(max(mb.fwd_cost + mb.bwd_cost for mb in r.micro_batches) for r in plan.ranks)
+
+
+def test_dynamic_cp_auto_composes_with_outlier_delay():
+    # cp_mode auto over wlb, which holds outliers back: whichever plan each step takes, every token once over the run
+    rng = np.random.default_rng(11)
+    lengths = np.concatenate([rng.integers(100, 4000, 400), rng.integers(20000, 32000, 6)])
+    rng.shuffle(lengths)
+    config = PlanConfig(strategy="wlb", cp_mode="auto", parallel=ParallelConfig(dp=2, cp=2, tp=8), max_tokens=32768,
+                        context=32768, tokens_per_step=150_000)
+    run = plan_run(lengths, config, steps=None)
+    modes = {p.cp_mode for p in run.plans}
+    assert modes <= {"fixed", "dynamic"} and not run.final_state.queued
+    count = {d: np.zeros(n, np.int64) for d, n in enumerate(lengths)}
+    for plan in run.plans:
+        if plan.cp_mode == "dynamic":
+            keys = placements_of(plan)
+        else:
+            keys = {(s.doc, s.start, s.end, s.attend_from): None for r in plan.ranks for mb in r.micro_batches
+                    for s in mb.segments}
+            assert sum(len(mb.segments) for r in plan.ranks for mb in r.micro_batches) == len(keys)
+        for d, start, end, _ in keys:
+            count[d][start:end] += 1
+    assert all((c == 1).all() for c in count.values())

@@ -303,3 +303,27 @@ def test_dynamic_cp_auto_composes_with_outlier_delay():
         for d, start, end, _ in keys:
             count[d][start:end] += 1
     assert all((c == 1).all() for c in count.values())
+
+
+def test_dynamic_cp_checker_refuses_a_broken_placement():
+    from packloader.balancers.sim.verify import PlanError, verify_plan
+    from packloader.contracts import CPPlacement
+
+    lengths = np.array([512] * 6 + [8192] + [512] * 6)
+    plan, _ = make_planner(cfg()).plan(Window.from_lengths(lengths), PlannerState(), 0)
+    assert verify_plan(plan, Window.from_lengths(lengths))["tokens"] == int(lengths.sum())
+    g, m = next((g, m) for g, r in enumerate(plan.ranks) for m, mb in enumerate(r.micro_batches)
+                if mb.cp and mb.cp[0].size == 4)
+    bad = msgspec.structs.replace(plan, ranks=[msgspec.structs.replace(r, micro_batches=list(r.micro_batches))
+                                               for r in plan.ranks])
+    mb = bad.ranks[g].micro_batches[m]
+    bad.ranks[g].micro_batches[m] = msgspec.structs.replace(mb, cp=[CPPlacement(4, 2)] + mb.cp[1:])  # misaligned
+    with pytest.raises(PlanError, match="power-of-two size, first a multiple"):
+        verify_plan(bad)
+    mb2 = plan.ranks[3].micro_batches[m]
+    dropped = msgspec.structs.replace(plan, ranks=list(plan.ranks))
+    dropped.ranks[3] = msgspec.structs.replace(plan.ranks[3], micro_batches=[
+        msgspec.structs.replace(mb2, segments=mb2.segments[1:], cp=mb2.cp[1:]) if k == m else x
+        for k, x in enumerate(plan.ranks[3].micro_batches)])
+    with pytest.raises(PlanError, match="listed by GPUs"):
+        verify_plan(dropped)

@@ -278,6 +278,30 @@ def _check_rank(where_step: str, r: int, rank, num_ranks: int, piece_starts: dic
     return slices
 
 
+def _check_placements(where_step: str, plan: StepPlan) -> None:
+    """A per-document CP plan's shape: one placement per segment, a power-of-two size, aligned, within the pool,
+    and each segment listed with its placement in the same micro-batch of exactly its subgroup's GPUs."""
+    pool = len(plan.ranks)
+    holders: dict = {}
+    for r, rank in enumerate(plan.ranks):
+        for i, mb in enumerate(rank.micro_batches):
+            where = f"{where_step} pool GPU {r} micro-batch {i}"
+            if mb.cp is None or len(mb.cp) != len(mb.segments):
+                raise PlanError(f"{where}: a per-document CP plan needs one CP placement per segment, got "
+                                f"{None if mb.cp is None else len(mb.cp)} for {len(mb.segments)} segments")
+            for s, c in zip(mb.segments, mb.cp):
+                if c.size < 1 or c.size & (c.size - 1) or c.first % c.size or c.first + c.size > pool \
+                        or not c.first <= r < c.first + c.size:
+                    raise PlanError(f"{where}: segment {_seg(s)} placed on GPUs {c.first}..{c.first + c.size - 1}; "
+                                    f"expected a power-of-two size, first a multiple of it, within the pool of {pool} "
+                                    f"GPUs and including GPU {r}")
+                holders.setdefault((i, s, c), set()).add(r)
+    for (i, s, c), gpus in holders.items():
+        if gpus != set(range(c.first, c.first + c.size)):
+            raise PlanError(f"{where_step} micro-batch {i}: segment {_seg(s)} placed on GPUs {c.first}.."
+                            f"{c.first + c.size - 1} is listed by GPUs {sorted(gpus)}; expected each of its GPUs once")
+
+
 def verify_plan(
     plans: StepPlan | Iterable[StepPlan],
     pieces=None,
@@ -310,6 +334,8 @@ def verify_plan(
             raise PlanError(f"{where_step}: ranks hold different numbers of micro-batches {counts}; every rank must run the same count")
         for r, rank in enumerate(p.ranks):
             n_slices += _check_rank(where_step, r, rank, len(p.ranks), piece_starts, max_tokens, allow_slicing)
+        if p.cp_mode == "dynamic":
+            _check_placements(where_step, p)
         for r, _, mb in _unique_micro_batches(p):
             n_mbs += 1
             n_tokens += sum(s.end - s.start for s in owned_segments(mb, r))

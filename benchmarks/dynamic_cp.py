@@ -13,7 +13,9 @@ micro-batch (max_tokens 128K over CP 4), so all of them meet the same memory cap
   CP group's K/V all-gather (`dynamic_cp_choice.fixed_with_comm`, the same price per-document CP pays); the best of
   those that fit the device's memory (auto's memory check: a sliced 128K document keeps every slice's activations
   on its GPUs until its backward, so CP 2 and CP 1 do not fit at TP 8) is the baseline;
-* per-document CP: `cp_mode="dynamic"` (the dynamic-cp planner) on the 16-GPU pool;
+* per-document CP: `cp_mode="dynamic"` (the dynamic-cp planner) on the 16-GPU pool; and the same with CP sizes
+  from lengths alone (`lifts` 0: the smallest size whose shard fits, megatron-core's rule) to show what the
+  cost-driven sizing adds;
 * megatron-core's hybrid CP (`BalancedCPScheduler`): the column of `megatron_hybrid_cp_plan` below, a hook that
   turns one step's lengths into a per-document CP StepPlan, priced here like ours (`priced_dynamic`); empty until
   the peer adapter (`benchmarks/peers/megatron_hybrid_cp.py`) is wired to it.
@@ -112,14 +114,18 @@ def _priced(plan: StepPlan, model) -> StepPlan:
     return annotate_costs(msgspec.structs.replace(plan), model)
 
 
-def run_dynamic(lengths: np.ndarray, args, hook: Callable | None = None) -> Row:
+def run_dynamic(lengths: np.ndarray, args, hook: Callable | None = None, by_length: bool = False) -> Row:
     config = config_for(4, 4, args, cp_mode="dynamic")
     cost = DynamicCPCost.for_config(config)
     t0 = time.perf_counter()
     if hook is None:
+        name = "per-document CP (packloader dynamic-cp)"
+        if by_length:  # CP sizes from lengths alone, as megatron-core sizes them; packloader's placement
+            config = msgspec.structs.replace(config, planner_options={"dynamic-cp": {"lifts": [0.0]}})
+            name = "per-document CP, sizes by length only (dynamic-cp lifts 0)"
         run = plan_run(lengths, config, args.steps)
         plans, windows, state = run.plans, run.windows, run.final_state
-        row = Row("per-document CP (packloader dynamic-cp)")
+        row = Row(name)
     else:
         from packloader.balancers.draw import draw_windows
 
@@ -170,7 +176,7 @@ def table(results: dict[str, list[Row]]) -> str:
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for ds, rows in results.items():
         fixed = [r for r in rows if r.name.startswith("fixed") and r.time and not r.note]
-        best = max(r.rate for r in fixed)
+        best = max(r.rate for r in fixed or [r for r in rows if r.name.startswith("fixed") and r.time])
         for r in rows:
             if r.note and not r.time:
                 lines.append(f"| {ds} | {r.name} | {r.note} | | | | | |")
@@ -209,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = lengths[lengths > 0]
         rows = [run_fixed(lengths, dp, cp, args) for dp, cp in FIXED_LAYOUTS]
         rows.append(run_dynamic(lengths, args))
+        rows.append(run_dynamic(lengths, args, by_length=True))
         rows.append(run_dynamic(lengths, args, hook=megatron_hybrid_cp_plan))
         results[ds] = rows
         print(table({ds: rows}).splitlines()[-len(rows):] and table({ds: rows}), flush=True)

@@ -14,7 +14,7 @@ micro-batch (max_tokens 128K over CP 4), so all of them meet the same memory cap
   those that fit the device's memory (auto's memory check: a sliced 128K document keeps every slice's activations
   on its GPUs until its backward, so CP 2 and CP 1 do not fit at TP 8) is the baseline;
 * per-document CP: `cp_mode="dynamic"` (the dynamic-cp planner) on the 16-GPU pool; and the same with CP sizes
-  from lengths alone (`lifts` 0: the smallest size whose shard fits, megatron-core's rule) to show what the
+  from lengths alone (`lifts` 0, no floors: the smallest size whose shard fits, megatron-core's rule) to show what the
   cost-driven sizing adds;
 * megatron-core's hybrid CP (`BalancedCPScheduler`): the column of `megatron_hybrid_cp_plan` below, a hook that
   turns one step's lengths into a per-document CP StepPlan, priced here like ours (`priced_dynamic`); empty until
@@ -121,8 +121,8 @@ def run_dynamic(lengths: np.ndarray, args, hook: Callable | None = None, by_leng
     if hook is None:
         name = "per-document CP (packloader dynamic-cp)"
         if by_length:  # CP sizes from lengths alone, as megatron-core sizes them; packloader's placement
-            config = msgspec.structs.replace(config, planner_options={"dynamic-cp": {"lifts": [0.0]}})
-            name = "per-document CP, sizes by length only (dynamic-cp lifts 0)"
+            config = msgspec.structs.replace(config, planner_options={"dynamic-cp": {"lifts": [0.0], "floors": False}})
+            name = "per-document CP, sizes by length only (dynamic-cp lifts 0, no floors)"
         run = plan_run(lengths, config, args.steps)
         plans, windows, state = run.plans, run.windows, run.final_state
         row = Row(name)

@@ -123,7 +123,7 @@ def covered_once(plans, lengths) -> None:
 # ------------------------------------------------------------------ tests
 
 
-@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("seed", range(16))
 def test_dynamic_cp_within_brute_force_on_tiny_steps(seed):
     rng = np.random.default_rng(seed)
     lengths = [int(x) for x in rng.choice([300, 900, 1800, 3500, 6000, 8000], size=4)]
@@ -136,9 +136,9 @@ def test_dynamic_cp_within_brute_force_on_tiny_steps(seed):
     mine = reference_step_time(placement, lengths, planner, slots)
     # the plan's costs are the reference's: its slowest GPU's time over the slots, waits included
     assert score_plan(plan, planner.cost.model, config.parallel).step_time == pytest.approx(mine, rel=1e-9)
-    best = brute_force(lengths, planner, slots)
-    # a greedy, not a search: within 14 % of the best placement at its slot count on these (measured: 0-13.6 %)
-    assert best <= mine <= best * 1.15, (lengths, placement, mine, best)
+    best = brute_force(lengths, planner, max(2, slots))  # the pinned 2 slots, or the more memory needed
+    # a greedy over a few candidates, not a search: within 5 % of the best placement (measured: 0-2.6 %)
+    assert best <= mine <= best * 1.05, (lengths, placement, mine, best)
 
 
 def test_dynamic_cp_one_long_document_and_many_short_at_g4():
@@ -166,7 +166,7 @@ def test_dynamic_cp_lifts_a_long_document_that_fits_one_gpu():
     plan, _ = lifted.plan(Window.from_lengths(lengths), PlannerState(), 0)
     size = [v for k, v in placements_of(plan).items() if k[0] == 0][0][2]
     assert size > 1
-    flat = DynamicCPPlanner(config, DynamicCPOptions(lifts=(0.0,)))
+    flat = DynamicCPPlanner(config, DynamicCPOptions(lifts=(0.0,), floors=False))
     plan0, _ = flat.plan(Window.from_lengths(lengths), PlannerState(), 0)
     assert [v for k, v in placements_of(plan0).items() if k[0] == 0][0][2] == 1
     t = score_plan(plan, lifted.cost.model, config.parallel).step_time

@@ -7,8 +7,9 @@ slices, one per slot in order. A unit's CP size is a power of two from 1 to G: t
 then doubled while the unit alone would take more than `lift` x the even share of a GPU's step time and doubling
 makes it faster (CP traffic included, `cost.cp_comm`). Units are placed longest-first (size, then cost) by
 `dynamic_cp_kernels.place_pieces` on aligned subgroups of micro-batch slots; short documents land side by side at
-CP 1. Candidates (slot counts x lifts) are priced per GPU (`dynamic_cp_price`) and simulated per GPU with the
-configured pipeline schedule; the fastest wins (ties: fewer slots, then the earlier lift).
+CP 1. Candidates (slot counts x lifts, and on steps of few documents for the pool also every unit at least 2, 4,
+... G GPUs) are priced per GPU (`dynamic_cp_price`) and simulated per GPU with the configured pipeline schedule;
+the fastest wins (ties: fewer slots, then the earlier candidate).
 
 The StepPlan has cp_mode "dynamic": one RankPlan per pool GPU (dp_rank x cp + cp_rank), micro-batch m of every
 GPU in slot m, a unit on s GPUs listed with the same `CPPlacement(s, first)` in micro-batch m of each of them,
@@ -32,6 +33,7 @@ from packloader.balancers.sim.simulator import step_time
 from packloader.contracts import CPPlacement, MicroBatch, PlanConfig, PlannerState, RankPlan, Segment, StepPlan
 
 NAME = "dynamic-cp"
+SMALL_UNITS = 8  # units per pool GPU up to which size floors are tried too
 
 
 class DynamicCPOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -41,6 +43,8 @@ class DynamicCPOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # thresholds, as shares of a GPU's even step time, above which a document's CP size is doubled; 0: never
     # (each document at the smallest size its memory allows, as megatron-core sizes them)
     lifts: tuple[float, ...] = (0.0, 1.0, 0.5, 0.25)
+    # on steps of few documents for the pool (up to SMALL_UNITS per GPU), also every unit at least 2, 4, ... GPUs
+    floors: bool = True
 
 
 @dataclass
@@ -148,17 +152,23 @@ class DynamicCPPlanner:
 
     def best(self, units: Units, pinned: int | None) -> Candidate:
         best: Candidate | None = None
+        G = self.cost.pool
+        # few units for the pool: also every size floor (each unit at least 2, 4, ... G GPUs), where too few short
+        # documents are left to fill the gaps that long ones leave
+        small = self.options.floors and len(units.q) <= SMALL_UNITS * G
+        floors = [1 << k for k in range(G.bit_length()) if 1 << k <= G] if small else [1]
+        tries = [(lift, 1) for lift in self.options.lifts or (0.0,)] + [(0.0, f) for f in floors[1:]]
         for slots in self.slot_counts(units, pinned):
-            for lift in self.options.lifts or (0.0,):
-                cand = self.candidate(units, slots, lift)
+            for lift, floor in tries:
+                cand = self.candidate(units, slots, lift, floor)
                 if best is None or cand.step_time < best.step_time * (1 - 1e-9):
                     best = cand
         assert best is not None
         return best
 
-    def candidate(self, units: Units, slots: int, lift: float) -> Candidate:
-        """The placement at `slots`, grown by one slot until everything fits."""
-        size = lifted_sizes(units, self.cost, lift, slots)
+    def candidate(self, units: Units, slots: int, lift: float, floor: int = 1) -> Candidate:
+        """The placement at `slots` with every size at least `floor`, grown by one slot until everything fits."""
+        size = np.maximum(lifted_sizes(units, self.cost, lift, slots), floor)
         cost = self.cost.estimate(units.q, units.p, size)
         need = -(-units.q // size)
         sliced = (units.after >= 0) | (units.rest > 0)

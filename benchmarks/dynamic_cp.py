@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost", default="measured", choices=("measured", "analytic"))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--write", type=Path, default=None, help="write the table into this docs/benchmarks.md")
+    p.add_argument("--section", default="dynamic_cp", help="the docs/benchmarks.md section it writes (default dynamic_cp)")
     args = p.parse_args(argv)
     datasets = DATASETS[:1] if args.quick else DATASETS
     if args.quick:
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{platform.python_version()}; simulated times, so the machine does not change them).\n\n"
                 f"{args.steps} steps of {args.tokens_per_step:,} tokens, context {CONTEXT:,}, {args.model} at TP "
                 f"{args.tp}, {args.cost} H100 profile, 16 GPUs, at most 32K tokens per GPU per micro-batch.\n\n{text}")
-        write_section(args.write, "dynamic_cp", "Per-document context parallelism (issue 26)", body)
+        write_section(args.write, args.section, "Per-document context parallelism (issue 26)", body)
     return 0
 
 

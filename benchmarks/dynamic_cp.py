@@ -16,6 +16,7 @@ micro-batch (max_tokens 128K over CP 4), so all of them meet the same memory cap
 * per-document CP: `cp_mode="dynamic"` (the dynamic-cp planner) on the 16-GPU pool; and the same with CP sizes
   from lengths alone (`lifts` 0, no floors: the smallest size whose shard fits, megatron-core's rule) to show what the
   cost-driven sizing adds;
+* cp_mode "auto" at DP 4 x CP 4: each step fixed CP 4 (its traffic priced) or per-document CP, the faster;
 * megatron-core's hybrid CP (`BalancedCPScheduler`): the column of `megatron_hybrid_cp_plan` below, a hook that
   turns one step's lengths into a per-document CP StepPlan, priced here like ours (`priced_dynamic`); empty until
   the peer adapter (`benchmarks/peers/megatron_hybrid_cp.py`) is wired to it.
@@ -79,6 +80,7 @@ class Row(msgspec.Struct):
     plan_s: float = 0.0
     note: str = ""
     cp_tokens: dict = {}
+    mix: str = ""  # cp_mode auto: how many steps it planned per-document
 
     @property
     def rate(self) -> float:
@@ -103,6 +105,28 @@ def run_fixed(lengths: np.ndarray, dp: int, cp: int, args) -> Row:
         row.time += s.step_time
         busy += (1 - s.bubble_share) * s.step_time
     row.idle = 1 - busy / row.time if row.time else 0.0
+    return row
+
+
+def run_auto(lengths: np.ndarray, args) -> Row:
+    """cp_mode "auto" at DP 4 x CP 4: per step, fixed CP (its traffic priced) or per-document CP, the faster."""
+    config = config_for(4, 4, args, cp_mode="auto")
+    cost = DynamicCPCost.for_config(msgspec.structs.replace(config, cp_mode="dynamic"))
+    model = cost_model_for(config)
+    t0 = time.perf_counter()
+    run = plan_run(lengths, config, args.steps)
+    row = Row("cp_mode auto (DP 4 x CP 4: fixed or per-document, per step)",
+              plan_s=(time.perf_counter() - t0) / len(run.plans))
+    verify_plan(run.plans, run.windows, final_state=run.final_state)
+    busy = 0.0
+    for plan in run.plans:
+        s = score_plan(_priced(plan, model), model, config.parallel, use_plan_costs=True)
+        row.tokens += s.tokens
+        row.time += s.step_time
+        idle = idle_share(plan, cost, s.step_time) if plan.cp_mode == "dynamic" else s.bubble_share
+        busy += (1 - idle) * s.step_time
+    row.idle = 1 - busy / row.time if row.time else 0.0
+    row.mix = f"{sum(p.cp_mode == 'dynamic' for p in run.plans)} of {len(run.plans)} steps per-document"
     return row
 
 
@@ -172,7 +196,7 @@ def _renamed(plan: StepPlan, doc: np.ndarray, offset: np.ndarray, step: int) -> 
 
 
 def table(results: dict[str, list[Row]]) -> str:
-    lines = ["| data set | plan | tokens/s (simulated) | vs best fixed CP | GPU idle | padding | planning s/step | tokens at CP 1 / 2 / 4 / 8 / 16 |",
+    lines = ["| data set | plan | tokens/s (simulated) | vs best fixed CP | GPU idle | padding | planning s/step | tokens at CP 1 / 2 / 4 / 8 / 16 (auto: steps) |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for ds, rows in results.items():
         fixed = [r for r in rows if r.name.startswith("fixed") and r.time and not r.note]
@@ -185,7 +209,7 @@ def table(results: dict[str, list[Row]]) -> str:
                 lines.append(f"| {ds} | {r.name}: {r.note} | {r.rate:,.0f} | ({r.rate / best:.3f}x) | {r.idle:.1%} | "
                              f"{r.padding} | {r.plan_s:.2f} | |")
                 continue
-            share = ""
+            share = r.mix
             if r.cp_tokens:
                 tot = sum(r.cp_tokens.values())
                 share = " / ".join(f"{r.cp_tokens.get(s, 0) / tot:.0%}" for s in (1, 2, 4, 8, 16))
@@ -217,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [run_fixed(lengths, dp, cp, args) for dp, cp in FIXED_LAYOUTS]
         rows.append(run_dynamic(lengths, args))
         rows.append(run_dynamic(lengths, args, by_length=True))
+        rows.append(run_auto(lengths, args))
         rows.append(run_dynamic(lengths, args, hook=megatron_hybrid_cp_plan))
         results[ds] = rows
         print(table({ds: rows}).splitlines()[-len(rows):] and table({ds: rows}), flush=True)

@@ -2,7 +2,8 @@
 
 "dynamic" plans every step with `dynamic-cp`. "auto" plans each step twice when cp > 1, with the configured
 strategy (fixed CP: every micro-batch sharded over the whole CP group) and with `dynamic-cp`, and keeps the one
-whose slowest GPU's simulated step time per trained token is lower (ties to fixed CP, which every runtime runs);
+whose slowest GPU's simulated step time per unit of work trained is lower (`planned_work`: what `auto` divides by,
+so holding pieces back is not a speed-up by itself; ties to fixed CP, which every runtime runs);
 at cp 1 it is fixed CP. Both are priced alike: the fixed plan's micro-batches pay their CP group's K/V all-gather
 (`fixed_with_comm`; the cost model's CP scaling alone assumes it free), as the dynamic plan's subgroups do. The
 choice is per step, so a run may mix both; StepPlan.cp_mode says which each step is. Not the default under
@@ -12,11 +13,14 @@ strategy "auto": a dynamic plan needs a runtime that runs per-document subgroups
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from packloader.balancers.cost.cp_comm import CPComm
 from packloader.balancers.planners.dynamic_cp import NAME, DynamicCPPlanner
+from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost
 from packloader.balancers.planners.registry import Planner, StepLayout, Window, planner_spec
 from packloader.balancers.sim.metrics import score_plan
+from packloader.balancers.sim.verify import owned_segments
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 
@@ -35,10 +39,22 @@ def fixed_with_comm(plan: StepPlan, comm: CPComm, cp: int) -> StepPlan:
     return msgspec.structs.replace(plan, ranks=ranks)
 
 
-def seconds_per_token(plan: StepPlan, config: PlanConfig, model) -> float:
+def planned_work(plan: StepPlan, cost: DynamicCPCost) -> float:
+    """The work a plan trains: each of its segments' attention and linear time on one GPU (no floors, no CP),
+    so a plan that holds pieces back (outlier delay) is not taken as faster for it (as `auto` scores)."""
+    segs = [s for r, rank in enumerate(plan.ranks) for mb in rank.micro_batches for s in owned_segments(mb, r)]
+    if not segs:
+        return 0.0
+    q = np.array([s.end - s.start for s in segs], dtype=np.int64)
+    p = np.array([s.start - s.attend_from for s in segs], dtype=np.int64)
+    return float(cost.estimate(q, p, np.ones(len(q), dtype=np.int64)).sum())
+
+
+def seconds_per_work(plan: StepPlan, config: PlanConfig, model, cost: DynamicCPCost) -> float:
     s = score_plan(plan, model, config.parallel, max_tokens=config.max_tokens, schedule=config.schedule,
                    use_plan_costs=True)
-    return s.step_time / s.tokens if s.tokens else 0.0
+    work = planned_work(plan, cost)
+    return s.step_time / work if work > 0 else 0.0
 
 
 class CPModeChoice:
@@ -56,7 +72,8 @@ class CPModeChoice:
         dplan, dstate = self.dynamic.plan(window, state, layout)
         if not all(mb.fwd_cost > 0 or not mb.segments for r in fplan.ranks for mb in r.micro_batches):
             return fplan, fstate  # an unpriced fixed plan (token-count planners) cannot be compared
-        if seconds_per_token(dplan, self.config, self.model) < seconds_per_token(fplan, self.config, self.model):
+        cost = self.dynamic.cost
+        if seconds_per_work(dplan, self.config, self.model, cost) < seconds_per_work(fplan, self.config, self.model, cost):
             return dplan, dstate
         return fplan, fstate
 

@@ -37,3 +37,28 @@ def test_dynamic_cp_report_absent_without_context_parallelism():
     report, _ = build_report(Lengths(lengths(), origin="test"), cfg, OPTS)
     assert [f.name for f in report.strategies] == ["fixed", "hydraulis"]
     assert not any("per-document CP" in n for n in report.notes)
+
+
+def test_dynamic_cp_plan_cli_writes_placements(tmp_path):
+    import json
+
+    from packloader.cli.main import main
+
+    np.save(tmp_path / "lengths.npy", lengths())
+    out = tmp_path / "plan.jsonl"
+    code = main(["plan", "--lengths", str(tmp_path / "lengths.npy"), "--dp", "2", "--cp", "2", "--tp", "8",
+                 "--max-tokens", "65536", "--context", "65536", "--tokens-per-step", "200000", "--cp-mode", "dynamic",
+                 "--out", str(out), "--quiet"])
+    assert code == 0
+    count = {d: np.zeros(n, np.int64) for d, n in enumerate(lengths())}
+    for line in out.read_text().splitlines():
+        rec = json.loads(line)
+        assert rec["cp_mode"] == "dynamic" and len(rec["ranks"]) == len(rec["cp"]) == 4
+        for g, (mbs, cps) in enumerate(zip(rec["ranks"], rec["cp"])):
+            for segs, places in zip(mbs, cps):
+                assert len(segs) == len(places)
+                for (doc, start, end, _), (size, first) in zip(segs, places):
+                    assert first <= g < first + size and first % size == 0
+                    if g == first:
+                        count[doc][start:end] += 1
+    assert all((c == 1).all() for c in count.values())

@@ -6,7 +6,8 @@ whose slowest GPU's simulated step time per unit of work trained is lower (`plan
 so holding pieces back is not a speed-up by itself; ties to fixed CP, which every runtime runs);
 at cp 1 it is fixed CP. Both are priced alike: the fixed plan's micro-batches pay their CP group's K/V all-gather
 (`fixed_with_comm`; the cost model's CP scaling alone assumes it free), as the dynamic plan's subgroups do. The
-choice is per step, so a run may mix both; StepPlan.cp_mode says which each step is. Not the default under
+choice is per step, so a run may mix both; StepPlan.cp_mode says which each step is. A step whose fixed-CP plan
+does not fit memory (memory_over > 0) takes the per-document plan, whose GPUs hold max_tokens / cp tokens at once. Not the default under
 strategy "auto": a dynamic plan needs a runtime that runs per-document subgroups, which the user opts into.
 """
 
@@ -18,7 +19,7 @@ import numpy as np
 from packloader.balancers.cost.cp_comm import CPComm
 from packloader.balancers.planners.dynamic_cp import NAME, DynamicCPPlanner
 from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost
-from packloader.balancers.planners.registry import Planner, StepLayout, Window, planner_spec
+from packloader.balancers.planners.registry import Planner, StepLayout, Window, cost_model_for, planner_spec
 from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.verify import owned_segments
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
@@ -68,10 +69,12 @@ class CPModeChoice:
 
     def plan(self, window: Window, state: PlannerState, layout: StepLayout | int) -> tuple[StepPlan, PlannerState]:
         fplan, fstate = self.fixed.plan(window, state, layout)
-        fplan = fixed_with_comm(fplan, self.dynamic.cost.comm, self.config.parallel.cp)
-        dplan, dstate = self.dynamic.plan(window, state, layout)
         if not all(mb.fwd_cost > 0 or not mb.segments for r in fplan.ranks for mb in r.micro_batches):
             return fplan, fstate  # an unpriced fixed plan (token-count planners) cannot be compared
+        fplan = fixed_with_comm(fplan, self.dynamic.cost.comm, self.config.parallel.cp)
+        dplan, dstate = self.dynamic.plan(window, state, layout)
+        if fplan.memory_over > 0:  # no fixed-CP candidate fit; per-document CP holds max_tokens / cp per GPU
+            return dplan, dstate
         cost = self.dynamic.cost
         if seconds_per_work(dplan, self.config, self.model, cost) < seconds_per_work(fplan, self.config, self.model, cost):
             return dplan, dstate
@@ -80,14 +83,10 @@ class CPModeChoice:
 
 def cp_mode_planner(config: PlanConfig, model=None) -> Planner:
     """The planner PlanConfig.cp_mode asks for ("dynamic": dynamic-cp; "auto" at cp > 1: CPModeChoice)."""
-    spec = planner_spec(NAME)
-    dynamic = spec.build(config)
-    fixed_config = msgspec.structs.replace(config, cp_mode="fixed")
     if config.cp_mode == "dynamic":
-        return dynamic
-    fixed = planner_spec(config.strategy).build(fixed_config, model)
+        return planner_spec(NAME).build(config)
+    fixed = planner_spec(config.strategy).build(msgspec.structs.replace(config, cp_mode="fixed"), model)
     if config.parallel.cp <= 1:
         return fixed
-    from packloader.balancers.planners.registry import cost_model_for
-
+    dynamic = planner_spec(NAME).build(config)
     return CPModeChoice(config, fixed, dynamic, model if model is not None else cost_model_for(config))  # type: ignore[arg-type]

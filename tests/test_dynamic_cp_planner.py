@@ -327,3 +327,12 @@ def test_dynamic_cp_checker_refuses_a_broken_placement():
         for k, x in enumerate(plan.ranks[3].micro_batches)])
     with pytest.raises(PlanError, match="listed by GPUs"):
         verify_plan(dropped)
+
+
+def test_dynamic_cp_auto_keeps_token_count_plans_it_cannot_price():
+    # strategy fixed plans by token counts (no costs): cp_mode auto cannot compare it, so keeps it as planned
+    lengths = np.random.default_rng(5).integers(200, 1500, 300)
+    config = PlanConfig(strategy="fixed", cp_mode="auto", parallel=ParallelConfig(dp=2, cp=4, tp=8), max_tokens=32768,
+                        context=32768, tokens_per_step=200_000)
+    plan, _ = make_planner(validate_config(config)).plan(Window.from_lengths(lengths), PlannerState(), 0)
+    assert plan.cp_mode == "fixed" and all(mb.fwd_cost == 0 for r in plan.ranks for mb in r.micro_batches)

@@ -441,6 +441,11 @@ def cli_context_beyond_max_tokens_unsliced(tmp):
                        "--context", "2048", "--tokens-per-step", "4096", "--quiet")
 
 
+def cli_cp_mode_dynamic_with_fixed_cp_strategy(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--strategy", "wlb", "--cp-mode", "dynamic", "--quiet")
+
+
 def lengths_forty_digits(tmp):
     (tmp / "big.txt").write_text("10\n" + "1234567890" * 4 + "\n")
     return lambda: cli("plan", "--lengths", str(tmp / "big.txt"), "--quiet")
@@ -890,6 +895,9 @@ CASES = [
     Case("cli_context_beyond_max_tokens_unsliced", cli_context_beyond_max_tokens_unsliced, CliExit,
          ("exit 2", "(--context, --max-tokens, --no-slicing, --strategy)",
           "PlanConfig.context=2048 exceeds max_tokens=1024 with strategy='fixed', which does not slice")),
+    Case("cli_cp_mode_dynamic_with_fixed_cp_strategy", cli_cp_mode_dynamic_with_fixed_cp_strategy, CliExit,
+         ("exit 2", "(--strategy, --cp-mode)", "PlanConfig.cp_mode='dynamic' plans every step with the dynamic-cp "
+          "planner, so strategy='wlb' would never run")),
     Case("lengths_forty_digits", lengths_forty_digits, CliExit,
          ("exit 2", "big.txt, line 2", "is beyond the largest length 9,223,372,036,854,775,807")),
     Case("lengths_uint64_max", lengths_uint64_max, CliExit,

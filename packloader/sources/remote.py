@@ -71,16 +71,21 @@ def split_url(url: str) -> tuple[str, str, str]:
 
 _TRANSIENT_CODES = {"500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
                     "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
-_DENIED_CODES = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+_DENIED_CODES = {"401", "403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                  "InvalidToken", "AllAccessDisabled"}
 _MISSING_CODES = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
 
 
 def _code(e: BaseException) -> str:
+    """botocore's error code, else the HTTP status of a google-api-core (`code`) or azure-core (`status_code`) error."""
     response = getattr(e, "response", None)
-    if not isinstance(response, dict):
-        return ""
-    return str(response.get("Error", {}).get("Code", ""))
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    for attr in ("status_code", "code"):
+        status = getattr(e, attr, None)
+        if isinstance(status, int) and 400 <= status < 600:
+            return str(status)
+    return ""
 
 
 def classify(e: BaseException) -> str:
@@ -91,15 +96,33 @@ def classify(e: BaseException) -> str:
     if code in _MISSING_CODES or isinstance(e, FileNotFoundError):
         return "missing"
     if code in _DENIED_CODES or isinstance(e, PermissionError) or type(e).__name__ in (
-            "NoCredentialsError", "PartialCredentialsError"):
+            "NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError", "ClientAuthenticationError",
+            "RefreshError") or type(e).__module__.startswith("google.auth"):  # a 401 the credentials cannot renew
         return "denied"
-    if code in _TRANSIENT_CODES:
+    if code in _TRANSIENT_CODES or (code.isdigit() and code.startswith("5")):
         return "transient"
     names = {c.__name__ for c in type(e).__mro__}
     transient = {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
                  "ResponseStreamingError", "IncompleteReadError", "ProtocolError", "IncompleteRead",
-                 "ConnectionError", "TimeoutError", "ChunkedEncodingError"}
+                 "ConnectionError", "TimeoutError", "ChunkedEncodingError", "Timeout", "ServiceRequestError",
+                 "ServiceResponseError", "TransportError"}
     return "transient" if names & transient else "other"
+
+
+_HINTS = {
+    "gs": "check the credentials (GOOGLE_APPLICATION_CREDENTIALS or the application default credentials) and the "
+          "endpoint (STORAGE_EMULATOR_HOST for an emulator)",
+    "az": "check the credentials (AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with "
+          "AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN or an azure-identity login)",
+}
+
+
+def credentials_hint(url: str) -> str:
+    """Where the credentials for `url`'s store come from, for an access-denied message."""
+    scheme = split_url(url)[0]
+    key = "gs" if scheme in ("gs", "gcs") else "az" if scheme in ("az", "abfs", "abfss") else ""
+    return _HINTS.get(key, "check the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN or "
+                           "the profile) and the endpoint (AWS_ENDPOINT_URL)")
 
 
 def with_retries(call, url: str, policy: RetryPolicy, what: str):
@@ -108,15 +131,14 @@ def with_retries(call, url: str, policy: RetryPolicy, what: str):
     for attempt in range(1, policy.attempts + 1):
         try:
             return call()
+        except ShardChanged:
+            raise
         except Exception as e:  # noqa: BLE001 - classified below, re-raised as ours or as is
             kind = classify(e)
             if kind == "missing":
                 raise ObjectMissing(f"{url}: no such object ({what}: {e})") from e
             if kind == "denied":
-                raise AccessDenied(
-                    f"{url}: access denied ({what}: {e}); check the credentials (AWS_ACCESS_KEY_ID, "
-                    "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN or the profile) and the endpoint (AWS_ENDPOINT_URL)"
-                ) from e
+                raise AccessDenied(f"{url}: access denied ({what}: {e}); {credentials_hint(url)}") from e
             if kind == "changed":
                 raise ShardChanged(
                     f"{url}: the object changed since the source opened it (its ETag no longer matches); it was "

@@ -1,8 +1,9 @@
 """The storage seam of the file readers: a shard path is a local file or an object URL, and the readers (Parquet,
 JSONL) open, identify and watch it through these functions, taking a file-like object rather than a local path.
 
-`Storage` names where objects live: s3:// URLs through boto3 and the AWS settings by default, another scheme
-(gs://, az://, hf://, ...) through the fsspec filesystem installed for it, or a filesystem object the caller passes
+`Storage` names where objects live: s3:// URLs through boto3 and the AWS settings by default, gs:// and Azure
+(az://, abfs://) through the vendors' clients and settings (`remote_cloud.py`), another scheme through the fsspec
+filesystem installed for it, or a filesystem object the caller passes
 (`Storage(filesystem=...)`: pyarrow.fs or fsspec). Options: block size of the ranged reads, an optional local
 block cache bounded in bytes (also from `PACKLOADER_CACHE_DIR` and `PACKLOADER_CACHE_BYTES`) behind a small in-memory one, the retry
 policy.
@@ -18,6 +19,7 @@ from packloader.sources.errors import SourceError
 from packloader.sources.identity import FileWatch
 from packloader.sources.remote import FsStore, ObjectInfo, RemoteFile, RetryPolicy, S3Store
 from packloader.sources.remote_cache import BlockCache, MemoryBlocks
+from packloader.sources.remote_cloud import AZURE_SCHEMES, GCS_SCHEMES, AzureStore, GcsStore
 from packloader.sources.unsupported import UnsupportedSourceError, url_scheme
 
 S3_SCHEMES = ("s3", "s3a")
@@ -49,7 +51,7 @@ class Storage:
         self.cache = BlockCache(cache_dir, cache_bytes) if cache_dir and cache_bytes else None
         self.blocks = MemoryBlocks(memory_bytes, self.cache)  # recent blocks in memory, then the disk cache
         self._s3 = S3Store(self.retry, endpoint_url)
-        self._fs: dict[str, FsStore] = {}
+        self._fs: dict = {}  # scheme: FsStore, GcsStore or AzureStore
 
     def store(self, url: str):
         if self.filesystem is not None:
@@ -59,6 +61,11 @@ class Storage:
         scheme = url_scheme(url)
         if scheme in S3_SCHEMES:
             return self._s3
+        if scheme in GCS_SCHEMES + AZURE_SCHEMES:
+            kind = "@gs" if scheme in GCS_SCHEMES else "@az"
+            if kind not in self._fs:
+                self._fs[kind] = GcsStore(self.retry) if kind == "@gs" else AzureStore(self.retry)
+            return self._fs[kind]
         if scheme not in self._fs:
             try:
                 import fsspec

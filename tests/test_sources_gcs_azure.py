@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from helpers.cloud_emulators import (
+    EmulatorDown,
     azurite_connection_string,
     find_azurite,
     find_gcs_emulator,
@@ -43,7 +44,10 @@ def gcs_server():
     exe = find_gcs_emulator()
     if exe is None:
         pytest.skip("gcp-storage-emulator not installed (`bash scripts/setup.sh dev` installs it)")
-    server = start_gcs_emulator(exe)
+    try:
+        server = start_gcs_emulator(exe)
+    except EmulatorDown as e:
+        pytest.skip(f"gcp-storage-emulator cannot start: {e}")
     yield server
     server.close()
 
@@ -53,7 +57,10 @@ def azurite_server():
     exe = find_azurite()
     if exe is None:
         pytest.skip("Azurite or node not installed (`bash scripts/setup.sh dev` installs azurite with npm)")
-    server = start_azurite(exe)
+    try:
+        server = start_azurite(exe)
+    except EmulatorDown as e:
+        pytest.skip(f"Azurite cannot start: {e}")
     yield server
     server.close()
 

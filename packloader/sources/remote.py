@@ -45,6 +45,15 @@ class AccessDenied(RemoteError, PermissionError):
     """The credentials were refused or lack permission for the URL."""
 
 
+class HttpError(Exception):
+    """An HTTP status of a request made here (GCS, http(s)://), classified by `classify` through `status_code`;
+    0 for a protocol problem that no retry mends."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
 class RetryPolicy(msgspec.Struct, frozen=True):
     """Retries of transient faults: at most `attempts` tries per request and `deadline_s` seconds in all."""
 
@@ -114,15 +123,24 @@ _HINTS = {
           "endpoint (STORAGE_EMULATOR_HOST for an emulator)",
     "az": "check the credentials (AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with "
           "AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN or an azure-identity login)",
+    "http": "packloader sends no credentials over http(s)://: use a URL that grants access by itself (a signed or "
+            "public URL), or pass a configured fsspec filesystem as Storage(filesystem=fs)",
+    "hf": "hf:// reads through huggingface_hub's HfFileSystem: check HF_TOKEN (or `huggingface-cli login`), "
+          "HF_ENDPOINT and HF_HUB_OFFLINE",
 }
 
 
 def credentials_hint(url: str) -> str:
     """Where the credentials for `url`'s store come from, for an access-denied message."""
     scheme = split_url(url)[0]
-    key = "gs" if scheme in ("gs", "gcs") else "az" if scheme in ("az", "abfs", "abfss") else ""
+    key = {"gs": "gs", "gcs": "gs", "az": "az", "abfs": "az", "abfss": "az", "http": "http", "https": "http",
+           "hf": "hf"}.get(scheme, "")
     return _HINTS.get(key, "check the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN or "
                            "the profile) and the endpoint (AWS_ENDPOINT_URL)")
+
+
+def _hf_hint(url: str) -> str:
+    return f"; {_HINTS['hf']}" if split_url(url)[0] == "hf" else ""
 
 
 def with_retries(call, url: str, policy: RetryPolicy, what: str):
@@ -145,13 +163,13 @@ def with_retries(call, url: str, policy: RetryPolicy, what: str):
                     "rewritten or replaced. Reading on would train other documents than those indexed"
                 ) from e
             if kind != "transient":
-                raise RemoteError(f"{url}: {what} failed ({type(e).__name__}: {e})") from e
+                raise RemoteError(f"{url}: {what} failed ({type(e).__name__}: {e}){_hf_hint(url)}") from e
             elapsed = time.monotonic() - start
             delay = min(policy.max_delay_s, policy.base_delay_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
             if attempt == policy.attempts or elapsed + delay > policy.deadline_s:
                 raise RemoteError(
                     f"{url}: {what} failed after {attempt} attempts in {elapsed:.1f} s of transient errors (last: "
-                    f"{type(e).__name__}: {e}); the storage is unavailable or overloaded"
+                    f"{type(e).__name__}: {e}); the storage is unavailable or overloaded{_hf_hint(url)}"
                 ) from e
             time.sleep(delay)
     raise AssertionError("unreachable")
@@ -263,7 +281,8 @@ class FsStore:
                 mtime = fi.mtime_ns or 0
                 return ObjectInfo(url, int(fi.size), f"mtime:{mtime}")
             info = self.fs.info(url)
-            tag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("mtime") or ""
+            tag = (info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("blob_id")
+                   or info.get("mtime") or "")
             return ObjectInfo(url, int(info["size"]), str(tag))
 
         return with_retries(call, url, self.policy, "stat")
@@ -294,9 +313,9 @@ class FsStore:
                 return sorted(i.path for i in infos if i.type == pafs.FileType.File and _glob_match(i.path, url))
             infos = self.fs.get_file_info(pafs.FileSelector(url, recursive=True))
             return sorted(i.path for i in infos if i.type == pafs.FileType.File)
-        if any(c in url for c in "*?["):
-            return sorted(self.fs.glob(url))
-        return sorted(p for p in self.fs.find(url))
+        found = self.fs.glob(url) if any(c in url for c in "*?[") else self.fs.find(url)
+        scheme = url.partition("://")[0] if "://" in url else ""
+        return sorted(p if not scheme or "://" in p else f"{scheme}://{p}" for p in found)  # fsspec drops it
 
 
 class RemoteFile(io.RawIOBase):

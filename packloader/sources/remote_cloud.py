@@ -25,7 +25,15 @@ import os
 from urllib.parse import quote
 
 from packloader.sources.identity import ShardChanged
-from packloader.sources.remote import ObjectInfo, ObjectMissing, RetryPolicy, _glob_match, split_url, with_retries
+from packloader.sources.remote import (
+    HttpError,
+    ObjectInfo,
+    ObjectMissing,
+    RetryPolicy,
+    _glob_match,
+    split_url,
+    with_retries,
+)
 
 GCS_SCHEMES = ("gs", "gcs")
 AZURE_SCHEMES = ("az", "abfs", "abfss")
@@ -35,14 +43,6 @@ def _needs(package: str, scheme: str, e: ImportError):
     from packloader.sources.unsupported import UnsupportedSourceError
 
     return UnsupportedSourceError(f"{scheme}:// URLs need {package}: pip install 'packloader[remote]' ({e})")
-
-
-class HttpError(Exception):
-    """An HTTP error status of a request made here, classified by `remote.classify` through `status_code`."""
-
-    def __init__(self, status_code: int, message: str) -> None:
-        super().__init__(message)
-        self.status_code = status_code
 
 
 def _split_glob(key: str) -> tuple[str, bool]:

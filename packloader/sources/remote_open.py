@@ -3,16 +3,25 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from packloader.sources.errors import SourceError
 from packloader.sources.formats import FORMATS, format_of
+from packloader.sources.remote_http import HTTP_SCHEMES
 from packloader.sources.storage import Storage, default_storage
-from packloader.sources.unsupported import UnsupportedSourceError
+from packloader.sources.unsupported import UnsupportedSourceError, url_scheme
+
+
+def _format(url: str) -> str | None:
+    """The format an object URL's name says; an http(s) URL's query (a signed URL's signature) is not its name."""
+    return format_of(urlsplit(url).path if url_scheme(url) in HTTP_SCHEMES else url)
 
 
 def _expand(paths: list[str], storage: Storage) -> list[str]:
     out = []
     for p in paths:
-        if format_of(p) is not None and not any(c in p for c in "*?["):
+        name = urlsplit(p).path if url_scheme(p) in HTTP_SCHEMES else p  # an http query ("?") is not a glob
+        if _format(p) is not None and not any(c in name for c in "*?["):
             out.append(p)
             continue
         found = storage.listing(p)
@@ -35,10 +44,10 @@ def open_remote(paths: list[str], *, storage: Storage | None, column: str | None
     if len(set(files)) != len(files):
         dup = next(f for f in files if files.count(f) > 1)
         raise SourceError(f"{dup} is named twice; its documents would be read twice an epoch. Name each shard once")
-    files = [f for f in files if not f.rsplit("/", 1)[-1].startswith((".", "_"))]
+    files = [f for f in files if not urlsplit(f).path.rsplit("/", 1)[-1].startswith((".", "_"))]
     kinds: dict[str | None, list[str]] = {}
     for f in files:
-        kinds.setdefault(format if format is not None else format_of(f), []).append(f)
+        kinds.setdefault(format if format is not None else _format(f), []).append(f)
     if format is None and (None in kinds or len(kinds) != 1):
         listed = "; ".join(f"{k or 'other'}: {', '.join(v[:5])}" for k, v in kinds.items())
         raise ValueError(f"cannot tell one format of the objects ({listed}); pass format= 'parquet' or 'jsonl' "

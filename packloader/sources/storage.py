@@ -2,7 +2,8 @@
 JSONL) open, identify and watch it through these functions, taking a file-like object rather than a local path.
 
 `Storage` names where objects live: s3:// URLs through boto3 and the AWS settings by default, gs:// and Azure
-(az://, abfs://) through the vendors' clients and settings (`remote_cloud.py`), another scheme through the fsspec
+(az://, abfs://) through the vendors' clients and settings (`remote_cloud.py`), http(s):// shard URLs by ranged
+GETs (`remote_http.py`), another scheme (hf:// through huggingface_hub's HfFileSystem) through the fsspec
 filesystem installed for it, or a filesystem object the caller passes
 (`Storage(filesystem=...)`: pyarrow.fs or fsspec). Options: block size of the ranged reads, an optional local
 block cache bounded in bytes (also from `PACKLOADER_CACHE_DIR` and `PACKLOADER_CACHE_BYTES`) behind a small in-memory one, the retry
@@ -20,6 +21,7 @@ from packloader.sources.identity import FileWatch
 from packloader.sources.remote import FsStore, ObjectInfo, RemoteFile, RetryPolicy, S3Store
 from packloader.sources.remote_cache import BlockCache, MemoryBlocks
 from packloader.sources.remote_cloud import AZURE_SCHEMES, GCS_SCHEMES, AzureStore, GcsStore
+from packloader.sources.remote_http import HTTP_SCHEMES, HttpStore
 from packloader.sources.unsupported import UnsupportedSourceError, url_scheme
 
 S3_SCHEMES = ("s3", "s3a")
@@ -61,11 +63,12 @@ class Storage:
         scheme = url_scheme(url)
         if scheme in S3_SCHEMES:
             return self._s3
-        if scheme in GCS_SCHEMES + AZURE_SCHEMES:
-            kind = "@gs" if scheme in GCS_SCHEMES else "@az"
-            if kind not in self._fs:
-                self._fs[kind] = GcsStore(self.retry) if kind == "@gs" else AzureStore(self.retry)
-            return self._fs[kind]
+        own = {**dict.fromkeys(GCS_SCHEMES, GcsStore), **dict.fromkeys(AZURE_SCHEMES, AzureStore),
+               **dict.fromkeys(HTTP_SCHEMES, HttpStore)}.get(scheme)
+        if own is not None:
+            if own.__name__ not in self._fs:
+                self._fs[own.__name__] = own(self.retry)
+            return self._fs[own.__name__]
         if scheme not in self._fs:
             try:
                 import fsspec

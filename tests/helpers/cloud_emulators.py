@@ -41,8 +41,13 @@ def find_azurite() -> str | None:
                               shutil.which("azurite-blob")])
 
 
+class EmulatorDown(RuntimeError):
+    pass
+
+
 class Emulator:
-    """A server process listening on 127.0.0.1:`port` for the life of the object."""
+    """A server process listening on 127.0.0.1:`port` for the life of the object (`EmulatorDown` if it cannot
+    start: the tests skip naming why)."""
 
     def __init__(self, argv: list[str], port: int, name: str, timeout: float = 60.0) -> None:
         self.port, self.name = port, name
@@ -53,14 +58,14 @@ class Emulator:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.close()
-                raise RuntimeError(f"{name} exited with {self.proc.returncode}")
+                raise EmulatorDown(f"{name} exited with {self.proc.returncode} at start ({' '.join(argv)})")
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1):
                     return
             except OSError:
                 time.sleep(0.1)
         self.close()
-        raise RuntimeError(f"{name} did not listen on 127.0.0.1:{port} in {timeout} s")
+        raise EmulatorDown(f"{name} did not listen on 127.0.0.1:{port} in {timeout} s")
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -252,3 +252,16 @@ def test_a_store_that_stays_down_is_an_error_naming_the_url(bucket):
             list(src.read(0, np.arange(40)))
     finally:
         proxy.close()
+
+
+def test_mds_directory_reads_every_sample(bucket, tmp_path):
+    streaming = pytest.importorskip("streaming")
+    docs = token_docs(50, 6)
+    out = tmp_path / "mds"
+    with streaming.MDSWriter(out=str(out), columns={"tokens": "ndarray:int32"}, size_limit=4096) as w:
+        for d in docs:
+            w.write({"tokens": d})
+    for name in sorted(os.listdir(out)):
+        bucket.put(f"mds/{name}", (out / name).read_bytes())
+    src = open_source(bucket.url("mds"))
+    assert len(src.shards) > 2 and read_all(src) == [d.tolist() for d in docs]

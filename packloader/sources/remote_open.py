@@ -31,15 +31,37 @@ def _expand(paths: list[str], storage: Storage) -> list[str]:
     return out
 
 
+def _mds_directory(paths: list[str], storage: Storage, format: str | None) -> str | None:  # noqa: A002
+    """The one prefix of `paths` that holds an MDS index.json (format "mds", or a folder whose listing has one)."""
+    p = paths[0]
+    index = p.endswith("/index.json")  # an MDS index, not a JSON Lines shard
+    if len(paths) != 1 or format not in (None, "mds") or any(c in p for c in "*?[") or (
+            _format(p) is not None and not index):
+        if format == "mds":
+            raise ValueError(f"format 'mds' reads one folder holding index.json; got {paths}")
+        return None
+    base = p[: -len("index.json")] if index else p
+    base = base.rstrip("/")
+    if format == "mds" or f"{base}/index.json" in storage.listing(base + "/"):
+        return base
+    return None
+
+
 def open_remote(paths: list[str], *, storage: Storage | None, column: str | None, format: str | None,  # noqa: A002
                 empty: str):
-    """A ParquetSource or JsonlSource over the objects `paths` name (listing prefixes and globs)."""
+    """A ParquetSource or JsonlSource over the objects `paths` name (listing prefixes and globs), or an MdsSource
+    for one prefix holding an MDS index.json."""
     storage = storage if storage is not None else default_storage()
-    if format not in (None, "parquet", "jsonl"):
+    if format not in (None, "parquet", "jsonl", "mds"):
         raise UnsupportedSourceError(
-            f"{paths[0]}: format {format!r} is not read from object storage; Parquet and JSONL (.gz/.zst) are "
-            f"(of {FORMATS}). Copy MDS, Arrow or Megatron shards to a local or mounted filesystem"
+            f"{paths[0]}: format {format!r} is not read from object storage; Parquet, JSONL (.gz/.zst) and MDS "
+            f"are (of {FORMATS}). Copy Arrow or Megatron shards to a local or mounted filesystem"
         )
+    mds = _mds_directory(paths, storage, format)
+    if mds is not None:
+        from packloader.sources.mds import MdsSource
+
+        return MdsSource(mds, column=column, empty=empty, storage=storage)
     files = _expand(paths, storage)
     if len(set(files)) != len(files):
         dup = next(f for f in files if files.count(f) > 1)

@@ -265,3 +265,25 @@ def test_mds_directory_reads_every_sample(bucket, tmp_path):
         bucket.put(f"mds/{name}", (out / name).read_bytes())
     src = open_source(bucket.url("mds"))
     assert len(src.shards) > 2 and read_all(src) == [d.tolist() for d in docs]
+
+
+def test_sdk_errors_are_classified_as_their_http_status_says():
+    """What each SDK raises for a status, taken for what the status means (hand-listed, not read from the code)."""
+    import google.auth.exceptions as gauth
+    from azure.core import exceptions as az
+    from google.api_core import exceptions as gapi
+
+    from packloader.sources.remote import classify
+
+    cases = [(gapi.ServiceUnavailable("x"), "transient"), (gapi.TooManyRequests("x"), "transient"),
+             (gapi.InternalServerError("x"), "transient"), (gapi.NotFound("x"), "missing"),
+             (gapi.Forbidden("x"), "denied"), (gapi.Unauthorized("x"), "denied"),
+             (gapi.PreconditionFailed("x"), "changed"), (gauth.RefreshError("x"), "denied"),
+             (gauth.DefaultCredentialsError("x"), "denied"), (gauth.TransportError("x"), "transient"),
+             (az.ResourceNotFoundError("x"), "missing"), (az.ClientAuthenticationError("x"), "denied"),
+             (az.ServiceRequestError("x"), "transient"), (az.ServiceResponseError("x"), "transient")]
+    for status, kind in ((412, "changed"), (503, "transient"), (403, "denied"), (500, "transient")):
+        e = az.HttpResponseError("x")
+        e.status_code = status
+        cases.append((e, kind))
+    assert [(type(e).__name__, classify(e)) for e, _ in cases] == [(type(e).__name__, k) for e, k in cases]

@@ -78,7 +78,7 @@ def split_url(url: str) -> tuple[str, str, str]:
     return scheme.lower(), bucket, key
 
 
-_TRANSIENT_CODES = {"500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
+_TRANSIENT_CODES = {"429", "500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
                     "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
 _DENIED_CODES = {"401", "403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                  "InvalidToken", "AllAccessDisabled"}
@@ -100,13 +100,15 @@ def _code(e: BaseException) -> str:
 def classify(e: BaseException) -> str:
     """"transient", "missing", "denied", "changed" or "other" for an error a store raised."""
     code = _code(e)
-    if code in ("412", "PreconditionFailed"):
+    name = type(e).__name__
+    if code in ("412", "PreconditionFailed") or name == "ResourceModifiedError":
         return "changed"
-    if code in _MISSING_CODES or isinstance(e, FileNotFoundError):
+    if code in _MISSING_CODES or isinstance(e, FileNotFoundError) or name == "ResourceNotFoundError":
         return "missing"
     if code in _DENIED_CODES or isinstance(e, PermissionError) or type(e).__name__ in (
             "NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError", "ClientAuthenticationError",
-            "RefreshError") or type(e).__module__.startswith("google.auth"):  # a 401 the credentials cannot renew
+            "RefreshError") or (type(e).__module__.startswith("google.auth")  # a 401 the credentials cannot renew
+                                and type(e).__name__ != "TransportError"):
         return "denied"
     if code in _TRANSIENT_CODES or (code.isdigit() and code.startswith("5")):
         return "transient"

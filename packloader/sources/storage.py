@@ -53,7 +53,7 @@ class Storage:
         self.cache = BlockCache(cache_dir, cache_bytes) if cache_dir and cache_bytes else None
         self.blocks = MemoryBlocks(memory_bytes, self.cache)  # recent blocks in memory, then the disk cache
         self._s3 = S3Store(self.retry, endpoint_url)
-        self._fs: dict = {}  # scheme: FsStore, GcsStore or AzureStore
+        self._fs: dict = {}  # an FsStore by scheme; GcsStore, AzureStore, HttpStore by class name
 
     def store(self, url: str):
         if self.filesystem is not None:

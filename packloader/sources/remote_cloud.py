@@ -74,7 +74,7 @@ class _Store:
             self._clients[key] = make()
         return self._clients[key]
 
-    def _counted(self, data: bytes, info: ObjectInfo, start: int, end: int) -> bytes:
+    def _whole(self, data: bytes, info: ObjectInfo, start: int, end: int) -> bytes:
         if len(data) != end - start:  # a cut response: retried like a reset
             raise ConnectionError(f"short read of {info.url}: {len(data)} of {end - start} bytes")
         return data
@@ -82,7 +82,7 @@ class _Store:
     def get_range(self, info: ObjectInfo, start: int, end: int) -> bytes:
         """Bytes [start, end) of the object `info` describes; a replaced or deleted object is `ShardChanged`."""
         try:
-            data = with_retries(lambda: self._counted(self._read(info, start, end), info, start, end), info.url,
+            data = with_retries(lambda: self._whole(self._read(info, start, end), info, start, end), info.url,
                                 self.policy, f"GET bytes {start}..{end - 1}")
         except ObjectMissing as e:
             raise ShardChanged(f"{info.url}: the object was deleted since the source opened it ({e})") from e

@@ -41,6 +41,7 @@ from packloader.sources.jsonl import JsonlSource
 from packloader.sources.open import open_source
 from packloader.sources.parquet import ParquetSource
 from packloader.sources.pretokenize import tokenize_to_parquet
+from packloader.sources.remote import RemoteError
 from packloader.sources.tokenizers import get_tokenizer
 from packloader.sources.unsupported import UnsupportedSourceError
 
@@ -757,6 +758,25 @@ def url_unsupported(tmp):
     return lambda: PackedLoader("ftp://host/shards/*.parquet", config=_config(), num_threads=0)
 
 
+def http_url_glob(tmp):
+    return lambda: PackedLoader("http://127.0.0.1:9/shards/*.parquet", config=_config(), num_threads=0)
+
+
+def http_server_ignores_range(tmp):
+    """The standard library's file server answers a ranged GET with the whole file (200)."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    pq.write_table(pa.table({"text": ["a", "b"]}), tmp / "a.parquet")
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp))
+    handler.log_message = lambda *a: None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/a.parquet"
+    return lambda: PackedLoader(url, config=_config(), num_threads=0)
+
+
 def filesystem_object_unsupported(tmp):
     import pyarrow.fs
 
@@ -934,6 +954,10 @@ CASES = [
          ("the list of 2 strings mixes paths (1, e.g.", "a.jsonl", "and texts (1, e.g. 'a text, not a path')")),
     Case("url_unsupported", url_unsupported, UnsupportedSourceError,
          ("ftp://host/shards/*.parquet: ftp:// URLs are not supported", "supported: local paths")),
+    Case("http_url_glob", http_url_glob, UnsupportedSourceError,
+         ("http://127.0.0.1:9/shards/*.parquet: HTTP has no listing", "pass each shard's URL")),
+    Case("http_server_ignores_range", http_server_ignores_range, RemoteError,
+         ("/a.parquet: GET bytes 0..0 failed", "the server ignores Range requests")),
     Case("filesystem_object_unsupported", filesystem_object_unsupported, UnsupportedSourceError,
          ("a filesystem object (pyarrow._fs.LocalFileSystem) is not a source by itself",
           "Storage(filesystem=fs).paths(", "supported: local paths")),

@@ -122,9 +122,9 @@ class SlimPackPlanner(PackingPlanner):
         f, b = doc_time_split(model.coeffs, pieces.length)
         share = float(f.sum()) / dp if n else 0.0
         merge_share = share if (self.dp_merge and dp > 1 and share > 0) else np.inf
-        rank, members, offs = lpt_dispatch(f, dp, merge_share)
-        by_work = np.argsort(-f, kind="stable")
-        merged = by_work[offs[by_work + 1] > offs[by_work]].tolist()
+        rank, members, offs = lpt_dispatch(f, dp, merge_share, pieces.length)
+        merged = np.nonzero(offs[1:] > offs[:-1])[0]
+        merged = merged[np.argsort(-f[merged], kind="stable")].tolist()  # heaviest first, ties in index order
         own = rank >= 0
         tokens = np.bincount(rank[own], weights=pieces.length[own], minlength=dp).astype(np.float64)
         # packs a rank needs at least: its own tokens under the cap, plus each merged piece's minimum slices

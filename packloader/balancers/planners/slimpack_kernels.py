@@ -11,14 +11,15 @@ import numpy as np
 from numba import njit
 
 from packloader.balancers.cost.coeffs import ATTN_BWD, ATTN_FWD, LIN_BWD, LIN_FWD, attn_time, doc_time_split
+from packloader.balancers.planners.bins import _heap_pop, _heap_push, desc_order_by
 
 # ------------------------------------------------------------------------------------------------- SlimPack
 
 
 @njit(cache=True)
-def lpt_dispatch(work, dp, merge_share):
+def lpt_dispatch(work, dp, merge_share, lengths):
     """SlimPack phase one: pieces, heaviest first, to the least loaded DP rank (equal forward capacity per
-    rank). A piece heavier than `merge_share` (a rank's share; inf disables DP-Merge) goes to a DP-Merge group
+    rank; ties to the lowest rank). A piece heavier than `merge_share` (a rank's share; inf disables DP-Merge) goes to a DP-Merge group
     of g = ceil(work / merge_share) ranks (2 <= g <= dp), the g least loaded, each charged work / g.
 
     Returns (rank of each piece, -1 for a merged one; members of piece i's group, sorted, as
@@ -34,22 +35,30 @@ def lpt_dispatch(work, dp, merge_share):
         offs[i + 1] = offs[i] + gsize[i]
     members = np.empty(offs[n], dtype=np.int64)
     load = np.zeros(dp, dtype=np.float64)
-    order = np.argsort(-work, kind="mergesort")
+    order = desc_order_by(work, lengths)  # heaviest first, ties in index order (work is a function of length)
+    # the least loaded ranks, ties to the lowest index, from a (load, rank) min-heap: O(log dp) a piece
+    hk = np.zeros(dp, dtype=np.float64)
+    hi = np.arange(dp, dtype=np.int64)  # all loads 0: index order is already a heap
+    hs = dp
+    sel = np.empty(dp, dtype=np.int64)
     for kk in range(n):
         i = order[kk]
         g = gsize[i]
-        if g > 1:
-            sel = np.sort(np.argsort(load, kind="mergesort")[:g])
+        if g > 1:  # the g least loaded (a stable argsort's first g), in index order
             for t in range(g):
-                members[offs[i] + t] = sel[t]
-                load[sel[t]] += work[i] / g
+                sel[t] = hi[0]
+                hs = _heap_pop(hk, hi, hs)
+            grp = np.sort(sel[:g])
+            for t in range(g):
+                members[offs[i] + t] = grp[t]
+                load[grp[t]] += work[i] / g
+                hs = _heap_push(hk, hi, hs, load[grp[t]], grp[t])
         else:
-            best = 0
-            for r in range(1, dp):
-                if load[r] < load[best]:
-                    best = r
+            best = hi[0]
+            hs = _heap_pop(hk, hi, hs)
             rank[i] = best
             load[best] += work[i]
+            hs = _heap_push(hk, hi, hs, load[best], best)
     return rank, members, offs
 
 

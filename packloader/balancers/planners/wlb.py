@@ -35,7 +35,15 @@ from numba import njit
 from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.base import PackingPlanner, StepLayout
-from packloader.balancers.planners.bins import HEAP_MIN_BINS, _add_piece, _bin_time, _heap_pop, _heap_push, bin_times
+from packloader.balancers.planners.bins import (
+    HEAP_MIN_BINS,
+    _add_piece,
+    _bin_time,
+    _heap_pop,
+    _heap_push,
+    bin_times,
+    desc_order,
+)
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, whole_pieces_packing
 from packloader.balancers.planners.registry import AutoUse, Planner, register_planner
 from packloader.contracts import PlanConfig
@@ -179,7 +187,7 @@ def _wlb_pack_scan(c, lengths, nbins, cap, assign, attn, tok, load):
     n = lengths.shape[0]
     for b in range(nbins):
         load[b] = _bin_time(c, 0.0, 0)
-    order = np.argsort(-lengths, kind="mergesort")
+    order = desc_order(lengths)
     for k in range(n):
         i = order[k]
         l = lengths[i]
@@ -227,7 +235,7 @@ def wlb_pack(c, lengths, nbins, cap):
         ts = _heap_push(tk, ti, ts, tok[b], b)
     if nbins == 0:
         return assign, attn, tok
-    order = np.argsort(-lengths, kind="mergesort")
+    order = desc_order(lengths)
     for k in range(n):
         i = order[k]
         l = lengths[i]
@@ -257,14 +265,18 @@ def deal_bins(cost, dp, per_rank):
     load = np.zeros(dp, dtype=np.float64)
     count = np.zeros(dp, dtype=np.int64)
     order = np.argsort(-cost, kind="mergesort")
+    # the least loaded rank with room, ties to the lowest, from a (load, rank) min-heap; a full rank leaves it
+    hk = np.zeros(dp, dtype=np.float64)
+    hi = np.arange(dp, dtype=np.int64)  # all loads 0: index order is already a heap
+    hs = dp if per_rank > 0 else 0
     for k in range(nb):
         b = order[k]
-        best = -1
-        for r in range(dp):
-            if count[r] < per_rank and (best < 0 or load[r] < load[best]):
-                best = r
+        best = hi[0]
+        hs = _heap_pop(hk, hi, hs)
         rank[b] = best
         pos[b] = count[best]
         count[best] += 1
         load[best] += cost[b]
+        if count[best] < per_rank:
+            hs = _heap_push(hk, hi, hs, load[best], best)
     return rank, pos

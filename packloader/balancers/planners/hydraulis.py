@@ -29,7 +29,15 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from packloader.balancers.cost.coeffs import LIN_BWD, LIN_FWD, LIN_KNOTS, doc_time_split
+from packloader.balancers.cost.coeffs import (
+    LIN_BWD,
+    LIN_FWD,
+    LIN_KNOTS,
+    LIN_TBWD,
+    LIN_TFWD,
+    doc_time_split,
+    segment_times_kernel,
+)
 from packloader.balancers.cost.model import CostModel, annotate_costs
 from packloader.balancers.cost.resolve import RankCosts
 from packloader.balancers.planners.base import Model, PackingPlanner, StepLayout
@@ -137,11 +145,13 @@ class HydraulisPlanner(PackingPlanner):
         """A lower bound of the Eq. (1) objective for a given V, before packing: on each rank the largest
         micro-batch takes at least its largest piece plus the floor, and at least the mean, (its pieces' work
         + V floors) / V; times (PP - 1 + V). Valid when the linear part is convex (a bin of n tokens costs at
-        least its pieces' own shares, a*n^2 >= sum a*l^2); None otherwise, and None for a measured linear
-        table, which need not be convex (the H100 backward rows are not even monotone). Lets `solve` skip a V (at
+        least its pieces' own shares, a*n^2 >= sum a*l^2); for measured linear tables, which need not be convex
+        (the H100 backward rows are not even monotone), the weaker `table_bound`; None otherwise. Lets `solve` skip a V (at
         the top of Appendix C's window: hundreds of micro-batches, each a floor) without changing which V wins."""
         ra = ra or self.arrays()
         c = ra.coeffs
+        if (c[:, LIN_KNOTS] > 0).all():
+            return self.table_bound(pieces, rank, ra)
         if (c[:, LIN_FWD] < 0).any() or (c[:, LIN_BWD] < 0).any() or (c[:, LIN_KNOTS] > 0).any():
             return None
         dp, pp = self.config.parallel.dp, self.config.parallel.pp
@@ -159,6 +169,32 @@ class HydraulisPlanner(PackingPlanner):
 
         def bound(v: int) -> float:
             return float(np.maximum(big + floor, (tot + v * floor) / v).max()) * (pp - 1 + v)
+
+        return bound
+
+    def table_bound(self, pieces: Pieces, rank: np.ndarray, ra: RankArrays):
+        """`v_bound` for measured linear tables: a micro-batch's linear time is at least the table's least row
+        (lin_time holds the first row below it, interpolates between rows and grows past the last) and whole
+        pieces' attention adds up, so a rank's largest micro-batch takes at least (its pieces' attention + V x
+        the least row) / V. At PP 1 and DP 1024 it skips the top of the window (130 micro-batches a rank, 14x
+        the best objective), which cost as long as the rest of the packing."""
+        c = ra.coeffs
+        dp, pp = self.config.parallel.dp, self.config.parallel.pp
+        attn = np.empty(len(pieces), np.float64)
+        prof = ra.rank_profile[rank]
+        for k in range(len(c)):
+            at = prof == k
+            if at.any():
+                q = np.ascontiguousarray(pieces.length[at])
+                f, b = segment_times_kernel(c[k], q, np.zeros_like(q))
+                attn[at] = f + b
+        tot = np.bincount(rank, weights=attn, minlength=dp)
+        knots = c[:, LIN_KNOTS].astype(np.int64)
+        least = np.array([c[k, LIN_TFWD:LIN_TFWD + knots[k]].min() + c[k, LIN_TBWD:LIN_TBWD + knots[k]].min()
+                          for k in range(len(c))])[ra.rank_profile]
+
+        def bound(v: int) -> float:
+            return float(((tot + v * least) / v).max()) * (pp - 1 + v)
 
         return bound
 

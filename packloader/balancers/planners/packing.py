@@ -56,7 +56,8 @@ class Pieces:
 
     def queue(self, idx: np.ndarray) -> list[QueuedDoc]:
         """QueuedDoc entries for the given pieces, in the given order."""
-        return [QueuedDoc(int(self.doc[i]), int(self.offset[i]), int(self.length[i]), int(self.drawn[i])) for i in idx]
+        idx = np.asarray(idx, np.int64)
+        return list(map(QueuedDoc, *(a[idx].tolist() for a in (self.doc, self.offset, self.length, self.drawn))))
 
 
 def check_cap(pieces: Pieces, cap: int, strategy: str) -> None:
@@ -154,9 +155,14 @@ class Packing:
 
     def to_step_plan(self, step: int) -> StepPlan:
         nmb = self.num_micro_batches
-        segs: list[list[Segment]] = [[] for _ in range(nmb)]
-        for d, s, e, a, m in zip(self.seg_doc.tolist(), self.seg_start.tolist(), self.seg_end.tolist(), self.seg_af.tolist(), self.seg_mb.tolist()):
-            segs[m].append(Segment(d, s, e, a))
+        # the segments grouped by micro-batch (a stable sort keeps their order within one), built in one pass and
+        # sliced: at DP 1024 a step holds ~130K segments, and a loop of appends cost twice as long
+        mb = self.seg_mb
+        order = None if mb.size < 2 or bool((mb[1:] >= mb[:-1]).all()) else grouped_order(mb, nmb)
+        cols = (self.seg_doc, self.seg_start, self.seg_end, self.seg_af)
+        flat = list(map(Segment, *(c.tolist() if order is None else c[order].tolist() for c in cols)))
+        ends = np.cumsum(np.bincount(mb, minlength=nmb)).tolist() if mb.size else [0] * nmb
+        segs = [flat[b:e] for b, e in zip([0, *ends[:-1]], ends)]
         fwd = self.mb_fwd.tolist() if self.mb_fwd is not None else [0.0] * nmb
         bwd = self.mb_bwd.tolist() if self.mb_bwd is not None else [0.0] * nmb
         mbs = [
@@ -182,6 +188,21 @@ def whole_pieces_packing(pieces: Pieces, piece_mb: np.ndarray, rank_mbs: np.ndar
         seg_doc=pieces.doc[sel], seg_start=start, seg_end=start + pieces.length[sel], seg_af=start,
         seg_mb=piece_mb[sel], rank_mbs=rank_mbs, **kw,
     )
+
+
+@njit(cache=True)
+def grouped_order(mb, nmb):
+    """np.argsort(mb, kind="stable") for micro-batch ids 0..nmb-1, by counting: O(n + nmb)."""
+    start = np.zeros(nmb + 1, dtype=np.int64)
+    for i in range(mb.shape[0]):
+        start[mb[i] + 1] += 1
+    for m in range(nmb):
+        start[m + 1] += start[m]
+    out = np.empty(mb.shape[0], dtype=np.int64)
+    for i in range(mb.shape[0]):
+        out[start[mb[i]]] = i
+        start[mb[i]] += 1
+    return out
 
 
 @njit(cache=True)

@@ -56,7 +56,8 @@ import numpy as np
 from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.base import PackingPlanner, StepLayout
-from packloader.balancers.planners.packing import Packing, Pieces, check_cap
+from packloader.balancers.planners.bins import desc_order_by
+from packloader.balancers.planners.packing import Packing, Pieces, check_cap, grouped_order
 from packloader.balancers.planners.registry import AutoUse, Planner, register_planner
 from packloader.balancers.planners.slimpack_kernels import (
     backward_runs_ranks,
@@ -239,7 +240,9 @@ class SlimPackPlanner(PackingPlanner):
         if self._by_rank is not None and self._by_rank[0] is rank:
             by_rank, bounds = self._by_rank[1:]
         else:
-            by_rank = np.lexsort((np.arange(len(f)), -f, rank))
+            # np.lexsort((np.arange(n), -f, rank)) by two counting sorts: f is a function of the length
+            by_work = desc_order_by(f, pieces.length)
+            by_rank = by_work[grouped_order(rank[by_work] + 1, dp + 1)]
             bounds = np.searchsorted(rank[by_rank], np.arange(dp + 1))
             self._by_rank = (rank, by_rank, bounds)
         # phase two on every rank in one numba call; each rank's free positions, row-major, get the next ids

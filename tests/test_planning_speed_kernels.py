@@ -137,3 +137,27 @@ def test_deal_bins_matches_the_scan(costs, dp):
         assert (rank[b], pos[b]) == (r, count[r])
         load[r] += cost[b]
         count[r] += 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 65536), min_size=1, max_size=200), st.integers(1, 6), st.sampled_from([1, 4]),
+       st.integers(1, 40), st.randoms(use_true_random=False))
+def test_hydraulis_table_bound_is_below_every_packing(lengths, dp, pp, v, rnd):
+    """The bound that lets hydraulis skip a micro-batch count under the measured (non-convex) linear table never
+    exceeds the objective of the packing it skips: max micro-batch time x (PP - 1 + V), packed for real."""
+    from packloader.balancers.planners.hydraulis import HydraulisPlanner, hydraulis_pack
+    from packloader.balancers.planners.packing import Pieces
+    from packloader.balancers.planners.registry import Window
+    from packloader.contracts import PlannerState
+
+    cfg = PlanConfig(strategy="hydraulis", parallel=ParallelConfig(dp=dp, pp=pp, tp=8), max_tokens=65536,
+                     context=65536)
+    planner = HydraulisPlanner(cfg, trials=1)
+    pieces = Pieces.of(Window.from_lengths(np.array(lengths)), PlannerState(), 0)
+    ra = planner.arrays()
+    rank = np.array([rnd.randrange(dp) for _ in lengths], np.int64)
+    bound = planner.v_bound(pieces, rank, ra)
+    assert bound is not None  # the measured profile: the table bound
+    assign, load = hydraulis_pack(ra.coeffs, ra.rank_profile, ra.caps, pieces.length, rank, v)
+    if assign[0] >= 0:
+        assert bound(v) <= float(load.max()) * (pp - 1 + v) * (1 + 1e-12)

@@ -35,7 +35,9 @@ from packloader.balancers.cost.coeffs import (
     LIN_KNOTS,
     LIN_TBWD,
     LIN_TFWD,
+    LIN_TOK,
     doc_time_split,
+    lin_times,
     segment_times_kernel,
 )
 from packloader.balancers.cost.model import CostModel, annotate_costs
@@ -181,20 +183,33 @@ class HydraulisPlanner(PackingPlanner):
         c = ra.coeffs
         dp, pp = self.config.parallel.dp, self.config.parallel.pp
         attn = np.empty(len(pieces), np.float64)
+        alone = np.empty(len(pieces), np.float64)  # the least time of a micro-batch holding the piece
         prof = ra.rank_profile[rank]
+        least = np.empty(len(c), np.float64)
         for k in range(len(c)):
+            nk = int(c[k, LIN_KNOTS])
+            least[k] = sum(c[k, t:t + nk].min() for t in (LIN_TFWD, LIN_TBWD))
             at = prof == k
             if at.any():
                 q = np.ascontiguousarray(pieces.length[at])
                 f, b = segment_times_kernel(c[k], q, np.zeros_like(q))
                 attn[at] = f + b
+                # a micro-batch of n >= l tokens: its linear time is at least the least of lin_time(l) and the
+                # table's rows at l tokens and more (it is linear between rows and grows past the last)
+                x = c[k, LIN_TOK:LIN_TOK + nk]
+                at_or_past = np.searchsorted(x, q.astype(np.float64), side="left")
+                lin = np.zeros(len(q))
+                for t, bwd in ((LIN_TFWD, False), (LIN_TBWD, True)):
+                    rows = np.append(np.minimum.accumulate(c[k, t:t + nk][::-1])[::-1], np.inf)
+                    lin += np.minimum(lin_times(c[k], q.astype(np.float64), bwd), rows[at_or_past])
+                alone[at] = attn[at] + lin
         tot = np.bincount(rank, weights=attn, minlength=dp)
-        knots = c[:, LIN_KNOTS].astype(np.int64)
-        least = np.array([c[k, LIN_TFWD:LIN_TFWD + knots[k]].min() + c[k, LIN_TBWD:LIN_TBWD + knots[k]].min()
-                          for k in range(len(c))])[ra.rank_profile]
+        big = np.zeros(dp, np.float64)
+        np.maximum.at(big, rank, alone)
+        least = least[ra.rank_profile]
 
         def bound(v: int) -> float:
-            return float(((tot + v * least) / v).max()) * (pp - 1 + v)
+            return float(np.maximum(big, (tot + v * least) / v).max()) * (pp - 1 + v)
 
         return bound
 

@@ -70,6 +70,30 @@ def _heap_pop(key, idx, size):
     return size
 
 
+@njit(cache=True)
+def _sift_down(key, idx, pos, size, j):
+    """Restore the heap in key[:size], idx[:size] after the entry at position j grew its key (keys here only
+    grow): the entry moves down; pos[item] tracks each item's position, so a bin whose key grew anywhere in the
+    heap is found without a search (and without the stale entries of lazy deletion)."""
+    k = key[j]
+    i = idx[j]
+    while True:
+        c = 2 * j + 1
+        if c >= size:
+            break
+        if c + 1 < size and (key[c + 1] < key[c] or (key[c + 1] == key[c] and idx[c + 1] < idx[c])):
+            c += 1
+        if k < key[c] or (k == key[c] and i < idx[c]):
+            break
+        key[j] = key[c]
+        idx[j] = idx[c]
+        pos[idx[j]] = j
+        j = c
+    key[j] = k
+    idx[j] = i
+    pos[i] = j
+
+
 # ------------------------------------------------------------------------------------------------ orders
 
 SORT_SPAN = 1 << 20  # lengths up to this (or up to 4 x the piece count) are ordered by counting, not merge sort

@@ -14,6 +14,7 @@ from packloader.balancers.planners.bins import (
     _empty_bin_loads,
     _heap_pop,
     _heap_push,
+    _sift_down,
     desc_order,
     desc_order_by,
 )
@@ -90,6 +91,7 @@ def _dispatch_longest_first(perm, lengths, t_sum, t_full, pp, assign, cc, ee, lm
     lmax[:] = 0
     hk = np.empty(d, dtype=np.float64)
     hi = np.empty(d, dtype=np.int64)
+    hpos = np.empty(d, dtype=np.int64)
     hs = 0
     empty = 0  # ranks empty..d-1 hold no piece yet (they fill in index order: equal bounds, lowest rank first)
     for kk in range(n):
@@ -102,20 +104,25 @@ def _dispatch_longest_first(perm, lengths, t_sum, t_full, pp, assign, cc, ee, lm
         if empty < d:
             j = empty
             own = (0.0 + t) + (0.0 if l <= 0 else tf)
+        from_heap = False
         if hs > 0:
             top = hi[0]
             top_own = (cc[top] + t) + (ee[top] if lmax[top] >= l else tf)
             if top_own < own or (top_own == own and top < j):
                 j = top
-                hs = _heap_pop(hk, hi, hs)
-        if j == empty:
+                from_heap = True
+        if not from_heap:
             empty += 1
         assign[i] = j
         cc[j] += t
         if l > lmax[j]:
             lmax[j] = l
             ee[j] = tf
-        hs = _heap_push(hk, hi, hs, cc[j] + ee[j], j)
+        if from_heap:  # its key grew: down from the top
+            hk[0] = cc[j] + ee[j]
+            _sift_down(hk, hi, hpos, hs, 0)
+        else:
+            hs = _heap_push(hk, hi, hs, cc[j] + ee[j], j)
     top = 0.0
     for j in range(d):
         if cc[j] + ee[j] > top:

@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit
 
 from packloader.balancers.cost.coeffs import ATTN_BWD, ATTN_FWD, LIN_BWD, LIN_FWD, attn_time, doc_time_split
-from packloader.balancers.planners.bins import _heap_pop, _heap_push, desc_order_by
+from packloader.balancers.planners.bins import _heap_pop, _heap_push, _sift_down, desc_order_by
 
 # ------------------------------------------------------------------------------------------------- SlimPack
 
@@ -40,6 +40,7 @@ def lpt_dispatch(work, dp, merge_share, lengths):
     hk = np.zeros(dp, dtype=np.float64)
     hi = np.arange(dp, dtype=np.int64)  # all loads 0: index order is already a heap
     hs = dp
+    hpos = np.arange(dp, dtype=np.int64)
     sel = np.empty(dp, dtype=np.int64)
     for kk in range(n):
         i = order[kk]
@@ -55,10 +56,10 @@ def lpt_dispatch(work, dp, merge_share, lengths):
                 hs = _heap_push(hk, hi, hs, load[grp[t]], grp[t])
         else:
             best = hi[0]
-            hs = _heap_pop(hk, hi, hs)
             rank[i] = best
             load[best] += work[i]
-            hs = _heap_push(hk, hi, hs, load[best], best)
+            hk[0] = load[best]  # its key grew: down from the top
+            _sift_down(hk, hi, hpos, hs, 0)
     return rank, members, offs
 
 

@@ -40,7 +40,7 @@ from packloader.balancers.planners.bins import (
     _add_piece,
     _bin_time,
     _heap_pop,
-    _heap_push,
+    _sift_down,
     bin_times,
     desc_order,
 )
@@ -211,8 +211,8 @@ def wlb_pack(c, lengths, nbins, cap):
     workload if the token cap allows, else to the bin with the fewest tokens, else they remain for the next
     step (bin -1); ties to the lowest bin. Returns (bin of each piece, bin attention seconds, bin tokens).
 
-    Both minima come from binary heaps keyed (value, bin) with lazy deletion (loads and token counts only
-    grow, so an entry whose value is no longer its bin's is stale): O(n log bins) instead of a scan of
+    Both minima come from binary heaps keyed (value, bin), each bin's position tracked (loads and token counts
+    only grow: the bin that took a piece moves down from where it is): O(n log bins) instead of a scan of
     every bin per piece, which dominated at DP 1024 (a thousand bins and more); up to HEAP_MIN_BINS bins the
     scan is cheaper and is used."""
     n = lengths.shape[0]
@@ -222,35 +222,28 @@ def wlb_pack(c, lengths, nbins, cap):
     load = np.zeros(nbins, dtype=np.float64)
     if nbins <= HEAP_MIN_BINS:
         return _wlb_pack_scan(c, lengths, nbins, cap, assign, attn, tok, load)
-    hcap = nbins + n + 1
-    lk = np.empty(hcap, dtype=np.float64)  # heap of (load, bin)
-    li = np.empty(hcap, dtype=np.int64)
-    tk = np.empty(hcap, dtype=np.int64)  # heap of (tokens, bin)
-    ti = np.empty(hcap, dtype=np.int64)
-    ls = 0
-    ts = 0
+    # every bin starts equal, so bin order is already a heap of (load, bin) and of (tokens, bin)
+    lk = np.empty(nbins, dtype=np.float64)
+    li = np.arange(nbins, dtype=np.int64)
+    lpos = np.arange(nbins, dtype=np.int64)  # each bin's position in the load heap
+    tk = np.zeros(nbins, dtype=np.int64)
+    ti = np.arange(nbins, dtype=np.int64)
+    tpos = np.arange(nbins, dtype=np.int64)
     for b in range(nbins):
         load[b] = _bin_time(c, 0.0, 0)
-        ls = _heap_push(lk, li, ls, load[b], b)
-        ts = _heap_push(tk, ti, ts, tok[b], b)
-    if nbins == 0:
-        return assign, attn, tok
+        lk[b] = load[b]
     order = desc_order(lengths)
     for k in range(n):
         i = order[k]
         l = lengths[i]
-        while lk[0] != load[li[0]]:  # drop stale tops
-            ls = _heap_pop(lk, li, ls)
-        while tk[0] != tok[ti[0]]:
-            ts = _heap_pop(tk, ti, ts)
-        w_idx = li[0]
-        l_idx = ti[0]
-        b = _choose_bin(tok, w_idx, l_idx, l, cap)
+        b = _choose_bin(tok, li[0], ti[0], l, cap)
         if b < 0:
             continue
         _add_piece(c, i, l, b, assign, attn, tok, load)
-        ls = _heap_push(lk, li, ls, load[b], b)
-        ts = _heap_push(tk, ti, ts, tok[b], b)
+        lk[lpos[b]] = load[b]  # both keys of bin b grew: it moves down from where it is
+        _sift_down(lk, li, lpos, nbins, lpos[b])
+        tk[tpos[b]] = tok[b]
+        _sift_down(tk, ti, tpos, nbins, tpos[b])
     return assign, attn, tok
 
 
@@ -268,15 +261,18 @@ def deal_bins(cost, dp, per_rank):
     # the least loaded rank with room, ties to the lowest, from a (load, rank) min-heap; a full rank leaves it
     hk = np.zeros(dp, dtype=np.float64)
     hi = np.arange(dp, dtype=np.int64)  # all loads 0: index order is already a heap
+    hpos = np.arange(dp, dtype=np.int64)
     hs = dp if per_rank > 0 else 0
     for k in range(nb):
         b = order[k]
         best = hi[0]
-        hs = _heap_pop(hk, hi, hs)
         rank[b] = best
         pos[b] = count[best]
         count[best] += 1
         load[best] += cost[b]
         if count[best] < per_rank:
-            hs = _heap_push(hk, hi, hs, load[best], best)
+            hk[0] = load[best]  # its key grew: down from the top
+            _sift_down(hk, hi, hpos, hs, 0)
+        else:
+            hs = _heap_pop(hk, hi, hs)
     return rank, pos

@@ -30,6 +30,8 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.coeffs import (
+    ATTN_BWD,
+    ATTN_FWD,
     LIN_BWD,
     LIN_FWD,
     LIN_KNOTS,
@@ -48,6 +50,7 @@ from packloader.balancers.planners.hydraulis_kernels import (  # noqa: F401 (hyd
     hydraulis_pack,
     hydraulis_pack_ordered,
     pack_order,
+    rank_max,
 )
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, whole_pieces_packing
 from packloader.balancers.planners.registry import AutoUse, Planner, register_planner
@@ -76,6 +79,19 @@ def v_candidates(lo: int, hi: int, limit: int = MAX_V_CANDIDATES) -> list[int]:
     step = (b - a) / (limit - 1)
     pts = [float(lo)] + [10.0 ** (k * step + a) for k in range(1, limit - 1)] + [float(hi)]
     return sorted({int(round(x)) for x in pts})
+
+
+def _least_holding(ck: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Under a measured linear table (forward + backward), the least linear time of a micro-batch of n >= q
+    tokens, for each q: the least of lin_time(q) and the table's rows at q tokens and more (lin_time is linear
+    between rows and grows past the last)."""
+    nk = int(ck[LIN_KNOTS])
+    past = np.searchsorted(ck[LIN_TOK:LIN_TOK + nk], q.astype(np.float64), side="left")
+    out = np.zeros(len(q))
+    for t, bwd in ((LIN_TFWD, False), (LIN_TBWD, True)):
+        rows = np.append(np.minimum.accumulate(ck[t:t + nk][::-1])[::-1], np.inf)
+        out += np.minimum(lin_times(ck, q.astype(np.float64), bwd), rows[past])
+    return out
 
 
 @dataclass(frozen=True)
@@ -178,34 +194,40 @@ class HydraulisPlanner(PackingPlanner):
         """`v_bound` for measured linear tables: a micro-batch's linear time is at least the table's least row
         (lin_time holds the first row below it, interpolates between rows and grows past the last) and whole
         pieces' attention adds up, so a rank's largest micro-batch takes at least (its pieces' attention + V x
-        the least row) / V. At PP 1 and DP 1024 it skips the top of the window (130 micro-batches a rank, 14x
-        the best objective), which cost as long as the rest of the packing."""
+        the least row) / V, and at least the least time of a micro-batch holding its longest piece. At PP 1
+        and DP 1024 it skips the top of the window (130 micro-batches a rank, 14x the best objective), which
+        cost as long as the rest of the packing."""
         c = ra.coeffs
         dp, pp = self.config.parallel.dp, self.config.parallel.pp
         attn = np.empty(len(pieces), np.float64)
-        alone = np.empty(len(pieces), np.float64)  # the least time of a micro-batch holding the piece
         prof = ra.rank_profile[rank]
-        least = np.empty(len(c), np.float64)
         for k in range(len(c)):
-            nk = int(c[k, LIN_KNOTS])
-            least[k] = sum(c[k, t:t + nk].min() for t in (LIN_TFWD, LIN_TBWD))
             at = prof == k
             if at.any():
                 q = np.ascontiguousarray(pieces.length[at])
                 f, b = segment_times_kernel(c[k], q, np.zeros_like(q))
                 attn[at] = f + b
-                # a micro-batch of n >= l tokens: its linear time is at least the least of lin_time(l) and the
-                # table's rows at l tokens and more (it is linear between rows and grows past the last)
-                x = c[k, LIN_TOK:LIN_TOK + nk]
-                at_or_past = np.searchsorted(x, q.astype(np.float64), side="left")
-                lin = np.zeros(len(q))
-                for t, bwd in ((LIN_TFWD, False), (LIN_TBWD, True)):
-                    rows = np.append(np.minimum.accumulate(c[k, t:t + nk][::-1])[::-1], np.inf)
-                    lin += np.minimum(lin_times(c[k], q.astype(np.float64), bwd), rows[at_or_past])
-                alone[at] = attn[at] + lin
         tot = np.bincount(rank, weights=attn, minlength=dp)
-        big = np.zeros(dp, np.float64)
-        np.maximum.at(big, rank, alone)
+        if (c[:, [ATTN_FWD, ATTN_FWD + 1, ATTN_BWD, ATTN_BWD + 1]] >= 0).all():
+            # attention grows with the length, as does the least linear time of a micro-batch holding it
+            # (`_least_holding`): each rank's longest piece is the one that counts
+            longest = rank_max(rank, pieces.length, dp)
+            big = np.zeros(dp, np.float64)
+            for k in range(len(c)):
+                at = (ra.rank_profile == k) & (longest >= 0)
+                if at.any():
+                    q = np.ascontiguousarray(longest[at])
+                    f, b = segment_times_kernel(c[k], q, np.zeros_like(q))
+                    big[at] = f + b + _least_holding(c[k], q)
+        else:
+            alone = np.empty(len(pieces), np.float64)
+            for k in range(len(c)):
+                at = prof == k
+                if at.any():
+                    alone[at] = attn[at] + _least_holding(c[k], np.ascontiguousarray(pieces.length[at]))
+            big = np.zeros(dp, np.float64)
+            np.maximum.at(big, rank, alone)
+        least = np.array([sum(ck[t:t + int(ck[LIN_KNOTS])].min() for t in (LIN_TFWD, LIN_TBWD)) for ck in c])
         least = least[ra.rank_profile]
 
         def bound(v: int) -> float:
@@ -227,7 +249,7 @@ class HydraulisPlanner(PackingPlanner):
             tokens = np.bincount(rank, weights=pieces.length, minlength=dp)
             counts = np.bincount(rank, minlength=dp)
             lo = max(1, int(np.max(np.ceil(tokens / ra.caps)))) if n else 1
-            ul = min(util_len(m) for m in ra.models)
+            ul = min(util_len(m) for m in {id(m): m for m in ra.models}.values())  # each distinct model once
             hi = max(lo, int(np.max(np.minimum(tokens // ul, counts)))) if n else 1
             cands = v_candidates(lo, hi, self.v_limit)
         best = None

@@ -293,3 +293,13 @@ def hydraulis_pack_ordered(coeffs, rank_profile, caps, lengths, piece_rank, per_
         hs[r] = _heap_push(kr, ir, hs[r], load[best], best)
     _empty_bin_loads(coeffs, rank_profile, per_rank, tok, load)
     return assign, load
+
+
+@njit(cache=True)
+def rank_max(rank, values, dp):
+    """The largest value on each rank (-1 where a rank has none; values >= 0)."""
+    out = np.full(dp, -1, dtype=np.int64)
+    for i in range(rank.shape[0]):
+        if values[i] > out[rank[i]]:
+            out[rank[i]] = values[i]
+    return out

@@ -252,12 +252,29 @@ def slice_edges_kernel(seg_doc, seg_start, seg_end, seg_af, seg_mb, rank_mbs):
             nsl += 1
     if nsl == 0:
         return offs, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    # (doc, end) of every segment, sorted (stable): the segment a slice continues
-    key_end = np.empty(ns, dtype=np.int64)
+    # (doc, end) of the segments of documents that have slices, sorted: the segment a slice continues (the
+    # other documents' segments, most of a step's, are left out of the sort)
+    sdocs = np.empty(nsl, dtype=np.int64)
+    k = 0
     for i in range(ns):
-        key_end[i] = seg_doc[i] * (1 << 31) + seg_end[i]
-    order = np.argsort(key_end)  # keys are unique (segments of a document do not overlap): no need for stable
-    sorted_keys = key_end[order]
+        if seg_af[i] < seg_start[i]:
+            sdocs[k] = seg_doc[i]
+            k += 1
+    sdocs = np.sort(sdocs)
+    cand = np.empty(ns, dtype=np.int64)
+    nc = 0
+    for i in range(ns):
+        at = np.searchsorted(sdocs, seg_doc[i])
+        if at < nsl and sdocs[at] == seg_doc[i]:
+            cand[nc] = i
+            nc += 1
+    key_end = np.empty(nc, dtype=np.int64)
+    for j in range(nc):
+        key_end[j] = seg_doc[cand[j]] * (1 << 31) + seg_end[cand[j]]
+    by_key = np.argsort(key_end)  # keys are unique (segments of a document do not overlap): no need for stable
+    order = cand[by_key]
+    sorted_keys = key_end[by_key]
+    ns_sorted = nc
     lst_off, lst_r, lst_p = _listings(rank_mbs)
     cap = 0
     for i in range(ns):
@@ -274,7 +291,7 @@ def slice_edges_kernel(seg_doc, seg_start, seg_end, seg_af, seg_mb, rank_mbs):
             continue
         want = seg_doc[i] * (1 << 31) + seg_start[i]
         at = np.searchsorted(sorted_keys, want)
-        if at >= ns or sorted_keys[at] != want:
+        if at >= ns_sorted or sorted_keys[at] != want:
             continue
         src = seg_mb[order[at]]
         dst = seg_mb[i]

@@ -161,3 +161,52 @@ def test_hydraulis_table_bound_is_below_every_packing(lengths, dp, pp, v, rnd):
     assign, load = hydraulis_pack(ra.coeffs, ra.rank_profile, ra.caps, pieces.length, rank, v)
     if assign[0] >= 0:
         assert bound(v) <= float(load.max()) * (pp - 1 + v) * (1 + 1e-12)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=40), st.sampled_from([1, 2, 3]), st.integers(0, 3))
+def test_slice_edges_with_sparse_document_ids(lengths, dp, shift):
+    """slice_edges_kernel finds the segment a slice continues by a flag per document id where the step's ids
+    are dense, by a sorted search where they are not: ids spread 10^6 apart give the same edges."""
+    from packloader.balancers.planners.base import StepLayout
+    from packloader.balancers.planners.packing import Pieces, slice_edges_kernel
+    from packloader.balancers.planners.registry import Window
+    from packloader.balancers.planners.slimpack import SlimPackPlanner
+    from packloader.contracts import PlannerState
+
+    cfg = PlanConfig(strategy="slimpack", parallel=ParallelConfig(dp=dp), max_tokens=512, context=3000)
+    planner = SlimPackPlanner(cfg)
+    pk = planner.solve(Pieces.of(Window.from_lengths(np.array(lengths)), PlannerState(), 0), StepLayout(0),
+                       planner.model)
+    dense = slice_edges_kernel(pk.seg_doc + shift, pk.seg_start, pk.seg_end, pk.seg_af, pk.seg_mb, pk.rank_mbs)
+    sparse = slice_edges_kernel(pk.seg_doc * 10**6 + shift, pk.seg_start, pk.seg_end, pk.seg_af, pk.seg_mb,
+                                pk.rank_mbs)
+    assert [a.tolist() for a in dense] == [a.tolist() for a in sparse]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=60), st.sampled_from([1, 2, 5]),
+       st.sampled_from(["slimpack", "wlb", "hydraulis"]), st.sampled_from([None, 4]))
+def test_one_stage_step_time_equals_the_simulator(lengths, dp, strategy, nmb):
+    """At PP 1 under 1F1B the step time is summed for ranks without slice edges and simulated for the others:
+    bit for bit the simulator's on every rank."""
+    from packloader.balancers.planners.base import StepLayout
+    from packloader.balancers.planners.packing import Pieces
+    from packloader.balancers.planners.packing_measures import slice_edges_prefix
+    from packloader.balancers.planners.registry import Window, make_planner
+    from packloader.balancers.planners.schedule_choice import packing_step_time
+    from packloader.balancers.sim.kernels import SCHEDULES, step_times_ranks_sliced
+    from packloader.contracts import PlannerState
+
+    cfg = PlanConfig(strategy=strategy, parallel=ParallelConfig(dp=dp), max_tokens=512 if strategy == "slimpack" else 3000,
+                     context=3000, num_micro_batches=nmb)
+    planner = make_planner(cfg)
+    pk = planner.solve(Pieces.of(Window.from_lengths(np.array(lengths)), PlannerState(), 0), StepLayout(0),
+                       planner.model).costs(planner.model)
+    edges = slice_edges_prefix(pk)
+    got = packing_step_time(pk, edges, cfg.parallel, SCHEDULES["1f1b"], planner.model)
+    d, v = pk.rank_mbs.shape
+    order = pk.rank_mbs.ravel()
+    f, b = np.ascontiguousarray(pk.mb_fwd[order]), np.ascontiguousarray(pk.mb_bwd[order])
+    ref = step_times_ranks_sliced(1, 1, SCHEDULES["1f1b"], f, b, np.zeros_like(b), np.arange(d + 1) * v, *edges[:3], 0.0)
+    assert got == float(ref.max())

@@ -82,7 +82,7 @@ def _dispatch_longest_first(perm, lengths, t_sum, t_full, pp, assign, cc, ee, lm
     one, so its bound grows by the piece's T(l) whichever it is: the choice is the least (cc + ee, rank), the
     top of a min-heap, or the first rank still empty when that one's bound is lower. The same choices as the
     scan in exact arithmetic; in floating point the scan compares each rank's rounded cc + T(l) + ee, so two
-    ranks whose bounds differ by less than a rounding step may go the other way (tests/test_kernels_heaps.py
+    ranks whose bounds differ by less than a rounding step may go the other way (test_planning_speed_kernels.py
     checks equality with costs whose sums are exact)."""
     d = cc.shape[0]
     n = lengths.shape[0]

@@ -235,6 +235,42 @@ def _listings(rank_mbs):
 
 
 @njit(cache=True)
+def _sliced_doc_segments(seg_doc, seg_start, seg_af, nsl):
+    """The segments of documents that have a slice (the ones a slice can continue), in index order: a flag per
+    document id when the step's ids are dense enough, else a sorted search."""
+    ns = seg_doc.shape[0]
+    lo_doc = seg_doc.min()
+    span = seg_doc.max() - lo_doc + 1
+    if span <= 64 * ns:  # a flag per document id of the step
+        sliced_doc = np.zeros(span, dtype=np.bool_)
+        for i in range(ns):
+            if seg_af[i] < seg_start[i]:
+                sliced_doc[seg_doc[i] - lo_doc] = True
+        cand = np.empty(ns, dtype=np.int64)
+        nc = 0
+        for i in range(ns):
+            if sliced_doc[seg_doc[i] - lo_doc]:
+                cand[nc] = i
+                nc += 1
+    else:  # ids too sparse for flags: a sorted search
+        sdocs = np.empty(nsl, dtype=np.int64)
+        k = 0
+        for i in range(ns):
+            if seg_af[i] < seg_start[i]:
+                sdocs[k] = seg_doc[i]
+                k += 1
+        sdocs = np.sort(sdocs)
+        at = np.searchsorted(sdocs, seg_doc)
+        cand = np.empty(ns, dtype=np.int64)
+        nc = 0
+        for i in range(ns):
+            if at[i] < nsl and sdocs[at[i]] == seg_doc[i]:
+                cand[nc] = i
+                nc += 1
+    return cand[:nc]
+
+
+@njit(cache=True)
 def slice_edges_kernel(seg_doc, seg_start, seg_end, seg_af, seg_mb, rank_mbs):
     """Per-rank slice edges of a plan given as segment arrays (what `packing_measures.slice_edges_prefix` returns): for
     each slice (attend_from < start), an edge from the micro-batch holding the segment of its document that
@@ -254,20 +290,8 @@ def slice_edges_kernel(seg_doc, seg_start, seg_end, seg_af, seg_mb, rank_mbs):
         return offs, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     # (doc, end) of the segments of documents that have slices, sorted: the segment a slice continues (the
     # other documents' segments, most of a step's, are left out of the sort)
-    sdocs = np.empty(nsl, dtype=np.int64)
-    k = 0
-    for i in range(ns):
-        if seg_af[i] < seg_start[i]:
-            sdocs[k] = seg_doc[i]
-            k += 1
-    sdocs = np.sort(sdocs)
-    cand = np.empty(ns, dtype=np.int64)
-    nc = 0
-    for i in range(ns):
-        at = np.searchsorted(sdocs, seg_doc[i])
-        if at < nsl and sdocs[at] == seg_doc[i]:
-            cand[nc] = i
-            nc += 1
+    cand = _sliced_doc_segments(seg_doc, seg_start, seg_af, nsl)
+    nc = cand.shape[0]
     key_end = np.empty(nc, dtype=np.int64)
     for j in range(nc):
         key_end[j] = seg_doc[cand[j]] * (1 << 31) + seg_end[cand[j]]

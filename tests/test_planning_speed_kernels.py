@@ -210,3 +210,42 @@ def test_one_stage_step_time_equals_the_simulator(lengths, dp, strategy, nmb):
     f, b = np.ascontiguousarray(pk.mb_fwd[order]), np.ascontiguousarray(pk.mb_bwd[order])
     ref = step_times_ranks_sliced(1, 1, SCHEDULES["1f1b"], f, b, np.zeros_like(b), np.arange(d + 1) * v, *edges[:3], 0.0)
     assert got == float(ref.max())
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=60), st.sampled_from([1, 2, 5]),
+       st.sampled_from(["slimpack", "wlb", "hydraulis"]))
+def test_one_stage_peaks_equal_the_simulator(lengths, dp, strategy):
+    """At PP 1 under 1F1B peak memory is stepped through for ranks without slices and simulated for the others:
+    bit for bit the simulator's on every rank."""
+    from packloader.balancers.cost.memory import memory_model_for
+    from packloader.balancers.planners.base import StepLayout
+    from packloader.balancers.planners.packing import Pieces
+    from packloader.balancers.planners.packing_measures import slice_edges_prefix
+    from packloader.balancers.planners.registry import Window, make_planner
+    from packloader.balancers.sim.peaks import packing_peaks, peaks_ranks_sliced, stage_bytes
+    from packloader.contracts import PlannerState
+
+    cfg = PlanConfig(strategy=strategy, parallel=ParallelConfig(dp=dp, tp=8), max_tokens=512 if strategy == "slimpack"
+                     else 3000, context=3000)
+    planner = make_planner(cfg)
+    pk = planner.solve(Pieces.of(Window.from_lengths(np.array(lengths)), PlannerState(), 0), StepLayout(0),
+                       planner.model).costs(planner.model)
+    memory = memory_model_for(cfg.model, cfg.parallel, cfg.schedule, cfg.device, cfg.memory_gib)
+    edges = slice_edges_prefix(pk)
+    got = packing_peaks(pk, memory, 1, 1, 0, edges)
+    d, v = pk.rank_mbs.shape
+    order = pk.rank_mbs.ravel()
+    tokens = np.bincount(pk.seg_mb, weights=(pk.seg_end - pk.seg_start).astype(np.float64),
+                         minlength=pk.num_micro_batches)
+    for m, grp in pk.groups.items():  # DP-Merge: each member holds its share
+        tokens[m] /= len(grp)
+    tokens = tokens[order]
+    bo, has = np.zeros(d * v, np.int64), np.zeros(d, np.bool_)
+    for r, o in enumerate(pk.backward_order or []):
+        if o is not None:
+            bo[r * v:(r + 1) * v], has[r] = o, True
+    act, trans, kv, static = stage_bytes(memory, 1)
+    ref = peaks_ranks_sliced(1, 1, 0, pk.mb_fwd[order], pk.mb_bwd[order], tokens, act, trans, kv, np.arange(d + 1) * v,
+                             edges[0], edges[1], edges[2], edges[3].astype(np.float64), bo, has)
+    assert got.tolist() == (ref + static[None, :]).tolist()

@@ -146,7 +146,7 @@ class WLBPlanner(PackingPlanner):
         queued_idx = np.nonzero(piece_bin < 0)[0]
         return whole_pieces_packing(
             pieces, piece_bin, rank_mbs, queued=pieces.queue(queued_idx),
-            delayed=[int(pieces.doc[i]) for i in queued_idx if pieces.drawn[i] == step], strategy=self.name,
+            delayed=pieces.doc[queued_idx][pieces.drawn[queued_idx] == step].tolist(), strategy=self.name,
         )
 
 

@@ -63,6 +63,7 @@ from packloader.balancers.planners.slimpack_kernels import (
     backward_runs_ranks,
     equal_cost_cuts,
     lpt_dispatch,
+    own_segments,
     slim_pack_ranks,
 )
 from packloader.contracts import PlanConfig
@@ -262,12 +263,11 @@ class SlimPackPlanner(PackingPlanner):
         slot[rows, cols] = nmb + np.arange(len(rows))
         free_off = np.zeros(dp + 1, np.int64)
         np.cumsum(kp, out=free_off[1:])
-        at = free_off[sr] + sk
-        p = by_rank[spc]
-        off = pieces.offset[p]
-        seg.append((pieces.doc[p], off + ss, off + se, off, nmb + at))
+        *own, at, p, is_slice = own_segments(by_rank, spc, ss, se, sk, sr, free_off, pieces.doc, pieces.offset,
+                                             pieces.length, nmb)
+        seg.append(tuple(own))
         nmb += len(rows)
-        sliced = np.nonzero((ss > 0) | (se < pieces.length[p]))[0]
+        sliced = np.nonzero(is_slice)[0]
         span_arr = np.array(spans, np.int64).reshape(-1, 3)
         if len(sliced):  # first and last pack position of each sliced piece (its slices are in order)
             p_sl = p[sliced]
@@ -275,7 +275,7 @@ class SlimPackPlanner(PackingPlanner):
             _, first_at = np.unique(p_sl, return_index=True)
             last_at = len(p_sl) - 1 - np.unique(p_sl[::-1], return_index=True)[1]
             span_arr = np.concatenate([span_arr, np.stack([sr[sliced][first_at], pos[first_at], pos[last_at]], axis=1)])
-        cat = [np.concatenate([s[j] for s in seg]).astype(np.int64) if seg else np.zeros(0, np.int64) for j in range(5)]
+        cat = [np.concatenate([s[j] for s in seg]).astype(np.int64, copy=False) if seg else np.zeros(0, np.int64) for j in range(5)]
         # backward_runs of each rank, in one numba call
         order, has = backward_runs_ranks(v, dp, np.ascontiguousarray(span_arr[:, 0]), np.ascontiguousarray(span_arr[:, 1]),
                                          np.ascontiguousarray(span_arr[:, 2]))

@@ -388,3 +388,32 @@ def backward_runs_ranks(num_slots, dp, span_r, span_a, span_b):
                 k += 1
             s = end + 1
     return order, has
+
+
+@njit(cache=True)
+def own_segments(by_rank, spc, ss, se, sk, sr, free_off, doc, offset, length, first_id):
+    """The segments of the ranks' own pieces from `slim_pack_ranks` (segment j: piece by_rank[spc[j]], tokens
+    ss..se of it, in pack sk of rank sr, whose free packs are numbered from free_off[sr] after first_id), in one
+    pass: (doc, start, end, attend_from, micro-batch id, pack index, piece, whether it is a slice of a cut
+    piece)."""
+    k = ss.shape[0]
+    s_doc = np.empty(k, dtype=np.int64)
+    s_start = np.empty(k, dtype=np.int64)
+    s_end = np.empty(k, dtype=np.int64)
+    s_af = np.empty(k, dtype=np.int64)
+    s_mb = np.empty(k, dtype=np.int64)
+    at = np.empty(k, dtype=np.int64)
+    piece = np.empty(k, dtype=np.int64)
+    cut = np.empty(k, dtype=np.bool_)
+    for j in range(k):
+        p = by_rank[spc[j]]
+        o = offset[p]
+        piece[j] = p
+        at[j] = free_off[sr[j]] + sk[j]
+        s_doc[j] = doc[p]
+        s_start[j] = o + ss[j]
+        s_end[j] = o + se[j]
+        s_af[j] = o
+        s_mb[j] = first_id + at[j]
+        cut[j] = ss[j] > 0 or se[j] < length[p]
+    return s_doc, s_start, s_end, s_af, s_mb, at, piece, cut

@@ -24,6 +24,7 @@ import os
 import platform
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--datasets", default="synthetic-cc,synthetic-github,synthetic-longtail,stdlib,docs")
     ap.add_argument("--setups", default=",".join(SETUPS))
     ap.add_argument("--steps", type=int, default=None, help="steps per configuration (default: per setup)")
-    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "packloader-bench")
+    ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "packloader-bench", help="token-length cache (planner.py's)")
     ap.add_argument("--json", type=Path, help="write the rows as JSON")
     ap.add_argument("--compare", type=Path, help="rows of an earlier run (--json) to show beside these")
     ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")

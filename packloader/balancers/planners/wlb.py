@@ -170,6 +170,9 @@ def _make(config: PlanConfig, options: WLBOptions, model: CostModel) -> Planner:
     return WLBPlanner(config, model=model, **msgspec.structs.asdict(options))
 
 
+SCAN_MISSES = 32  # wlb_pack: times the fewest-tokens bin is found by a scan before its heap is built
+
+
 @njit(cache=True)
 def _choose_bin(tok, w_idx, l_idx, l, cap):
     """WLB's rule: the least loaded bin when the piece fits there, else the bin with the fewest tokens when it
@@ -212,7 +215,8 @@ def wlb_pack(c, lengths, nbins, cap):
     step (bin -1); ties to the lowest bin. Returns (bin of each piece, bin attention seconds, bin tokens).
 
     Both minima come from binary heaps keyed (value, bin), each bin's position tracked (loads and token counts
-    only grow: the bin that took a piece moves down from where it is): O(n log bins) instead of a scan of
+    only grow: the bin that took a piece moves down from where it is), the tokens' one built only once the
+    least loaded bin has lacked room SCAN_MISSES times: O(n log bins) instead of a scan of
     every bin per piece, which dominated at DP 1024 (a thousand bins and more); up to HEAP_MIN_BINS bins the
     scan is cheaper and is used."""
     n = lengths.shape[0]
@@ -222,29 +226,57 @@ def wlb_pack(c, lengths, nbins, cap):
     load = np.zeros(nbins, dtype=np.float64)
     if nbins <= HEAP_MIN_BINS:
         return _wlb_pack_scan(c, lengths, nbins, cap, assign, attn, tok, load)
-    # every bin starts equal, so bin order is already a heap of (load, bin) and of (tokens, bin)
+    # every bin starts equal, so bin order is already a heap of (load, bin)
     lk = np.empty(nbins, dtype=np.float64)
     li = np.arange(nbins, dtype=np.int64)
     lpos = np.arange(nbins, dtype=np.int64)  # each bin's position in the load heap
-    tk = np.zeros(nbins, dtype=np.int64)
-    ti = np.arange(nbins, dtype=np.int64)
-    tpos = np.arange(nbins, dtype=np.int64)
     for b in range(nbins):
         load[b] = _bin_time(c, 0.0, 0)
         lk[b] = load[b]
+    # the (tokens, bin) heap is only asked when the least loaded bin has no room, which is rare: until that has
+    # happened SCAN_MISSES times its minimum is found by a scan, then the heap is built and kept
+    tk = np.empty(nbins, dtype=np.int64)
+    ti = np.empty(nbins, dtype=np.int64)
+    tpos = np.empty(nbins, dtype=np.int64)
+    misses = 0
     order = desc_order(lengths)
     for k in range(n):
         i = order[k]
         l = lengths[i]
-        b = _choose_bin(tok, li[0], ti[0], l, cap)
-        if b < 0:
-            continue
+        b = li[0]
+        if tok[b] + l > cap:
+            misses += 1
+            if misses == SCAN_MISSES:
+                _build_heap(tok, tk, ti, tpos)
+            if misses >= SCAN_MISSES:
+                f = ti[0]
+            else:
+                f = 0
+                for j in range(1, nbins):
+                    if tok[j] < tok[f]:
+                        f = j
+            b = _choose_bin(tok, b, f, l, cap)
+            if b < 0:
+                continue
         _add_piece(c, i, l, b, assign, attn, tok, load)
-        lk[lpos[b]] = load[b]  # both keys of bin b grew: it moves down from where it is
+        lk[lpos[b]] = load[b]  # its keys grew: it moves down from where it is
         _sift_down(lk, li, lpos, nbins, lpos[b])
-        tk[tpos[b]] = tok[b]
-        _sift_down(tk, ti, tpos, nbins, tpos[b])
+        if misses >= SCAN_MISSES:
+            tk[tpos[b]] = tok[b]
+            _sift_down(tk, ti, tpos, nbins, tpos[b])
     return assign, attn, tok
+
+
+@njit(cache=True)
+def _build_heap(key, hk, hi, pos):
+    """A (key, index) min-heap of every item of `key` in hk, hi, with positions in pos."""
+    n = key.shape[0]
+    for j in range(n):
+        hk[j] = key[j]
+        hi[j] = j
+        pos[j] = j
+    for j in range(n // 2 - 1, -1, -1):
+        _sift_down(hk, hi, pos, n, j)
 
 
 @njit(cache=True)

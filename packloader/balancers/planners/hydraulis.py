@@ -164,8 +164,9 @@ class HydraulisPlanner(PackingPlanner):
         micro-batch takes at least its largest piece plus the floor, and at least the mean, (its pieces' work
         + V floors) / V; times (PP - 1 + V). Valid when the linear part is convex (a bin of n tokens costs at
         least its pieces' own shares, a*n^2 >= sum a*l^2); for measured linear tables, which need not be convex
-        (the H100 backward rows are not even monotone), the weaker `table_bound`; None otherwise. Lets `solve` skip a V (at
-        the top of Appendix C's window: hundreds of micro-batches, each a floor) without changing which V wins."""
+        (the H100 backward rows are not even monotone), the weaker `table_bound`; None otherwise. Lets `solve`
+        skip a V (at the top of Appendix C's window: hundreds of micro-batches, each a floor) without changing
+        which V wins."""
         ra = ra or self.arrays()
         c = ra.coeffs
         if (c[:, LIN_KNOTS] > 0).all():

@@ -19,8 +19,9 @@ from packloader.balancers.planners.bins import _heap_pop, _heap_push, _sift_down
 @njit(cache=True)
 def lpt_dispatch(work, dp, merge_share, lengths):
     """SlimPack phase one: pieces, heaviest first, to the least loaded DP rank (equal forward capacity per
-    rank; ties to the lowest rank). A piece heavier than `merge_share` (a rank's share; inf disables DP-Merge) goes to a DP-Merge group
-    of g = ceil(work / merge_share) ranks (2 <= g <= dp), the g least loaded, each charged work / g.
+    rank; ties to the lowest rank). A piece heavier than `merge_share` (a rank's share; inf disables DP-Merge)
+    goes to a DP-Merge group of g = ceil(work / merge_share) ranks (2 <= g <= dp), the g least loaded, each
+    charged work / g. `lengths`: the pieces' lengths (work is a function of them: the order is counted).
 
     Returns (rank of each piece, -1 for a merged one; members of piece i's group, sorted, as
     members[offs[i]:offs[i+1]], empty for a piece that is not merged)."""

@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit
 
 from packloader.balancers.sim.kernels import (
+    SCHEDULES,
     backward_order_kernel,
     build_ops,
     edge_csr,
@@ -112,7 +113,7 @@ def packing_peaks(packing, memory, pp: int, vpp: int, kind: int, edges, stages=N
     act_pt, trans_pt, kv_pt, static = stages if stages is not None else stage_bytes(memory, pp)
     e_off, e_src, e_dst, e_prefix = edges
     e_prefix = np.ascontiguousarray(e_prefix, dtype=np.float64)
-    if pp == 1 and vpp == 1 and kind == 0:  # 1F1B on one stage: ranks without slices need no simulation
+    if pp == 1 and vpp == 1 and kind == SCHEDULES["1f1b"]:  # 1F1B on one stage: ranks without slices need no simulation
         peaks = one_stage_peaks(tokens, act_pt[0], trans_pt[0], v, e_off, has)
         sim = np.nonzero(peaks[:, 0] < 0)[0]
         if len(sim):

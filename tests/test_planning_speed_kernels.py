@@ -287,3 +287,47 @@ def test_wlb_pack_builds_its_token_heap_after_misses_and_matches_the_scan():
     got, _, _ = wlb_pack(coeffs, np.array(lengths, np.int64), nbins, cap)
     assert to_fewest > 10 * SCAN_MISSES  # the heap path chose bins
     assert got.tolist() == ref
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 5), st.integers(0, 60), st.booleans(), st.randoms(use_true_random=False))
+def test_step_plan_groups_segments_as_listed(dp, v, n, merge, rnd):
+    """Packing.to_step_plan (segments grouped by a counting sort, built with map, sliced per micro-batch, garbage
+    collection paused) gives each micro-batch its segments in their order in the arrays, as a loop of appends
+    does; DP-Merge groups, costs and backward orders carried; collection back as it was."""
+    import gc
+
+    from packloader.balancers.planners.packing import Packing
+    from packloader.contracts import Segment
+
+    nmb = dp * v
+    mb = np.array([rnd.randrange(nmb) for _ in range(n)], np.int64)
+    if rnd.random() < 0.3:
+        mb = np.sort(mb)  # already grouped: no sort
+    cols = [np.array([rnd.randrange(1000) for _ in range(n)], np.int64) for _ in range(3)]
+    start, length = cols[1], cols[2] + 1
+    groups = {0: list(range(dp))} if merge and dp > 1 else {}
+    rank_mbs = np.arange(nmb, dtype=np.int64).reshape(dp, v)
+    if groups:
+        rank_mbs[:, 0] = 0
+    order = [list(range(v))[::-1] if r % 2 else None for r in range(dp)]
+    pk = Packing(seg_doc=cols[0], seg_start=start, seg_end=start + length, seg_af=start, seg_mb=mb, rank_mbs=rank_mbs,
+                 groups=groups, backward_order=order, mb_fwd=np.arange(nmb, dtype=float), mb_bwd=np.ones(nmb))
+    enabled = rnd.random() < 0.8
+    (gc.enable if enabled else gc.disable)()
+    try:
+        plan = pk.to_step_plan(7)
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable()
+    want: list[list] = [[] for _ in range(nmb)]
+    for k in range(n):
+        want[mb[k]].append(Segment(int(cols[0][k]), int(start[k]), int(start[k] + length[k]), int(start[k])))
+    assert plan.step == 7 and len(plan.ranks) == dp
+    for r, rp in enumerate(plan.ranks):
+        assert rp.backward_order == order[r]
+        for j, m in enumerate(rank_mbs[r].tolist()):
+            got = rp.micro_batches[j]
+            assert got.segments == want[m]
+            assert (got.fwd_cost, got.bwd_cost) == (float(m), 1.0)
+            assert got.dp_group == groups.get(m)

@@ -8,6 +8,7 @@ the tie rules are what is checked; lengths are drawn from a few values for the s
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -300,16 +301,16 @@ def test_step_plan_groups_segments_as_listed(dp, v, n, merge, rnd):
     from packloader.balancers.planners.packing import Packing
     from packloader.contracts import Segment
 
-    nmb = dp * v
+    groups = {0: list(range(dp))} if merge and dp > 1 else {}
+    rank_mbs = np.arange(dp * v, dtype=np.int64).reshape(dp, v)
+    if groups:  # micro-batch 0 on every rank, the others renumbered 1..
+        rank_mbs = np.concatenate([np.zeros((dp, 1), np.int64), 1 + np.arange(dp * (v - 1)).reshape(dp, v - 1)], 1)
+    nmb = int(rank_mbs.max()) + 1
     mb = np.array([rnd.randrange(nmb) for _ in range(n)], np.int64)
     if rnd.random() < 0.3:
         mb = np.sort(mb)  # already grouped: no sort
     cols = [np.array([rnd.randrange(1000) for _ in range(n)], np.int64) for _ in range(3)]
     start, length = cols[1], cols[2] + 1
-    groups = {0: list(range(dp))} if merge and dp > 1 else {}
-    rank_mbs = np.arange(nmb, dtype=np.int64).reshape(dp, v)
-    if groups:
-        rank_mbs[:, 0] = 0
     order = [list(range(v))[::-1] if r % 2 else None for r in range(dp)]
     pk = Packing(seg_doc=cols[0], seg_start=start, seg_end=start + length, seg_af=start, seg_mb=mb, rank_mbs=rank_mbs,
                  groups=groups, backward_order=order, mb_fwd=np.arange(nmb, dtype=float), mb_bwd=np.ones(nmb))
@@ -331,3 +332,8 @@ def test_step_plan_groups_segments_as_listed(dp, v, n, merge, rnd):
             assert got.segments == want[m]
             assert (got.fwd_cost, got.bwd_cost) == (float(m), 1.0)
             assert got.dp_group == groups.get(m)
+    bad = Packing(seg_doc=cols[0], seg_start=start, seg_end=start + length, seg_af=start, seg_mb=mb + nmb,
+                  rank_mbs=rank_mbs)
+    if n:  # a segment in a micro-batch no rank lists: refused, not written past the arrays
+        with pytest.raises(ValueError, match="micro-batch"):
+            bad.to_step_plan(0)

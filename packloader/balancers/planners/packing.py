@@ -171,6 +171,9 @@ class Packing:
         # the segments grouped by micro-batch (a stable sort keeps their order within one), built in one pass and
         # sliced: at DP 1024 a step holds ~130K segments, and a loop of appends cost twice as long
         mb = self.seg_mb
+        if mb.size and not 0 <= int(mb.min()) <= int(mb.max()) < nmb:
+            raise ValueError(f"a segment in micro-batch {int(mb.max())} or {int(mb.min())}, but the ranks list "
+                             f"micro-batches 0..{nmb - 1}")
         order = None if mb.size < 2 or bool((mb[1:] >= mb[:-1]).all()) else grouped_order(mb, nmb)
         cols = (self.seg_doc, self.seg_start, self.seg_end, self.seg_af)
         flat = list(map(Segment, *(c.tolist() if order is None else c[order].tolist() for c in cols)))

@@ -17,9 +17,11 @@ micro-batch (max_tokens 128K over CP 4), so all of them meet the same memory cap
   from lengths alone (`lifts` 0, no floors: the smallest size whose shard fits, megatron-core's rule) to show what the
   cost-driven sizing adds;
 * cp_mode "auto" at DP 4 x CP 4: each step fixed CP 4 (its traffic priced) or per-document CP, the faster;
-* megatron-core's hybrid CP (`BalancedCPScheduler`): the column of `megatron_hybrid_cp_plan` below, a hook that
-  turns one step's lengths into a per-document CP StepPlan, priced here like ours (`priced_dynamic`); empty until
-  the peer adapter (`benchmarks/peers/megatron_hybrid_cp.py`) is wired to it.
+* megatron-core's hybrid CP (`BalancedCPScheduler`, run by `benchmarks/peers/megatron_hybrid_cp.py` on each step's
+  pieces, max_seqlen_per_dp_cp_rank 32K, sequence parallelism at TP 8): its placement priced like ours
+  (`priced_dynamic`: the same attention, linear part, CP traffic and waits for subgroup peers) plus its group
+  barriers (`barrier_step_time`: each group lasts as long as its busiest GPU); its padding column counts the
+  padding it requires (every sample to a multiple of 2 x DP x CP x TP), which is not priced (in its favour).
 
 Data sets (`benchmarks/planner.py`'s generators, cut at the 128K context as the loader cuts): synthetic-longtail,
 synthetic-cc, synthetic-github; `--steps` steps of `--tokens-per-step` tokens each. Figures: simulated tokens per
@@ -61,8 +63,26 @@ FIXED_LAYOUTS = ((4, 4), (8, 2), (16, 1))  # (dp, cp) of the 16 GPUs
 def megatron_hybrid_cp_plan(lengths: np.ndarray, config: PlanConfig) -> StepPlan | tuple[StepPlan, int] | None:
     """THE PEER HOOK: one step's piece lengths (draw order, doc ids 0..n-1 within the step) and the
     per-document-CP PlanConfig in, megatron-core's BalancedCPScheduler placement as a StepPlan with cp_mode
-    "dynamic" out (optionally with its padding tokens). None: not wired yet (the column says so)."""
-    return None
+    "dynamic" out, with the padding tokens megatron-core's hybrid CP requires (every sample to a multiple of
+    2 x DP x CP x TP with sequence parallelism). Its memory cap is the same 32K tokens a GPU holds under every
+    other plan (max_tokens / cp)."""
+    from peers.megatron_hybrid_cp import megatron_hybrid_cp_plan as peer  # imports megatron-core: only when used
+
+    par = config.parallel
+    plan = peer([int(n) for n in lengths], dp=par.dp, cp=par.cp, max_tokens_per_gpu=config.max_tokens // par.cp,
+                sequence_parallel_tp=par.tp)
+    return plan, int(plan.extra["pad_tokens_required"])
+
+
+def megatron_step_time(plan: StepPlan) -> float:
+    """A priced megatron plan's step time: each of its groups lasts as long as its busiest GPU (the barrier over
+    the DP x CP GPUs that ends it), which a plan's per-GPU sums cannot express."""
+    from peers.megatron_hybrid_cp import barrier_step_time
+
+    slots = max(len(r.micro_batches) for r in plan.ranks)
+    times = [[r.micro_batches[m].fwd_cost + r.micro_batches[m].bwd_cost if m < len(r.micro_batches) else 0.0
+              for r in plan.ranks] for m in range(slots)]
+    return barrier_step_time(plan, times)
 
 
 def config_for(dp: int, cp: int, args, cp_mode: str = "fixed") -> PlanConfig:
@@ -141,6 +161,8 @@ def _priced(plan: StepPlan, model) -> StepPlan:
 def run_dynamic(lengths: np.ndarray, args, hook: Callable | None = None, by_length: bool = False) -> Row:
     config = config_for(4, 4, args, cp_mode="dynamic")
     cost = DynamicCPCost.for_config(config)
+    if hook is not None:
+        hook(np.array([CONTEXT // 4]), config)  # megatron-core imported before the clock starts
     t0 = time.perf_counter()
     if hook is None:
         name = "per-document CP (packloader dynamic-cp)"
@@ -169,9 +191,10 @@ def run_dynamic(lengths: np.ndarray, args, hook: Callable | None = None, by_leng
     for plan in plans:
         plan = priced_dynamic(plan, cost)
         s = score_plan(plan, cost.model, config.parallel, use_plan_costs=True)
+        step_time = megatron_step_time(plan) if hook is not None else s.step_time
         row.tokens += s.tokens
-        row.time += s.step_time
-        busy += (1 - idle_share(plan, cost, s.step_time)) * s.step_time
+        row.time += step_time
+        busy += (1 - idle_share(plan, cost, step_time)) * step_time
         for r, rank in enumerate(plan.ranks):
             for mb in rank.micro_batches:
                 for seg, c in zip(mb.segments, mb.cp or []):

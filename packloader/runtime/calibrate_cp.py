@@ -10,10 +10,14 @@ the numbers that matter come from NCCL on the GPUs the plans are for.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
+from pathlib import Path
 from typing import Sequence
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -83,8 +87,6 @@ def device_with_cp_link(base, half: str, gbps: float, latency_us: float, *, name
                         gpus_per_node: int | None = None):
     """A copy of Device `base` (`balancers.cost.devices`) named `name`, with the `half` ("intra" or "inter" node)
     of its cp_link replaced by the fitted numbers; the other half kept."""
-    import msgspec
-
     if half not in ("intra", "inter"):
         raise ValueError(f"half: expected 'intra' or 'inter' (node), got {half!r}")
     link = msgspec.structs.replace(base.cp_link, **{f"{half}_node_gbps": float(gbps),
@@ -97,12 +99,6 @@ def device_with_cp_link(base, half: str, gbps: float, latency_us: float, *, name
 def write_device(device, path) -> None:
     """Device `device` as a device file at `path` (its name must be the file's stem, as `read_device` checks),
     its measured profile referenced relative to the new file's folder."""
-    import json
-    import os
-    from pathlib import Path
-
-    import msgspec
-
     path = Path(path)
     if device.name != path.stem:
         raise ValueError(f"device file {path}: the device is named {device.name!r}; a device file's name is its stem")

@@ -17,6 +17,8 @@ micro-batch (max_tokens 128K over CP 4), so all of them meet the same memory cap
   from lengths alone (`lifts` 0, no floors: the smallest size whose shard fits, megatron-core's rule) to show what the
   cost-driven sizing adds;
 * cp_mode "auto" at DP 4 x CP 4: each step fixed CP 4 (its traffic priced) or per-document CP, the faster;
+* bound: every piece's attention at CP 1, the linear part per token, no CP traffic, perfectly balanced over the
+  16 GPUs: what no plan of these steps beats under this cost model (slicing at smaller CP sizes included);
 * megatron-core's hybrid CP (`BalancedCPScheduler`, run by `benchmarks/peers/megatron_hybrid_cp.py` on each step's
   pieces, max_seqlen_per_dp_cp_rank 32K, sequence parallelism at TP 8): its placement priced like ours
   (`priced_dynamic`: the same attention, linear part, CP traffic and waits for subgroup peers) plus its group
@@ -204,6 +206,26 @@ def run_dynamic(lengths: np.ndarray, args, hook: Callable | None = None, by_leng
     return row
 
 
+def run_bound(lengths: np.ndarray, args) -> Row:
+    """What no plan of these steps can beat under this cost model: every piece's attention at CP 1 (a CP shard
+    costs each of its s GPUs at least 1 / s of it; slices of a piece at least the piece), the linear part at its
+    per-token rate without floors, no CP traffic, spread evenly over the 16 GPUs. The ceiling of any per-document
+    or sliced plan, slicing at smaller CP sizes included (issue 26's open question)."""
+    from packloader.balancers.cost.coeffs import LIN_BWD, LIN_FWD
+    from packloader.balancers.draw import draw_windows
+
+    config = config_for(4, 4, args, cp_mode="dynamic")
+    cost = DynamicCPCost.for_config(config)
+    rate = float(cost.model.coeffs[LIN_FWD + 1] + cost.model.coeffs[LIN_BWD + 1])
+    row = Row("bound: attention at CP 1, linear per token, no CP traffic, perfect balance (no plan beats it)")
+    for w in draw_windows(lengths, config.tokens_per_step, config.context, args.steps).windows:
+        q = np.asarray(w.length, dtype=np.int64)
+        fa, ba = cost.model.segment_times(q, np.zeros_like(q))
+        row.tokens += int(q.sum())
+        row.time += float(fa.sum() + ba.sum() + rate * q.sum()) / cost.pool
+    return row
+
+
 def _renamed(plan: StepPlan, doc: np.ndarray, offset: np.ndarray, step: int) -> StepPlan:
     """A hook's plan (doc = position in the step's lengths, offsets from 0) in the run's doc ids and offsets."""
     ranks = []
@@ -231,6 +253,9 @@ def table(results: dict[str, list[Row]]) -> str:
             if r.note:  # over memory: shown, never the baseline
                 lines.append(f"| {ds} | {r.name}: {r.note} | {r.rate:,.0f} | ({r.rate / best:.3f}x) | {r.idle:.1%} | "
                              f"{r.padding} | {r.plan_s:.2f} | |")
+                continue
+            if r.name.startswith("bound"):
+                lines.append(f"| {ds} | {r.name} | {r.rate:,.0f} | {r.rate / best:.3f}x | 0.0% | 0 | | |")
                 continue
             share = r.mix
             if r.cp_tokens:
@@ -266,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_dynamic(lengths, args, by_length=True))
         rows.append(run_auto(lengths, args))
         rows.append(run_dynamic(lengths, args, hook=megatron_hybrid_cp_plan))
+        rows.append(run_bound(lengths, args))
         results[ds] = rows
         print(table({ds: rows}).splitlines()[-len(rows):] and table({ds: rows}), flush=True)
     text = table(results)

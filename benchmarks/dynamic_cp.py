@@ -17,8 +17,9 @@ micro-batch (max_tokens 128K over CP 4), so all of them meet the same memory cap
   from lengths alone (`lifts` 0, no floors: the smallest size whose shard fits, megatron-core's rule) to show what the
   cost-driven sizing adds;
 * cp_mode "auto" at DP 4 x CP 4: each step fixed CP 4 (its traffic priced) or per-document CP, the faster;
-* bound: every piece's attention at CP 1, the linear part per token, no CP traffic, perfectly balanced over the
-  16 GPUs: what no plan of these steps beats under this cost model (slicing at smaller CP sizes included);
+* bound: every piece's attention at CP 1, the linear part at its lowest time per token, no CP traffic, perfectly
+  balanced over the 16 GPUs: what no plan of these steps priced as per-document CP is priced beats (slicing at
+  smaller CP sizes included);
 * megatron-core's hybrid CP (`BalancedCPScheduler`, run by `benchmarks/peers/megatron_hybrid_cp.py` on each step's
   pieces, max_seqlen_per_dp_cp_rank 32K, sequence parallelism at TP 8): its placement priced like ours
   (`priced_dynamic`: the same attention, linear part, CP traffic and waits for subgroup peers) plus its group
@@ -208,16 +209,18 @@ def run_dynamic(lengths: np.ndarray, args, hook: Callable | None = None, by_leng
 
 def run_bound(lengths: np.ndarray, args) -> Row:
     """What no plan of these steps can beat under this cost model: every piece's attention at CP 1 (a CP shard
-    costs each of its s GPUs at least 1 / s of it; slices of a piece at least the piece), the linear part at its
-    per-token rate without floors, no CP traffic, spread evenly over the 16 GPUs. The ceiling of any per-document
-    or sliced plan, slicing at smaller CP sizes included (issue 26's open question)."""
-    from packloader.balancers.cost.coeffs import LIN_BWD, LIN_FWD
+    costs each of its s GPUs at least 1 / s of it; slices of a piece at least the piece), the linear part at the
+    lowest per-token time of any micro-batch a GPU may hold (1 to max_tokens / cp tokens), no CP traffic, spread
+    evenly over the 16 GPUs. The ceiling of any plan priced as per-document CP is, slicing at smaller CP sizes
+    included (issue 26's open question)."""
+    from packloader.balancers.cost.coeffs import lin_times
     from packloader.balancers.draw import draw_windows
 
     config = config_for(4, 4, args, cp_mode="dynamic")
     cost = DynamicCPCost.for_config(config)
-    rate = float(cost.model.coeffs[LIN_FWD + 1] + cost.model.coeffs[LIN_BWD + 1])
-    row = Row("bound: attention at CP 1, linear per token, no CP traffic, perfect balance (no plan beats it)")
+    n = np.arange(1, cost.cap + 1, dtype=np.float64)  # lin is piecewise linear: its time per token is lowest at a knot
+    rate = float(((lin_times(cost.model.coeffs, n, False) + lin_times(cost.model.coeffs, n, True)) / n).min())
+    row = Row("bound: attention at CP 1, linear at its lowest per-token time, no CP traffic, perfect balance")
     for w in draw_windows(lengths, config.tokens_per_step, config.context, args.steps).windows:
         q = np.asarray(w.length, dtype=np.int64)
         fa, ba = cost.model.segment_times(q, np.zeros_like(q))

@@ -18,8 +18,8 @@ micro-batch (max_tokens 128K over CP 4), so all of them meet the same memory cap
   cost-driven sizing adds;
 * cp_mode "auto" at DP 4 x CP 4: each step fixed CP 4 (its traffic priced) or per-document CP, the faster;
 * bound: every piece's attention at CP 1, the linear part at its lowest time per token, no CP traffic, perfectly
-  balanced over the 16 GPUs: what no plan of these steps priced as per-document CP is priced beats (slicing at
-  smaller CP sizes included);
+  balanced over the 16 GPUs: no plan of these steps, priced the way per-document CP plans are, beats it (slicing
+  at smaller CP sizes included);
 * megatron-core's hybrid CP (`BalancedCPScheduler`, run by `benchmarks/peers/megatron_hybrid_cp.py` on each step's
   pieces, max_seqlen_per_dp_cp_rank 32K, sequence parallelism at TP 8): its placement priced like ours
   (`priced_dynamic`: the same attention, linear part, CP traffic and waits for subgroup peers) plus its group
@@ -211,8 +211,8 @@ def run_bound(lengths: np.ndarray, args) -> Row:
     """What no plan of these steps can beat under this cost model: every piece's attention at CP 1 (a CP shard
     costs each of its s GPUs at least 1 / s of it; slices of a piece at least the piece), the linear part at the
     lowest per-token time of any micro-batch a GPU may hold (1 to max_tokens / cp tokens), no CP traffic, spread
-    evenly over the 16 GPUs. The ceiling of any plan priced as per-document CP is, slicing at smaller CP sizes
-    included (issue 26's open question)."""
+    evenly over the 16 GPUs. The ceiling of any plan priced the way per-document CP plans are, slicing at smaller
+    CP sizes included (issue 26's open question)."""
     from packloader.balancers.cost.coeffs import lin_times
     from packloader.balancers.draw import draw_windows
 

@@ -215,7 +215,7 @@ def _write(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
 
 
 def _plots(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: CostModel, config: PlanConfig, out: Path, memory=None) -> dict[str, str]:
-    ok = [f for f in report.strategies if f.status == "ok" and f.name != dynamic_cp.NAME]  # its plans: a pool of GPUs
+    ok = [f for f in report.strategies if f.status == "ok" and f.name != dynamic_cp.pool_planner()]  # its plans: a pool of GPUs
     roles = {f.name: f.role for f in ok}
     images: dict[str, str] = {}
     L = report.lengths

@@ -8,10 +8,9 @@ from __future__ import annotations
 import msgspec
 
 from packloader.balancers.cost.model import CostModel, annotate_costs
-from packloader.balancers.planners.dynamic_cp import NAME
 from packloader.balancers.planners.dynamic_cp_choice import fixed_with_comm
 from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost
-from packloader.balancers.planners.registry import make_planner
+from packloader.balancers.planners.registry import asks_for_pool, make_planner, planner_specs
 from packloader.balancers.sim.metrics import score_plans
 from packloader.contracts import PlanConfig, StepPlan
 from packloader.report.advice import fits
@@ -20,8 +19,13 @@ from packloader.report.figures import StrategyFigures, strategy_figures
 from packloader.report.run import StrategyRun, run_planner
 
 
+def pool_planner() -> str:
+    """The registered planner of per-document CP (the registry names planners; the report does not)."""
+    return next(s.name for s in planner_specs() if s.cp_pool)
+
+
 def wanted(config: PlanConfig) -> bool:
-    return config.parallel.cp > 1 or config.cp_mode != "fixed"
+    return config.parallel.cp > 1 or asks_for_pool(config)
 
 
 def _priced(plan: StepPlan, model: CostModel) -> StepPlan:
@@ -41,23 +45,24 @@ def dynamic_cp_row(config: PlanConfig, draw: Draw, model: CostModel, runs: dict[
                    figs: list[StrategyFigures], memory=None) -> tuple[StrategyRun, StrategyFigures, str]:
     """The dynamic-cp run, its figures and the note comparing it with the fastest fixed-CP packloader plan that
     fits in memory (`memory`: the report's memory model)."""
-    cfg = msgspec.structs.replace(config, strategy=NAME, cp_mode="dynamic")
-    run = run_planner(lambda: make_planner(cfg), NAME, cfg, draw)
-    run.name = NAME
+    name = pool_planner()
+    cfg = msgspec.structs.replace(config, strategy=name, cp_mode="dynamic")
+    run = run_planner(lambda: make_planner(cfg), name, cfg, draw)
+    run.name = name
     # its plans carry their own prices; packing efficiency against a GPU's share (max_tokens / cp), which also
     # bounds its memory as it bounds a fixed-CP GPU's
     per_gpu = msgspec.structs.replace(cfg, max_tokens=-(-cfg.max_tokens // cfg.parallel.cp))
     fig = strategy_figures(run, draw, model, per_gpu, None)
     if fig.status != "ok":
-        return run, fig, f"per-document CP ({NAME}) could not plan these steps: {fig.note}"
+        return run, fig, f"per-document CP ({name}) could not plan these steps: {fig.note}"
     comm = DynamicCPCost.for_config(cfg).comm
     fixed = [f for f in figs if f.status == "ok" and f.role == "packloader" and f.name in runs and fits(f, memory)]
     rates = {f.name: fixed_with_traffic_rate(runs[f.name], model, config, comm) for f in fixed}
     if not rates:
-        return run, fig, f"per-document CP ({NAME}): {fig.tokens_per_second / 1e3:,.0f}k tokens/s simulated"
+        return run, fig, f"per-document CP ({name}): {fig.tokens_per_second / 1e3:,.0f}k tokens/s simulated"
     best = max(rates, key=rates.get)  # type: ignore[arg-type]
     ratio = fig.tokens_per_second / rates[best] if rates[best] > 0 else 0.0
-    text = (f"per-document CP ({NAME}, each document on its own power-of-two subgroup of the {config.parallel.dp} x "
+    text = (f"per-document CP ({name}, each document on its own power-of-two subgroup of the {config.parallel.dp} x "
             f"{config.parallel.cp} GPUs): {fig.tokens_per_second / 1e3:,.0f}k tokens/s simulated, {ratio:.2f}x {best} at "
             f"fixed CP {config.parallel.cp} ({rates[best] / 1e3:,.0f}k tokens/s once its CP all-gather is priced too); ")
     if ratio > 1.0:

@@ -222,7 +222,7 @@ class DynamicCPPlanner:
         return StepPlan(step=step, ranks=ranks, planner=NAME, cp_mode="dynamic")
 
 
-@register_planner(NAME, options=DynamicCPOptions, report_order=None,
+@register_planner(NAME, options=DynamicCPOptions, report_order=None, cp_pool=True,
                   summary="packloader per-document CP: each document on its own power-of-two GPU subgroup")
 def _make(config: PlanConfig, options: DynamicCPOptions, model) -> DynamicCPPlanner:
     if config.cp_mode == "fixed":  # its plans need a runtime that runs per-document subgroups: opted into

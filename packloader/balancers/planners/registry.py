@@ -115,6 +115,9 @@ class PlannerSpec:
     # takes a RankCosts (a cost model and token cap per DP rank) as its injected model: the report's grouping
     # advice (DP ranks merged into context-parallel groups) plans with it
     rank_costs: bool = False
+    # plans per-document context parallelism on the DP x CP pool (StepPlan.cp_mode "dynamic"): the report's
+    # per-document CP row plans with it
+    cp_pool: bool = False
 
     def parse_options(self, raw: dict | None) -> Any:
         """The entry's options Struct from a plain dict, unknown or ill-typed keys a ValueError naming them."""
@@ -144,7 +147,7 @@ _builtins_loaded = False
 def register_planner(name: str, **entry: Any) -> Callable[[PlannerFactory], PlannerFactory]:
     """Make `name` a valid `PlanConfig.strategy` whose planners `factory(config, options, model)` builds; `entry`
     holds the other PlannerSpec fields (slices, options, role, summary, report_order, auto, uses_model,
-    rank_costs)."""
+    rank_costs, cp_pool)."""
 
     def deco(factory: PlannerFactory) -> PlannerFactory:
         _REGISTRY[name] = PlannerSpec(name, factory, **entry)
@@ -228,10 +231,16 @@ def check_planner_options(config: PlanConfig) -> None:
         _REGISTRY[name].parse_options(raw)
 
 
+def asks_for_pool(config: PlanConfig) -> bool:
+    """Whether the config opts into per-document CP (cp_mode "dynamic" or "auto"), whose plans need a runtime that
+    runs per-document CP subgroups."""
+    return config.cp_mode != "fixed"
+
+
 def make_planner(config: PlanConfig, model: CostModel | None = None) -> Planner:
     """The configured strategy's planner, `model` injected (default: the config's own, `cost_model_for`); with
     config.cp_mode "dynamic" or "auto", per-document CP's (`planners.dynamic_cp_choice`)."""
-    if config.cp_mode != "fixed" and config.strategy != "dynamic-cp":
+    if asks_for_pool(config) and not planner_spec(config.strategy).cp_pool:
         choice = importlib.import_module("packloader.balancers.planners.dynamic_cp_choice")
         return choice.cp_mode_planner(config, model)
     return planner_spec(config.strategy).build(config, model)

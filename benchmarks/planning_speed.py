@@ -68,7 +68,7 @@ def lengths_for(name: str, cache: Path) -> np.ndarray | None:
     raise ValueError(f"unknown data set {name!r}")
 
 
-def run(dataset: str, setup_name: str, steps: int | None, cache: Path) -> Row | None:
+def run(dataset: str, setup_name: str, steps: int | None, cache: Path, threads: int | None = None) -> Row | None:
     dp, pp, default_steps = SETUPS[setup_name]
     steps = steps or default_steps
     lengths = lengths_for(dataset, cache)
@@ -80,6 +80,8 @@ def run(dataset: str, setup_name: str, steps: int | None, cache: Path) -> Row | 
     cfg = PlanConfig(strategy="auto", parallel=ParallelConfig(dp=dp, pp=pp, tp=8), max_tokens=CAP, context=CAP,
                      tokens_per_step=tokens, allow_slicing=True, model="llama3-8b", cost="measured")
     planner = make_planner(cfg)
+    if threads is not None:
+        planner.pool.threads = threads
     planner.plan(windows[-1], PlannerState(), 0)  # warm-up: numba compilation, caches
     gc.collect()
     gc.freeze()
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--setups", default=",".join(SETUPS))
     ap.add_argument("--steps", type=int, default=None, help="steps per configuration (default: per setup)")
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "packloader-bench", help="token-length cache (planner.py's)")
+    ap.add_argument("--threads", type=int, help="auto's threads for candidates at scale (default: PACKLOADER_AUTO_THREADS, else 1)")
     ap.add_argument("--json", type=Path, help="write the rows as JSON")
     ap.add_argument("--compare", type=Path, help="rows of an earlier run (--json) to show beside these")
     ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for ds in args.datasets.split(","):
         for su in args.setups.split(","):
-            r = run(ds, su, args.steps, args.cache)
+            r = run(ds, su, args.steps, args.cache, args.threads)
             if r is None:
                 print(f"{ds}: no data here, skipped", flush=True)
                 continue

@@ -14,7 +14,7 @@ from packloader.balancers.planners.bins import (
     _empty_bin_loads,
     _heap_pop,
     _heap_push,
-    _sift_down,
+    _sift_top,
     desc_order,
     desc_order_by,
 )
@@ -91,7 +91,6 @@ def _dispatch_longest_first(perm, lengths, t_sum, t_full, pp, assign, cc, ee, lm
     lmax[:] = 0
     hk = np.empty(d, dtype=np.float64)
     hi = np.empty(d, dtype=np.int64)
-    hpos = np.empty(d, dtype=np.int64)
     hs = 0
     empty = 0  # ranks empty..d-1 hold no piece yet (they fill in index order: equal bounds, lowest rank first)
     for kk in range(n):
@@ -119,8 +118,7 @@ def _dispatch_longest_first(perm, lengths, t_sum, t_full, pp, assign, cc, ee, lm
             lmax[j] = l
             ee[j] = tf
         if from_heap:  # its key grew: down from the top
-            hk[0] = cc[j] + ee[j]
-            _sift_down(hk, hi, hpos, hs, 0)
+            _sift_top(hk, hi, hs, cc[j] + ee[j], j)
         else:
             hs = _heap_push(hk, hi, hs, cc[j] + ee[j], j)
     top = 0.0
@@ -130,7 +128,7 @@ def _dispatch_longest_first(perm, lengths, t_sum, t_full, pp, assign, cc, ee, lm
     return top
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def hydraulis_dispatch(coeffs, rank_profile, caps, lengths, pp, trials, seed):
     """Hydraulis Algorithm 1 (Appendix D.2): greedy dispatch of pieces to DP ranks (pipelines), each piece to
     the rank that keeps the largest lower bound (Eq. 2: sum T(l) + T(max l) * (PP - 1)) smallest, over
@@ -206,7 +204,7 @@ def _hydraulis_pack_scan(coeffs, rank_profile, caps, lengths, piece_rank, per_ra
     return assign, load
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def pack_order(coeffs, rank_profile, lengths, piece_rank):
     """The order `hydraulis_pack` takes pieces in: largest workload (under its rank's profile) first, ties in
     index order. It does not depend on V, so `HydraulisPlanner.solve` computes it once for every V it packs."""
@@ -222,14 +220,14 @@ def pack_order(coeffs, rank_profile, lengths, piece_rank):
     return np.argsort(-work, kind="mergesort")
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def hydraulis_pack(coeffs, rank_profile, caps, lengths, piece_rank, per_rank):
     """`hydraulis_pack_ordered` in `pack_order`'s order."""
     order = pack_order(coeffs, rank_profile, lengths, piece_rank)
     return hydraulis_pack_ordered(coeffs, rank_profile, caps, lengths, piece_rank, per_rank, order)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def hydraulis_pack_ordered(coeffs, rank_profile, caps, lengths, piece_rank, per_rank, order):
     """Hydraulis Eq. (1) for one V: on every rank, pack its pieces into `per_rank` micro-batches, longest
     workload first into the least loaded micro-batch the rank's cap allows (LPT with a cap; ties to the lowest

@@ -41,6 +41,7 @@ from packloader.balancers.planners.bins import (
     _bin_time,
     _heap_pop,
     _sift_down,
+    _sift_top,
     bin_times,
     desc_order,
 )
@@ -208,7 +209,7 @@ def _wlb_pack_scan(c, lengths, nbins, cap, assign, attn, tok, load):
     return assign, attn, tok
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def wlb_pack(c, lengths, nbins, cap):
     """WLB-LLM Algorithm 1, lines 18-35: pieces in descending length order go to the bin with the least
     workload if the token cap allows, else to the bin with the fewest tokens, else they remain for the next
@@ -279,7 +280,7 @@ def _build_heap(key, hk, hi, pos):
         _sift_down(hk, hi, pos, n, j)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deal_bins(cost, dp, per_rank):
     """Deal dp*per_rank bins to dp ranks, per_rank each, heaviest bin first to the least loaded rank that still
     has room (LPT with a count constraint). Returns (rank of each bin, position of each bin on its rank);
@@ -293,7 +294,6 @@ def deal_bins(cost, dp, per_rank):
     # the least loaded rank with room, ties to the lowest, from a (load, rank) min-heap; a full rank leaves it
     hk = np.zeros(dp, dtype=np.float64)
     hi = np.arange(dp, dtype=np.int64)  # all loads 0: index order is already a heap
-    hpos = np.arange(dp, dtype=np.int64)
     hs = dp if per_rank > 0 else 0
     for k in range(nb):
         b = order[k]
@@ -303,8 +303,7 @@ def deal_bins(cost, dp, per_rank):
         count[best] += 1
         load[best] += cost[b]
         if count[best] < per_rank:
-            hk[0] = load[best]  # its key grew: down from the top
-            _sift_down(hk, hi, hpos, hs, 0)
+            _sift_top(hk, hi, hs, load[best], best)  # its key grew: down from the top
         else:
             hs = _heap_pop(hk, hi, hs)
     return rank, pos

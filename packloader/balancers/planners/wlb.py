@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 from numba import njit
 
-from packloader.balancers.cost.coeffs import doc_time_split
+from packloader.balancers.cost.coeffs import attn_time, doc_time_split
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.base import PackingPlanner, StepLayout
 from packloader.balancers.planners.bins import (
@@ -241,6 +241,8 @@ def wlb_pack(c, lengths, nbins, cap):
     tpos = np.empty(nbins, dtype=np.int64)
     misses = 0
     order = desc_order(lengths)
+    last = -1  # longest first: equal lengths come together, so a piece's attention is computed once per length
+    a_l = 0.0
     for k in range(n):
         i = order[k]
         l = lengths[i]
@@ -259,7 +261,13 @@ def wlb_pack(c, lengths, nbins, cap):
             b = _choose_bin(tok, b, f, l, cap)
             if b < 0:
                 continue
-        _add_piece(c, i, l, b, assign, attn, tok, load)
+        if l != last:
+            a_l = attn_time(c, l, 0, False) + attn_time(c, l, 0, True)
+            last = l
+        assign[i] = b  # `_add_piece`, written out with the attention of this length
+        attn[b] += a_l
+        tok[b] += l
+        load[b] = _bin_time(c, attn[b], tok[b])
         lk[lpos[b]] = load[b]  # its keys grew: it moves down from where it is
         _sift_down(lk, li, lpos, nbins, lpos[b])
         if misses >= SCAN_MISSES:

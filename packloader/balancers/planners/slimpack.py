@@ -275,8 +275,9 @@ class SlimPackPlanner(PackingPlanner):
             _, first_at = np.unique(p_sl, return_index=True)
             last_at = len(p_sl) - 1 - np.unique(p_sl[::-1], return_index=True)[1]
             span_arr = np.concatenate([span_arr, np.stack([sr[sliced][first_at], pos[first_at], pos[last_at]], axis=1)])
-        cat = [np.concatenate([s[j] for s in seg]).astype(np.int64, copy=False) if seg else np.zeros(0, np.int64)
-               for j in range(5)]
+        # (without DP-Merge pieces the ranks' own segments are all there is: no copy)
+        cat = [(seg[0][j] if len(seg) == 1 else np.concatenate([s[j] for s in seg])).astype(np.int64, copy=False)
+               if seg else np.zeros(0, np.int64) for j in range(5)]
         # backward_runs of each rank, in one numba call
         order, has = backward_runs_ranks(v, dp, np.ascontiguousarray(span_arr[:, 0]), np.ascontiguousarray(span_arr[:, 1]),
                                          np.ascontiguousarray(span_arr[:, 2]))

@@ -227,7 +227,7 @@ class AutoPlanner:
         pieces = Pieces.of(window, state, step)
         run_tokens, run_delay = (state.extra.get(DELAY_KEY) or [0, 0])[:2]
         piece_delay = int(((step - pieces.drawn) * pieces.length).sum())
-        f, b = doc_time_split(self.model.coeffs, pieces.length)
+        f, b = pieces.time_split(self.model.coeffs)
         piece_work = f + b
         total_work = float(piece_work.sum())
         small = len(pieces) * self.config.parallel.dp <= SMALL_WORK

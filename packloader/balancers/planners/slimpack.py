@@ -53,7 +53,6 @@ import math
 import msgspec
 import numpy as np
 
-from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.base import PackingPlanner, StepLayout
 from packloader.balancers.planners.bins import desc_order_by
@@ -121,7 +120,7 @@ class SlimPackPlanner(PackingPlanner):
         dp, cap = self.config.parallel.dp, self.config.max_tokens
         slicing = self.config.allow_slicing
         n = len(pieces)
-        f, b = doc_time_split(model.coeffs, pieces.length)
+        f, b = pieces.time_split(model.coeffs)
         share = float(f.sum()) / dp if n else 0.0
         merge_share = share if (self.dp_merge and dp > 1 and share > 0) else np.inf
         rank, members, offs = lpt_dispatch(f, dp, merge_share, pieces.length)

@@ -107,7 +107,7 @@ class WLBPlanner(PackingPlanner):
             v = default_micro_batches(pieces.total_tokens, n, dp, pp, cap, self.fill)
         else:  # the step's own draw sets V: queued (held) tokens must not inflate it (bins left empty)
             v = default_micro_batches(int(pieces.length[drawn_now].sum()), int(drawn_now.sum()), dp, pp, cap, self.fill)
-        f, b = doc_time_split(c, pieces.length)
+        f, b = pieces.time_split(c)
         work = f + b
         nbins = dp * v
         floor = float(model.floor()[0] + model.floor()[1])

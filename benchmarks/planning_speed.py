@@ -100,6 +100,13 @@ def _stats(xs: list[float]) -> str:
     return f"{np.mean(xs):.1f} / {np.median(xs):.1f} / {max(xs):.1f}"
 
 
+def _verdict(cpu_ms: list[float], target: float) -> str:
+    """The target against the CPU time of every step: met by the mean and the slowest step, or by the mean only."""
+    if max(cpu_ms) <= target:
+        return "met (CPU mean and max)"
+    return "met by the CPU mean, not the max" if np.mean(cpu_ms) <= target else "not met (CPU mean)"
+
+
 def report(rows: list[Row], before: list[Row] | None, argv: list[str]) -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -116,7 +123,7 @@ def report(rows: list[Row], before: list[Row] | None, argv: list[str]) -> str:
     for r in rows:
         dp = SETUPS[r.setup][0]
         line = (f"| {r.dataset} | {r.setup} | {r.pieces} | {_stats(r.cpu_ms)} | {_stats(r.wall_ms)} | "
-                f"{TARGET_MS[dp]:g} ms: {'met' if np.mean(r.cpu_ms) <= TARGET_MS[dp] else 'not met'} (CPU mean) |")
+                f"{TARGET_MS[dp]:g} ms: {_verdict(r.cpu_ms, TARGET_MS[dp])} |")
         if before:
             b = prev.get((r.dataset, r.setup))
             line += f" {_stats(b.cpu_ms)} | {'yes' if b.digests == r.digests else 'no'} |" if b else " - | - |"

@@ -68,7 +68,7 @@ def lengths_for(name: str, cache: Path) -> np.ndarray | None:
     raise ValueError(f"unknown data set {name!r}")
 
 
-def run(dataset: str, setup_name: str, steps: int | None, cache: Path) -> Row | None:
+def run(dataset: str, setup_name: str, steps: int | None, cache: Path, threads: int | None = None) -> Row | None:
     dp, pp, default_steps = SETUPS[setup_name]
     steps = steps or default_steps
     lengths = lengths_for(dataset, cache)
@@ -80,6 +80,8 @@ def run(dataset: str, setup_name: str, steps: int | None, cache: Path) -> Row | 
     cfg = PlanConfig(strategy="auto", parallel=ParallelConfig(dp=dp, pp=pp, tp=8), max_tokens=CAP, context=CAP,
                      tokens_per_step=tokens, allow_slicing=True, model="llama3-8b", cost="measured")
     planner = make_planner(cfg)
+    if threads is not None:
+        planner.pool.threads = threads
     planner.plan(windows[-1], PlannerState(), 0)  # warm-up: numba compilation, caches
     gc.collect()
     gc.freeze()
@@ -98,6 +100,13 @@ def _stats(xs: list[float]) -> str:
     return f"{np.mean(xs):.1f} / {np.median(xs):.1f} / {max(xs):.1f}"
 
 
+def _verdict(cpu_ms: list[float], target: float) -> str:
+    """The target against the CPU time of every step: met by the mean and the slowest step, or by the mean only."""
+    if max(cpu_ms) <= target:
+        return "met (CPU mean and max)"
+    return "met by the CPU mean, not the max" if np.mean(cpu_ms) <= target else "not met (CPU mean)"
+
+
 def report(rows: list[Row], before: list[Row] | None, argv: list[str]) -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -114,7 +123,7 @@ def report(rows: list[Row], before: list[Row] | None, argv: list[str]) -> str:
     for r in rows:
         dp = SETUPS[r.setup][0]
         line = (f"| {r.dataset} | {r.setup} | {r.pieces} | {_stats(r.cpu_ms)} | {_stats(r.wall_ms)} | "
-                f"{TARGET_MS[dp]:g} ms: {'met' if np.mean(r.cpu_ms) <= TARGET_MS[dp] else 'not met'} (CPU mean) |")
+                f"{TARGET_MS[dp]:g} ms: {_verdict(r.cpu_ms, TARGET_MS[dp])} |")
         if before:
             b = prev.get((r.dataset, r.setup))
             line += f" {_stats(b.cpu_ms)} | {'yes' if b.digests == r.digests else 'no'} |" if b else " - | - |"
@@ -129,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--setups", default=",".join(SETUPS))
     ap.add_argument("--steps", type=int, default=None, help="steps per configuration (default: per setup)")
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "packloader-bench", help="token-length cache (planner.py's)")
+    ap.add_argument("--threads", type=int, help="auto's threads for candidates at scale (default: PACKLOADER_AUTO_THREADS, else 1)")
     ap.add_argument("--json", type=Path, help="write the rows as JSON")
     ap.add_argument("--compare", type=Path, help="rows of an earlier run (--json) to show beside these")
     ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
@@ -136,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for ds in args.datasets.split(","):
         for su in args.setups.split(","):
-            r = run(ds, su, args.steps, args.cache)
+            r = run(ds, su, args.steps, args.cache, args.threads)
             if r is None:
                 print(f"{ds}: no data here, skipped", flush=True)
                 continue

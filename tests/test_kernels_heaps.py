@@ -58,7 +58,8 @@ def wlb_reference(lengths: list[int], nbins: int, cap: int) -> list[int]:
     return out
 
 
-def hydraulis_reference(lengths: list[int], rank: list[int], dp: int, v: int, cap: int) -> list[int] | None:
+def hydraulis_reference(lengths: list[int], rank: list[int], dp: int, v: int, cap: int | list[int]) -> list[int] | None:
+    caps = cap if isinstance(cap, list) else [cap] * dp
     work = [bin_time(attn(l), l) - bin_time(0.0, 0) for l in lengths]
     order = sorted(range(len(lengths)), key=lambda i: -work[i])
     a = [0.0] * (dp * v)
@@ -67,7 +68,7 @@ def hydraulis_reference(lengths: list[int], rank: list[int], dp: int, v: int, ca
     out = [-1] * len(lengths)
     for i in order:
         l, r = lengths[i], rank[i]
-        fits = [b for b in range(r * v, (r + 1) * v) if tok[b] + l <= cap]
+        fits = [b for b in range(r * v, (r + 1) * v) if tok[b] + l <= caps[r]]
         if not fits:
             return None
         b = min(fits, key=lambda b: (load[b], b))
@@ -99,6 +100,22 @@ def test_hydraulis_pack_matches_scan_reference(lengths, dp, v, cap, rnd):
     got, _ = hydraulis_pack(np.ascontiguousarray(MODEL.coeffs[None, :]), np.zeros(dp, np.int64), caps,
                             np.array(lengths, np.int64), np.array(rank, np.int64), v)
     ref = hydraulis_reference(lengths, rank, dp, v, cap)
+    if ref is None:
+        assert (got == -1).all()
+    else:
+        assert got.tolist() == ref
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths_st, st.integers(2, 5), st.one_of(st.integers(1, 6), st.integers(HEAP_MIN_BINS // 4 - 1, HEAP_MIN_BINS // 4 + 4)),
+       st.randoms(use_true_random=False))
+def test_hydraulis_pack_with_a_cap_per_rank_matches_the_reference(lengths, dp, v, rnd):
+    """Ranks with different caps (the scan takes each rank's cap once, packing rank by rank)."""
+    rank = [rnd.randrange(dp) for _ in lengths]
+    caps = [rnd.choice([2048, 4096, 8192]) for _ in range(dp)]
+    got, _ = hydraulis_pack(np.ascontiguousarray(MODEL.coeffs[None, :]), np.zeros(dp, np.int64), np.array(caps, np.int64),
+                            np.array(lengths, np.int64), np.array(rank, np.int64), v)
+    ref = hydraulis_reference(lengths, rank, dp, v, caps)
     if ref is None:
         assert (got == -1).all()
     else:

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from concurrent.futures import Future, wait
 
 import msgspec
 import numpy as np
@@ -65,9 +65,11 @@ import numpy as np
 from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.memory import GiB, MemoryModel, memory_limit_bytes, memory_model_for, over_memory_text
 from packloader.balancers.cost.model import CostModel
+from packloader.balancers.planners.auto_step import Candidate, Scored, StepContext, queued_arrays
 from packloader.balancers.planners.base import PackingPlanner
+from packloader.balancers.planners.candidate_pool import CandidatePool, auto_threads
 from packloader.balancers.planners.packing import Packing, Pieces
-from packloader.balancers.planners.packing_measures import imbalance_degree, slice_edges_prefix
+from packloader.balancers.planners.packing_measures import slice_edges_prefix
 from packloader.balancers.planners.registry import (
     AutoUse,
     NoOptions,
@@ -90,13 +92,6 @@ RUN_SHARES = (0.5, 0.25, 1e-9)  # memory fallback: runs of at most this share of
 DELAY_KEY = "auto_delay"  # PlannerState.extra: [tokens trained so far, token-steps of delay so far]
 
 log = logging.getLogger("packloader.planner")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    planner: str
-    micro_batches: int | None  # None: the planner's own choice
-    run_share: float = 0.0  # slimpack with runs of linked packs bounded (SlimPackPlanner.run_share): memory fallback
 
 
 def micro_batch_counts(base: int, small: bool, ladder: tuple[int, ...] = (2,)) -> list[int | None]:
@@ -134,6 +129,7 @@ class AutoPlanner:
         # candidates the memory check dropped over the run: candidate -> (steps dropped, highest peak bytes)
         self.memory_drops: dict[Candidate, tuple[int, float]] = {}
         self.memory_over_steps = 0  # steps where no candidate fit (the lowest peak was taken)
+        self.pool = CandidatePool(auto_threads())  # at scale, candidates planned at once (default: in turn)
 
     # --- candidates ------------------------------------------------------------------------------------------
 
@@ -231,12 +227,10 @@ class AutoPlanner:
         pieces = Pieces.of(window, state, step)
         run_tokens, run_delay = (state.extra.get(DELAY_KEY) or [0, 0])[:2]
         piece_delay = int(((step - pieces.drawn) * pieces.length).sum())
-        f, b = doc_time_split(self.model.coeffs, pieces.length)
+        f, b = pieces.time_split(self.model.coeffs)
         piece_work = f + b
         total_work = float(piece_work.sum())
         small = len(pieces) * self.config.parallel.dp <= SMALL_WORK
-        results: list[_Result] = []
-        errors: list[str] = []
         listed = self.candidates(pieces, layout.micro_batches)
         cands = list(enumerate(listed))
         # slicing candidates first: their time often rules out the whole-piece planners without running them;
@@ -248,32 +242,12 @@ class AutoPlanner:
         # whose forward and backward pass through every stage one after the other: pp x its time at least
         pp = self.config.parallel.pp
         whole_bound = pp * (float(piece_work.max()) + floor) / total_work if len(pieces) and total_work > 0 else 0.0
-        over_bound = 0
-        for idx, cand in cands:
-            if idx in later and any(r.cand.planner in self.slicing and self.fits(r) for r in results):
-                continue  # a slicing count of the ladder fits: the deferred candidates would not win
-            if self.uses[cand.planner].whole_pieces and results:
-                if whole_bound > self.fastest_fitting(results) * (1.0 + TOLERANCE):
-                    continue  # cannot come within the tolerance of the fastest plan that fits so far
-            try:
-                packing = self.solve_candidate(cand, pieces, step, flush, small)
-            except ValueError as e:  # e.g. a piece over the cap for a planner that cannot slice
-                errors.append(f"{cand.planner}: {e}")
-                continue
-            if self.compact and not layout.micro_batches:
-                packing = packing.drop_empty_slots()
-            packing.costs(self.model)
-            edges = slice_edges_prefix(packing)
-            t = self.step_time(packing, edges)
-            work = total_work
-            if packing.queued:  # what it holds back is not trained this step
-                hf, hb = doc_time_split(self.model.coeffs, np.array([q.length for q in packing.queued], np.int64))
-                work -= float(hf.sum() + hb.sum())
-            score = t / work if work > 0 else (0.0 if t == 0 else math.inf)
-            if packing.queued and not self.delay_ok(packing, pieces, step, run_tokens, run_delay, piece_delay):
-                over_bound += 1
-                continue  # holding these back would break the delay bound
-            results.append(_Result(score, idx, packing, cand, edges))
+        ctx = StepContext(pieces, layout, small, total_work, whole_bound, run_tokens, run_delay, piece_delay)
+        ahead = {} if small else self.evaluate_ahead([ic for ic in cands if ic[0] not in later], ctx)
+        try:
+            results, errors, over_bound = self.scored(cands, later, ahead, ctx)
+        finally:
+            wait(list(ahead.values()))  # those the loop skipped: no thread of this step outlives it
         if self.runs and results and not any(r.cand.planner in self.slicing and self.fits(r) for r in results):
             results += self.bounded_runs(listed, pieces, step, flush, small, total_work)
         fallback = next((n for n, u in self.uses.items() if u.flush_fallback), None)
@@ -282,7 +256,7 @@ class AutoPlanner:
             packing = self.solvers[fallback].solve(pieces, StepLayout(step, True), self.model)
             packing.costs(self.model)
             edges = slice_edges_prefix(packing)
-            results.append(_Result(self.step_time(packing, edges) / total_work if total_work > 0 else 0.0,
+            results.append(Scored(self.step_time(packing, edges) / total_work if total_work > 0 else 0.0,
                                    len(listed), packing, cand, edges))
         if not results:
             raise ValueError("auto: no candidate planner can plan this step: " + "; ".join(errors))
@@ -300,6 +274,60 @@ class AutoPlanner:
             self.warn_memory(step, best.peak)
         return plan, packing.state()
 
+    def scored(self, cands: list[tuple[int, Candidate]], later: set[int], ahead: dict[int, Future],
+               ctx: StepContext) -> tuple[list[Scored], list[str], int]:
+        """The candidates in `cands`' order, each skipped, refused or scored as the module docstring says:
+        (scored results, refusals, how many broke the delay bound). `ahead`: candidates already being evaluated
+        in threads (`evaluate_ahead`); one the loop skips is not used."""
+        results: list[Scored] = []
+        errors: list[str] = []
+        over_bound = 0
+        step = ctx.layout.step
+        for idx, cand in cands:
+            if idx in later and any(r.cand.planner in self.slicing and self.fits(r) for r in results):
+                continue  # a slicing count of the ladder fits: the deferred candidates would not win
+            if self.uses[cand.planner].whole_pieces and results:
+                if ctx.whole_bound > self.fastest_fitting(results) * (1.0 + TOLERANCE):
+                    continue  # cannot come within the tolerance of the fastest plan that fits so far
+            try:
+                packing, edges, t, peak = ahead.pop(idx).result() if idx in ahead else self.evaluate(cand, ctx)
+            except ValueError as e:  # e.g. a piece over the cap for a planner that cannot slice
+                errors.append(f"{cand.planner}: {e}")
+                continue
+            work = ctx.total_work
+            q_len, q_drawn = queued_arrays(packing)
+            if packing.queued:  # what it holds back is not trained this step
+                hf, hb = doc_time_split(self.model.coeffs, q_len)
+                work -= float(hf.sum() + hb.sum())
+            score = t / work if work > 0 else (0.0 if t == 0 else math.inf)
+            if packing.queued and not self.delay_ok(q_len, q_drawn, ctx.pieces, step, ctx.run_tokens, ctx.run_delay,
+                                                    ctx.piece_delay):
+                over_bound += 1
+                continue  # holding these back would break the delay bound
+            results.append(Scored(score, idx, packing, cand, edges, peak_ahead=peak))
+        return results, errors, over_bound
+
+    def evaluate(self, cand: Candidate, ctx: StepContext, peak: bool = False) -> tuple[Packing, tuple, float, float | None]:
+        """One candidate planned, its empty slots dropped, costed and simulated: (packing, slice edges, slowest
+        rank's step time, with `peak` its simulated peak bytes, else None). Touches no state of the AutoPlanner,
+        so candidates can run in threads."""
+        lay = ctx.layout
+        packing = self.solve_candidate(cand, ctx.pieces, lay.step, lay.flush, ctx.small)
+        if self.compact and not lay.micro_batches:
+            packing = packing.drop_empty_slots()
+        packing.costs(self.model)
+        edges = slice_edges_prefix(packing)
+        t = self.step_time(packing, edges)
+        return packing, edges, t, (self.peak_bytes(packing, edges) if peak and self.memory is not None else None)
+
+    def evaluate_ahead(self, cands: list[tuple[int, Candidate]], ctx: StepContext) -> dict[int, Future]:
+        """At scale, the candidates `scored` will take, started at once on the pool's threads (`candidate_pool`;
+        off by default), each simulating its peak memory too. Only when each planner object is in one job (their
+        caches are not shared); `scored` skips what it would have skipped."""
+        if len({c.planner for _, c in cands}) < len(cands):
+            return {}
+        return self.pool.start(self.evaluate, {idx: (cand, ctx, True) for idx, cand in cands})
+
     def warn_memory(self, step: int, peak: float) -> None:
         """No candidate fits: a warning the first time (later steps at debug level; `memory_summary` counts
         them), saying by how much and what to change."""
@@ -307,12 +335,12 @@ class AutoPlanner:
         log.log(level, "step %d: %s", step, over_memory_text(self.memory, self.config, peak, self.device))
 
     def bounded_runs(self, listed: list[Candidate], pieces: Pieces, step: int, flush: bool, small: bool,
-                     total_work: float) -> list["_Result"]:
+                     total_work: float) -> list[Scored]:
         """Slimpack at each of its counts with bounded runs of linked packs, loosest bound first until one fits:
         when no slimpack plan fits the device because a long run keeps whole pieces' activations alive until
         its first backward, these keep slicing (and the balance it buys) instead of falling back to whole
         pieces. The tightest bound, pp packs, leaves about one piece's slices per run."""
-        out: list[_Result] = []
+        out: list[Scored] = []
         for c in (c for c in listed if c.planner in self.runs):
             for share in RUN_SHARES:
                 cand = Candidate(c.planner, c.micro_batches, run_share=share)
@@ -322,12 +350,12 @@ class AutoPlanner:
                 packing.costs(self.model)
                 edges = slice_edges_prefix(packing)
                 t = self.step_time(packing, edges)
-                out.append(_Result(t / total_work if total_work > 0 else 0.0, len(listed) + 1 + len(out), packing, cand, edges))
+                out.append(Scored(t / total_work if total_work > 0 else 0.0, len(listed) + 1 + len(out), packing, cand, edges))
                 if self.fits(out[-1]):
                     break
         return out
 
-    def choose(self, results: list["_Result"]) -> tuple["_Result", float]:
+    def choose(self, results: list[Scored]) -> tuple[Scored, float]:
         """The winner among scored candidates (module docstring) and its peak over the memory limit (0 when it
         fits); records the choice, scores and memory drops for the report."""
         fastest = self.fastest_fitting(results)
@@ -352,15 +380,16 @@ class AutoPlanner:
                     self.memory_drops[r.cand] = (n + 1, max(top, r.peak))
         return best, over
 
-    def delay_ok(self, packing: Packing, pieces: Pieces, step: int, run_tokens: int, run_delay: int,
-                 piece_delay: int) -> bool:
-        """Whether a candidate's queue keeps the delay bound (module docstring): at most QUEUE_MAX_SHARE of a
-        step's tokens held, and the run's mean delay, with what it holds trained next step, <= DELAY_MEAN_MAX."""
-        q_tokens = sum(q.length for q in packing.queued)
+    def delay_ok(self, q_len: np.ndarray, q_drawn: np.ndarray, pieces: Pieces, step: int, run_tokens: int,
+                 run_delay: int, piece_delay: int) -> bool:
+        """Whether a candidate's queue (its pieces' lengths and drawn steps, `queued_arrays`) keeps the delay
+        bound (module docstring): at most QUEUE_MAX_SHARE of a step's tokens held, and the run's mean delay,
+        with what it holds trained next step, <= DELAY_MEAN_MAX."""
+        q_tokens = int(q_len.sum())
         if q_tokens > QUEUE_MAX_SHARE * self.config.tokens_per_step:
             return False
-        q_now = sum((step - q.drawn_step) * q.length for q in packing.queued)
-        delay = run_delay + piece_delay - q_now + sum((step + 1 - q.drawn_step) * q.length for q in packing.queued)
+        q_now = int(((step - q_drawn) * q_len).sum())
+        delay = run_delay + piece_delay - q_now + int(((step + 1 - q_drawn) * q_len).sum())
         tokens = run_tokens + pieces.total_tokens
         return delay <= DELAY_MEAN_MAX * tokens
 
@@ -382,15 +411,15 @@ class AutoPlanner:
                      f"(StepPlan.memory_over)")
         return text
 
-    def fits(self, r: "_Result") -> bool:
+    def fits(self, r: Scored) -> bool:
         """Whether a scored candidate's simulated peak memory fits the device (simulated once, on demand)."""
         if self.mem_limit is None:
             return True
         if r.peak is None:
-            r.peak = self.peak_bytes(r.packing, r.edges)
+            r.peak = r.peak_ahead if r.peak_ahead is not None else self.peak_bytes(r.packing, r.edges)
         return r.peak <= self.mem_limit
 
-    def fastest_fitting(self, results: list["_Result"]) -> float:
+    def fastest_fitting(self, results: list[Scored]) -> float:
         """The lowest score among candidates that fit the device (inf when none does): candidates are checked in
         score order until one fits, so usually only the fastest is simulated for memory."""
         for r in sorted(results, key=lambda r: (r.score, r.idx)):
@@ -399,25 +428,6 @@ class AutoPlanner:
             if self.fits(r):
                 return r.score
         return math.inf
-
-
-@dataclass
-class _Result:
-    """A scored candidate: its score (simulated time per unit of work), position in the candidate list, plan,
-    slice edges, simulated peak bytes (None until checked) and imbalance degree (computed when a tie asks)."""
-
-    score: float
-    idx: int
-    packing: Packing
-    cand: Candidate
-    edges: tuple
-    peak: float | None = None
-    _imbalance: float | None = None
-
-    def imbalance(self) -> float:
-        if self._imbalance is None:
-            self._imbalance = imbalance_degree(self.packing)
-        return self._imbalance
 
 
 @register_planner("auto", slices=True, summary="packloader auto: best plan by simulation", report_order=90)

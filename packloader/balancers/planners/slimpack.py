@@ -53,7 +53,6 @@ import math
 import msgspec
 import numpy as np
 
-from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.base import PackingPlanner, StepLayout
 from packloader.balancers.planners.bins import desc_order_by
@@ -121,7 +120,7 @@ class SlimPackPlanner(PackingPlanner):
         dp, cap = self.config.parallel.dp, self.config.max_tokens
         slicing = self.config.allow_slicing
         n = len(pieces)
-        f, b = doc_time_split(model.coeffs, pieces.length)
+        f, b = pieces.time_split(model.coeffs)
         share = float(f.sum()) / dp if n else 0.0
         merge_share = share if (self.dp_merge and dp > 1 and share > 0) else np.inf
         rank, members, offs = lpt_dispatch(f, dp, merge_share, pieces.length)
@@ -275,8 +274,9 @@ class SlimPackPlanner(PackingPlanner):
             _, first_at = np.unique(p_sl, return_index=True)
             last_at = len(p_sl) - 1 - np.unique(p_sl[::-1], return_index=True)[1]
             span_arr = np.concatenate([span_arr, np.stack([sr[sliced][first_at], pos[first_at], pos[last_at]], axis=1)])
-        cat = [np.concatenate([s[j] for s in seg]).astype(np.int64, copy=False) if seg else np.zeros(0, np.int64)
-               for j in range(5)]
+        # (without DP-Merge pieces the ranks' own segments are all there is: no copy)
+        cat = [(seg[0][j] if len(seg) == 1 else np.concatenate([s[j] for s in seg])).astype(np.int64, copy=False)
+               if seg else np.zeros(0, np.int64) for j in range(5)]
         # backward_runs of each rank, in one numba call
         order, has = backward_runs_ranks(v, dp, np.ascontiguousarray(span_arr[:, 0]), np.ascontiguousarray(span_arr[:, 1]),
                                          np.ascontiguousarray(span_arr[:, 2]))

@@ -11,12 +11,12 @@ import numpy as np
 from numba import njit
 
 from packloader.balancers.cost.coeffs import ATTN_BWD, ATTN_FWD, LIN_BWD, LIN_FWD, attn_time, doc_time_split
-from packloader.balancers.planners.bins import _heap_pop, _heap_push, _sift_down, desc_order_by
+from packloader.balancers.planners.bins import _heap_pop, _heap_push, _sift_top, desc_order_by
 
 # ------------------------------------------------------------------------------------------------- SlimPack
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def lpt_dispatch(work, dp, merge_share, lengths):
     """SlimPack phase one: pieces, heaviest first, to the least loaded DP rank (equal forward capacity per
     rank; ties to the lowest rank). A piece heavier than `merge_share` (a rank's share; inf disables DP-Merge)
@@ -41,7 +41,6 @@ def lpt_dispatch(work, dp, merge_share, lengths):
     hk = np.zeros(dp, dtype=np.float64)
     hi = np.arange(dp, dtype=np.int64)  # all loads 0: index order is already a heap
     hs = dp
-    hpos = np.arange(dp, dtype=np.int64)
     sel = np.empty(dp, dtype=np.int64)
     for kk in range(n):
         i = order[kk]
@@ -59,8 +58,7 @@ def lpt_dispatch(work, dp, merge_share, lengths):
             best = hi[0]
             rank[i] = best
             load[best] += work[i]
-            hk[0] = load[best]  # its key grew: down from the top
-            _sift_down(hk, hi, hpos, hs, 0)
+            _sift_top(hk, hi, hs, load[best], best)  # its key grew: down from the top
     return rank, members, offs
 
 
@@ -293,7 +291,7 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
     return True, seg_piece[:ns], seg_start[:ns], seg_end[:ns], seg_pack[:ns]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def slim_pack_ranks(c, lengths, bounds, npacks, budgets, bbudgets, cap, min_slice, allow_slice, run_packs=0):
     """`slim_pack_rank` for every rank in one call: rank r packs lengths[bounds[r]:bounds[r+1]] (in that
     order) into npacks[r] packs with its own budgets. Returns (the first rank that does not fit, or -1;
@@ -391,7 +389,7 @@ def backward_runs_ranks(num_slots, dp, span_r, span_a, span_b):
     return order, has
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def own_segments(by_rank, spc, ss, se, sk, sr, free_off, doc, offset, length, first_id):
     """The segments of the ranks' own pieces from `slim_pack_ranks` (segment j: piece by_rank[spc[j]], tokens
     ss..se of it, in pack sk of rank sr, whose free packs are numbered from free_off[sr] after first_id), in one

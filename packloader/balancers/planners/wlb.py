@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 from numba import njit
 
-from packloader.balancers.cost.coeffs import doc_time_split
+from packloader.balancers.cost.coeffs import attn_time, doc_time_split
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.base import PackingPlanner, StepLayout
 from packloader.balancers.planners.bins import (
@@ -41,6 +41,7 @@ from packloader.balancers.planners.bins import (
     _bin_time,
     _heap_pop,
     _sift_down,
+    _sift_top,
     bin_times,
     desc_order,
 )
@@ -106,7 +107,7 @@ class WLBPlanner(PackingPlanner):
             v = default_micro_batches(pieces.total_tokens, n, dp, pp, cap, self.fill)
         else:  # the step's own draw sets V: queued (held) tokens must not inflate it (bins left empty)
             v = default_micro_batches(int(pieces.length[drawn_now].sum()), int(drawn_now.sum()), dp, pp, cap, self.fill)
-        f, b = doc_time_split(c, pieces.length)
+        f, b = pieces.time_split(c)
         work = f + b
         nbins = dp * v
         floor = float(model.floor()[0] + model.floor()[1])
@@ -208,7 +209,7 @@ def _wlb_pack_scan(c, lengths, nbins, cap, assign, attn, tok, load):
     return assign, attn, tok
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def wlb_pack(c, lengths, nbins, cap):
     """WLB-LLM Algorithm 1, lines 18-35: pieces in descending length order go to the bin with the least
     workload if the token cap allows, else to the bin with the fewest tokens, else they remain for the next
@@ -240,6 +241,8 @@ def wlb_pack(c, lengths, nbins, cap):
     tpos = np.empty(nbins, dtype=np.int64)
     misses = 0
     order = desc_order(lengths)
+    last = -1  # longest first: equal lengths come together, so a piece's attention is computed once per length
+    a_l = 0.0
     for k in range(n):
         i = order[k]
         l = lengths[i]
@@ -258,7 +261,13 @@ def wlb_pack(c, lengths, nbins, cap):
             b = _choose_bin(tok, b, f, l, cap)
             if b < 0:
                 continue
-        _add_piece(c, i, l, b, assign, attn, tok, load)
+        if l != last:
+            a_l = attn_time(c, l, 0, False) + attn_time(c, l, 0, True)
+            last = l
+        assign[i] = b  # `_add_piece`, written out with the attention of this length
+        attn[b] += a_l
+        tok[b] += l
+        load[b] = _bin_time(c, attn[b], tok[b])
         lk[lpos[b]] = load[b]  # its keys grew: it moves down from where it is
         _sift_down(lk, li, lpos, nbins, lpos[b])
         if misses >= SCAN_MISSES:
@@ -279,7 +288,7 @@ def _build_heap(key, hk, hi, pos):
         _sift_down(hk, hi, pos, n, j)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deal_bins(cost, dp, per_rank):
     """Deal dp*per_rank bins to dp ranks, per_rank each, heaviest bin first to the least loaded rank that still
     has room (LPT with a count constraint). Returns (rank of each bin, position of each bin on its rank);
@@ -293,7 +302,6 @@ def deal_bins(cost, dp, per_rank):
     # the least loaded rank with room, ties to the lowest, from a (load, rank) min-heap; a full rank leaves it
     hk = np.zeros(dp, dtype=np.float64)
     hi = np.arange(dp, dtype=np.int64)  # all loads 0: index order is already a heap
-    hpos = np.arange(dp, dtype=np.int64)
     hs = dp if per_rank > 0 else 0
     for k in range(nb):
         b = order[k]
@@ -303,8 +311,7 @@ def deal_bins(cost, dp, per_rank):
         count[best] += 1
         load[best] += cost[b]
         if count[best] < per_rank:
-            hk[0] = load[best]  # its key grew: down from the top
-            _sift_down(hk, hi, hpos, hs, 0)
+            _sift_top(hk, hi, hs, load[best], best)  # its key grew: down from the top
         else:
             hs = _heap_pop(hk, hi, hs)
     return rank, pos

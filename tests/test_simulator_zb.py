@@ -140,7 +140,7 @@ def test_plan_cli_writes_w_actions(tmp_path, schedule):
 
 
 def test_zb_h1_needs_one_chunk_per_rank():
-    with pytest.raises(ValueError, match="ZB-V is not modelled"):
+    with pytest.raises(ValueError, match="or 'zb-v' at vpp=2"):
         simulate(np.ones(4), np.ones(4), pp=2, vpp=2, schedule="zb-h1")
 
 

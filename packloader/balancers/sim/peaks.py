@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit
 
 from packloader.balancers.sim.kernels import (
+    ZB_V,
     backward_order_kernel,
     build_ops,
     edge_csr,
@@ -24,6 +25,7 @@ from packloader.balancers.sim.kernels import (
     sim_buffers,
     simulate_kernel,
 )
+from packloader.balancers.sim.zbv import v_stage_rank
 
 
 @njit(cache=True)
@@ -49,7 +51,7 @@ def peaks_ranks_sliced(pp, vpp, kind, fwd, bwd, tokens, act_pt, trans_pt, kv_pt,
         act = np.empty((V, m), dtype=np.float64)
         trans = np.empty((V, m), dtype=np.float64)
         for v in range(V):
-            s = v % pp
+            s = v_stage_rank(v, pp) if kind == ZB_V else v % pp
             for u in range(m):
                 act[v, u] = tokens[a + u] * act_pt[s] / vpp
                 trans[v, u] = tokens[a + u] * trans_pt[s]
@@ -64,8 +66,9 @@ def peaks_ranks_sliced(pp, vpp, kind, fwd, bwd, tokens, act_pt, trans_pt, kv_pt,
         in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid = edge_csr(m, src, dst)
         kv = np.zeros((V, max(E, 1)), dtype=np.float64)
         for v in range(V):
+            s = v_stage_rank(v, pp) if kind == ZB_V else v % pp
             for i in range(E):
-                kv[v, i] = e_prefix[ea + i] * (kv_pt[v % pp] / vpp)
+                kv[v, i] = e_prefix[ea + i] * (kv_pt[s] / vpp)
         st, fin, mt, mb, pk, bz = sim_buffers(pp, vpp, m, kind)
         t = simulate_kernel(pp, vpp, m, ops, f, b, f * 0.0, 0.0, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
                             act, trans, kv, st, fin, mt, mb, pk, bz)

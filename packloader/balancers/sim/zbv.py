@@ -1,0 +1,109 @@
+"""ZB-V, the V-shaped zero-bubble schedule (Qi et al. 2024, section 6; torch.distributed.pipelining's
+ScheduleZBVZeroBubble): two model chunks per pipeline rank placed as a V, rank r holding model stages r and
+2*pp-1-r, every backward split into the input gradient (B) and the weight gradient (W).
+
+The rank's order is torch's template (warm-up, steady F/B/W of both chunks, cool-down), with its k-th forward of
+a chunk running micro-batch k and its k-th B and W running `bwd_order[k]`. A sliced document's backwards go
+last slice first, so a B may come before its own forward in the template: the rank then runs that chunk's
+pending forwards first (the injected forwards of `kernels.build_ops`), and the template's later forward slots of
+the chunk that find nothing left run nothing. Without slices this is torch's order exactly, its padding to
+2*pp-1 micro-batches included (the slots of absent micro-batches dropped)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def v_stage_rank(vs, pp):
+    """The pipeline rank that holds model stage `vs` under the V placement."""
+    return vs if vs < pp else 2 * pp - 1 - vs
+
+
+@njit(cache=True)
+def _template(pp, r, n):
+    """Torch's ZB-V slots of rank r for n micro-batches: rows (op 0 F / 1 B / 2 W, chunk, count)."""
+    out = np.empty((6 * n, 3), dtype=np.int64)
+    k = 0
+    cnt = np.zeros((3, 2), dtype=np.int64)  # per op, per chunk: how many issued
+    plan = []  # phases as (op, chunk) sequences, appended below
+    for _ in range(2 * (pp - r) - 1):
+        plan.append((0, 0))
+    for _ in range(r):
+        plan.append((0, 1))
+        plan.append((0, 0))
+    for _ in range(pp - r):
+        plan.append((0, 1))
+        plan.append((1, 1))
+        plan.append((2, 1))
+    for op, c in plan:
+        out[k, 0], out[k, 1], out[k, 2] = op, c, cnt[op, c]
+        cnt[op, c] += 1
+        k += 1
+    while cnt[0, 1] < cnt[0, 0] or cnt[0, 0] < n:  # steady
+        if cnt[0, 0] < n:
+            out[k, 0], out[k, 1], out[k, 2] = 0, 0, cnt[0, 0]
+            cnt[0, 0] += 1
+            k += 1
+        for op, c in ((1, 0), (2, 0), (0, 1), (1, 1), (2, 1)):
+            out[k, 0], out[k, 1], out[k, 2] = op, c, cnt[op, c]
+            cnt[op, c] += 1
+            k += 1
+    for _ in range(r):  # cool-down
+        for c in (0, 1):
+            out[k, 0], out[k, 1], out[k, 2] = 1, c, cnt[1, c]
+            cnt[1, c] += 1
+            k += 1
+    for _ in range(pp - r):
+        for op in (1, 2):
+            out[k, 0], out[k, 1], out[k, 2] = op, 0, cnt[op, 0]
+            cnt[op, 0] += 1
+            k += 1
+    for c in (1, 0):
+        while cnt[2, c] < cnt[1, c]:
+            out[k, 0], out[k, 1], out[k, 2] = 2, c, cnt[2, c]
+            cnt[2, c] += 1
+            k += 1
+    return out[:k]
+
+
+@njit(cache=True)
+def _forward(ops, r, k, stage, m, nf, issued, c):
+    """Put the rank's next forward of chunk c at position k (chunk 0's first where chunk 1 has caught up with
+    it: a micro-batch's chunk-1 forward needs its chunk-0 forward, on this rank or through the ranks below);
+    returns the next position."""
+    for cc in range(c + 1):
+        if (cc == c or nf[1] >= nf[0]) and nf[cc] < m:
+            ops[r, k] = (stage[cc] * m + nf[cc]) * 3
+            issued[nf[cc], cc] = True
+            nf[cc] += 1
+            k += 1
+    return k
+
+
+@njit(cache=True)
+def build_ops_zbv(pp, m, bwd_order):
+    """(pp, 6*m) task order per rank, encoded as `kernels` does ((stage*m + u)*3 + op), stage in model order."""
+    n_tmpl = max(2 * pp - 1, m)
+    ops = np.empty((pp, 6 * m), dtype=np.int64)
+    issued = np.zeros((m, 2), dtype=np.bool_)
+    for r in range(pp):
+        stage = np.array([r, 2 * pp - 1 - r], dtype=np.int64)
+        issued[:, :] = False
+        nf = np.zeros(2, dtype=np.int64)  # next forward to run, per chunk
+        k = 0
+        tmpl = _template(pp, r, n_tmpl)
+        for i in range(tmpl.shape[0]):
+            op, c, j = tmpl[i, 0], tmpl[i, 1], tmpl[i, 2]
+            if op == 0:
+                k = _forward(ops, r, k, stage, m, nf, issued, c)
+                continue
+            if j >= m:
+                continue
+            u = bwd_order[j]
+            while op == 1 and not issued[u, c]:  # injected forwards: this chunk's pending ones, up to u
+                k = _forward(ops, r, k, stage, m, nf, issued, c)
+            ops[r, k] = (stage[c] * m + u) * 3 + op
+            k += 1
+    return ops

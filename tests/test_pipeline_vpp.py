@@ -44,6 +44,7 @@ from packloader.contracts import (
     PlanConfig,
     Poly,
     RankPlan,
+    Segment,
     StepPlan,
 )
 from packloader.runtime.pipeline_actions import engine_actions
@@ -94,18 +95,41 @@ def test_zbv_by_hand_two_ranks_two_micro_batches():
 def test_zbv_by_hand_one_rank_with_a_slice():
     # pp = 1: stages 0 and 1 on one rank; micro-batch 1 holds a slice reading micro-batch 0's keys, so its
     # backward goes first (order [1, 0, 2]). torch's template for one rank: F@0 | F@1 B@1 W@1 | (F@0 B@0 W@0
-    # F@1 B@1 W@1) ...; its first B (micro-batch 1 on stage 1) comes before F1@1, which the rank then runs
-    # first, and F1@0 before it (chunk 1's forward of a micro-batch needs chunk 0's).
+    # F@1 B@1 W@1) ... | B@0 W@0. Its first B (slot 0) is micro-batch 1, whose forward has not run: there the
+    # rank runs all its remaining forwards (chunk 0's one ahead of chunk 1's: lead 2*(pp-0)-1 = 1), and the
+    # template's later forward slots run nothing.
     r = simulate([2, 2, 2], [4, 4, 4], pp=1, vpp=2, schedule="zb-v", slice_edges=[(0, 1)])
     assert rank_actions(r)[0] == [
-        ["F", 0, 0], ["F", 0, 1], ["F", 1, 0], ["F", 1, 1], ["B", 1, 1], ["W", 1, 1], ["F", 2, 0], ["B", 1, 0],
-        ["W", 1, 0], ["F", 2, 1], ["B", 0, 1], ["W", 0, 1], ["B", 0, 0], ["W", 0, 0], ["B", 2, 1], ["W", 2, 1],
+        ["F", 0, 0], ["F", 0, 1], ["F", 1, 0], ["F", 1, 1], ["F", 2, 0], ["F", 2, 1], ["B", 1, 1], ["W", 1, 1],
+        ["B", 1, 0], ["W", 1, 0], ["B", 0, 1], ["W", 0, 1], ["B", 0, 0], ["W", 0, 0], ["B", 2, 1], ["W", 2, 1],
         ["B", 2, 0], ["W", 2, 0]]
     # one rank never idles: F = B = W = 1 per chunk, 18 tasks
     assert r.step_time == 18
     # the KV carry: 1's forward after 0's, 0's backward after 1's, on each stage
     for v in range(2):
         assert r.start[v, 1, 0] >= r.finish[v, 0, 0] and r.start[v, 0, 1] >= r.finish[v, 1, 1]
+
+
+def test_zbv_slice_chain_flows_through_the_v():
+    # pp = 4, a document in 16 slices (one chain over all micro-batches): no backward can start before the last
+    # slice's forward, so every rank runs its 16 forwards of each chunk first. Rank 0 keeps chunk 0 (stage 0)
+    # 7 micro-batches ahead of chunk 1 (stage 7): F0..6@0, then F(u + 7)@0 before F(u)@7. Both ranks' work is
+    # f = 1, b = 2 per micro-batch (0.5 per chunk forward, 0.5 B and 0.5 W): the forwards flow through the V
+    # at one chunk-forward per 0.5 (stage 7 gets micro-batch u at 3.5 + u), and the backwards run back to
+    # back from 19.0 (after F15@7 [18.5, 19.0]) on rank 0.
+    m = 16
+    r = simulate(np.ones(m), 2 * np.ones(m), pp=4, vpp=2, schedule="zb-v", slice_edges=[(i, i + 1) for i in range(m - 1)])
+    first = rank_actions(r)[0][:2 * m]
+    assert first[:7] == [["F", u, 0] for u in range(7)]
+    assert first[7:25] == [x for u in range(9) for x in (["F", u, 7], ["F", u + 7, 0])]
+    assert first[25:] == [["F", u, 7] for u in range(9, 16)]
+    assert [r.start[7, u, 0] for u in range(m)] == [3.5 + u for u in range(m)]
+    assert r.start[7, 15, 1] == 19.0
+    # interleaved 1F1B gives the same step time here; a schedule that crossed the V one micro-batch at a time
+    # (chunk 1 right behind chunk 0) would wait ~3 per micro-batch on rank 0
+    il = simulate(np.ones(m), 2 * np.ones(m), pp=4, vpp=2, schedule="interleaved",
+                  slice_edges=[(i, i + 1) for i in range(m - 1)])
+    assert r.step_time == pytest.approx(il.step_time)
 
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4])
@@ -303,3 +327,40 @@ def test_written_vpp_lists_run_over_gloo(pp, layers):
         held = max(held, _check(per_rank, p, lens, sched, lists, pp, layers, f"pp {pp} case {ci} ({sched})"))
         assert any(a[0] == "W" for a in lists[0]) == (sched == "zb-v")
     assert held > 0  # the accumulators held something (the bound above was not met by zeros alone)
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "interleaved", "auto"])
+def test_plan_cli_writes_vpp_lists(tmp_path, capsys, schedule):
+    """`packloader plan --vpp 2`: every record's lists pass the runtime's check under the placement of the
+    step's schedule (the V for ZB-V), with the plan's slices; zb-v without --vpp 2 is refused naming both flags."""
+    import json
+
+    from packloader.cli.main import main
+    from packloader.runtime.pipeline import _readers
+
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(800), 1.5, 300), 1, 20000).astype(np.int64)
+    lengths[7] = 0
+    np.save(tmp_path / "l.npy", lengths)
+    out = tmp_path / "p.jsonl"
+    args = ["plan", "--lengths", str(tmp_path / "l.npy"), "--dp", "2", "--pp", "2", "--tp", "4", "--max-tokens", "8192",
+            "--context", "16384", "--tokens-per-step", "60000", "--steps", "3", "--micro-batches", "4",
+            "--schedule", schedule, "--out", str(out), "--quiet"]
+    assert main(args + ["--vpp", "2"]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert recs
+    sliced = 0
+    for rec in recs:
+        step_schedule = rec.get("schedule", schedule)
+        assert step_schedule == schedule or (schedule == "auto" and step_schedule in ("interleaved", "zb-v"))
+        for lists, rp in zip(rec["actions"], rec["ranks"]):
+            mbs = [MicroBatch(segments=[Segment(*x) for x in mb]) for mb in rp]
+            readers = _readers(mbs)
+            sliced += bool(readers)
+            engine_actions(lists, len(mbs), 2, 2, readers, v_shape=step_schedule == "zb-v")
+            assert {a[2] for a in lists[0]} == ({0, 3} if step_schedule == "zb-v" else {0, 2})
+            assert any(a[0] == "W" for a in lists[0]) == (step_schedule == "zb-v")
+    assert sliced  # some lists carried slices
+    if schedule == "zb-v":
+        assert main(args) == 2
+        assert "invalid configuration (--schedule, --vpp)" in capsys.readouterr().err

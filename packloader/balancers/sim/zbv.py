@@ -3,11 +3,17 @@ ScheduleZBVZeroBubble): two model chunks per pipeline rank placed as a V, rank r
 2*pp-1-r, every backward split into the input gradient (B) and the weight gradient (W).
 
 The rank's order is torch's template (warm-up, steady F/B/W of both chunks, cool-down), with its k-th forward of
-a chunk running micro-batch k and its k-th B and W running `bwd_order[k]`. A sliced document's backwards go
-last slice first, so a B may come before its own forward in the template: the rank then runs that chunk's
-pending forwards first (the injected forwards of `kernels.build_ops`), and the template's later forward slots of
-the chunk that find nothing left run nothing. Without slices this is torch's order exactly, its padding to
-2*pp-1 micro-batches included (the slots of absent micro-batches dropped)."""
+a chunk running micro-batch k and its k-th B and W running `bwd_order[k]`. Without slices this is torch's order
+exactly, its padding to 2*pp-1 micro-batches included (the slots of absent micro-batches dropped).
+
+A sliced document's backwards go last slice first (its later slices' key/value gradients flow to the earlier
+ones), so the backward order can name a micro-batch whose forward the template has not run yet. At the first
+such B (the same slot on every rank: where rank 0, the rank with the least lead, would lack the forward), every
+rank runs all its remaining forwards, chunk 0's kept ahead of chunk 1's by torch's warm-up lead (2*(pp-r)-1),
+and the template's later forward slots run nothing. Deciding it at the same slot on every rank keeps the ranks
+consistent (no deadlock); keeping chunk 0 ahead lets the forwards flow through the V rather than cross it one
+micro-batch at a time. The activations of those forwards stay alive until their backwards: the simulator's
+memory timeline counts them (what `auto` checks against the device)."""
 
 from __future__ import annotations
 
@@ -69,16 +75,19 @@ def _template(pp, r, n):
 
 
 @njit(cache=True)
-def _forward(ops, r, k, stage, m, nf, issued, c):
-    """Put the rank's next forward of chunk c at position k (chunk 0's first where chunk 1 has caught up with
-    it: a micro-batch's chunk-1 forward needs its chunk-0 forward, on this rank or through the ranks below);
-    returns the next position."""
-    for cc in range(c + 1):
-        if (cc == c or nf[1] >= nf[0]) and nf[cc] < m:
-            ops[r, k] = (stage[cc] * m + nf[cc]) * 3
-            issued[nf[cc], cc] = True
-            nf[cc] += 1
+def _forward(ops, r, k, stage, m, nf, c, lead):
+    """Put the rank's next forward of chunk c at position k, for chunk 1 after chunk 0's forwards up to `lead`
+    micro-batches ahead of it (at least the same micro-batch's: chunk 1's forward of u needs chunk 0's, on this
+    rank or through the ranks below); returns the next position."""
+    if c == 1:
+        while nf[0] < min(m, nf[1] + lead):
+            ops[r, k] = (stage[0] * m + nf[0]) * 3
+            nf[0] += 1
             k += 1
+    if nf[c] < m:
+        ops[r, k] = (stage[c] * m + nf[c]) * 3
+        nf[c] += 1
+        k += 1
     return k
 
 
@@ -86,24 +95,27 @@ def _forward(ops, r, k, stage, m, nf, issued, c):
 def build_ops_zbv(pp, m, bwd_order):
     """(pp, 6*m) task order per rank, encoded as `kernels` does ((stage*m + u)*3 + op), stage in model order."""
     n_tmpl = max(2 * pp - 1, m)
+    early = m  # the first B slot whose micro-batch's forward rank 0 has not run by then (module docstring)
+    for j in range(m):
+        if bwd_order[j] > j:
+            early = j
+            break
     ops = np.empty((pp, 6 * m), dtype=np.int64)
-    issued = np.zeros((m, 2), dtype=np.bool_)
     for r in range(pp):
         stage = np.array([r, 2 * pp - 1 - r], dtype=np.int64)
-        issued[:, :] = False
+        lead = 2 * (pp - r) - 1
         nf = np.zeros(2, dtype=np.int64)  # next forward to run, per chunk
         k = 0
         tmpl = _template(pp, r, n_tmpl)
         for i in range(tmpl.shape[0]):
             op, c, j = tmpl[i, 0], tmpl[i, 1], tmpl[i, 2]
             if op == 0:
-                k = _forward(ops, r, k, stage, m, nf, issued, c)
+                k = _forward(ops, r, k, stage, m, nf, c, 1)
                 continue
             if j >= m:
                 continue
-            u = bwd_order[j]
-            while op == 1 and not issued[u, c]:  # injected forwards: this chunk's pending ones, up to u
-                k = _forward(ops, r, k, stage, m, nf, issued, c)
-            ops[r, k] = (stage[c] * m + u) * 3 + op
+            while op == 1 and c == 1 and j == early and nf[1] < m:  # every rank: all its forwards now
+                k = _forward(ops, r, k, stage, m, nf, 1, lead)
+            ops[r, k] = (stage[c] * m + bwd_order[j]) * 3 + op
             k += 1
     return ops

@@ -364,3 +364,28 @@ def test_plan_cli_writes_vpp_lists(tmp_path, capsys, schedule):
     if schedule == "zb-v":
         assert main(args) == 2
         assert "invalid configuration (--schedule, --vpp)" in capsys.readouterr().err
+
+
+def test_zbv_memory_puts_the_lm_head_on_rank_0():
+    """Under ZB-V rank 0 holds the last model stage: the LM head's static bytes and the logits transient are
+    counted there, not on rank pp-1 (the memory model's own placement)."""
+    from packloader.balancers.cost.memory import MemoryModel
+    from packloader.balancers.sim.simulator import simulate_rank
+
+    par = ParallelConfig(pp=2, tp=2, vpp=2, dp=4)
+    mem = MemoryModel.for_preset("llama3-8b", par)
+    shape = mem.shape
+    head = (shape.vocab * shape.hidden + shape.hidden) / par.tp * (6.0 + 12.0 / par.dp)  # head + final norm
+    mbs = [MicroBatch(segments=[Segment(d, 0, 1000, 0)]) for d in range(4)]
+    loop = simulate_rank(mbs, LINEAR, par, schedule="interleaved", memory=mem)
+    v = simulate_rank(mbs, LINEAR, par, schedule="zb-v", memory=mem)
+    assert v.static_bytes[0] == pytest.approx(loop.static_bytes[0] + head)
+    assert v.static_bytes[1] == pytest.approx(loop.static_bytes[1] - head)
+    # the logits transient (vocab x 6 bytes / tp per token) lives while rank 0 runs a forward of the last stage
+    # (stage 3): what a forward frees at its end is its transient
+    logits = shape.vocab * 6 / par.tp * 1000
+    for rank in range(2):
+        for k, (op, _, chunk) in enumerate(v.order(rank)):
+            if op == "F":
+                freed = v.mem_bytes[rank, 2 * k] - v.mem_bytes[rank, 2 * k + 1]
+                assert freed == pytest.approx(logits if (rank, chunk) == (0, 1) else 0.0), (rank, k)

@@ -7,6 +7,7 @@ Entry point (this process is pipeline rank `pp_rank` of DP rank `dp_rank`; one s
                                   input_example=..., output_example=..., group=pipeline_group)
               for c, chunk_module in enumerate(my_chunks)]
     sched = PlanPipelineSchedule(stages, loss_fn, schedule="1f1b")     # "interleaved" when vpp > 1
+    # "zb-v" (vpp 2): the V placement, stage_index r and 2*pp-1-r on pipeline rank r instead of c*pp + r
     for step_plan in plans:                                            # every rank holds the whole StepPlan
         mbs = step_plan.ranks[dp_rank].micro_batches
         losses = sched.step_plan(step_plan.ranks[dp_rank],
@@ -57,7 +58,11 @@ What the engine could not express, and what was added at its seams (subclasses, 
   equal chunks. Gradients are not rescaled (`scale_grads=False`): the loss function scales, as packloader's
   losses are normalised by the step's loss tokens.
 
-Split backwards (ZB-H1, schedule "zb-h1" or written lists with "W"): a "B" with a "W" of the same micro-batch
+ZB-V (schedule "zb-v", two stages per rank placed as a V): the engine infers which rank holds which stage from
+the action lists, and passes activations and gradients between a rank's own two stages (pp-1 and pp on the last
+rank) without communication; the split backwards are ZB-H1's, below.
+
+Split backwards (ZB-H1 and ZB-V, schedules "zb-h1" and "zb-v", or written lists with "W"): a "B" with a "W" of the same micro-batch
 and stage runs as the engine's input-gradient action (I) and the "W" as its weight-gradient action. The engine's
 I differentiates the stage inputs only, so `SlicedPipelineStage` adds the keys and values a slice read from
 earlier micro-batches to those inputs and hands their gradients to the cache before the earlier slice's I; on

@@ -25,7 +25,7 @@ from packloader.balancers.sim.kernels import (
     sim_buffers,
     simulate_kernel,
 )
-from packloader.balancers.sim.zbv import v_stage_rank
+from packloader.balancers.sim.zbv import v_stage_rank, v_static_bytes
 
 
 @njit(cache=True)
@@ -52,9 +52,10 @@ def peaks_ranks_sliced(pp, vpp, kind, fwd, bwd, tokens, act_pt, trans_pt, kv_pt,
         trans = np.empty((V, m), dtype=np.float64)
         for v in range(V):
             s = v_stage_rank(v, pp) if kind == ZB_V else v % pp
+            ts = s if kind != ZB_V else (pp - 1 if v == V - 1 else 0)  # ZB-V: the logits on rank 0's last stage
             for u in range(m):
                 act[v, u] = tokens[a + u] * act_pt[s] / vpp
-                trans[v, u] = tokens[a + u] * trans_pt[s]
+                trans[v, u] = tokens[a + u] * trans_pt[ts]
         src, dst = rank_edges(e_offsets, e_src, e_dst, r)
         E = src.shape[0]
         ea = e_offsets[r]
@@ -116,4 +117,4 @@ def packing_peaks(packing, memory, pp: int, vpp: int, kind: int, edges, stages=N
     e_off, e_src, e_dst, e_prefix = edges
     peaks = peaks_ranks_sliced(pp, vpp, kind, f, b, tokens, act_pt, trans_pt, kv_pt, offsets, e_off, e_src, e_dst,
                                np.ascontiguousarray(e_prefix, dtype=np.float64), bo, has)
-    return peaks + static[None, :]
+    return peaks + (v_static_bytes(static, memory) if kind == ZB_V else static)[None, :]

@@ -44,6 +44,7 @@ import numpy as np
 from packloader.balancers.cost.model import _per_rank
 from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, ZB_V, build_ops, simulate_kernel, step_times_ranks
 from packloader.balancers.sim.weights import weight_times
+from packloader.balancers.sim.zbv import v_static_bytes
 from packloader.contracts import MicroBatch, ParallelConfig, RankPlan, StepPlan
 
 # ----------------------------------------------------------------------------------------------- arrays API
@@ -339,10 +340,14 @@ def simulate_rank(
         tokens = np.array([mb.num_tokens / (len(mb.dp_group) if mb.dp_group else 1) for mb in mbs], dtype=np.float64)
         act = np.stack([tokens * memory.activation_bytes_per_token(s) for s in range(pp)])
         trans = np.stack([tokens * memory.transient_bytes_per_token(s) for s in range(pp)])
-        trans = trans[ranks_of] if vpp > 1 else trans
+        if kind == ZB_V:  # the logits transient on the last model stage, rank 0's second chunk
+            trans = trans[[pp - 1 if v == 2 * pp - 1 else 0 for v in range(2 * pp)]]
+        elif vpp > 1:
+            trans = trans[ranks_of]
         kvpt = [memory.kv_grad_bytes_per_token(s) / vpp for s in range(pp)]
         kv = np.stack([prefix * kvpt[ranks_of[v]] for v in range(pp * vpp)]) if len(prefix) else None
         stat = [memory.static_bytes(s) for s in range(pp)]
+        stat = v_static_bytes(np.array(stat), memory) if kind == ZB_V else stat
     return simulate(f, b, pp, schedule=schedule, vpp=vpp, backward_order=bo, slice_edges=edges, p2p=p2p, wgt=w,
                     act_bytes=act, transient_bytes=trans, kv_bytes=kv, static_bytes=stat)
 

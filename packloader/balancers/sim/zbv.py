@@ -119,3 +119,17 @@ def build_ops_zbv(pp, m, bwd_order):
             ops[r, k] = (stage[c] * m + bwd_order[j]) * 3 + op
             k += 1
     return ops
+
+
+def v_static_bytes(static: np.ndarray, memory) -> np.ndarray:
+    """Per-rank static bytes (`memory.static_bytes(s)` for s in range(pp), where the memory model puts the
+    embedding on rank 0 and the LM head on rank pp-1) moved to the V placement: rank 0 holds the last model stage,
+    so the head's bytes move from rank pp-1 to rank 0. The head's share is rank pp-1's bytes less those of a
+    stage holding neither end (the memory model's stage -1)."""
+    out = np.array(static, dtype=np.float64)
+    pp = len(out)
+    if pp > 1:
+        head = out[pp - 1] - memory.static_bytes(-1)
+        out[0] += head
+        out[pp - 1] -= head
+    return out

@@ -95,7 +95,9 @@ def report(rows: list[Row], argv: list[str], setup: Setup, tp: int) -> str:
         "`packloader/balancers/sim/zbv.py`). \"Zero-bubble, same plans\" simulates the steps planned for the row's "
         "schedule under the zero-bubble schedule of its vpp (ZB-H1 at vpp 1, ZB-V at vpp 2): the schedule's gain "
         "alone. \"Zero-bubble steps\" counts the steps where `--schedule auto` chose it. Efficiency is against the "
-        "no-bubble ideal.",
+        "no-bubble ideal. Where a sliced document's backward order runs a micro-batch before ZB-V's order has run "
+        "its forward, every rank runs all its forwards there (`zbv.py`): more activations live at once, which the "
+        "peak column counts (the LM head and logits on rank 0, where the V puts the last stage).",
         "",
         "| data set | vpp | schedule | efficiency | zero-bubble, same plans | zero-bubble steps | peak / limit GiB | "
         "plan ms/step |",

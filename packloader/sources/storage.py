@@ -1,8 +1,10 @@
 """The storage seam of the file readers: a shard path is a local file or an object URL, and the readers (Parquet,
 JSONL) open, identify and watch it through these functions, taking a file-like object rather than a local path.
 
-`Storage` names where objects live: s3:// URLs through boto3 and the AWS settings by default, another scheme
-(gs://, az://, hf://, ...) through the fsspec filesystem installed for it, or a filesystem object the caller passes
+`Storage` names where objects live: s3:// URLs through boto3 and the AWS settings by default, gs:// and Azure
+(az://, abfs://) through the vendors' clients and settings (`remote_cloud.py`), http(s):// shard URLs by ranged
+GETs (`remote_http.py`), another scheme (hf:// through huggingface_hub's HfFileSystem) through the fsspec
+filesystem installed for it, or a filesystem object the caller passes
 (`Storage(filesystem=...)`: pyarrow.fs or fsspec). Options: block size of the ranged reads, an optional local
 block cache bounded in bytes (also from `PACKLOADER_CACHE_DIR` and `PACKLOADER_CACHE_BYTES`) behind a small in-memory one, the retry
 policy.
@@ -18,6 +20,8 @@ from packloader.sources.errors import SourceError
 from packloader.sources.identity import FileWatch
 from packloader.sources.remote import FsStore, ObjectInfo, RemoteFile, RetryPolicy, S3Store
 from packloader.sources.remote_cache import BlockCache, MemoryBlocks
+from packloader.sources.remote_cloud import AZURE_SCHEMES, GCS_SCHEMES, AzureStore, GcsStore
+from packloader.sources.remote_http import HTTP_SCHEMES, HttpStore
 from packloader.sources.unsupported import UnsupportedSourceError, url_scheme
 
 S3_SCHEMES = ("s3", "s3a")
@@ -49,7 +53,7 @@ class Storage:
         self.cache = BlockCache(cache_dir, cache_bytes) if cache_dir and cache_bytes else None
         self.blocks = MemoryBlocks(memory_bytes, self.cache)  # recent blocks in memory, then the disk cache
         self._s3 = S3Store(self.retry, endpoint_url)
-        self._fs: dict[str, FsStore] = {}
+        self._fs: dict = {}  # an FsStore by scheme; GcsStore, AzureStore, HttpStore by class name
 
     def store(self, url: str):
         if self.filesystem is not None:
@@ -59,6 +63,12 @@ class Storage:
         scheme = url_scheme(url)
         if scheme in S3_SCHEMES:
             return self._s3
+        own = {**dict.fromkeys(GCS_SCHEMES, GcsStore), **dict.fromkeys(AZURE_SCHEMES, AzureStore),
+               **dict.fromkeys(HTTP_SCHEMES, HttpStore)}.get(scheme)
+        if own is not None:
+            if own.__name__ not in self._fs:
+                self._fs[own.__name__] = own(self.retry)
+            return self._fs[own.__name__]
         if scheme not in self._fs:
             try:
                 import fsspec

@@ -62,8 +62,9 @@ ZB-V (schedule "zb-v", two stages per rank placed as a V): the engine infers whi
 the action lists, and passes activations and gradients between a rank's own two stages (pp-1 and pp on the last
 rank) without communication; the split backwards are ZB-H1's, below.
 
-Split backwards (ZB-H1 and ZB-V, schedules "zb-h1" and "zb-v", or written lists with "W"): a "B" with a "W" of the same micro-batch
-and stage runs as the engine's input-gradient action (I) and the "W" as its weight-gradient action. The engine's
+Split backwards (ZB-H1 and ZB-V, schedules "zb-h1" and "zb-v", or written lists with "W"): a "B" with a "W" of
+the same micro-batch and stage runs as the engine's input-gradient action (I) and the "W" as its weight-gradient
+action. The engine's
 I differentiates the stage inputs only, so `SlicedPipelineStage` adds the keys and values a slice read from
 earlier micro-batches to those inputs and hands their gradients to the cache before the earlier slice's I; on
 the first stage the engine runs the whole backward at W, and the cache follows. The key/value gradient of a

@@ -22,11 +22,11 @@ def engine_actions(written: Sequence[Sequence[Sequence]], m: int, pp: int, vpp: 
     """Per pipeline rank, the engine's actions for `written[rank] = [[op, micro_batch, stage], ...]`.
 
     Checked: one list per pipeline rank; op "F", "B" or "W"; the stages of rank s (`rank_stages`: s + c*pp, or
-    s and 2*pp-1-s with `v_shape`, ZB-V); every micro-batch's
-    forward and backward once on each of the rank's stages, the forward first, and a W (weight gradient) at most
-    once, after its B (then the input gradient alone: the engine's I); and, for slices (`readers[u]`: the later
-    micro-batches that read u's keys), on every stage u's forward before its readers' and their backwards
-    before u's (u's key/value gradients come from them)."""
+    s and 2*pp-1-s with `v_shape`, ZB-V); every micro-batch's forward and backward once on each of the rank's
+    stages, the forward first, and a W (weight gradient) at most once, after its B (then the input gradient
+    alone: the engine's I); and, for slices (`readers[u]`: the later micro-batches that read u's keys), on every
+    stage u's forward before its readers' and their backwards before u's (u's key/value gradients come from
+    them)."""
     if len(written) != pp:
         raise ValueError(f"action lists: {len(written)} pipeline ranks' lists for pp={pp}")
     readers = readers or {}

@@ -206,17 +206,17 @@ def simulate(
         raise ValueError(f"schedule 'zb-v' runs two model chunks per pipeline rank: it needs vpp=2, got vpp={vpp}")
     if schedule not in ("interleaved", "gpipe", "zb-v") and vpp != 1:
         raise ValueError(f"vpp={vpp} needs schedule='interleaved'" + (" (or 'zb-v' at vpp=2)" if kind == ZB_H1 else ""))
-    vs = kind == ZB_V
+    v_shape = kind == ZB_V
     f_in = np.asarray(fwd, dtype=np.float64)
     m = int(f_in.shape[-1]) if f_in.ndim else 0
     V = pp * vpp
-    f = _per_virtual(f_in, pp, vpp, m, "fwd", True, vs)
-    b = _per_virtual(bwd, pp, vpp, m, "bwd", True, vs)
-    w = b * 0.5 if wgt is None else _per_virtual(wgt, pp, vpp, m, "wgt", True, vs)
+    f = _per_virtual(f_in, pp, vpp, m, "fwd", True, v_shape)
+    b = _per_virtual(bwd, pp, vpp, m, "bwd", True, v_shape)
+    w = b * 0.5 if wgt is None else _per_virtual(wgt, pp, vpp, m, "wgt", True, v_shape)
     if (w < 0).any() or (w > b).any():
         raise ValueError("wgt: the weight-gradient time must lie between 0 and the backward time")
-    act = _per_virtual(act_bytes, pp, vpp, m, "act_bytes", True, vs)
-    trans = _per_virtual(transient_bytes, pp, vpp, m, "transient_bytes", False, vs)
+    act = _per_virtual(act_bytes, pp, vpp, m, "act_bytes", True, v_shape)
+    trans = _per_virtual(transient_bytes, pp, vpp, m, "transient_bytes", False, v_shape)
     edges = np.zeros((0, 2), dtype=np.int64) if slice_edges is None else np.asarray(slice_edges, dtype=np.int64).reshape(-1, 2)
     if len(edges):
         if (edges < 0).any() or (edges >= m).any():
@@ -247,7 +247,7 @@ def simulate(
     return SimResult(
         step_time=float(t), pp=pp, vpp=vpp, m=m, busy=busy,
         start=st.reshape(V, m, 3), finish=fi.reshape(V, m, 3), ops=ops,
-        peak_bytes=peak + stat, mem_times=mt, mem_bytes=mbytes + stat[:, None], static_bytes=stat, v_shape=vs,
+        peak_bytes=peak + stat, mem_times=mt, mem_bytes=mbytes + stat[:, None], static_bytes=stat, v_shape=v_shape,
     )
 
 

@@ -67,8 +67,8 @@ def _torch_order(cls, pp: int, m: int, rank: int, **extra) -> list[list]:
 
 def test_zbv_by_hand_two_ranks_two_micro_batches():
     # pp = 2, vpp = 2: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2. A rank's f = 2, b = 4 split over its
-    # two chunks: F = 1, B = 1 and W = 1 per chunk (wgt = half the backward).
-    # (torch's template at 3 micro-batches, the third's slots dropped). Dependencies give:
+    # two chunks: F = 1, B = 1 and W = 1 per chunk (wgt = half the backward). The order is torch's template for
+    # max(2*pp-1, m) = 3 micro-batches with the third's slots dropped; the dependencies then give:
     # rank 0: F0@0 [0,1] F1@0 [1,2] F0@3 [3,4] B0@3 [4,5] W0@3 [5,6] F1@3 [6,7] B1@3 [7,8] W1@3 [8,9]
     #         B0@0 [9,10] W0@0 [10,11] B1@0 [12,13] W1@0 [13,14]
     # rank 1: F0@1 [1,2] F0@2 [2,3] F1@1 [3,4] F1@2 [4,5] B0@2 [5,6] W0@2 [6,7] B0@1 [7,8] W0@1 [8,9]

@@ -1,6 +1,6 @@
-"""Interleaved 1F1B (vpp 2) and ZB-V for sliced plans (issue 25, item 3): the simulator against schedules worked
-out by hand and against torch.distributed.pipelining's own generated orders (ScheduleInterleaved1F1B,
-ScheduleZBVZeroBubble), the KV carry between slices held under both (random slice chains, each order checked by
+"""Interleaved 1F1B and its zero-bubble form (vpp > 1) and ZB-V for sliced plans (issue 25, item 3): the simulator
+against schedules worked out by hand and against torch.distributed.pipelining's own generated orders
+(ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble), the KV carry between slices held under both (random slice chains, each order checked by
 the runtime's independent list check), and PlanPipelineSchedule running the written lists over gloo at 2 and 4
 pipeline ranks (4 and 8 model stages) with slices and an empty micro-batch: gradients equal a whole-document
 reference, the executed order equals the written lists, and the carried key/value gradient accumulators stay
@@ -31,7 +31,11 @@ from helpers.pipeline_model import (
     reference,
     stage_layers,
 )
-from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+from torch.distributed.pipelining.schedules import (
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.sim.actions import rank_actions, step_actions
@@ -141,12 +145,16 @@ def test_zbv_order_is_torchs(pp):
 
 
 @pytest.mark.parametrize("pp,vpp", [(2, 2), (3, 2), (4, 2), (2, 3), (4, 3)])
-def test_interleaved_order_is_torchs(pp, vpp):
+@pytest.mark.parametrize("schedule,cls", [("interleaved", ScheduleInterleaved1F1B),
+                                          ("zb-h1", ScheduleInterleavedZeroBubble)])
+def test_interleaved_order_is_torchs(pp, vpp, schedule, cls):
+    """Interleaved 1F1B, and ZB-H1 at vpp > 1 as torch's interleaved zero bubble (one warm-up forward per hop,
+    split backwards, rank s keeping s Ws back)."""
     for m in (pp, 2 * pp, 3 * pp):
-        r = simulate(np.ones(m), 2 * np.ones(m), pp=pp, vpp=vpp, schedule="interleaved")
+        r = simulate(np.ones(m), 2 * np.ones(m), pp=pp, vpp=vpp, schedule=schedule)
         rounds = max(1, m // pp)
         for s in range(pp):
-            ref = _torch_order(ScheduleInterleaved1F1B, pp, m, s, n_local_stages=vpp, number_of_rounds=rounds,
+            ref = _torch_order(cls, pp, m, s, n_local_stages=vpp, number_of_rounds=rounds,
                                microbatches_per_round=m // rounds)
             assert rank_actions(r)[s] == ref, (pp, vpp, m, s)
 
@@ -163,14 +171,14 @@ def _chains(rng, m):
     return edges
 
 
-@pytest.mark.parametrize("schedule", ["zb-v", "interleaved"])
+@pytest.mark.parametrize("schedule", ["zb-v", "interleaved", "zb-h1"])
 def test_sliced_orders_hold_the_kv_carry(schedule):
     """Random slice chains: the schedule never deadlocks, and every rank's order passes the runtime's own list
     check (each stage: a slice's forward after its keys' micro-batch's, their backwards the other way round)."""
     rng = np.random.default_rng(0)
     for _ in range(150):
         pp = int(rng.integers(1, 5))
-        m = int(rng.integers(1, 4)) * pp if schedule == "interleaved" else int(rng.integers(1, 13))
+        m = int(rng.integers(1, 4)) * pp if schedule != "zb-v" else int(rng.integers(1, 13))
         edges = _chains(rng, m)
         f = rng.random(m) + 0.1
         r = simulate(f, 2.5 * f, pp=pp, vpp=2, schedule=schedule, slice_edges=edges)
@@ -195,7 +203,8 @@ def test_zbv_needs_two_chunks_and_auto_considers_it():
         validate_config(PlanConfig(parallel=ParallelConfig(pp=2, vpp=3), schedule="zb-v"))
     kinds = lambda vpp: [KIND_NAMES[k] for k in schedule_kinds(PlanConfig(parallel=ParallelConfig(pp=4, vpp=vpp),  # noqa: E731
                                                                           schedule="auto"))]
-    assert kinds(1) == ["1f1b", "zb-h1"] and kinds(2) == ["interleaved", "zb-v"] and kinds(3) == ["interleaved"]
+    assert kinds(1) == ["1f1b", "zb-h1"] and kinds(2) == ["interleaved", "zb-h1", "zb-v"]
+    assert kinds(3) == ["interleaved", "zb-h1"]
 
 
 def test_auto_at_vpp2_plans_and_writes_zbv_lists():
@@ -209,11 +218,11 @@ def test_auto_at_vpp2_plans_and_writes_zbv_lists():
     cfg = PlanConfig(parallel=ParallelConfig(pp=2, vpp=2), max_tokens=512, context=1024, tokens_per_step=sum(lens),
                      num_micro_batches=8, schedule="auto")
     plan, _ = make_planner(cfg).plan(w, PlannerState(), 0)
-    assert plan.schedule in ("interleaved", "zb-v")
+    assert plan.schedule in ("interleaved", "zb-h1", "zb-v")
     lists = step_actions(plan, LINEAR, cfg.parallel, schedule="auto")[0]
     stages = {a[2] for a in lists[0]}
     assert stages == ({0, 3} if plan.schedule == "zb-v" else {0, 2})
-    assert any(a[0] == "W" for a in lists[0]) == (plan.schedule == "zb-v")
+    assert any(a[0] == "W" for a in lists[0]) == (plan.schedule != "interleaved")
 
 
 # ------------------------------------------------------------------------------------------ runs over gloo
@@ -313,7 +322,7 @@ def _check(res, rank_plan, lengths, schedule, lists, pp, layers, what):
 
 def _cases(pp):
     plans = [(HAND, HAND_LENGTHS), (WITH_EMPTY, WITH_EMPTY_LENGTHS)]
-    return [(p, lens, sched, _written(p, pp, sched)) for p, lens in plans for sched in ("interleaved", "zb-v")]
+    return [(p, lens, sched, _written(p, pp, sched)) for p, lens in plans for sched in ("interleaved", "zb-h1", "zb-v")]
 
 
 @pytest.mark.multiprocess
@@ -325,11 +334,11 @@ def test_written_vpp_lists_run_over_gloo(pp, layers):
     for ci, (p, lens, sched, lists) in enumerate(cases):
         per_rank = [res[s][ci] for s in range(pp)]
         held = max(held, _check(per_rank, p, lens, sched, lists, pp, layers, f"pp {pp} case {ci} ({sched})"))
-        assert any(a[0] == "W" for a in lists[0]) == (sched == "zb-v")
+        assert any(a[0] == "W" for a in lists[0]) == (sched != "interleaved")
     assert held > 0  # the accumulators held something (the bound above was not met by zeros alone)
 
 
-@pytest.mark.parametrize("schedule", ["zb-v", "interleaved", "auto"])
+@pytest.mark.parametrize("schedule", ["zb-v", "interleaved", "zb-h1", "auto"])
 def test_plan_cli_writes_vpp_lists(tmp_path, capsys, schedule):
     """`packloader plan --vpp 2`: every record's lists pass the runtime's check under the placement of the
     step's schedule (the V for ZB-V), with the plan's slices; zb-v without --vpp 2 is refused naming both flags."""
@@ -352,14 +361,14 @@ def test_plan_cli_writes_vpp_lists(tmp_path, capsys, schedule):
     sliced = 0
     for rec in recs:
         step_schedule = rec.get("schedule", schedule)
-        assert step_schedule == schedule or (schedule == "auto" and step_schedule in ("interleaved", "zb-v"))
+        assert step_schedule == schedule or (schedule == "auto" and step_schedule in ("interleaved", "zb-h1", "zb-v"))
         for lists, rp in zip(rec["actions"], rec["ranks"]):
             mbs = [MicroBatch(segments=[Segment(*x) for x in mb]) for mb in rp]
             readers = _readers(mbs)
             sliced += bool(readers)
             engine_actions(lists, len(mbs), 2, 2, readers, v_shape=step_schedule == "zb-v")
             assert {a[2] for a in lists[0]} == ({0, 3} if step_schedule == "zb-v" else {0, 2})
-            assert any(a[0] == "W" for a in lists[0]) == (step_schedule == "zb-v")
+            assert any(a[0] == "W" for a in lists[0]) == (step_schedule != "interleaved")
     assert sliced  # some lists carried slices
     if schedule == "zb-v":
         assert main(args) == 2

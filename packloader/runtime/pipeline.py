@@ -137,7 +137,7 @@ def simulated_actions(micro_batches: Sequence[MicroBatch], pp: int, *, vpp: int 
     if kind is None or schedule not in RUNS:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(RUNS)}")
     check_stages_per_rank(schedule, vpp)
-    if schedule == "interleaved" and vpp > 1 and len(micro_batches) % pp:
+    if schedule in ("interleaved", "zb-h1") and vpp > 1 and len(micro_batches) % pp:
         raise ValueError(f"interleaved 1F1B needs the micro-batch count to be a multiple of pp "
                          f"({len(micro_batches)} % {pp} != 0), as Megatron does")
     m = len(micro_batches)
@@ -156,11 +156,12 @@ def simulated_actions(micro_batches: Sequence[MicroBatch], pp: int, *, vpp: int 
 
 
 def check_stages_per_rank(schedule: str, vpp: int) -> None:
-    """Interleaved 1F1B runs any number of model chunks per rank, ZB-V exactly two, the others one."""
+    """Interleaved 1F1B and ZB-H1 (then interleaved zero bubble) run any number of model chunks per rank, ZB-V
+    exactly two, the others one."""
     if schedule == "zb-v" and vpp != 2:
         raise ValueError(f"schedule 'zb-v' needs 2 stages per rank (rank r: stages r and 2*pp-1-r), got {vpp}")
-    if vpp > 1 and schedule not in ("interleaved", "zb-v"):
-        raise ValueError(f"{vpp} stages per rank need schedule='interleaved' (or 'zb-v' at 2)")
+    if vpp > 1 and schedule not in ("interleaved", "zb-h1", "zb-v"):
+        raise ValueError(f"{vpp} stages per rank need schedule 'interleaved', 'zb-h1' or 'zb-v' (at 2)")
 
 
 # ---------------------------------------------------------------------------------------------- schedule

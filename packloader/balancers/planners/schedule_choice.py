@@ -1,6 +1,6 @@
 """The pipeline schedule `auto` scores a packing under: the configured one, or with `PlanConfig.schedule`
-"auto" the faster of 1F1B and ZB-H1 by simulated step time (at vpp 2: interleaved 1F1B and ZB-V; at a higher vpp
-interleaved 1F1B alone), a zero-bubble schedule only where its simulated peak memory fits the device (it holds
+"auto" the fastest of 1F1B and ZB-H1 by simulated step time (at vpp > 1: interleaved 1F1B and its zero-bubble
+form, and ZB-V at vpp 2), a zero-bubble schedule only where its simulated peak memory fits the device (it holds
 activations until each micro-batch's weight gradient). The plan records the choice
 (`StepPlan.schedule`), and the simulator, the scores and the action lists follow it."""
 
@@ -19,14 +19,14 @@ KIND_NAMES = {v: k for k, v in SCHEDULES.items()}
 
 def schedule_kinds(config) -> tuple[int, ...]:
     """The simulator's schedule codes to try, the default first: the configured schedule alone (interleaved at
-    vpp 1 is 1F1B); under "auto" 1F1B then ZB-H1, at vpp 2 interleaved then ZB-V (its two chunks per rank), at a
-    higher vpp interleaved alone. The model's split into chunks is the user's (vpp), so auto never changes it."""
+    vpp 1 is 1F1B); under "auto" 1F1B then ZB-H1, at vpp > 1 interleaved then ZB-H1 (interleaved zero bubble),
+    and ZB-V at vpp 2 (its two chunks per rank). The model's split into chunks is the user's (vpp), so auto
+    never changes it."""
     if config.schedule != "auto":
         kind = SCHEDULES[config.schedule]
         return (SCHEDULES["1f1b"] if kind == SCHEDULES["interleaved"] and config.parallel.vpp == 1 else kind,)
     vpp = config.parallel.vpp
-    return (SCHEDULES["1f1b"], ZB_H1) if vpp == 1 else (SCHEDULES["interleaved"], ZB_V) if vpp == 2 else \
-        (SCHEDULES["interleaved"],)
+    return (SCHEDULES["1f1b"], ZB_H1) if vpp == 1 else (SCHEDULES["interleaved"], ZB_H1) + ((ZB_V,) if vpp == 2 else ())
 
 
 def packing_step_time(packing, edges, parallel, kind: int, model) -> float:

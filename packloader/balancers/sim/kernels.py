@@ -40,7 +40,8 @@ def build_ops(pp, vpp, m, kind, bwd_order):
     kind: 0 = 1F1B, 1 = GPipe, 2 = interleaved 1F1B (same as 1F1B when vpp == 1), 3 = ZB-H1 (vpp 1): the
     1F1B order of F and B, and after rank s's k-th B the W of its (k - s)-th B once k >= s (the last stage keeps
     pp - 1 Ws back, the first none, as torch.distributed.pipelining's zero-bubble rank ops), the rest at the end;
-    4 = ZB-V (vpp 2, `zbv.build_ops_zbv`).
+    at vpp > 1 the same on interleaved 1F1B's order with one warm-up forward per hop (torch's
+    ScheduleInterleavedZeroBubble); 4 = ZB-V (vpp 2, `zbv.build_ops_zbv`).
     """
     if kind == ZB_V:
         return build_ops_zbv(pp, m, bwd_order)
@@ -69,8 +70,8 @@ def build_ops(pp, vpp, m, kind, bwd_order):
         issued[:, :] = False
         if kind == 1:
             warm = nv
-        elif vpp > 1:
-            warm = min((pp - s - 1) * 2 + (vpp - 1) * pp, nv)
+        elif vpp > 1:  # Megatron's; the zero-bubble variant warms up one forward per hop, not two (torch's)
+            warm = min((pp - s - 1) * (1 if kind == ZB_H1 else 2) + (vpp - 1) * pp, nv)
         else:
             warm = min(pp - s - 1, nv)
         # Before its nb-th backward a rank has run warm + nb + 1 forwards (the 1F1B / Megatron rule), or more

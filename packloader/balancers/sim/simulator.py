@@ -11,7 +11,7 @@ Tasks are (virtual stage, forward/backward, micro-batch). Edges:
 * schedule: each pipeline rank runs its tasks one at a time in the order the schedule gives (1F1B, GPipe,
   interleaved 1F1B with vpp model chunks per rank, Megatron's order; ZB-H1, 1F1B with each backward split into
   the input gradient B, which the previous stage waits for, and the weight gradient W, which waits for its own
-  B only and fills the bubbles: `kernels.build_ops`; ZB-V, vpp 2 with the chunks placed as a V and split
+  B only and fills the bubbles, at vpp > 1 on the interleaved order: `kernels.build_ops`; ZB-V, vpp 2 with the chunks placed as a V and split
   backwards in torch.distributed.pipelining's order: `zbv.py`). Backward passes visit micro-batches in
   `backward_order` (default: forward order, except that the micro-batches of a sliced document go last slice
   first, SlimPack's FILO rule). Before its k-th backward, stage s has run warm_s + k + 1 forwards (1F1B:
@@ -204,8 +204,8 @@ def simulate(
         kind = 0
     if kind == ZB_V and vpp != 2:
         raise ValueError(f"schedule 'zb-v' runs two model chunks per pipeline rank: it needs vpp=2, got vpp={vpp}")
-    if schedule not in ("interleaved", "gpipe", "zb-v") and vpp != 1:
-        raise ValueError(f"vpp={vpp} needs schedule='interleaved'" + (" (or 'zb-v' at vpp=2)" if kind == ZB_H1 else ""))
+    if schedule not in ("interleaved", "gpipe", "zb-v", "zb-h1") and vpp != 1:
+        raise ValueError(f"vpp={vpp} needs schedule 'interleaved', 'zb-h1' (interleaved zero bubble) or 'zb-v' (vpp 2)")
     v_shape = kind == ZB_V
     f_in = np.asarray(fwd, dtype=np.float64)
     m = int(f_in.shape[-1]) if f_in.ndim else 0
@@ -240,7 +240,7 @@ def simulate(
                         act, trans, kv, st, fi, mt, mbytes, peak, busy)
     if t < 0:
         hint = ""
-        if kind == 2 and vpp > 1 and m % pp:
+        if kind in (2, ZB_H1) and vpp > 1 and m % pp:
             hint = f"; interleaved 1F1B needs the micro-batch count to be a multiple of pp ({m} % {pp} != 0), as Megatron does"
         raise RuntimeError(f"schedule {schedule!r} (pp={pp}, vpp={vpp}, m={m}) deadlocks with backward order {order.tolist()}{hint}")
     stat = np.zeros(pp) if static_bytes is None else np.broadcast_to(np.asarray(static_bytes, dtype=np.float64), (pp,)).copy()

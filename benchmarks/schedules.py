@@ -1,15 +1,16 @@
 """Simulated step time of `auto`'s plans under 1F1B, ZB-H1 and `--schedule auto`, and with two model chunks per
-pipeline rank (vpp 2) under interleaved 1F1B, ZB-V and `--schedule auto` (issue 25, item 3), at the planner
-benchmark's dp8-pp4 setup (DP 8, PP 4, TP 8, 64K cap and context, 4M tokens per step, the measured H100 profile):
+pipeline rank (vpp 2) under interleaved 1F1B, its zero-bubble form (ZB-H1 at vpp 2), ZB-V and `--schedule auto`
+(issue 25, item 3), at the planner benchmark's dp8-pp4 setup (DP 8, PP 4, TP 8, 64K cap and context, 4M tokens
+per step, the measured H100 profile):
 
     .venv/bin/python benchmarks/schedules.py --write docs/benchmarks.md
 
 Each data set of `benchmarks/planner.py` (the same seeded draws and steps) is planned by `auto` once per row, with
-`PlanConfig.schedule` "1f1b", "zb-h1" and "auto" at vpp 1, "interleaved", "zb-v" and "auto" at vpp 2, and scored
+`PlanConfig.schedule` "1f1b", "zb-h1" and "auto" at vpp 1, "interleaved", "zb-h1", "zb-v" and "auto" at vpp 2, and scored
 with `metrics.score_plans` under the same schedule (`auto`: the one the planner chose per step) and with auto's
 memory model. Figures: simulated efficiency against the no-bubble ideal (the work spread over every GPU with none
 idle / simulated step time, over the run), the same plans simulated under the zero-bubble schedule of their vpp
-(ZB-H1, ZB-V: the schedule alone, same packing), the steps where `auto` chose it, the highest simulated peak
+(ZB-H1, ZB-V: the schedule alone, same packing), how many steps `auto` gave each schedule, the highest simulated peak
 memory of one GPU against the device's usable limit, and planning time per step (wall clock, after one warm-up
 plan).
 """
@@ -23,6 +24,7 @@ import platform
 import shlex
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import msgspec
@@ -37,7 +39,7 @@ from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 SECTION = "schedules"
 DATASETS = ["synthetic-cc", "synthetic-github", "synthetic-longtail"]
-SCHEDULES = [(1, "1f1b"), (1, "zb-h1"), (1, "auto"), (2, "interleaved"), (2, "zb-v"), (2, "auto")]
+SCHEDULES = [(1, "1f1b"), (1, "zb-h1"), (1, "auto"), (2, "interleaved"), (2, "zb-h1"), (2, "zb-v"), (2, "auto")]
 ZERO_BUBBLE = {1: "zb-h1", 2: "zb-v"}  # the zero-bubble schedule of each vpp
 
 
@@ -47,7 +49,7 @@ class Row(msgspec.Struct):
     vpp: int
     efficiency: float
     efficiency_zb_same_plans: float
-    zb_steps: int
+    chosen: str  # under --schedule auto: how many steps chose each schedule
     steps: int
     peak_gib: float
     limit_gib: float
@@ -71,7 +73,9 @@ def run(dataset: str, schedule: str, windows, setup: Setup, tp: int, vpp: int = 
                          memory=planner.memory)
     zero = ZERO_BUBBLE[vpp]
     _, zb = score_plans(plans, model, cfg.parallel, max_tokens=setup.cap, schedule=zero, drawn=drawn)
-    return Row(dataset, schedule, vpp, own.efficiency, zb.efficiency, sum(p.schedule == zero for p in plans), len(plans),
+    counts = Counter(p.schedule for p in plans if p.schedule)
+    chosen = ", ".join(f"{k} {n}/{len(plans)}" for k, n in sorted(counts.items())) if schedule == "auto" else "-"
+    return Row(dataset, schedule, vpp, own.efficiency, zb.efficiency, chosen, len(plans),
                own.peak_bytes / 1024**3, planner.mem_limit / 1024**3, 1e3 * float(np.mean(times)))
 
 
@@ -91,21 +95,22 @@ def report(rows: list[Row], argv: list[str], setup: Setup, tp: int) -> str:
         "ZB-H1 splits each backward into the input gradient (B) and the weight gradient (W, half the linear "
         "backward) and runs the Ws in 1F1B's bubbles (`packloader/balancers/sim/kernels.py`). At vpp 2 each pipeline "
         "rank holds two model chunks: interleaved 1F1B places them as stages r and r + 4 (Megatron's and torch's "
-        "order), ZB-V as r and 7 - r with split backwards (torch's ScheduleZBVZeroBubble order, "
+        "order; zb-h1 there is torch's ScheduleInterleavedZeroBubble: the same placement with split backwards), "
+        "ZB-V as r and 7 - r with split backwards (torch's ScheduleZBVZeroBubble order, "
         "`packloader/balancers/sim/zbv.py`). \"Zero-bubble, same plans\" simulates the steps planned for the row's "
         "schedule under the zero-bubble schedule of its vpp (ZB-H1 at vpp 1, ZB-V at vpp 2): the schedule's gain "
-        "alone. \"Zero-bubble steps\" counts the steps where `--schedule auto` chose it. Efficiency is against the "
+        "alone. \"auto chose\" counts the steps per schedule `--schedule auto` chose. Efficiency is against the "
         "no-bubble ideal. Where a sliced document's backward order runs a micro-batch before ZB-V's order has run "
         "its forward, every rank runs all its forwards there (`zbv.py`): more activations live at once, which the "
         "peak column counts (the LM head and logits on rank 0, where the V puts the last stage).",
         "",
-        "| data set | vpp | schedule | efficiency | zero-bubble, same plans | zero-bubble steps | peak / limit GiB | "
+        "| data set | vpp | schedule | efficiency | zero-bubble, same plans | auto chose | peak / limit GiB | "
         "plan ms/step |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(f"| {r.dataset} | {r.vpp} | {r.schedule} | {r.efficiency:.3f} | {r.efficiency_zb_same_plans:.3f} | "
-                     f"{r.zb_steps}/{r.steps} | {r.peak_gib:.1f} / {r.limit_gib:.1f} | {r.plan_ms:.1f} |")
+                     f"{r.chosen} | {r.peak_gib:.1f} / {r.limit_gib:.1f} | {r.plan_ms:.1f} |")
     auto = [r for r in rows if r.schedule == "auto"]
     ok = all(r.efficiency >= 0.95 and r.peak_gib <= r.limit_gib for r in auto)
     lines += ["", f"Issue 25's target, efficiency >= 0.95 with `--schedule auto` and peak memory within the limit: "
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run(ds, sched, windows, setup, args.tp, vpp))
             r = rows[-1]
             print(f"{ds} vpp {vpp} {sched}: efficiency {r.efficiency:.3f}, zero-bubble same plans "
-                  f"{r.efficiency_zb_same_plans:.3f}, zero-bubble steps {r.zb_steps}/{r.steps}, "
+                  f"{r.efficiency_zb_same_plans:.3f}, auto chose {r.chosen}, "
                   f"peak {r.peak_gib:.1f}/{r.limit_gib:.1f} GiB, "
                   f"{r.plan_ms:.1f} ms/step", file=sys.stderr)
     text = report(rows, argv, setup, args.tp)

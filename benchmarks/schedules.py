@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(rows, argv, setup, args.tp)
     print(text)
     if args.write:
-        write_section(args.write, SECTION, "Pipeline schedules: ZB-H1 against 1F1B, interleaved 1F1B and ZB-V", text)
+        write_section(args.write, SECTION, "Pipeline schedules: 1F1B, ZB-H1, interleaved 1F1B, interleaved zero bubble and ZB-V", text)
     return 0
 
 

@@ -274,7 +274,7 @@ def score_plan(
     dp = len(plan.ranks)
     models = _per_rank(model, dp)
     pp, vpp = parallel.pp, parallel.vpp
-    schedule = plan_schedule(plan, schedule)
+    schedule = plan_schedule(plan, schedule, vpp)
     # a per-document CP plan is scored on its own costs: one RankPlan per pool GPU, each micro-batch priced by the
     # dynamic-cp planner with its CP traffic and the wait for its subgroups' slowest GPU (planners/dynamic_cp_price)
     use_plan_costs = use_plan_costs or plan.cp_mode == "dynamic"

@@ -376,10 +376,13 @@ class StepSim:
         return max((r.peak for r in self.ranks), default=0.0)
 
 
-def plan_schedule(plan: StepPlan, schedule: str) -> str:
-    """The schedule a step runs: the configured one, or under "auto" the one its planner chose (1F1B when the
-    planner chose none)."""
-    return (plan.schedule or "1f1b") if schedule == "auto" else schedule
+def plan_schedule(plan: StepPlan, schedule: str, vpp: int = 1) -> str:
+    """The schedule a step runs: the configured one, or under "auto" the one its planner chose (when the
+    planner chose none, a planner other than `auto`: 1F1B, interleaved 1F1B at vpp > 1, the default `auto` tries
+    first)."""
+    if schedule != "auto":
+        return schedule
+    return plan.schedule or ("1f1b" if vpp == 1 else "interleaved")
 
 
 def simulate_step(
@@ -395,7 +398,7 @@ def simulate_step(
     """Simulate every DP rank of a step. `model`: one CostModel, or one per rank (a sequence or a
     memory.RankCosts). A DP-Merge micro-batch is simulated on each rank of its group at its per-rank cost."""
     models = _per_rank(model, len(plan.ranks))
-    schedule = plan_schedule(plan, schedule)
+    schedule = plan_schedule(plan, schedule, (parallel or ParallelConfig()).vpp)
     return StepSim([
         simulate_rank(r, models[i], parallel, schedule=schedule, memory=memory, use_plan_costs=use_plan_costs, p2p=p2p)
         for i, r in enumerate(plan.ranks)

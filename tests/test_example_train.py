@@ -182,6 +182,56 @@ def test_pipeline_pp_zb_h1_runs_the_written_lists_like_the_whole_document_run(tm
         assert acts["executed"][k] == want
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("planner,schedule", [("slimpack", "interleaved"), ("slimpack", "zb-v"), ("auto", "auto")])
+def test_pipeline_vpp2_runs_the_written_lists_like_the_whole_document_run(tmp_path, planner, schedule):
+    """--pp 2 --vpp 2 (two model chunks per rank, four decoder layers): interleaved 1F1B on the loop placement
+    (rank 0: stages 0 and 2), ZB-V on the V (rank 0: stages 0 and 3, "W" actions), and `auto` choosing per step
+    among interleaved, interleaved zero bubble and ZB-V: every step runs exactly the action lists rebuilt here from
+    the loader's plans, and trains the same losses as the unsliced whole-document run of the same plans."""
+    ex = load_example()
+    common = ["--out", str(tmp_path), "--tiny", "--pp", "2", "--vpp", "2", "--steps", "2", "--quiet", "--threads",
+              "1", "--schedule", schedule, "--planners", planner]
+    whole = ex.main(common + ["--pp-whole"])["runs"][0]
+    res = ex.main(common)
+    pp = res["runs"][0]
+    assert res["config"]["layers"] == 4 and res["config"]["vpp"] == 2
+    assert len(pp["curve"]) == len(whole["curve"]) == 2
+    for a, b in zip(whole["curve"], pp["curve"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
+    import msgspec
+
+    from packloader.balancers.cost.model import CostModel
+    from packloader.balancers.sim.actions import step_actions
+    from packloader.contracts import CostProfile, ParallelConfig, Poly
+
+    linear = CostModel(CostProfile(name="linear", tile=1, attn_fwd=Poly(), attn_bwd=Poly(), lin_fwd=Poly(0, 1.0, 0),
+                                   lin_bwd=Poly(0, 2.0, 0)))
+    args = ex.parse_args(common)
+    args.seed = 0
+    steps = []
+    for b in ex.make_loader(ex.write_shards(tmp_path, args.files, args.valid_fraction, args.data_seed)[0], args,
+                            planner, epochs=1):
+        if b.step >= 2:
+            break
+        if b.index_in_step == 0:
+            steps.append([])
+        steps[-1].append(b)
+    acts = pp["pipeline_actions"]
+    for k, mbs in enumerate(steps):
+        chosen = mbs[0].plan.schedule or schedule
+        assert chosen in ("interleaved", "zb-h1", "zb-v")
+        assert acts["schedules"][k] == chosen
+        lists = msgspec.json.decode(msgspec.json.encode(
+            step_actions(mbs[0].plan, linear, ParallelConfig(pp=2, vpp=2), schedule=schedule)[0][0]))
+        keep = {j: i for i, j in enumerate(j for j, b in enumerate(mbs) if b.num_tokens)}
+        want = [[op, keep[u], st] for op, u, st in lists if u in keep]
+        assert {a[2] for a in want} == ({0, 3} if chosen == "zb-v" else {0, 2})
+        assert any(a[0] == "W" for a in want) == (chosen != "interleaved")
+        assert acts["written"][k] == want
+        assert acts["executed"][k] == want
+
+
 def test_whole_documents_rejoins_slices_hand_worked():
     from types import SimpleNamespace
 

@@ -176,3 +176,18 @@ def test_megatron_vpp_runs_written_lists_like_whole_documents(schedule):
         torch.testing.assert_close(torch.from_numpy(got[k]), torch.from_numpy(g), rtol=1e-5, atol=1e-8, msg=k)
     for r in res:
         assert r["refusal"] is not None and "v_shape_model_chunks" in r["refusal"], r["refusal"]
+
+
+def test_auto_without_a_choice_is_the_default_schedule_at_vpp():
+    """A planner that does not choose (slimpack) under schedule "auto": 1F1B at vpp 1, interleaved 1F1B at vpp 2
+    (1F1B refuses two chunks per rank), so slimpack's plans at vpp 2 are scored and written; a choice wins."""
+    from packloader.balancers.sim.simulator import plan_schedule
+    from packloader.contracts import StepPlan
+
+    none, chose = StepPlan(step=0, ranks=[]), StepPlan(step=0, ranks=[], schedule="zb-v")
+    assert plan_schedule(none, "auto") == "1f1b"
+    assert plan_schedule(none, "auto", 2) == "interleaved"
+    assert plan_schedule(chose, "auto", 2) == "zb-v"
+    assert plan_schedule(chose, "interleaved", 2) == "interleaved"
+    batches = list(_vpp_loader("auto", 1))  # scored at vpp 2 (step metrics simulate the step)
+    assert len(batches) == MB and batches[0].step_metrics is not None

@@ -7,6 +7,7 @@ import contextlib
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from .._common import flat
 from .._lazy import require
@@ -71,8 +72,6 @@ class _PipelineRunner:
     the schedule (buffers are re-sized per step). One runner per placement: interleaved or ZB-V's V."""
 
     def __init__(self, chunks: list[torch.nn.Module], config: Any, group: Any, v_shape: bool) -> None:
-        import torch.distributed as dist
-
         from packloader.runtime.pipeline import PlanPipelineSchedule, SlicedPipelineStage
 
         pp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -98,20 +97,19 @@ class _PipelineRunner:
         return self._loss_of(output, j)
 
 
-_RUNNERS: "dict[int, dict[bool, tuple[list, _PipelineRunner]]]" = {}  # first chunk -> placement -> runner
+_RUNNERS: "dict[int, tuple[list, dict[bool, _PipelineRunner]]]" = {}  # first chunk -> (chunks, placement -> runner)
 _LAST: "dict[int, _PipelineRunner]" = {}  # first chunk -> the runner of its last step
 
 
 def _runner(chunks: list[torch.nn.Module], config: Any, group: Any, v_shape: bool) -> _PipelineRunner:
-    per = _RUNNERS.setdefault(id(chunks[0]), {})
-    got = per.get(v_shape)
-    if got is None or any(a is not b for a, b in zip(got[0], chunks)) or len(got[0]) != len(chunks) \
-            or got[1].stage.group is not group:
-        if got is None or got[0][0] is not chunks[0]:
-            per.clear()
-        got = per[v_shape] = (list(chunks), _PipelineRunner(chunks, config, group, v_shape))
-    _LAST[id(chunks[0])] = got[1]
-    return got[1]
+    held = _RUNNERS.get(id(chunks[0]))
+    if held is None or len(held[0]) != len(chunks) or any(a is not b for a, b in zip(held[0], chunks)):
+        held = _RUNNERS[id(chunks[0])] = (list(chunks), {})
+    run = held[1].get(v_shape)
+    if run is None or run.stage.group is not group:
+        run = held[1][v_shape] = _PipelineRunner(chunks, config, group, v_shape)
+    _LAST[id(chunks[0])] = run
+    return run
 
 
 def _rank_plan(batches: list[dict], dp_rank: int | None):
@@ -185,6 +183,9 @@ def sliced_pipeline_forward_backward(*, forward_step_func, data_iterator, model,
     if isinstance(data_iterator, list):
         data_iterator = data_iterator[0]
     if forward_only:
+        if len(chunks) > 1:  # Megatron's interleaved schedule: chunks of the V would run out of model order
+            group = require("megatron.core.parallel_state").get_pipeline_model_parallel_group()
+            check_chunk_placement(chunks, config, "interleaved", dist.get_world_size(group), dist.get_rank(group))
         run_megatron = sched.forward_backward_pipelining_with_interleaving if len(chunks) > 1 else \
             sched.forward_backward_pipelining_without_interleaving
         return run_megatron(
@@ -203,8 +204,6 @@ def sliced_pipeline_forward_backward(*, forward_step_func, data_iterator, model,
                              "MegatronDataIterator(slices=True)")
     rank_plan, step_plan = _rank_plan(batches, dp_rank)
     chosen = step_schedule(step_plan, schedule or batches[0].get("schedule"), len(chunks))
-    import torch.distributed as dist
-
     check_chunk_placement(chunks, config, chosen, dist.get_world_size(pipeline_group),
                           dist.get_rank(pipeline_group))
     run = _runner(chunks, config, pipeline_group, chosen == "zb-v")

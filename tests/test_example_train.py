@@ -300,3 +300,56 @@ def test_zeppelin_cp_inside_data_parallel_replicas_matches_plain_data_parallel(t
     for a, b in zip(dp["curve"], both["curve"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
     assert both["held_out_loss"] == pytest.approx(dp["held_out_loss"], rel=1e-4)
+
+
+def _rank_switch_placements(rank, world, out_dir, paths):
+    """One PipelineRun at --pp 2 --vpp 2 runs a ZB-V step, then an interleaved one, then ZB-V again (what `auto`
+    may choose step by step); after each, every rank's whole-model gradient and the loss, against the same step's
+    documents run whole through an unsplit copy of the model (this process, no pipeline)."""
+    import copy
+
+    import torch
+
+    ex = load_example()
+    torch.set_num_threads(1)
+    args = ex.parse_args(["--out", out_dir, "--tiny", "--pp", "2", "--vpp", "2", "--quiet"])
+    args.seed = 0
+    table = torch.from_numpy(ex.vocab_map(paths, args.vocab))
+    model = ex.build_model(args, args.vocab)
+    ref = copy.deepcopy(model)
+    pipe = ex.PipelineRun(model, args)
+    out = []
+    for k, schedule in enumerate(["zb-v", "interleaved", "zb-v"]):
+        args.schedule = schedule
+        loader = ex.make_loader(paths, args, "slimpack", epochs=1)
+        mbs = [b for b in loader if b.step == k]
+        n_step = mbs[0].loss_tokens_in_step
+        model.zero_grad(set_to_none=True)
+        loss = pipe.step(mbs, table, n_step, loader.config)
+        ref.zero_grad(set_to_none=True)
+        ref_loss = ex.whole_step_loss_sum(ref, mbs, table)
+        (ref_loss / n_step).backward()
+        worst = max(float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12))
+                    for p, q in zip(model.parameters(), ref.parameters()) if q.grad is not None)
+        out.append((schedule, pipe.schedules[-1], sorted({a[2] for a in pipe.executed[-1]}), loss,
+                    float(ref_loss) / n_step, worst))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_pipeline_vpp2_switches_placement_between_steps(tmp_path):
+    """The example's PipelineRun builds the stages of whichever placement a step's schedule needs (ZB-V: rank 0
+    holds stages 0 and 3; interleaved: 0 and 2) on the same model: switching back and forth, each step's loss and
+    every rank's summed whole-model gradient equal the unsplit model's over the step's whole documents."""
+    from helpers.distributed import run_ranks
+
+    ex = load_example()
+    args = ex.parse_args(["--out", str(tmp_path), "--tiny", "--pp", "2", "--vpp", "2"])
+    paths = ex.write_shards(tmp_path, args.files, args.valid_fraction, args.data_seed)[0]
+    res = run_ranks(_rank_switch_placements, 2, str(tmp_path), paths, timeout=300)
+    for rank, steps in enumerate(res):
+        for schedule, ran, stages, loss, ref, worst in steps:
+            assert ran == schedule
+            assert stages == ({0: [0, 3], 1: [1, 2]} if schedule == "zb-v" else {0: [0, 2], 1: [1, 3]})[rank]
+            assert loss == pytest.approx(ref, rel=1e-5)
+            assert worst < 1e-4, (rank, schedule, worst)

@@ -7,6 +7,7 @@ seed, and compare held-out loss against the `fixed` baseline.
     python examples/train_llama.py --out /tmp/dc --tiny --planners fixed --cp 2 --dp 2   # 2 DP x 2 CP, 4 ranks
     python examples/train_llama.py --out /tmp/pp --tiny --pp 2                    # 2 pipeline stages, sliced plans
     python examples/train_llama.py --out /tmp/zb --tiny --pp 2 --schedule zb-h1   # the same, zero-bubble ZB-H1
+    python examples/train_llama.py --out /tmp/zv --tiny --pp 2 --vpp 2 --schedule zb-v  # two chunks a rank, ZB-V
 
 Data: the Python standard library's source files (no download), cut into top-level definitions (a long-tailed
 mix of short and long documents), tokenized with packloader's default tokenizer (tekken) by
@@ -53,7 +54,12 @@ init is the single-process run's. ``--pp N --pp-whole`` is the unsliced run it m
 plans, each step's documents rejoined from their slices and run whole through the unsplit model. ``--schedule``
 (``1f1b``, ``zb-h1``, ``auto``) is the plans' ``PlanConfig.schedule``: each step runs exactly the action lists
 ``packloader plan`` writes for it (``planned_actions``; under ZB-H1 a "B" is the input gradient and a "W" the
-weight gradient; rank 0's written and executed lists per step are in ``pipeline_actions``).
+weight gradient; rank 0's written and executed lists per step, and the schedule each step ran, are in
+``pipeline_actions``). ``--pp N --vpp 2`` gives each rank two model chunks (``ParallelConfig(vpp=2)``, the
+layers split over 2N stages): ``--schedule interleaved`` (the default there), ``zb-h1`` (interleaved zero
+bubble), ``zb-v`` or ``auto``. Interleaved schedules place stages r and N + r on rank r, ZB-V stages r and
+2N-1-r; each rank builds the stages of the placement a step's schedule needs, so ``auto`` may switch per step,
+and every rank keeps the whole model in step (gradients summed over the ranks, the same AdamW step everywhere).
 """
 
 from __future__ import annotations
@@ -205,15 +211,16 @@ class LlamaStage(torch.nn.Module):
         for layer in self.layers:
             h = layer(h, position_ids=pos, position_embeddings=pe, use_cache=False)
             h = h[0] if isinstance(h, tuple) else h
-        h = h[0]
-        return self.head(self.norm(h)) if self.last else h
+        if self.last:
+            return self.head(self.norm(h[0]))
+        return h[0].clone()  # not a view: a split backward (ZB) detaches a middle stage's output in place
 
 
 def stage_cuts(layers: int, pp: int) -> list[tuple[int, int]]:
     """Decoder layers per stage, as even as possible; every stage needs one (its slices' keys live there)."""
     if layers < pp:
-        raise ValueError(f"--pp {pp} needs at least {pp} decoder layers (--layers {layers}): every stage runs "
-                         f"attention")
+        raise ValueError(f"{pp} pipeline stages (--pp x --vpp) need at least {pp} decoder layers (--layers "
+                         f"{layers}): every stage runs attention")
     cuts = np.linspace(0, layers, pp + 1).round().astype(int)
     return [(int(cuts[i]), int(cuts[i + 1])) for i in range(pp)]
 
@@ -289,33 +296,33 @@ def planned_actions(micro_batches, config, dp_rank: int = 0) -> list:
 
 
 class PipelineRun:
-    """This process's pipeline stage of the `--pp` run: its share of the full model (built whole with the seed on
-    every rank, so each stage's parameters are exactly the single-process run's), the engine stage and the
-    plan schedule. The tied embedding / LM head weight lives on the first and last stage; its two gradient
-    shares are summed between them (as Megatron's embedding group does), so both keep the same weight."""
+    """This process's pipeline stages of the `--pp` run: its share of the full model (built whole with the seed on
+    every rank, so each stage's parameters are exactly the single-process run's), the engine stages and the
+    plan schedule. At vpp 1 the rank owns its stage: the tied embedding / LM head weight lives on the first and
+    last stage, its two gradient shares summed between them (as Megatron's embedding group does). At `--vpp 2`
+    the rank runs two model chunks, placed as the step's schedule wants (interleaved and interleaved zero bubble:
+    stages r and pp + r; ZB-V: r and 2*pp-1-r, so `auto` may switch per step); every rank then keeps the whole
+    model in step: each parameter's gradient is summed over the ranks (only the ranks that ran it add to it)
+    and every rank takes the same AdamW step."""
 
     def __init__(self, model, args):
         import torch.distributed as dist
 
-        from packloader.runtime.pipeline import PlanPipelineSchedule, SlicedPipelineStage
-
-        self.model, self.pp, self.rank = model, args.pp, dist.get_rank()
-        cuts = stage_cuts(args.layers, args.pp)
-        first, last = self.rank == 0, self.rank == args.pp - 1
-        self.module = LlamaStage(model, *cuts[self.rank], first, last)
-        hidden = model.config.hidden_size
-        out = model.config.vocab_size if last else hidden
-        self.stage = SlicedPipelineStage(
-            self.module, self.rank, args.pp, "cpu",
-            input_example=torch.zeros(1, dtype=torch.long) if first else torch.zeros(1, hidden),
-            output_example=torch.zeros(1, out))
-        self.schedule = PlanPipelineSchedule([self.stage], self._loss)
-        self.params = list(dict.fromkeys(self.module.parameters()))
-        self.tied = model.lm_head.weight if model.config.tie_word_embeddings else None
+        self.model, self.pp, self.vpp, self.rank = model, args.pp, args.vpp, dist.get_rank()
+        self.cuts = stage_cuts(args.layers, args.pp * args.vpp)
+        self._runs: dict[bool, tuple] = {}
+        self.stage, self.schedule = self._placement(False)[0][0], self._placement(False)[1]
+        if self.vpp > 1:  # the whole model, synchronised every step
+            self.params = list(dict.fromkeys(model.parameters()))
+            self.tied = None
+        else:
+            self.module = self.stage.submod
+            self.params = list(dict.fromkeys(self.module.parameters()))
+            self.tied = model.lm_head.weight if model.config.tie_word_embeddings else None
         self.tied_group = dist.new_group([0, args.pp - 1]) if self.tied is not None else None
-        # owner of every parameter of the full model (the tied weight: the first stage), for gather()
+        # owner of every parameter of the full model at vpp 1 (the tied weight: the first stage), for gather()
         self.owner = {}
-        for r, (lo, hi) in enumerate(cuts):
+        for r, (lo, hi) in enumerate(self.cuts):
             for i in range(lo, hi):
                 for q in model.model.layers[i].parameters():
                     self.owner[q] = r
@@ -329,6 +336,29 @@ class PipelineRun:
         self.orders: list[list] = []  # per step, this stage's executed (F/B, micro-batch, chunk) order
         self.written: list[list] = []  # per step, this stage's written action list ([op, micro_batch, stage])
         self.executed: list[list] = []  # per step, what this stage ran, in the same form
+        self.schedules: list[str] = []  # per step, the schedule it ran
+
+    def _placement(self, v_shape: bool):
+        """This rank's stages and their schedule for one placement (built on first use, the same step on every
+        rank: the plans are the same everywhere)."""
+        from packloader.runtime.pipeline import PlanPipelineSchedule, SlicedPipelineStage
+        from packloader.runtime.pipeline_actions import rank_stages
+
+        got = self._runs.get(v_shape)
+        if got is None:
+            n = self.pp * self.vpp
+            hidden = self.model.config.hidden_size
+            stages = []
+            for st in rank_stages(self.rank, self.pp, self.vpp, v_shape):
+                first, last = st == 0, st == n - 1
+                out = self.model.config.vocab_size if last else hidden
+                stages.append(SlicedPipelineStage(
+                    LlamaStage(self.model, *self.cuts[st], first, last), st, n, "cpu",
+                    input_example=torch.zeros(1, dtype=torch.long) if first else torch.zeros(1, hidden),
+                    output_example=torch.zeros(1, out)))
+            default = "1f1b" if self.vpp == 1 else ("zb-v" if v_shape else "interleaved")
+            got = self._runs[v_shape] = (stages, PlanPipelineSchedule(stages, self._loss, schedule=default))
+        return got
 
     @staticmethod
     def _loss(logits, target):
@@ -337,14 +367,19 @@ class PipelineRun:
 
     def step(self, micro_batches, table: torch.Tensor, n_step: int, config) -> float:
         """Forward and backward of one packloader step through the pipeline (the plan's micro-batches run as the
-        action lists `packloader plan` writes for `config.schedule`: 1F1B, ZB-H1 or `auto`'s choice; slices
-        carrying their keys per stage); the step's summed loss / `n_step`, on every rank."""
+        action lists `packloader plan` writes for `config.schedule`: 1F1B, ZB-H1, interleaved, ZB-V or `auto`'s
+        choice; slices carrying their keys per stage); the step's summed loss / `n_step`, on every rank."""
         import torch.distributed as dist
+
+        from packloader.balancers.sim.simulator import plan_schedule
 
         mbs = [b for b in micro_batches if b.num_tokens]  # an empty slot has nothing to run on any stage
         self.sliced_steps += any(s.attend_from < s.start for b in mbs for s in b.segments)
         losses: list = []
         lists = planned_actions(micro_batches, config)
+        chosen = plan_schedule(micro_batches[0].plan, config.schedule, self.vpp)
+        self.schedule = self._placement(chosen == "zb-v")[1]
+        self.schedule.schedule = chosen
         self.schedule.step_plan(planned_rank_plan(micro_batches), actions=lists,
                                 arg_mbs=[(remap(b.input_ids, table),) for b in mbs],
                                 kwarg_mbs=[{"position_ids": b.position_ids} for b in mbs],
@@ -352,7 +387,14 @@ class PipelineRun:
         self.orders.append([list(a) for a in self.schedule.order])
         self.written.append(lists[self.rank])
         self.executed.append([list(a) for a in self.schedule.executed])
-        if self.tied is not None and self.pp > 1:
+        self.schedules.append(chosen)
+        if self.vpp > 1:  # every rank gets the whole model's gradient (each share from the ranks that ran it)
+            grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in self.params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            for q, g in zip(self.params, flat.split([g.numel() for g in grads])):
+                q.grad = g.view_as(q).clone()
+        elif self.tied is not None and self.pp > 1:
             if self.tied.grad is None:
                 self.tied.grad = torch.zeros_like(self.tied)
             dist.all_reduce(self.tied.grad, group=self.tied_group)
@@ -362,9 +404,12 @@ class PipelineRun:
 
     def clip_grad_norm_(self, max_norm: float) -> None:
         """`torch.nn.utils.clip_grad_norm_` over the whole model: every stage's squared norm summed, the tied
-        weight counted once."""
+        weight counted once (at vpp > 1 every rank holds the whole gradient)."""
         import torch.distributed as dist
 
+        if self.vpp > 1:
+            torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            return
         own = [q for q in self.params if q.grad is not None and self.owner[q] == self.rank]
         sq = torch.tensor([sum(float(q.grad.double().pow(2).sum()) for q in own)], dtype=torch.float64)
         dist.all_reduce(sq)
@@ -374,9 +419,12 @@ class PipelineRun:
                 q.grad.mul_(coef)
 
     def gather(self) -> None:
-        """Every rank's copy of the full model gets each stage's trained parameters (for the held-out loss)."""
+        """Every rank's copy of the full model gets each stage's trained parameters (for the held-out loss); at
+        vpp > 1 they are already the same everywhere."""
         import torch.distributed as dist
 
+        if self.vpp > 1:
+            return
         for q in dict.fromkeys(self.model.parameters()):
             dist.broadcast(q.data, src=self.owner[q])
 
@@ -387,7 +435,8 @@ def make_loader(paths, args, strategy: str, epochs, *, train: bool = True):
 
     pp, dp = (args.pp, args.dp) if train else (1, 1)  # every rank evaluates the whole held-out set
     cfg = PlanConfig(strategy=strategy, max_tokens=args.max_tokens, context=args.context,
-                     tokens_per_step=args.tokens_per_step, allow_slicing=pp > 1, parallel=ParallelConfig(pp=pp, dp=dp),
+                     tokens_per_step=args.tokens_per_step, allow_slicing=pp > 1,
+                     parallel=ParallelConfig(pp=pp, dp=dp, vpp=args.vpp if pp > 1 else 1),
                      schedule=args.schedule if pp > 1 else "1f1b",
                      model=args.cost_model, seed=args.seed)
     return PackedLoader(paths, config=cfg, epochs=epochs, num_threads=0, seed=args.seed,
@@ -493,7 +542,7 @@ def train(args, strategy: str, train_paths, valid_paths, table) -> dict:
         pipe.gather()
         sliced_steps = pipe.sliced_steps
         orders = pipe.orders
-        actions = {"written": pipe.written, "executed": pipe.executed}
+        actions = {"written": pipe.written, "executed": pipe.executed, "schedules": pipe.schedules}
     # every rank evaluates its gathered full model (the loader's start is collective over the process group)
     held_out = evaluate(model, valid_paths, args, table) if valid_paths else float("nan")
     return {"strategy": strategy, "seed": args.seed, "curve": curve, "held_out_loss": held_out,
@@ -605,10 +654,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="data-parallel replicas (gloo processes; with --cp N, N CP ranks each)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline parallelism over this many gloo processes (plans pipeline-aware, slices allowed)")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "zb-h1", "auto"],
+    p.add_argument("--vpp", type=int, default=1,
+                   help="with --pp N: model chunks per pipeline rank (virtual pipeline stages; 2 runs interleaved "
+                        "1F1B, interleaved zero bubble and ZB-V)")
+    p.add_argument("--schedule", default=None, choices=["1f1b", "zb-h1", "interleaved", "zb-v", "auto"],
                    help="with --pp N: the pipeline schedule the plans are scored and run with (PlanConfig.schedule; "
-                        "zb-h1 splits each backward into input- and weight-gradient actions, auto lets the planner "
-                        "choose per step)")
+                        "zb-h1 splits each backward into input- and weight-gradient actions, interleaved and zb-v "
+                        "need --vpp 2, auto lets the planner choose per step; default 1f1b, interleaved at --vpp 2)")
     p.add_argument("--pp-whole", action="store_true",
                    help="with --pp N: one process, the same plans, each step's documents rejoined and run whole "
                         "through the unsplit model (the unsliced run --pp N must match)")
@@ -617,13 +669,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.planners = "slimpack" if args.pp > 1 else "fixed,auto,wlb"
     if args.pp > 1 and (args.cp > 1 or args.dp > 1):
         raise SystemExit("--pp with --cp or --dp is not supported by this example")
+    if args.vpp > 1 and args.pp == 1:
+        raise SystemExit("--vpp needs --pp N (N > 1)")
+    if args.schedule is None:
+        args.schedule = "1f1b" if args.vpp == 1 else "interleaved"
+    if (args.vpp == 1 and args.schedule in ("interleaved", "zb-v")) or (args.vpp > 1 and args.schedule == "1f1b") \
+            or (args.schedule == "zb-v" and args.vpp != 2):
+        raise SystemExit(f"--schedule {args.schedule} with --vpp {args.vpp}: 1f1b runs one model chunk per rank, "
+                         "interleaved two or more (--vpp), zb-v exactly two (--vpp 2)")
     if args.tiny:
         args.files, args.epochs, args.tokens_per_step = 12, 1, 1024
         args.max_tokens = args.context = 512
         args.vocab, args.hidden, args.layers, args.heads, args.warmup_frac = 512, 32, 1, 2, 0.2
         args.lr = 1e-2
         args.valid_fraction = 0.1
-        args.layers = max(args.layers, args.pp)  # one decoder layer per stage
+        args.layers = max(args.layers, args.pp * args.vpp)  # one decoder layer per stage
     return args
 
 

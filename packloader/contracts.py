@@ -130,7 +130,7 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 
 DeviceName = Annotated[str, msgspec.Meta(min_length=1)]  # a device profile name (balancers.cost.devices.load_device)
 Strategy = Annotated[str, msgspec.Meta(min_length=1)]  # a name in the planner registry (available_strategies())
-Schedule = Literal["1f1b", "gpipe", "interleaved", "zb-h1", "auto"]  # auto: the `auto` planner picks 1F1B or ZB-H1
+Schedule = Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "auto"]  # auto: `auto` picks (schedule_choice)
 
 
 class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -186,6 +186,10 @@ def check_plan_config(config: PlanConfig) -> None:
             "tokens_per_step >= max_tokens (a step draws at least one full micro-batch of tokens)",
             fields=("tokens_per_step", "max_tokens"),
         )
+    if config.schedule == "zb-v" and config.parallel.vpp != 2:
+        raise ConfigError(
+            f"PlanConfig.schedule='zb-v' with parallel.vpp={config.parallel.vpp}: expected vpp=2 (ZB-V places two "
+            "model chunks on each pipeline rank, as a V)", fields=("schedule", "parallel.vpp"))
 
 
 class Poly(msgspec.Struct, frozen=True, array_like=True):

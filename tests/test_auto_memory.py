@@ -100,7 +100,8 @@ def test_nothing_fits_picks_the_lowest_peak_and_records_it():
 
 
 @pytest.mark.parametrize("schedule,vpp,dp,merge", [("1f1b", 1, 3, False), ("1f1b", 1, 4, True), ("gpipe", 1, 2, False),
-                                                   ("interleaved", 2, 2, False)])
+                                                   ("interleaved", 2, 2, False), ("zb-v", 2, 2, False),
+                                                   ("zb-h1", 2, 2, False)])
 def test_array_peaks_match_plan_simulation(schedule, vpp, dp, merge):
     """auto's batched peaks (slices, FILO backward orders, DP-Merge groups) against simulate_step per rank."""
     cfg = PlanConfig(parallel=ParallelConfig(dp=dp, pp=2, tp=2, vpp=vpp), max_tokens=2048 if merge else 4096, context=32768,

@@ -409,6 +409,11 @@ def cli_tokens_per_step_below_max_tokens(tmp):
                        "--quiet")
 
 
+def cli_zbv_without_two_chunks(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--pp", "2", "--schedule", "zb-v", "--quiet")
+
+
 def cli_planner_option_unknown(tmp):
     np.save(tmp / "ok.npy", np.array([10, 20, 30]))
     return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--planner-options", '{"wlb": {"fil": 0.5}}', "--quiet")
@@ -902,6 +907,8 @@ CASES = [
          ("state field loader.step_state.first_drawn[0] = [0, 0]: expected one pair per document",)),
     Case("cli_tokens_per_step_below_max_tokens", cli_tokens_per_step_below_max_tokens, CliExit,
          ("exit 2", "(--tokens-per-step, --max-tokens)", "tokens_per_step=512 is below max_tokens=1024")),
+    Case("cli_zbv_without_two_chunks", cli_zbv_without_two_chunks, CliExit,
+         ("exit 2", "(--schedule, --vpp)", "PlanConfig.schedule='zb-v' with parallel.vpp=1: expected vpp=2")),
     Case("cli_planner_option_unknown", cli_planner_option_unknown, CliExit,
          ("exit 2", "(--planner-options)", "planner_options['wlb']", "unknown field `fil`", "expected fields of WLBOptions")),
     Case("cli_plugin_not_importable", cli_plugin_not_importable, CliExit,

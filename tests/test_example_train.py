@@ -182,6 +182,56 @@ def test_pipeline_pp_zb_h1_runs_the_written_lists_like_the_whole_document_run(tm
         assert acts["executed"][k] == want
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("planner,schedule", [("slimpack", "interleaved"), ("slimpack", "zb-v"), ("auto", "auto")])
+def test_pipeline_vpp2_runs_the_written_lists_like_the_whole_document_run(tmp_path, planner, schedule):
+    """--pp 2 --vpp 2 (two model chunks per rank, four decoder layers): interleaved 1F1B on the loop placement
+    (rank 0: stages 0 and 2), ZB-V on the V (rank 0: stages 0 and 3, "W" actions), and `auto` choosing per step
+    among interleaved, interleaved zero bubble and ZB-V: every step runs exactly the action lists rebuilt here from
+    the loader's plans, and trains the same losses as the unsliced whole-document run of the same plans."""
+    ex = load_example()
+    common = ["--out", str(tmp_path), "--tiny", "--pp", "2", "--vpp", "2", "--steps", "2", "--quiet", "--threads",
+              "1", "--schedule", schedule, "--planners", planner]
+    whole = ex.main(common + ["--pp-whole"])["runs"][0]
+    res = ex.main(common)
+    pp = res["runs"][0]
+    assert res["config"]["layers"] == 4 and res["config"]["vpp"] == 2
+    assert len(pp["curve"]) == len(whole["curve"]) == 2
+    for a, b in zip(whole["curve"], pp["curve"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
+    import msgspec
+
+    from packloader.balancers.cost.model import CostModel
+    from packloader.balancers.sim.actions import step_actions
+    from packloader.contracts import CostProfile, ParallelConfig, Poly
+
+    linear = CostModel(CostProfile(name="linear", tile=1, attn_fwd=Poly(), attn_bwd=Poly(), lin_fwd=Poly(0, 1.0, 0),
+                                   lin_bwd=Poly(0, 2.0, 0)))
+    args = ex.parse_args(common)
+    args.seed = 0
+    steps = []
+    for b in ex.make_loader(ex.write_shards(tmp_path, args.files, args.valid_fraction, args.data_seed)[0], args,
+                            planner, epochs=1):
+        if b.step >= 2:
+            break
+        if b.index_in_step == 0:
+            steps.append([])
+        steps[-1].append(b)
+    acts = pp["pipeline_actions"]
+    for k, mbs in enumerate(steps):
+        chosen = mbs[0].plan.schedule or schedule
+        assert chosen in ("interleaved", "zb-h1", "zb-v")
+        assert acts["schedules"][k] == chosen
+        lists = msgspec.json.decode(msgspec.json.encode(
+            step_actions(mbs[0].plan, linear, ParallelConfig(pp=2, vpp=2), schedule=schedule)[0][0]))
+        keep = {j: i for i, j in enumerate(j for j, b in enumerate(mbs) if b.num_tokens)}
+        want = [[op, keep[u], st] for op, u, st in lists if u in keep]
+        assert {a[2] for a in want} == ({0, 3} if chosen == "zb-v" else {0, 2})
+        assert any(a[0] == "W" for a in want) == (chosen != "interleaved")
+        assert acts["written"][k] == want
+        assert acts["executed"][k] == want
+
+
 def test_whole_documents_rejoins_slices_hand_worked():
     from types import SimpleNamespace
 
@@ -250,3 +300,56 @@ def test_zeppelin_cp_inside_data_parallel_replicas_matches_plain_data_parallel(t
     for a, b in zip(dp["curve"], both["curve"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
     assert both["held_out_loss"] == pytest.approx(dp["held_out_loss"], rel=1e-4)
+
+
+def _rank_switch_placements(rank, world, out_dir, paths):
+    """One PipelineRun at --pp 2 --vpp 2 runs a ZB-V step, then an interleaved one, then ZB-V again (what `auto`
+    may choose step by step); after each, every rank's whole-model gradient and the loss, against the same step's
+    documents run whole through an unsplit copy of the model (this process, no pipeline)."""
+    import copy
+
+    import torch
+
+    ex = load_example()
+    torch.set_num_threads(1)
+    args = ex.parse_args(["--out", out_dir, "--tiny", "--pp", "2", "--vpp", "2", "--quiet"])
+    args.seed = 0
+    table = torch.from_numpy(ex.vocab_map(paths, args.vocab))
+    model = ex.build_model(args, args.vocab)
+    ref = copy.deepcopy(model)
+    pipe = ex.PipelineRun(model, args)
+    out = []
+    for k, schedule in enumerate(["zb-v", "interleaved", "zb-v"]):
+        args.schedule = schedule
+        loader = ex.make_loader(paths, args, "slimpack", epochs=1)
+        mbs = [b for b in loader if b.step == k]
+        n_step = mbs[0].loss_tokens_in_step
+        model.zero_grad(set_to_none=True)
+        loss = pipe.step(mbs, table, n_step, loader.config)
+        ref.zero_grad(set_to_none=True)
+        ref_loss = ex.whole_step_loss_sum(ref, mbs, table)
+        (ref_loss / n_step).backward()
+        worst = max(float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-12))
+                    for p, q in zip(model.parameters(), ref.parameters()) if q.grad is not None)
+        out.append((schedule, pipe.schedules[-1], sorted({a[2] for a in pipe.executed[-1]}), loss,
+                    float(ref_loss) / n_step, worst))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_pipeline_vpp2_switches_placement_between_steps(tmp_path):
+    """The example's PipelineRun builds the stages of whichever placement a step's schedule needs (ZB-V: rank 0
+    holds stages 0 and 3; interleaved: 0 and 2) on the same model: switching back and forth, each step's loss and
+    every rank's summed whole-model gradient equal the unsplit model's over the step's whole documents."""
+    from helpers.distributed import run_ranks
+
+    ex = load_example()
+    args = ex.parse_args(["--out", str(tmp_path), "--tiny", "--pp", "2", "--vpp", "2"])
+    paths = ex.write_shards(tmp_path, args.files, args.valid_fraction, args.data_seed)[0]
+    res = run_ranks(_rank_switch_placements, 2, str(tmp_path), paths, timeout=300)
+    for rank, steps in enumerate(res):
+        for schedule, ran, stages, loss, ref, worst in steps:
+            assert ran == schedule
+            assert stages == ({0: [0, 3], 1: [1, 2]} if schedule == "zb-v" else {0: [0, 2], 1: [1, 3]})[rank]
+            assert loss == pytest.approx(ref, rel=1e-5)
+            assert worst < 1e-4, (rank, schedule, worst)

@@ -611,6 +611,8 @@ def test_megatron_pipeline_schedule_is_the_plans_hand_worked():
     assert step_schedule(none, "zb-h1") == "zb-h1"
     assert step_schedule(none, "auto") == step_schedule(none, None) == step_schedule(None, None) == "1f1b"
     assert step_schedule(none, "gpipe") == "gpipe"
+    assert step_schedule(none, "auto", 2) == step_schedule(none, None, 2) == "interleaved"  # vpp 2: auto's default
+    assert step_schedule(StepPlan(step=0, ranks=[], schedule="zb-v"), "auto", 2) == "zb-v"
 
 
 @pytest.mark.multiprocess
@@ -674,9 +676,10 @@ def test_megatron_pipeline_refuses_settings_it_cannot_honour():
 
     vpp = ModelParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
                               pipeline_dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2.*allow_slicing=False"):
+    with pytest.raises(ValueError, match=r"1 model chunk\(s\) with virtual_pipeline_model_parallel_size=2"):
         pm.check_sliced_pipeline_config(vpp)
-    with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2"):
+    pm.check_sliced_pipeline_config(vpp, num_model_chunks=2)  # runs: tests/test_megatron_vpp.py
+    with pytest.raises(ValueError, match=r"2 model chunk\(s\) with virtual_pipeline_model_parallel_size=None"):
         pm.check_sliced_pipeline_config(ModelParallelConfig(), num_model_chunks=2)
     sp = ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"sequence_parallel=True.*sequence_parallel=False"):

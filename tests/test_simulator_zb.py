@@ -139,9 +139,9 @@ def test_plan_cli_writes_w_actions(tmp_path, schedule):
                 assert sorted((op, u) for op, u, _ in lst) == sorted((op, u) for op in ops for u in range(m))
 
 
-def test_zb_h1_needs_one_chunk_per_rank():
-    with pytest.raises(ValueError, match="ZB-V is not modelled"):
-        simulate(np.ones(4), np.ones(4), pp=2, vpp=2, schedule="zb-h1")
+def test_one_chunk_schedules_refuse_vpp():
+    with pytest.raises(ValueError, match="needs schedule 'interleaved', 'zb-h1' .* or 'zb-v'"):
+        simulate(np.ones(4), np.ones(4), pp=2, vpp=2, schedule="1f1b")
 
 
 def test_pipeline_schedule_runs_zb_h1_as_input_and_weight_actions():

@@ -74,14 +74,19 @@ document's earlier slices in earlier micro-batches of the same step):
   ``packloader.runtime.pipeline.SlicedPipelineStage`` on Megatron's pipeline group, and the step's micro-batches
   run through ``PlanPipelineSchedule`` in the order the planner's simulator scored (the plan's
   ``backward_order``, from ``batch["step_plan"]``) and the plan's schedule (1F1B, or ZB-H1's split input /
-  weight backwards under ``PlanConfig.schedule`` "zb-h1" or "auto"; ``actions=`` runs the written lists); each stage keeps its own layers' keys and values of a
+  weight backwards under ``PlanConfig.schedule`` "zb-h1" or "auto"; ``actions=`` runs the written lists). With
+  virtual pipeline stages (``ParallelConfig(vpp=2)``, ``virtual_pipeline_model_parallel_size=2``) it replaces
+  ``forward_backward_pipelining_with_interleaving`` too: the rank's list of model chunks runs interleaved 1F1B
+  and interleaved zero bubble ("interleaved", "zb-h1": chunks as megatron-core builds them, chunk c is stage
+  c*pp + rank) or ZB-V ("zb-v": chunks built by ``v_shape_model_chunks``, stages rank and 2*pp-1-rank), W
+  actions included; chunks of the other placement are refused by layer number. Each stage keeps its own layers' keys and values of a
   document's earlier slices until the document's last backward. Every pipeline rank reads the step's batches
   from its own iterator (same loader, same DP rank: plans are deterministic), since every stage needs the
   segments. Loss, ``no_sync_func`` and ``finalize_model_grads_func`` as in Megatron's schedule. Tensor
   parallelism works as in Megatron's schedule (each TP rank of a stage runs the same plan on its shard; tested at
   TP 2 x PP 2 against the unsplit model). Refused early,
-  naming the setting: virtual pipeline stages (``virtual_pipeline_model_parallel_size``, Megatron's own
-  interleaving), ``sequence_parallel`` (activations between stages split over TP ranks), CP > 1,
+  naming the setting: a chunk list that is not ``virtual_pipeline_model_parallel_size`` long,
+  ``sequence_parallel`` (activations between stages split over TP ranks), CP > 1,
   ``calculate_per_token_loss=False``, DP-Merge micro-batches (``MicroBatch.dp_group``). An iterator without
   ``slices=True`` refuses the first sliced batch at PP > 1, naming ``pipeline_model_parallel_size``.
 * CP > 1 with slices is refused too (``packloader.collate.cp_shard`` does not shard slices).
@@ -110,6 +115,7 @@ from .batch import (
 )
 from .dynamic_cp import megatron_dynamic_cp_batches
 from .pipeline import check_sliced_pipeline_config, pipeline_schedule_of, sliced_pipeline_forward_backward
+from .pipeline_chunks import check_chunk_placement, v_shape_model_chunks
 from .slices import PackloaderCoreAttention, sliced_forward_backward
 
 __all__ = [
@@ -128,5 +134,7 @@ __all__ = [
     "sliced_pipeline_forward_backward",
     "check_sliced_pipeline_config",
     "pipeline_schedule_of",
+    "v_shape_model_chunks",
+    "check_chunk_placement",
 ]
 

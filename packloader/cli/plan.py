@@ -29,8 +29,9 @@ output: one JSON line per step (the whole file by default; --steps N for the fir
    "memory_over": the simulated peak memory of one GPU over the device's usable memory (> 1) when no
             candidate plan fits, else 0 (auto checks memory; the other strategies write 0),
    "actions": [per DP rank: [per pipeline rank: [[op, micro_batch, stage], ...]]] in the order the simulator
-            scored (op "F", "B", or "W" for weight gradients under --schedule zb-h1; stage the model
-            chunk; packloader.balancers.sim.actions),
+            scored (op "F", "B", or "W" for weight gradients under --schedule zb-h1 and zb-v; stage the
+            model chunk in model order, 0..pp*vpp-1: pipeline rank s holds s, s + pp, ..., or s and 2*pp-1-s
+            under zb-v; packloader.balancers.sim.actions),
    and, when present: "dp_groups" [[rank, position, [ranks]]] (micro-batches run by several DP ranks
    together), "backward_order" (per rank), "delayed" (documents held back for a later step);
    with --cp-mode dynamic (or auto, on the steps it plans so): "cp_mode": "dynamic", "ranks" and "costs" per GPU

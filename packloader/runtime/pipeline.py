@@ -7,6 +7,7 @@ Entry point (this process is pipeline rank `pp_rank` of DP rank `dp_rank`; one s
                                   input_example=..., output_example=..., group=pipeline_group)
               for c, chunk_module in enumerate(my_chunks)]
     sched = PlanPipelineSchedule(stages, loss_fn, schedule="1f1b")     # "interleaved" when vpp > 1
+    # "zb-v" (vpp 2): the V placement, stage_index r and 2*pp-1-r on pipeline rank r instead of c*pp + r
     for step_plan in plans:                                            # every rank holds the whole StepPlan
         mbs = step_plan.ranks[dp_rank].micro_batches
         losses = sched.step_plan(step_plan.ranks[dp_rank],
@@ -57,8 +58,13 @@ What the engine could not express, and what was added at its seams (subclasses, 
   equal chunks. Gradients are not rescaled (`scale_grads=False`): the loss function scales, as packloader's
   losses are normalised by the step's loss tokens.
 
-Split backwards (ZB-H1, schedule "zb-h1" or written lists with "W"): a "B" with a "W" of the same micro-batch
-and stage runs as the engine's input-gradient action (I) and the "W" as its weight-gradient action. The engine's
+ZB-V (schedule "zb-v", two stages per rank placed as a V): the engine infers which rank holds which stage from
+the action lists, and passes activations and gradients between a rank's own two stages (pp-1 and pp on the last
+rank) without communication; the split backwards are ZB-H1's, below.
+
+Split backwards (ZB-H1 and ZB-V, schedules "zb-h1" and "zb-v", or written lists with "W"): a "B" with a "W" of
+the same micro-batch and stage runs as the engine's input-gradient action (I) and the "W" as its weight-gradient
+action. The engine's
 I differentiates the stage inputs only, so `SlicedPipelineStage` adds the keys and values a slice read from
 earlier micro-batches to those inputs and hands their gradients to the cache before the earlier slice's I; on
 the first stage the engine runs the whole backward at W, and the cache follows. The key/value gradient of a
@@ -81,10 +87,10 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
 )
 
-from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, build_ops
+from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, ZB_V, build_ops
 from packloader.balancers.sim.simulator import check_backward_order, default_backward_order, slice_edges_of
 from packloader.contracts import MicroBatch, RankPlan, StepPlan
-from packloader.runtime.pipeline_actions import engine_actions, written_actions
+from packloader.runtime.pipeline_actions import engine_actions, rank_stages, written_actions
 from packloader.runtime.pipeline_stage import (
     CarriedKVCache,
     KVSample,
@@ -94,7 +100,7 @@ from packloader.runtime.pipeline_stage import (
 )
 from packloader.runtime.slices import SlicesNotSupported, analyse_chain
 
-RUNS = ("1f1b", "gpipe", "interleaved", "zb-h1")  # the simulator's schedules this runs
+RUNS = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v")  # the simulator's schedules this runs
 
 __all__ = [
     "simulated_actions",
@@ -125,13 +131,13 @@ def rank_backward_order(micro_batches: Sequence[MicroBatch], backward_order: Seq
 def simulated_actions(micro_batches: Sequence[MicroBatch], pp: int, *, vpp: int = 1, schedule: str = "1f1b",
                       backward_order: Sequence[int] | None = None) -> dict[int, list[_Action]]:
     """Per pipeline rank, the compute actions (forward / full backward per stage and micro-batch) in the order
-    the simulator scores (`sim.kernels.build_ops`): stage c*pp + s of model chunk c runs on rank s."""
+    the simulator scores (`sim.kernels.build_ops`): stage c*pp + s of model chunk c runs on rank s (ZB-V:
+    stages s and 2*pp-1-s)."""
     kind = SCHEDULES.get(schedule)
     if kind is None or schedule not in RUNS:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(RUNS)}")
-    if vpp > 1 and schedule != "interleaved":
-        raise ValueError(f"vpp={vpp} needs schedule='interleaved'")
-    if schedule == "interleaved" and vpp > 1 and len(micro_batches) % pp:
+    check_stages_per_rank(schedule, vpp)
+    if schedule in ("interleaved", "zb-h1") and vpp > 1 and len(micro_batches) % pp:
         raise ValueError(f"interleaved 1F1B needs the micro-batch count to be a multiple of pp "
                          f"({len(micro_batches)} % {pp} != 0), as Megatron does")
     m = len(micro_batches)
@@ -143,9 +149,19 @@ def simulated_actions(micro_batches: Sequence[MicroBatch], pp: int, *, vpp: int 
         for t in ops[s]:
             vu, op = divmod(int(t), 3)
             vs, u = divmod(vu, m)
-            acts.append(_Action(vs, (FORWARD, BACKWARD_INPUT if kind == ZB_H1 else FULL_BACKWARD, BACKWARD_WEIGHT)[op], u))
+            split = kind in (ZB_H1, ZB_V)
+            acts.append(_Action(vs, (FORWARD, BACKWARD_INPUT if split else FULL_BACKWARD, BACKWARD_WEIGHT)[op], u))
         out[s] = acts
     return out
+
+
+def check_stages_per_rank(schedule: str, vpp: int) -> None:
+    """Interleaved 1F1B and ZB-H1 (then interleaved zero bubble) run any number of model chunks per rank, ZB-V
+    exactly two, the others one."""
+    if schedule == "zb-v" and vpp != 2:
+        raise ValueError(f"schedule 'zb-v' needs 2 stages per rank (rank r: stages r and 2*pp-1-r), got {vpp}")
+    if vpp > 1 and schedule not in ("interleaved", "zb-h1", "zb-v"):
+        raise ValueError(f"{vpp} stages per rank need schedule 'interleaved', 'zb-h1' or 'zb-v' (at 2)")
 
 
 # ---------------------------------------------------------------------------------------------- schedule
@@ -195,7 +211,8 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
     `stages`: this pipeline rank's SlicedPipelineStages (one per model chunk: stage c*pp + rank). `loss_fn
     (output, target)` runs on the last stage per micro-batch and should return the micro-batch's loss already
     scaled as the step wants it summed (e.g. token loss sum / the step's loss tokens); gradients accumulate into
-    `.grad` unscaled. `schedule`: "1f1b", "gpipe" or "interleaved" (then vpp = stages per rank).
+    `.grad` unscaled. `schedule`: "1f1b", "gpipe", "zb-h1", "interleaved" (then vpp = stages per rank) or "zb-v"
+    (two stages per rank placed as a V: pipeline rank r holds stages r and 2*pp-1-r).
     For DP-Merge micro-batches give `dp_rank`, `rank_map` (DP rank -> global rank of this pipeline stage; see
     groups.py) and `groups` (a ProcessGroupCache prepared on every rank).
     """
@@ -216,14 +233,18 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
                              f"this rank: every rank must hold num_stages / pp stages")
         if schedule not in RUNS:
             raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(RUNS)}")
-        if self.vpp > 1 and schedule != "interleaved":
-            raise ValueError(f"{self.vpp} stages per rank need schedule='interleaved'")
+        check_stages_per_rank(schedule, self.vpp)
+        self.v_shape = schedule == "zb-v"
+        held = sorted(st.stage_index for st in stages)
+        if held != rank_stages(self.rank, self.pp, self.vpp, self.v_shape):
+            raise ValueError(f"pipeline rank {self.rank} holds stages {held}; schedule {schedule!r} places stages "
+                             f"{rank_stages(self.rank, self.pp, self.vpp, self.v_shape)} on it")
         self.schedule = schedule
         self.dp_rank, self.rank_map, self.groups = dp_rank, rank_map, groups
         self.order: list[tuple[str, int, int]] = []
         self.executed: list[list] = []  # this rank's actions of the last step as run: [op, micro_batch, stage]
         for st in stages:
-            st.chunk = st.stage_index // self.pp
+            st.chunk = held.index(st.stage_index)
             st.order = self.order
             st.executed = self.executed
             st._dp_merge = self._dp_merge_attention
@@ -272,7 +293,7 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
         if actions is None:
             actions = simulated_actions(mbs, self.pp, vpp=self.vpp, schedule=self.schedule, backward_order=bo)
         else:
-            actions = engine_actions(actions, m, self.pp, self.vpp, readers)
+            actions = engine_actions(actions, m, self.pp, self.vpp, readers, v_shape=self.v_shape)
         self._n_microbatches = m
         self._actions = {r: list(a) for r, a in actions.items()}
         self._prepare_schedule_with_comms({r: list(a) for r, a in actions.items()})
@@ -312,7 +333,8 @@ def check_dp_merge_order(plan: StepPlan, pp: int, *, vpp: int = 1, schedule: str
                 shared.setdefault(tuple(sorted(mb.dp_group)), {}).setdefault(r, []).append(j)
     if not shared:
         return
-    orders = {r: (engine_actions(actions[r], len(rp.micro_batches), pp, vpp) if actions is not None else
+    orders = {r: (engine_actions(actions[r], len(rp.micro_batches), pp, vpp, v_shape=schedule == "zb-v")
+                  if actions is not None else
                   simulated_actions(rp.micro_batches, pp, vpp=vpp, schedule=schedule, backward_order=rp.backward_order))
               for r, rp in enumerate(plan.ranks) if any(r in g for g in shared)}
     for g, per_rank in shared.items():

@@ -12,15 +12,21 @@ _OPS = {"F": FORWARD, "B": FULL_BACKWARD, "W": BACKWARD_WEIGHT}
 _NAMES = {FORWARD: "F", FULL_BACKWARD: "B", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W"}
 
 
+def rank_stages(s: int, pp: int, vpp: int = 1, v_shape: bool = False) -> list[int]:
+    """The model stages pipeline rank s holds: s, s + pp, ... (loop placement), or s and 2*pp-1-s (ZB-V's V)."""
+    return sorted({s, 2 * pp - 1 - s}) if v_shape else [c * pp + s for c in range(vpp)]
+
+
 def engine_actions(written: Sequence[Sequence[Sequence]], m: int, pp: int, vpp: int = 1,
-                   readers: Mapping[int, set[int]] | None = None) -> dict[int, list[_Action]]:
+                   readers: Mapping[int, set[int]] | None = None, v_shape: bool = False) -> dict[int, list[_Action]]:
     """Per pipeline rank, the engine's actions for `written[rank] = [[op, micro_batch, stage], ...]`.
 
-    Checked: one list per pipeline rank; op "F", "B" or "W"; stage s + c*pp on rank s; every micro-batch's
-    forward and backward once on each of the rank's stages, the forward first, and a W (weight gradient) at most
-    once, after its B (then the input gradient alone: the engine's I); and, for slices (`readers[u]`: the later
-    micro-batches that read u's keys), on every stage u's forward before its readers' and their backwards
-    before u's (u's key/value gradients come from them)."""
+    Checked: one list per pipeline rank; op "F", "B" or "W"; the stages of rank s (`rank_stages`: s + c*pp, or
+    s and 2*pp-1-s with `v_shape`, ZB-V); every micro-batch's forward and backward once on each of the rank's
+    stages, the forward first, and a W (weight gradient) at most once, after its B (then the input gradient
+    alone: the engine's I); and, for slices (`readers[u]`: the later micro-batches that read u's keys), on every
+    stage u's forward before its readers' and their backwards before u's (u's key/value gradients come from
+    them)."""
     if len(written) != pp:
         raise ValueError(f"action lists: {len(written)} pipeline ranks' lists for pp={pp}")
     readers = readers or {}
@@ -28,7 +34,7 @@ def engine_actions(written: Sequence[Sequence[Sequence]], m: int, pp: int, vpp: 
     for s, lst in enumerate(written):
         acts, pos = [], {}
         split = {(a[1], a[2]) for a in lst if len(a) == 3 and a[0] == "W"}  # input-gradient Bs
-        stages = {c * pp + s for c in range(vpp)}
+        stages = set(rank_stages(s, pp, vpp, v_shape))
         for k, a in enumerate(lst):
             where = f"pipeline rank {s}, action {k} {list(a)!r}"
             if len(a) != 3:
@@ -39,7 +45,8 @@ def engine_actions(written: Sequence[Sequence[Sequence]], m: int, pp: int, vpp: 
             if not isinstance(u, int) or not 0 <= u < m:
                 raise ValueError(f"action lists: {where}: micro-batch must be in 0..{m - 1}")
             if st not in stages:
-                raise ValueError(f"action lists: {where}: stage must be one of {sorted(stages)} (stage c*pp + rank)")
+                raise ValueError(f"action lists: {where}: stage must be one of {sorted(stages)} "
+                                 f"({'the V: rank and 2*pp-1-rank' if v_shape else 'stage c*pp + rank'})")
             if (op, u, st) in pos:
                 raise ValueError(f"action lists: {where}: runs twice (first at action {pos[(op, u, st)]})")
             if op == "B" and ("F", u, st) not in pos:

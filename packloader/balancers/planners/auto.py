@@ -121,7 +121,7 @@ class AutoPlanner:
         self.mem_stages = stage_bytes(self.memory, config.parallel.pp) if self.memory is not None else None
         # empty micro-batches no rank needs are dropped before scoring (Packing.drop_empty_slots), unless the count
         # is pinned or the interleaved schedule needs a count it accepts
-        self.compact = config.num_micro_batches is None and self.kind != 2
+        self.compact = config.num_micro_batches is None and not (config.parallel.vpp > 1 and self.kind in (2, 3))
         self.last_choice: Candidate | None = None
         self.last_scores: list[tuple[Candidate, float]] = []
         self.last_peaks: list[tuple[Candidate, float]] = []  # bytes, of the candidates checked last step

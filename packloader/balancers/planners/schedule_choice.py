@@ -1,6 +1,7 @@
 """The pipeline schedule `auto` scores a packing under: the configured one, or with `PlanConfig.schedule`
-"auto" the faster of 1F1B and ZB-H1 by simulated step time, ZB-H1 only where its simulated peak memory fits the
-device (it holds activations until each micro-batch's weight gradient). The plan records the choice
+"auto" the fastest of 1F1B and ZB-H1 by simulated step time (at vpp > 1: interleaved 1F1B and its zero-bubble
+form, and ZB-V at vpp 2), a zero-bubble schedule only where its simulated peak memory fits the device (it holds
+activations until each micro-batch's weight gradient). The plan records the choice
 (`StepPlan.schedule`), and the simulator, the scores and the action lists follow it."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Callable
 import numpy as np
 from numba import njit
 
-from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, step_times_ranks_sliced
+from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, ZB_V, step_times_ranks_sliced
 from packloader.balancers.sim.weights import packing_weight_times
 
 KIND_NAMES = {v: k for k, v in SCHEDULES.items()}
@@ -19,11 +20,14 @@ KIND_NAMES = {v: k for k, v in SCHEDULES.items()}
 
 def schedule_kinds(config) -> tuple[int, ...]:
     """The simulator's schedule codes to try, the default first: the configured schedule alone (interleaved at
-    vpp 1 is 1F1B); under "auto" 1F1B then ZB-H1, or interleaved alone at vpp > 1 (ZB-V is not modelled)."""
+    vpp 1 is 1F1B); under "auto" 1F1B then ZB-H1, at vpp > 1 interleaved then ZB-H1 (interleaved zero bubble),
+    and ZB-V at vpp 2 (its two chunks per rank). The model's split into chunks is the user's (vpp), so auto
+    never changes it."""
     if config.schedule != "auto":
         kind = SCHEDULES[config.schedule]
         return (SCHEDULES["1f1b"] if kind == SCHEDULES["interleaved"] and config.parallel.vpp == 1 else kind,)
-    return (SCHEDULES["interleaved"],) if config.parallel.vpp > 1 else (SCHEDULES["1f1b"], ZB_H1)
+    vpp = config.parallel.vpp
+    return (SCHEDULES["1f1b"], ZB_H1) if vpp == 1 else (SCHEDULES["interleaved"], ZB_H1) + ((ZB_V,) if vpp == 2 else ())
 
 
 def packing_step_time(packing, edges, parallel, kind: int, model) -> float:
@@ -41,7 +45,7 @@ def packing_step_time(packing, edges, parallel, kind: int, model) -> float:
         if len(sim):
             t[sim] = _simulate_ranks(sim, v, kind, f, b, e_off, e_src, e_dst)
     else:
-        w = packing_weight_times(packing, model, order, b) if kind == ZB_H1 else np.zeros_like(b)
+        w = packing_weight_times(packing, model, order, b) if kind in (ZB_H1, ZB_V) else np.zeros_like(b)
         t = step_times_ranks_sliced(parallel.pp, parallel.vpp, kind, f, b, w, offsets, e_off, e_src, e_dst, 0.0)
     return math.inf if (t < 0).any() else float(t.max())
 

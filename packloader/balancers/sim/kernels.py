@@ -3,7 +3,8 @@ and step times for many ranks at once (what `auto` calls per candidate). `simula
 
 A task is (virtual stage, micro-batch, op) encoded as (vs*m + u)*3 + op: op 0 forward, 1 backward, 2 weight
 gradient. Under ZB-H1 (kind 3) the backward splits into the input gradient (op 1, "B") and the weight gradient
-(op 2, "W"); every other schedule runs whole backwards and no W. A W takes the `wgt` time of its micro-batch
+(op 2, "W"), and so does ZB-V (kind 4, `zbv.py`: two chunks per rank in a V, rank r holding model stages r and
+2*pp-1-r); every other schedule runs whole backwards and no W. A W takes the `wgt` time of its micro-batch
 (half the linear backward: dX and dW are two GEMMs of equal size, attention has no weights) and its B the rest."""
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-SCHEDULES = {"1f1b": 0, "gpipe": 1, "interleaved": 2, "zb-h1": 3}
+from packloader.balancers.sim.zbv import build_ops_zbv
+
+SCHEDULES = {"1f1b": 0, "gpipe": 1, "interleaved": 2, "zb-h1": 3, "zb-v": 4}
 ZB_H1 = 3
+ZB_V = 4
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -25,8 +29,8 @@ def _enc(vs, u, op, m):
 
 @njit(cache=True)
 def tasks_per_rank(m, vpp, kind):
-    """How many tasks each pipeline rank runs: F and B per micro-batch and chunk, and W under ZB-H1."""
-    return (3 if kind == ZB_H1 else 2) * m * vpp
+    """How many tasks each pipeline rank runs: F and B per micro-batch and chunk, and W under ZB-H1 and ZB-V."""
+    return (3 if kind == ZB_H1 or kind == ZB_V else 2) * m * vpp
 
 
 @njit(cache=True)
@@ -35,8 +39,12 @@ def build_ops(pp, vpp, m, kind, bwd_order):
 
     kind: 0 = 1F1B, 1 = GPipe, 2 = interleaved 1F1B (same as 1F1B when vpp == 1), 3 = ZB-H1 (vpp 1): the
     1F1B order of F and B, and after rank s's k-th B the W of its (k - s)-th B once k >= s (the last stage keeps
-    pp - 1 Ws back, the first none, as torch.distributed.pipelining's zero-bubble rank ops), the rest at the end.
+    pp - 1 Ws back, the first none, as torch.distributed.pipelining's zero-bubble rank ops), the rest at the end;
+    at vpp > 1 the same on interleaved 1F1B's order with one warm-up forward per hop (torch's
+    ScheduleInterleavedZeroBubble); 4 = ZB-V (vpp 2, `zbv.build_ops_zbv`).
     """
+    if kind == ZB_V:
+        return build_ops_zbv(pp, m, bwd_order)
     n = tasks_per_rank(m, vpp, kind)
     ops = np.empty((pp, n), dtype=np.int64)
     nv = m * vpp
@@ -62,8 +70,8 @@ def build_ops(pp, vpp, m, kind, bwd_order):
         issued[:, :] = False
         if kind == 1:
             warm = nv
-        elif vpp > 1:
-            warm = min((pp - s - 1) * 2 + (vpp - 1) * pp, nv)
+        elif vpp > 1:  # Megatron's; the zero-bubble variant warms up one forward per hop, not two (torch's)
+            warm = min((pp - s - 1) * (1 if kind == ZB_H1 else 2) + (vpp - 1) * pp, nv)
         else:
             warm = min(pp - s - 1, nv)
         # Before its nb-th backward a rank has run warm + nb + 1 forwards (the 1F1B / Megatron rule), or more

@@ -39,7 +39,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.model import CostModel, _per_rank
-from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, step_times_ranks_sliced
+from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, ZB_V, step_times_ranks_sliced
 from packloader.balancers.sim.simulator import plan_schedule, simulate_step, slice_edges_of
 from packloader.balancers.sim.verify import coverage, owned_segments
 from packloader.balancers.sim.weights import weight_times
@@ -168,7 +168,7 @@ def _fast_rank_times(plan: StepPlan, rank_f, rank_b, pp: int, vpp: int, schedule
     f = np.concatenate(rank_f) if rank_f else np.zeros(0)
     b = np.concatenate(rank_b) if rank_b else np.zeros(0)
     w = np.zeros_like(b)
-    if kind == ZB_H1 and len(b):
+    if kind in (ZB_H1, ZB_V) and len(b):
         w = np.minimum(np.concatenate([weight_times(r.micro_batches, [models[i]])[0] for i, r in enumerate(plan.ranks)]), b)
     t = step_times_ranks_sliced(pp, vpp, kind, f, b, w, offsets, np.asarray(e_off, dtype=np.int64),
                                 np.asarray(e_src, dtype=np.int64), np.asarray(e_dst, dtype=np.int64), 0.0)
@@ -180,7 +180,7 @@ def _fast_rank_times(plan: StepPlan, rank_f, rank_b, pp: int, vpp: int, schedule
 def _bound_fill(m: int, pp: int, vpp: int, schedule: str) -> float:
     if m <= 0:
         return 1.0
-    if schedule == "interleaved" and vpp > 1:
+    if schedule in ("interleaved", "zb-v") and vpp > 1:
         return (m + (pp - 1) / vpp) / m
     return (m + pp - 1) / m
 
@@ -274,7 +274,7 @@ def score_plan(
     dp = len(plan.ranks)
     models = _per_rank(model, dp)
     pp, vpp = parallel.pp, parallel.vpp
-    schedule = plan_schedule(plan, schedule)
+    schedule = plan_schedule(plan, schedule, vpp)
     # a per-document CP plan is scored on its own costs: one RankPlan per pool GPU, each micro-batch priced by the
     # dynamic-cp planner with its CP traffic and the wait for its subgroups' slowest GPU (planners/dynamic_cp_price)
     use_plan_costs = use_plan_costs or plan.cp_mode == "dynamic"

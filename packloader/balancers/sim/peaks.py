@@ -17,6 +17,7 @@ from numba import njit
 
 from packloader.balancers.sim.kernels import (
     SCHEDULES,
+    ZB_V,
     backward_order_kernel,
     build_ops,
     edge_csr,
@@ -25,6 +26,7 @@ from packloader.balancers.sim.kernels import (
     sim_buffers,
     simulate_kernel,
 )
+from packloader.balancers.sim.zbv import v_stage_rank, v_static_bytes
 
 
 @njit(cache=True)
@@ -50,10 +52,11 @@ def peaks_ranks_sliced(pp, vpp, kind, fwd, bwd, tokens, act_pt, trans_pt, kv_pt,
         act = np.empty((V, m), dtype=np.float64)
         trans = np.empty((V, m), dtype=np.float64)
         for v in range(V):
-            s = v % pp
+            s = v_stage_rank(v, pp) if kind == ZB_V else v % pp
+            ts = s if kind != ZB_V else (pp - 1 if v == V - 1 else 0)  # ZB-V: the logits on rank 0's last stage
             for u in range(m):
                 act[v, u] = tokens[a + u] * act_pt[s] / vpp
-                trans[v, u] = tokens[a + u] * trans_pt[s]
+                trans[v, u] = tokens[a + u] * trans_pt[ts]
         src, dst = rank_edges(e_offsets, e_src, e_dst, r)
         E = src.shape[0]
         ea = e_offsets[r]
@@ -65,8 +68,9 @@ def peaks_ranks_sliced(pp, vpp, kind, fwd, bwd, tokens, act_pt, trans_pt, kv_pt,
         in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid = edge_csr(m, src, dst)
         kv = np.zeros((V, max(E, 1)), dtype=np.float64)
         for v in range(V):
+            s = v_stage_rank(v, pp) if kind == ZB_V else v % pp
             for i in range(E):
-                kv[v, i] = e_prefix[ea + i] * (kv_pt[v % pp] / vpp)
+                kv[v, i] = e_prefix[ea + i] * (kv_pt[s] / vpp)
         st, fin, mt, mb, pk, bz = sim_buffers(pp, vpp, m, kind)
         t = simulate_kernel(pp, vpp, m, ops, f, b, f * 0.0, 0.0, in_ptr, in_src, in_eid, out_ptr, out_dst, out_eid,
                             act, trans, kv, st, fin, mt, mb, pk, bz)
@@ -128,7 +132,7 @@ def packing_peaks(packing, memory, pp: int, vpp: int, kind: int, edges, stages=N
     else:
         peaks = peaks_ranks_sliced(pp, vpp, kind, f, b, tokens, act_pt, trans_pt, kv_pt, offsets, e_off, e_src, e_dst,
                                    e_prefix, bo, has)
-    return peaks + static[None, :]
+    return peaks + (v_static_bytes(static, memory) if kind == ZB_V else static)[None, :]
 
 
 @njit(cache=True)

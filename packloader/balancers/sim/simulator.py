@@ -11,7 +11,8 @@ Tasks are (virtual stage, forward/backward, micro-batch). Edges:
 * schedule: each pipeline rank runs its tasks one at a time in the order the schedule gives (1F1B, GPipe,
   interleaved 1F1B with vpp model chunks per rank, Megatron's order; ZB-H1, 1F1B with each backward split into
   the input gradient B, which the previous stage waits for, and the weight gradient W, which waits for its own
-  B only and fills the bubbles: `kernels.build_ops`). Backward passes visit micro-batches in
+  B only and fills the bubbles, at vpp > 1 on the interleaved order: `kernels.build_ops`; ZB-V, vpp 2 with the chunks placed as a V and split
+  backwards in torch.distributed.pipelining's order: `zbv.py`). Backward passes visit micro-batches in
   `backward_order` (default: forward order, except that the micro-batches of a sliced document go last slice
   first, SlimPack's FILO rule). Before its k-th backward, stage s has run warm_s + k + 1 forwards (1F1B:
   warm_s = pp - s - 1; Megatron's interleaved warm-up; GPipe: all), or more when that backward's own forward
@@ -41,8 +42,9 @@ from typing import Sequence
 import numpy as np
 
 from packloader.balancers.cost.model import _per_rank
-from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, build_ops, simulate_kernel, step_times_ranks
+from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, ZB_V, build_ops, simulate_kernel, step_times_ranks
 from packloader.balancers.sim.weights import weight_times
+from packloader.balancers.sim.zbv import v_static_bytes
 from packloader.contracts import MicroBatch, ParallelConfig, RankPlan, StepPlan
 
 # ----------------------------------------------------------------------------------------------- arrays API
@@ -64,6 +66,7 @@ class SimResult:
     mem_times: np.ndarray  # (pp, 4*m*vpp) timeline: time after each task start / end
     mem_bytes: np.ndarray  # (pp, 4*m*vpp) bytes live at those times
     static_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    v_shape: bool = False  # ZB-V: rank s holds stages s and 2*pp-1-s (else s, s + pp, ...)
 
     @property
     def bubble(self) -> np.ndarray:
@@ -90,11 +93,18 @@ class SimResult:
         for t in self.ops[rank]:
             vu, op = divmod(int(t), 3)
             vs, u = divmod(vu, self.m)
-            out.append(("FBW"[op], u, vs // self.pp))
+            out.append(("FBW"[op], u, (vs >= self.pp) if self.v_shape else vs // self.pp))
         return out
 
 
-def _per_virtual(x: np.ndarray | Sequence[float] | None, pp: int, vpp: int, m: int, what: str, split: bool) -> np.ndarray:
+def stage_ranks(pp: int, vpp: int, v_shape: bool = False) -> np.ndarray:
+    """(pp*vpp,) the pipeline rank of each model stage: s, s + pp, ... on rank s, or the V of ZB-V."""
+    v = np.arange(pp * vpp)
+    return np.where(v < pp, v, 2 * pp - 1 - v) if v_shape else v % pp
+
+
+def _per_virtual(x: np.ndarray | Sequence[float] | None, pp: int, vpp: int, m: int, what: str, split: bool,
+                 v_shape: bool = False) -> np.ndarray:
     """(m,) -> same on every stage; (pp, m) -> per rank; (pp*vpp, m) -> per virtual stage. With `split`, a
     rank's value is divided evenly over its vpp chunks."""
     V = pp * vpp
@@ -107,7 +117,7 @@ def _per_virtual(x: np.ndarray | Sequence[float] | None, pp: int, vpp: int, m: i
         out = np.broadcast_to(a, (V, m)).copy()
         return out / vpp if split else out
     if a.ndim == 2 and a.shape == (pp, m):
-        out = np.concatenate([a] * vpp, axis=0)  # virtual stage c*pp + s -> rank s
+        out = a[stage_ranks(pp, vpp, v_shape)]  # virtual stage -> the rank that holds it
         return out / vpp if split else out
     if a.ndim == 2 and a.shape == (V, m):
         return np.ascontiguousarray(a)
@@ -192,18 +202,21 @@ def simulate(
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
     if schedule == "interleaved" and vpp == 1:
         kind = 0
-    if schedule != "interleaved" and vpp != 1 and schedule != "gpipe":
-        raise ValueError(f"vpp={vpp} needs schedule='interleaved'" + (" (ZB-V is not modelled)" if kind == ZB_H1 else ""))
+    if kind == ZB_V and vpp != 2:
+        raise ValueError(f"schedule 'zb-v' runs two model chunks per pipeline rank: it needs vpp=2, got vpp={vpp}")
+    if schedule not in ("interleaved", "gpipe", "zb-v", "zb-h1") and vpp != 1:
+        raise ValueError(f"vpp={vpp} needs schedule 'interleaved', 'zb-h1' (interleaved zero bubble) or 'zb-v' (vpp 2)")
+    v_shape = kind == ZB_V
     f_in = np.asarray(fwd, dtype=np.float64)
     m = int(f_in.shape[-1]) if f_in.ndim else 0
     V = pp * vpp
-    f = _per_virtual(f_in, pp, vpp, m, "fwd", True)
-    b = _per_virtual(bwd, pp, vpp, m, "bwd", True)
-    w = b * 0.5 if wgt is None else _per_virtual(wgt, pp, vpp, m, "wgt", True)
+    f = _per_virtual(f_in, pp, vpp, m, "fwd", True, v_shape)
+    b = _per_virtual(bwd, pp, vpp, m, "bwd", True, v_shape)
+    w = b * 0.5 if wgt is None else _per_virtual(wgt, pp, vpp, m, "wgt", True, v_shape)
     if (w < 0).any() or (w > b).any():
         raise ValueError("wgt: the weight-gradient time must lie between 0 and the backward time")
-    act = _per_virtual(act_bytes, pp, vpp, m, "act_bytes", True)
-    trans = _per_virtual(transient_bytes, pp, vpp, m, "transient_bytes", False)
+    act = _per_virtual(act_bytes, pp, vpp, m, "act_bytes", True, v_shape)
+    trans = _per_virtual(transient_bytes, pp, vpp, m, "transient_bytes", False, v_shape)
     edges = np.zeros((0, 2), dtype=np.int64) if slice_edges is None else np.asarray(slice_edges, dtype=np.int64).reshape(-1, 2)
     if len(edges):
         if (edges < 0).any() or (edges >= m).any():
@@ -227,14 +240,14 @@ def simulate(
                         act, trans, kv, st, fi, mt, mbytes, peak, busy)
     if t < 0:
         hint = ""
-        if kind == 2 and vpp > 1 and m % pp:
+        if kind in (2, ZB_H1) and vpp > 1 and m % pp:
             hint = f"; interleaved 1F1B needs the micro-batch count to be a multiple of pp ({m} % {pp} != 0), as Megatron does"
         raise RuntimeError(f"schedule {schedule!r} (pp={pp}, vpp={vpp}, m={m}) deadlocks with backward order {order.tolist()}{hint}")
     stat = np.zeros(pp) if static_bytes is None else np.broadcast_to(np.asarray(static_bytes, dtype=np.float64), (pp,)).copy()
     return SimResult(
         step_time=float(t), pp=pp, vpp=vpp, m=m, busy=busy,
         start=st.reshape(V, m, 3), finish=fi.reshape(V, m, 3), ops=ops,
-        peak_bytes=peak + stat, mem_times=mt, mem_bytes=mbytes + stat[:, None], static_bytes=stat,
+        peak_bytes=peak + stat, mem_times=mt, mem_bytes=mbytes + stat[:, None], static_bytes=stat, v_shape=v_shape,
     )
 
 
@@ -317,7 +330,9 @@ def simulate_rank(
     edges, prefix = slice_edges_of(mbs)
     pp, vpp = parallel.pp, parallel.vpp
     w = None
-    if SCHEDULES.get(schedule) == ZB_H1 and (model is not None or stage_models is not None):
+    kind = SCHEDULES.get(schedule)
+    ranks_of = stage_ranks(pp, vpp, kind == ZB_V)
+    if kind in (ZB_H1, ZB_V) and (model is not None or stage_models is not None):
         wt = weight_times(mbs, stage_models if stage_models is not None else [model])
         w = np.minimum(wt if stage_models is not None else wt[0], b)
     act = trans = kv = stat = None
@@ -325,10 +340,14 @@ def simulate_rank(
         tokens = np.array([mb.num_tokens / (len(mb.dp_group) if mb.dp_group else 1) for mb in mbs], dtype=np.float64)
         act = np.stack([tokens * memory.activation_bytes_per_token(s) for s in range(pp)])
         trans = np.stack([tokens * memory.transient_bytes_per_token(s) for s in range(pp)])
-        trans = np.concatenate([trans] * vpp, axis=0) if vpp > 1 else trans
+        if kind == ZB_V:  # the logits transient on the last model stage, rank 0's second chunk
+            trans = trans[[pp - 1 if v == 2 * pp - 1 else 0 for v in range(2 * pp)]]
+        elif vpp > 1:
+            trans = trans[ranks_of]
         kvpt = [memory.kv_grad_bytes_per_token(s) / vpp for s in range(pp)]
-        kv = np.stack([prefix * kvpt[v % pp] for v in range(pp * vpp)]) if len(prefix) else None
+        kv = np.stack([prefix * kvpt[ranks_of[v]] for v in range(pp * vpp)]) if len(prefix) else None
         stat = [memory.static_bytes(s) for s in range(pp)]
+        stat = v_static_bytes(np.array(stat), memory) if kind == ZB_V else stat
     return simulate(f, b, pp, schedule=schedule, vpp=vpp, backward_order=bo, slice_edges=edges, p2p=p2p, wgt=w,
                     act_bytes=act, transient_bytes=trans, kv_bytes=kv, static_bytes=stat)
 
@@ -357,10 +376,13 @@ class StepSim:
         return max((r.peak for r in self.ranks), default=0.0)
 
 
-def plan_schedule(plan: StepPlan, schedule: str) -> str:
-    """The schedule a step runs: the configured one, or under "auto" the one its planner chose (1F1B when the
-    planner chose none)."""
-    return (plan.schedule or "1f1b") if schedule == "auto" else schedule
+def plan_schedule(plan: StepPlan, schedule: str, vpp: int = 1) -> str:
+    """The schedule a step runs: the configured one, or under "auto" the one its planner chose (when the
+    planner chose none, a planner other than `auto`: 1F1B, interleaved 1F1B at vpp > 1, the default `auto` tries
+    first)."""
+    if schedule != "auto":
+        return schedule
+    return plan.schedule or ("1f1b" if vpp == 1 else "interleaved")
 
 
 def simulate_step(
@@ -376,7 +398,7 @@ def simulate_step(
     """Simulate every DP rank of a step. `model`: one CostModel, or one per rank (a sequence or a
     memory.RankCosts). A DP-Merge micro-batch is simulated on each rank of its group at its per-rank cost."""
     models = _per_rank(model, len(plan.ranks))
-    schedule = plan_schedule(plan, schedule)
+    schedule = plan_schedule(plan, schedule, (parallel or ParallelConfig()).vpp)
     return StepSim([
         simulate_rank(r, models[i], parallel, schedule=schedule, memory=memory, use_plan_costs=use_plan_costs, p2p=p2p)
         for i, r in enumerate(plan.ranks)

@@ -48,6 +48,7 @@ from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, SourceError
 from packloader.sources.identity import FileWatch, parquet_identity
 from packloader.sources.parquet_footer import constant_lengths, parsed_footer
+from packloader.sources.parquet_ranged import open_paged
 from packloader.sources.paths import refuse_duplicates
 from packloader.sources.reader import LruCache, ShardedSource, group_positions
 from packloader.sources.storage import RemoteWatch, open_shard, watch_shard
@@ -139,6 +140,9 @@ class ParquetSource(ShardedSource):
         recorded = self.metadata.get("packloader.vocab_size", "")
         self.vocab_size: int | None = int(vocab_size) if vocab_size is not None else (
             int(recorded) if recorded.isdigit() else None)
+        # remote token shards with a length index (`length_index.py`) are read page by page
+        self._paged = [open_paged(w, w.storage, m, self.column) if isinstance(w, RemoteWatch) and self.pretokenized
+                       else None for w, m in zip(self._watch, self._footers)]
         self._open_shards(self._paths, [int(s[-1]) for s in self._rg_starts])
 
     @property
@@ -347,6 +351,9 @@ class ParquetSource(ShardedSource):
             )
 
     def _read_raw(self, shard: int, raw_rows: np.ndarray) -> Iterator[RawDocument]:
+        if self._paged[shard] is not None:  # only the pages of these rows
+            yield from self._paged[shard].read(raw_rows, self._blocks(), shard, self.vocab_size)
+            return
         starts = self._rg_starts[shard]
         groups = np.searchsorted(starts, raw_rows, side="right") - 1
         by_group = group_positions(groups)
@@ -388,7 +395,9 @@ class ParquetSource(ShardedSource):
         max and no nulls holds rows of that one length (every row group of one document, as `packloader tokenize
         --row-group-tokens 1` writes, is told whole), so only the other row groups' length chunks are fetched. A
         rank with its own reads then plans without touching the token pages; the lengths stay checked against the
-        tokens whenever a row group is decoded."""
+        tokens whenever a row group is decoded. A length index gives them all without a read."""
+        if self._paged[shard] is not None:
+            return self._paged[shard].lengths.copy()
         if self.length_column is None:
             return None
         path = self._paths[shard]

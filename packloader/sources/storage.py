@@ -5,7 +5,8 @@ JSONL) open, identify and watch it through these functions, taking a file-like o
 (gs://, az://, hf://, ...) through the fsspec filesystem installed for it, or a filesystem object the caller passes
 (`Storage(filesystem=...)`: pyarrow.fs or fsspec). Options: block size of the ranged reads, an optional local
 block cache bounded in bytes (also from `PACKLOADER_CACHE_DIR` and `PACKLOADER_CACHE_BYTES`) behind a small in-memory one, the retry
-policy.
+policy; whether shards' length indexes are used, also built where missing, or ignored (`index`, `index_dir`:
+`length_index.py`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ class Storage:
 
     def __init__(self, filesystem=None, *, block_size: int = 4 << 20, cache_dir: str | None = None,
                  cache_bytes: int = 0, retry: RetryPolicy | None = None, endpoint_url: str | None = None,
-                 memory_bytes: int = 64 << 20) -> None:
+                 memory_bytes: int = 64 << 20, index: str = "use", index_dir: str | None = None) -> None:
         self.filesystem = filesystem
+        if index not in ("use", "build", "off"):
+            raise ValueError(f"index must be 'use', 'build' or 'off', got {index!r}")
+        self.index, self.index_dir = index, index_dir
         if int(block_size) < 0:
             raise ValueError(f"block_size must be >= 0 (0: exact ranges), got {block_size}")
         self.block_size = int(block_size)

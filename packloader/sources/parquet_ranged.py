@@ -1,0 +1,119 @@
+"""Documents of a remote Parquet shard read page by page, through its length index: a request fetches only the
+data pages that hold its documents' ids (adjacent pages in one ranged read), so a rank that trains a quarter of
+the documents fetches about a quarter of the token bytes, however many documents a row group holds. Every page
+is checked against the index as it is decoded (its ids, the rows that start in it and their lengths): a shard
+whose pages disagree with its index is an error naming the file, row group and page, never shifted documents."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from packloader.sources.errors import SourceError
+from packloader.sources.length_index import LengthIndex, find
+from packloader.sources.parquet_pages import ColumnLayout, PageError, Unpageable, page_values
+
+_INT32_LIMIT = 2**31
+
+
+class PagedShard:
+    """One shard's index, ready to map rows to pages."""
+
+    def __init__(self, index: LengthIndex, watch, storage) -> None:
+        self.watch, self.storage, self.path = watch, storage, watch.path
+        self.lengths = index.length_array().astype(np.int64)
+        self.group_starts = np.concatenate(([0], np.cumsum(index.group_rows, dtype=np.int64)))
+        self.layouts = [ColumnLayout(*k) for k in index.layouts]
+        self.pages = [index.page_array(g) for g in range(len(index.group_rows))]
+        self.page_starts = [np.concatenate(([0], np.cumsum(p[:, 2]))) for p in self.pages]
+        # each row's first id within its row group's column chunk
+        self.value_starts = np.zeros(len(self.lengths), dtype=np.int64)
+        for g in range(len(self.pages)):
+            a, b = self.group_starts[g], self.group_starts[g + 1]
+            self.value_starts[a:b] = np.concatenate(([0], np.cumsum(self.lengths[a:b])[:-1])) if b > a else []
+        self.page_bytes = sum(int(p[:, 1].sum()) for p in self.pages)
+
+    def read(self, rows: np.ndarray, cache, shard: int, vocab_size: int | None) -> list[np.ndarray]:
+        """The token ids of `rows` (shard rows), in the order given."""
+        groups = np.searchsorted(self.group_starts, rows, side="right") - 1
+        need: dict[int, set[int]] = {}
+        spans = []
+        for r, g in zip(rows.tolist(), groups.tolist()):
+            a = int(self.value_starts[r])
+            b = a + int(self.lengths[r])
+            ps = self.page_starts[g]
+            first, last = (int(np.searchsorted(ps, a, "right")) - 1, int(np.searchsorted(ps, b - 1, "right")) - 1)
+            spans.append((g, a, b, first, last))
+            if b > a:
+                need.setdefault(g, set()).update(range(first, last + 1))
+        pages = {}
+        for g, wanted in need.items():
+            pages.update(self._fetch(g, sorted(wanted), cache, shard))
+        out = []
+        for r, (g, a, b, first, last) in zip(rows.tolist(), spans):
+            ps = self.page_starts[g]
+            parts = [pages[g, p][max(a, ps[p]) - ps[p]:min(b, ps[p + 1]) - ps[p]] for p in range(first, last + 1)
+                     if b > a]
+            tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+            out.append(self._checked(tokens, r, vocab_size))
+        return out
+
+    def _checked(self, tokens: np.ndarray, row: int, vocab_size: int | None) -> np.ndarray:
+        hi = vocab_size if vocab_size is not None else _INT32_LIMIT
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= hi):
+            pos = int(np.flatnonzero((tokens < 0) | (tokens >= hi))[0])
+            vocab = f"in [0, {vocab_size}), the vocabulary" if vocab_size is not None else ">= 0"
+            raise SourceError(f"{self.path}, row {row}: token id {int(tokens[pos])} at position {pos}, expected an "
+                              f"id {vocab}")
+        return tokens.astype(np.int32)
+
+    def _fetch(self, g: int, wanted: list[int], cache, shard: int) -> dict:
+        """Decoded pages of row group `g`, from the cache or fetched in runs of adjacent pages."""
+        got, missing = {}, []
+        for p in wanted:
+            hit = cache.get(("page", shard, g, p))
+            if hit is None:
+                missing.append(p)
+            else:
+                got[g, p] = hit
+        table = self.pages[g]
+        runs = np.split(np.asarray(missing, dtype=np.int64), np.flatnonzero(np.diff(missing) != 1) + 1)
+        f = self.storage.open(self.watch.info) if missing else None
+        for run in runs:
+            if not len(run):
+                continue
+            start = int(table[run[0], 0])
+            end = int(table[run[-1], 0] + table[run[-1], 1])
+            buf = memoryview(f.pread(end - start, start))
+            for p in run.tolist():
+                o = int(table[p, 0]) - start
+                ids = self._decode(buf[o:o + int(table[p, 1])], g, p)
+                got[g, p] = cache.put(("page", shard, g, p), ids, ids.nbytes)
+        return got
+
+    def _decode(self, buf, g: int, p: int) -> np.ndarray:
+        table, where = self.pages[g], f"{self.path}, row group {g}, page at byte {int(self.pages[g][p, 0])}"
+        try:
+            page = page_values(buf, self.layouts[g])
+        except (PageError, Unpageable) as e:
+            raise SourceError(f"{where}: cannot be read ({e}); the shard is corrupt or not the one indexed") from e
+        if page is None:
+            raise SourceError(f"{where}: the length index names a page without ids; the index is not this shard's")
+        ids, head, rows = page
+        first = int(table[p, 3])
+        end = int(table[p + 1, 3]) if p + 1 < len(table) else int(self.group_starts[g + 1])
+        want = self.lengths[first:end]
+        g0 = int(self.group_starts[g])
+        at = int(self.value_starts[first]) if first < self.group_starts[g + 1] else int(self.page_starts[g][-1])
+        ok = (len(ids) == int(table[p, 2]) and len(rows) == end - first and head == at - int(self.page_starts[g][p])
+              and (len(rows) == 0 or (np.array_equal(rows[:-1], want[:-1]) and rows[-1] <= want[-1])))
+        if not ok:
+            raise SourceError(f"{where} (rows {first}..{end - 1}, row group rows from {g0}): its ids and rows "
+                              "disagree with the length index; the index is not this shard's")
+        return ids
+
+
+def open_paged(watch, storage, meta, column: str) -> PagedShard | None:
+    """The paged reader of a remote shard where a length index is found or built (see `length_index.find`)."""
+    mode = getattr(storage, "index", "use")
+    index = find(watch, storage, meta, column, mode)
+    return None if index is None else PagedShard(index, watch, storage)

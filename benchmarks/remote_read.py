@@ -8,7 +8,11 @@ random ids with lengths drawn log-uniformly from 16 to 4096, row groups of 256 d
 same documents' ids written as decimal words, read with the `bytes` tokenizer (raw text: the tokenizer's cost is
 the same whatever the storage, so a cheap one shows the storage's share).
 Bytes per rank: the same pre-tokenized documents also written with one document a row group (as
-`packloader tokenize --row-group-tokens 1` writes them) and read with exact ranges (`Storage(block_size=0)`).
+`packloader tokenize --row-group-tokens 1` writes them), and as `packloader tokenize` writes them by default (one
+row group per shard here, since a shard holds fewer than its 1M row-group tokens; one document a data page;
+the length index beside each shard), read with exact ranges (`Storage(block_size=0)`) or 4 MiB blocks.
+Tokens/s of the paged reads: the tokenize layout from local disk, and from S3 with exact ranges and 1 (before)
+or 8 (after) ranged reads in flight (`Storage(fetch_threads=...)`).
 Timed: one whole epoch of `PackedLoader` (fixed plans, `--threads` threads) from local paths, then from
 `s3://` URLs through `AWS_ENDPOINT_URL` (4 MiB ranged reads, no disk cache): tokens/s = tokens yielded / wall time,
 time to first batch from the loader's creation (opening shards, lengths included). Bytes per rank: four loaders
@@ -38,6 +42,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from helpers.s3_server import MotoServer, find_moto_server  # noqa: E402
 
 from packloader import PackedLoader, ParallelConfig, PlanConfig, Storage  # noqa: E402
+from packloader.sources.length_index import index_name  # noqa: E402
+from packloader.sources.pretokenize import write_index  # noqa: E402
 
 
 def corpus(shards: int, docs: int, seed: int = 0):
@@ -47,6 +53,20 @@ def corpus(shards: int, docs: int, seed: int = 0):
         lens = np.exp(rng.uniform(np.log(16), np.log(4096), docs)).astype(int)
         out.append([rng.integers(0, 30000, n).astype(np.int32) for n in lens])
     return out
+
+
+def tokenize_layout(docs, client, key: str, tmp: str) -> int:
+    """A shard as `packloader tokenize` writes it (one row group, one document a page), uploaded with its
+    length index; its object bytes."""
+    path = Path(tmp, key.replace("/", "-"))
+    t = pa.table({"tokens": pa.array([d.tolist() for d in docs], pa.list_(pa.int32())),
+                  "length": pa.array([len(d) for d in docs], pa.int32())})
+    pq.write_table(t, path, row_group_size=len(docs), compression="zstd", use_dictionary=False,
+                   write_page_checksum=True, max_rows_per_page=1, write_statistics=["length"])
+    write_index(str(path))
+    client.put_object(Bucket="bench", Key=key, Body=path.read_bytes())
+    client.put_object(Bucket="bench", Key=index_name(key), Body=Path(index_name(str(path))).read_bytes())
+    return path.stat().st_size
 
 
 def shard_bytes(docs, text: bool, row_group: int = 256) -> bytes:
@@ -107,24 +127,39 @@ def main() -> None:
                     tokens, wall, first = epoch(src, text, args.threads)
                     rows.append(f"| {kind} | {where} | {tokens:,} | {tokens / wall:,.0f} | {first:.2f} |")
                     print(rows[-1], flush=True)
+            sizes["tokenize"] = sum(tokenize_layout(d, client, f"tok/{i}.parquet", tmp) for i, d in enumerate(data))
+            for dp, where, src in (
+                    (1, "local disk", None), (1, "loopback S3, 4 MiB blocks", Storage()),
+                    (1, "loopback S3, exact, 1 in flight", Storage(block_size=0, fetch_threads=1)),
+                    (1, "loopback S3, exact, 8 in flight", Storage(block_size=0, fetch_threads=8)),
+                    (4, "loopback S3, 4 MiB blocks", Storage()),
+                    (4, "loopback S3, exact, 1 in flight", Storage(block_size=0, fetch_threads=1)),
+                    (4, "loopback S3, exact, 8 in flight", Storage(block_size=0, fetch_threads=8))):
+                src = f"{tmp}/tok-*.parquet" if src is None else src.paths("s3://bench/tok/*.parquet")
+                tokens, wall, first = epoch(src, False, args.threads, dp=dp)
+                rows.append(f"| tokenize layout + index, dp {dp} rank 0 | {where} | {tokens:,} | {tokens / wall:,.0f} | "
+                            f"{first:.2f} |")
+                print(rows[-1], flush=True)
             per_rank, totals = {}, {}
-            for group in (256, 1):  # row groups of 256 documents; of one (`tokenize --row-group-tokens 1`)
-                totals[group] = 0
-                for i, docs in enumerate(data):
+            for group in (256, 1, "tokenize"):  # 256 documents a row group; one; `tokenize` defaults (paged)
+                totals[group] = 0 if group != "tokenize" else sizes["tokenize"]
+                for i, docs in enumerate(data if group != "tokenize" else []):
                     body = shard_bytes(docs, False, group)
                     totals[group] += len(body)
                     client.put_object(Bucket="bench", Key=f"rg{group}/{i}.parquet", Body=body)
-                for block in (4 << 20, 64 << 10, 0):
+                for block in ((4 << 20, 64 << 10, 0) if group != "tokenize" else (4 << 20, 0)):
+                    prefix = f"rg{group}" if group != "tokenize" else "tok"
                     got = per_rank[group, block] = []
                     for rank in range(4):
                         store = Storage(block_size=block)
-                        epoch(store.paths(f"s3://bench/rg{group}/*.parquet"), False, args.threads, dp=4, rank=rank)
+                        epoch(store.paths(f"s3://bench/{prefix}/*.parquet"), False, args.threads, dp=4, rank=rank)
                         got.append(store.bytes_read)
                     print(group, block, got, totals[group], flush=True)
     finally:
         server.close()
     fetched = "\n".join(
-        f"| {group} | {totals[group]:,} | {f'{block >> 10} KiB' if block else 'exact'} | {', '.join(f'{b:,}' for b in got)} | "
+        f"| {group if group != 'tokenize' else 'all, one a page, length index (tokenize)'} | {totals[group]:,} | "
+        f"{f'{block >> 10} KiB' if block else 'exact'} | {', '.join(f'{b:,}' for b in got)} | "
         f"{', '.join(f'{b / totals[group]:.0%}' for b in got)} | {max(got) / totals[group]:.0%} |"
         for (group, block), got in per_rank.items())
     cmd = "python benchmarks/remote_read.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -164,6 +164,47 @@ def parquet_length_statistics_mismatch(tmp):
     return lambda: read_all(ParquetSource(tmp / "stats.parquet"))
 
 
+def _indexed_shard(tmp, docs):
+    """A token shard with one document a page and its length index beside it, read as a remote shard (through a
+    filesystem object) so the index is used."""
+    import pyarrow.fs as pafs
+
+    from packloader.sources.pretokenize import write_index
+    from packloader.sources.storage import Storage
+
+    p = tmp / "idx.parquet"
+    pq.write_table(pa.table({"tokens": pa.array(docs, pa.list_(pa.int32()))}), p, max_rows_per_page=1,
+                   use_dictionary=False)
+    index = write_index(str(p))
+    return p, index, lambda: read_all(open_source(Storage(filesystem=pafs.LocalFileSystem(), block_size=0).paths(str(p))))
+
+
+def length_index_corrupt(tmp):
+    _, index, read = _indexed_shard(tmp, [[1, 2, 3], [4, 5]])
+    raw = bytearray(Path(index).read_bytes())
+    raw[-3] ^= 0x55
+    Path(index).write_bytes(bytes(raw))
+    return read
+
+
+def length_index_of_another_shard(tmp):
+    p, _, read = _indexed_shard(tmp, [[1, 2, 3], [4, 5]])
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2], [3]], pa.list_(pa.int32()))}), p)  # rewritten, index stale
+    return read
+
+
+def length_index_lengths_disagree(tmp):
+    """A well-formed index (hash recomputed) whose first two lengths are swapped: the pages say otherwise."""
+    import msgspec
+
+    from packloader.sources.length_index import decode, encode
+
+    _, index, read = _indexed_shard(tmp, [[1, 2, 3], [4, 5]])
+    idx = decode(Path(index).read_bytes(), index)
+    Path(index).write_bytes(encode(msgspec.structs.replace(idx, lengths=np.array([2, 3], "<i8").tobytes())))
+    return read
+
+
 def parquet_empty_row_length_column(tmp):
     p = token_table(tmp / "e1.parquet", [[1, 2], [], [3]], length=True)
     return lambda: PackedLoader(ParquetSource(p), config=_config(), append_eos=False, num_threads=0).__iter__().__next__()
@@ -785,6 +826,12 @@ CASES = [
          ("len.parquet", "row 1", "column 'length': says 9 tokens")),
     Case("parquet_length_statistics_mismatch", parquet_length_statistics_mismatch, SourceError,
          ("stats.parquet", "row 0", "statistics say every length is 299", "holds 300 tokens")),
+    Case("length_index_corrupt", length_index_corrupt, SourceError,
+         ("_idx.parquet.index", "the length index is corrupt")),
+    Case("length_index_of_another_shard", length_index_of_another_shard, SourceError,
+         ("_idx.parquet.index", "the length index describes another shard", "the shard was rewritten after its index")),
+    Case("length_index_lengths_disagree", length_index_lengths_disagree, SourceError,
+         ("idx.parquet, row group 0, page at byte", "its ids and rows disagree with the length index")),
     Case("parquet_empty_row_length_column", parquet_empty_row_length_column, EmptyDocumentError,
          ("e1.parquet", "row 1", "empty document", "empty='skip'")),
     Case("parquet_empty_row_no_length_column", parquet_empty_row_no_length_column, EmptyDocumentError,

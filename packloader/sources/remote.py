@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import threading
 import time
 from fnmatch import fnmatchcase
 
@@ -31,6 +32,8 @@ import msgspec
 from packloader.sources.errors import SourceError
 from packloader.sources.identity import ShardChanged
 from packloader.sources.remote_cache import BlockCache
+
+_COUNT_LOCK = threading.Lock()
 
 
 class RemoteError(SourceError):
@@ -183,8 +186,9 @@ class S3Store:
             data = with_retries(call, info.url, self.policy, f"GET bytes {start}..{end - 1}")
         except ObjectMissing as e:
             raise ShardChanged(f"{info.url}: the object was deleted since the source opened it ({e})") from e
-        self.bytes_read += len(data)
-        self.requests += 1
+        with _COUNT_LOCK:  # ranged reads of pages run in several threads
+            self.bytes_read += len(data)
+            self.requests += 1
         return data
 
     def listing(self, url: str) -> list[str]:
@@ -258,8 +262,9 @@ class FsStore:
             return bytes(data)
 
         data = with_retries(call, info.url, self.policy, f"read bytes {start}..{end - 1}")
-        self.bytes_read += len(data)
-        self.requests += 1
+        with _COUNT_LOCK:  # ranged reads of pages run in several threads
+            self.bytes_read += len(data)
+            self.requests += 1
         return data
 
     def listing(self, url: str) -> list[str]:

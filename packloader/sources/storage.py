@@ -6,7 +6,8 @@ JSONL) open, identify and watch it through these functions, taking a file-like o
 (`Storage(filesystem=...)`: pyarrow.fs or fsspec). Options: block size of the ranged reads, an optional local
 block cache bounded in bytes (also from `PACKLOADER_CACHE_DIR` and `PACKLOADER_CACHE_BYTES`) behind a small in-memory one, the retry
 policy; whether shards' length indexes are used, also built where missing, or ignored (`index`, `index_dir`:
-`length_index.py`).
+`length_index.py`); how many ranged reads of pages run at once, and how many bytes (`fetch_threads`,
+`read_ahead_bytes`: `parquet_ranged.py`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ class Storage:
 
     def __init__(self, filesystem=None, *, block_size: int = 4 << 20, cache_dir: str | None = None,
                  cache_bytes: int = 0, retry: RetryPolicy | None = None, endpoint_url: str | None = None,
-                 memory_bytes: int = 64 << 20, index: str = "use", index_dir: str | None = None) -> None:
+                 memory_bytes: int = 64 << 20, index: str = "use", index_dir: str | None = None,
+                 fetch_threads: int = 8, read_ahead_bytes: int = 64 << 20) -> None:
         self.filesystem = filesystem
+        if int(fetch_threads) < 1 or int(read_ahead_bytes) < 1:
+            raise ValueError(f"fetch_threads and read_ahead_bytes must be >= 1, got {fetch_threads}, {read_ahead_bytes}")
+        self.fetch_threads, self.read_ahead_bytes = int(fetch_threads), int(read_ahead_bytes)
         if index not in ("use", "build", "off"):
             raise ValueError(f"index must be 'use', 'build' or 'off', got {index!r}")
         self.index, self.index_dir = index, index_dir

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from packloader.sources.errors import SourceError
 from packloader.sources.parquet_pages import PageError, Unpageable, layout, scan_chunk, token_leaf
+from packloader.sources.remote import AccessDenied
 
 log = logging.getLogger("packloader")
 MAGIC = b"PKLIDX1\n"
@@ -153,6 +154,9 @@ def find(watch, storage, meta, column: str, mode: str) -> LengthIndex | None:
     try:
         info = storage.head(beside)
     except FileNotFoundError:
+        info = None
+    except AccessDenied:  # S3 answers 403 for a missing key to a user who may not list the bucket
+        log.info("%s: no length index readable beside the shard (access denied)", watch.path)
         info = None
     if info is not None:
         f = storage.open(info)

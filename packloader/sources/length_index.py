@@ -71,8 +71,8 @@ def decode(data: bytes, where: str) -> LengthIndex:
         raise LengthIndexError(f"{where}: not a packloader length index (no {MAGIC!r} header)")
     digest, body = data[len(MAGIC):len(MAGIC) + 16], data[len(MAGIC) + 16:]
     if hashlib.blake2b(body, digest_size=16).digest() != digest or len(body) < 8:
-        raise LengthIndexError(f"{where}: the length index is corrupt (its hash does not match its bytes); delete it "
-                          "(it is rebuilt with Storage(index='build')) or rewrite it with `packloader tokenize`")
+        raise LengthIndexError(f"{where}: the length index is corrupt (its hash does not match its bytes); delete "
+                               "it (Storage(index='build') builds it again) or rewrite it with `packloader tokenize`")
     try:
         raw = pa.decompress(body[8:], decompressed_size=int.from_bytes(body[:8], "little"), codec="zstd",
                             asbytes=True)
@@ -90,13 +90,14 @@ def decode(data: bytes, where: str) -> LengthIndex:
 def check_matches(index: LengthIndex, identity: str, meta, column: str, where: str) -> None:
     """An index is used only for the shard it was built from, and that shard's token column."""
     if index.identity != identity:
-        raise LengthIndexError(f"{where}: the length index describes another shard (identity {index.identity}, the "
-                          f"shard is {identity}: size and footer hash); the shard was rewritten after its index. "
-                          "Rewrite both with `packloader tokenize`, or delete the index")
+        raise LengthIndexError(f"{where}: the length index describes another shard (identity {index.identity}, "
+                               f"the shard is {identity}: size and footer hash); the shard was rewritten after its "
+                               "index. Rewrite both with `packloader tokenize`, or delete the index")
     rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
     if index.column != column or index.group_rows != rows:
-        raise LengthIndexError(f"{where}: the length index is for column {index.column!r} with {len(index.group_rows)} "
-                          f"row groups; the shard is read as column {column!r} with {len(rows)} row groups")
+        raise LengthIndexError(f"{where}: the length index is for column {index.column!r} with "
+                               f"{len(index.group_rows)} row groups; the shard is read as column {column!r} with "
+                               f"{len(rows)} row groups")
 
 
 def build(pread, meta, column: str, identity: str) -> LengthIndex:

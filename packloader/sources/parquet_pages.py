@@ -166,7 +166,8 @@ def page_values(buf, lay: ColumnLayout) -> tuple[np.ndarray, int, np.ndarray] | 
     ids = np.frombuffer(values, dtype="<i4" if lay.width == 4 else "<i8") if len(values) % lay.width == 0 else None
     head, rows = _rows(rep, dfn, lay.max_def)
     if ids is None or len(ids) != head + int(rows.sum()):
-        raise PageError(f"{len(values)} value bytes are not the page's {head + int(rows.sum())} {lay.physical_type} ids")
+        n = head + int(rows.sum())
+        raise PageError(f"{len(values)} value bytes are not the page's {n} {lay.physical_type} ids")
     return ids, head, rows
 
 

@@ -5,9 +5,9 @@ is checked against the index as it is decoded (its ids, the rows that start in i
 whose pages disagree with its index is an error naming the file, row group and page, never shifted documents.
 
 The ranged reads of one request run concurrently with exact ranges (`Storage(block_size=0, fetch_threads=...)`,
-default 8, each thread fetching and decoding its pages; at most `read_ahead_bytes` in flight), so a step's pages cost about one round trip's
-latency rather than one per run of pages. The loader already reads a step's documents in a thread of their own,
-`prefetch` steps ahead of the trainer, so these reads overlap training.
+default 8, each thread fetching and decoding its pages; at most `read_ahead_bytes` in flight), so a step's pages
+cost a few round trips' latency rather than one per run of pages. The loader already reads a step's documents in a
+thread of their own, `prefetch` steps ahead of the trainer, so these reads overlap training.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ class PagedShard:
         for g in range(len(self.pages)):
             a, b = self.group_starts[g], self.group_starts[g + 1]
             self.value_starts[a:b] = np.concatenate(([0], np.cumsum(self.lengths[a:b])[:-1])) if b > a else []
-        self.page_bytes = sum(int(p[:, 1].sum()) for p in self.pages)
 
     def read(self, rows: np.ndarray, cache, shard: int, vocab_size: int | None) -> list[np.ndarray]:
         """The token ids of `rows` (shard rows), in the order given."""

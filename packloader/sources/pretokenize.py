@@ -1,9 +1,9 @@
 """Text shards in, Parquet token shards out, so that later epochs skip tokenizing (`packloader tokenize`).
 
 Output: `part-00000.parquet`, `part-00001.parquet`, ... in `out_dir`, each with columns `tokens: list<int32>` and
-`length: int32` (zstd, no dictionary encoding, CRC page checksums that `ParquetSource` verifies, row groups of about `row_group_tokens` tokens,
-one document a data page by default: `page_rows`), documents in source
-order (shard by shard, row by row). A new file starts once the current one holds `shard_tokens` tokens. The schema
+`length: int32` (zstd, no dictionary encoding, CRC page checksums that `ParquetSource` verifies, row groups of
+about `row_group_tokens` tokens, one document a data page by default: `page_rows`), documents in source order
+(shard by shard, row by row). A new file starts once the current one holds `shard_tokens` tokens. The schema
 metadata records the tokenizer, its EOS id and whether EOS was appended (`packloader.eos_appended`), so a reader
 knows not to append it again; `ParquetSource(...).metadata` exposes it. Each file's footer also records a BLAKE2b
 digest of its tokens and row lengths (`packloader.tokens_blake2b`), so the footer hash that identifies a shard

@@ -82,7 +82,9 @@ def shard_bytes(docs, text: bool, row_group: int = 256) -> bytes:
     return buf.getvalue()
 
 
-def epoch(source, text: bool, threads: int, dp: int = 1, rank: int = 0) -> tuple[int, float, float]:
+def epoch(source, text: bool, threads: int, dp: int = 1, rank: int = 0, train_s: float = 0.0) -> tuple[int, float, float]:
+    """One epoch of one rank: (tokens, wall seconds, seconds to the first batch); `train_s` of sleep a micro-batch
+    stands for training (the GIL released, as a GPU step releases it)."""
     cfg = PlanConfig(strategy="fixed", max_tokens=8192, context=8192, tokens_per_step=65536,
                      parallel=ParallelConfig(dp=dp))
     start = time.perf_counter()
@@ -92,6 +94,7 @@ def epoch(source, text: bool, threads: int, dp: int = 1, rank: int = 0) -> tuple
     for b in loader:
         first = first or time.perf_counter() - start
         tokens += int(b.input_ids.numel())
+        time.sleep(train_s)
     return tokens, time.perf_counter() - start, first or 0.0
 
 
@@ -100,6 +103,7 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--docs", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--train-ms", type=float, default=50.0, help="simulated training time a micro-batch")
     ap.add_argument("--write", type=Path)
     args = ap.parse_args()
     exe = find_moto_server()
@@ -139,6 +143,14 @@ def main() -> None:
                 tokens, wall, first = epoch(src, False, args.threads, dp=dp)
                 rows.append(f"| tokenize layout + index, dp {dp} rank 0 | {where} | {tokens:,} | {tokens / wall:,.0f} | "
                             f"{first:.2f} |")
+                print(rows[-1], flush=True)
+            for where, src, threads in (("local disk", None, 2),
+                                        ("loopback S3, exact, reads in the training thread", Storage(block_size=0), 0),
+                                        ("loopback S3, exact, reads ahead in their own thread", Storage(block_size=0), 2)):
+                src = f"{tmp}/tok-*.parquet" if src is None else src.paths("s3://bench/tok/*.parquet")
+                tokens, wall, first = epoch(src, False, threads, dp=4, train_s=args.train_ms / 1e3)
+                rows.append(f"| tokenize layout + index, dp 4 rank 0, {args.train_ms:g} ms training a micro-batch | "
+                            f"{where} | {tokens:,} | {tokens / wall:,.0f} | {first:.2f} |")
                 print(rows[-1], flush=True)
             per_rank, totals = {}, {}
             for group in (256, 1, "tokenize"):  # 256 documents a row group; one; `tokenize` defaults (paged)
@@ -181,7 +193,10 @@ def main() -> None:
         "where a rank reads a small share; on moto, a Python server on the same 2 busy cores, a request costs "
         "milliseconds of CPU, and the 8 threads gain what the server's CPU allows. Local disk decodes whole row "
         "groups (pages are not read one by one from local files), slower with one document a page than with "
-        "pyarrow's 1 MiB pages.\n\n"
+        "pyarrow's 1 MiB pages. The last rows sleep a fixed time per micro-batch, standing for training: with "
+        "`num_threads=0` the pages are fetched in the training thread, so reading and training add up; with 2 the "
+        "loader's reading thread fetches the next steps' pages (`prefetch` steps ahead, default 2) while the trainer "
+        "sleeps, and the epoch takes about the longer of the two.\n\n"
         "Bytes each rank fetched at dp 4 over one epoch (pre-tokenized, ranged GETs of `block` bytes, no disk "
         "cache), against the corpus's object bytes; the target is at most 1/dp + 10 % = 35 %. Every rank reads every "
         "footer (once per shard: reopened files reuse the parsed footer) and plans from the lengths; it then reads "

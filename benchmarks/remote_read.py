@@ -82,7 +82,8 @@ def shard_bytes(docs, text: bool, row_group: int = 256) -> bytes:
     return buf.getvalue()
 
 
-def epoch(source, text: bool, threads: int, dp: int = 1, rank: int = 0, train_s: float = 0.0) -> tuple[int, float, float]:
+def epoch(source, text: bool, threads: int, dp: int = 1, rank: int = 0,
+          train_s: float = 0.0) -> tuple[int, float, float]:
     """One epoch of one rank: (tokens, wall seconds, seconds to the first batch); `train_s` of sleep a micro-batch
     stands for training (the GIL released, as a GPU step releases it)."""
     cfg = PlanConfig(strategy="fixed", max_tokens=8192, context=8192, tokens_per_step=65536,
@@ -141,12 +142,14 @@ def main() -> None:
                     (4, "loopback S3, exact, 8 in flight", Storage(block_size=0, fetch_threads=8))):
                 src = f"{tmp}/tok-*.parquet" if src is None else src.paths("s3://bench/tok/*.parquet")
                 tokens, wall, first = epoch(src, False, args.threads, dp=dp)
-                rows.append(f"| tokenize layout + index, dp {dp} rank 0 | {where} | {tokens:,} | {tokens / wall:,.0f} | "
+                rows.append(f"| tokenize layout + index, dp {dp} rank 0 | {where} | {tokens:,} | "
+                            f"{tokens / wall:,.0f} | "
                             f"{first:.2f} |")
                 print(rows[-1], flush=True)
-            for where, src, threads in (("local disk", None, 2),
-                                        ("loopback S3, exact, reads in the training thread", Storage(block_size=0), 0),
-                                        ("loopback S3, exact, reads ahead in their own thread", Storage(block_size=0), 2)):
+            for where, src, threads in (
+                    ("local disk", None, 2),
+                    ("loopback S3, exact, reads in the training thread", Storage(block_size=0), 0),
+                    ("loopback S3, exact, reads ahead in their own thread", Storage(block_size=0), 2)):
                 src = f"{tmp}/tok-*.parquet" if src is None else src.paths("s3://bench/tok/*.parquet")
                 tokens, wall, first = epoch(src, False, threads, dp=4, train_s=args.train_ms / 1e3)
                 rows.append(f"| tokenize layout + index, dp 4 rank 0, {args.train_ms:g} ms training a micro-batch | "

@@ -85,7 +85,8 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--docs", type=int, default=4000, help="documents per shard")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--page-rows", type=int, default=0, help="documents per Parquet data page (0: pyarrow's 1 MiB pages)")
+    ap.add_argument("--page-rows", type=int, default=0,
+                    help="documents per Parquet data page (0: pyarrow's 1 MiB pages)")
     args = ap.parse_args()
     pqs, jsonls = prepare(Path(args.data), args.shards, args.docs, args.page_rows)
     rows = []

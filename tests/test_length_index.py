@@ -178,3 +178,28 @@ def test_corrupt_page_bytes_are_named(tmp_path):
     src = open_source(local_storage().paths(str(path)))
     with pytest.raises(SourceError, match=r"a\.parquet, row group 0, page at byte \d+: cannot be read"):
         list(src.read(0, np.arange(30)))
+
+
+@pytest.mark.parametrize("threads, in_flight", [(1, 64 << 20), (8, 64 << 20), (8, 1)])
+def test_concurrent_and_bounded_page_reads_fetch_each_page_once(tmp_path, threads, in_flight):
+    """Runs of pages fetched one at a time, eight at once, or one batch per run (a bound of one byte): the same
+    documents, and over two requests that cover every row, exactly the token column's bytes (as pyarrow's footer
+    states them): every page once, none twice."""
+    docs = docs_of(120, 12)
+    path = tmp_path / "a.parquet"
+    write(path, docs, compression="zstd", max_rows_per_page=1, row_group_size=120)
+    from packloader.sources.pretokenize import write_index
+
+    write_index(str(path))
+    store = local_storage(fetch_threads=threads, read_ahead_bytes=in_flight)
+    src = open_source(store.paths(str(path)))
+    opened = store.bytes_read
+    some = np.arange(0, 120, 3)
+    rest = np.setdiff1d(np.arange(120), some)
+    chunk = pq.read_metadata(path).row_group(0).column(0).total_compressed_size
+    assert [np.asarray(d).tolist() for d in src.read(0, some)] == [docs[r].tolist() for r in some]
+    assert store.bytes_read - opened < 0.5 * chunk  # a third of the documents: not the whole chunk
+    assert [np.asarray(d).tolist() for d in src.read(0, rest)] == [docs[r].tolist() for r in rest]
+    assert store.bytes_read - opened == chunk
+    with pytest.raises(ValueError, match="fetch_threads"):
+        Storage(fetch_threads=0)

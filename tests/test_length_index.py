@@ -203,3 +203,25 @@ def test_concurrent_and_bounded_page_reads_fetch_each_page_once(tmp_path, thread
     assert store.bytes_read - opened == chunk
     with pytest.raises(ValueError, match="fetch_threads"):
         Storage(fetch_threads=0)
+
+
+def test_tokenize_cli_page_rows(tmp_path):
+    """`packloader tokenize` writes one document a page by default and pyarrow's pages with --page-rows 0; both
+    with an index beside each shard."""
+    import json
+
+    from packloader.cli.main import main
+    from packloader.sources.length_index import decode
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " + "abc " * i}) + "\n" for i in range(40)))
+    pages = {}
+    for rows in ("1", "0"):
+        out = tmp_path / f"out{rows}"
+        assert main(["tokenize", str(src), "--out", str(out), "--tokenizer", "bytes", "--no-progress",
+                     "--page-rows", rows]) == 0
+        index = index_name(str(out / "part-00000.parquet"))
+        idx = decode(open(index, "rb").read(), index)
+        pages[rows] = sum(len(idx.page_array(g)) for g in range(len(idx.group_rows)))
+    assert pages == {"1": 40, "0": 1}
+    assert main(["tokenize", str(src), "--out", str(tmp_path / "o"), "--page-rows", "-1", "--no-progress"]) == 1

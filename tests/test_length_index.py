@@ -225,3 +225,23 @@ def test_tokenize_cli_page_rows(tmp_path):
         pages[rows] = sum(len(idx.page_array(g)) for g in range(len(idx.group_rows)))
     assert pages == {"1": 40, "0": 1}
     assert main(["tokenize", str(src), "--out", str(tmp_path / "o"), "--page-rows", "-1", "--no-progress"]) == 1
+
+
+def test_prefetch_fetches_several_shards_pages_for_the_reads_that_follow(tmp_path):
+    shards = [docs_of(30, 20 + k) for k in range(3)]
+    paths = []
+    for k, docs in enumerate(shards):
+        path = tmp_path / f"s{k}.parquet"
+        write(path, docs, compression="zstd", max_rows_per_page=1)
+        from packloader.sources.pretokenize import write_index
+
+        write_index(str(path))
+        paths.append(str(path))
+    store = local_storage()
+    src = open_source(store.paths(*paths))
+    rows = {k: np.arange(k, 30, 4) for k in range(3)}
+    src.prefetch(rows)
+    fetched, requests = store.bytes_read, store.requests
+    got = {k: [np.asarray(d).tolist() for d in src.read(k, r)] for k, r in rows.items()}
+    assert got == {k: [shards[k][i].tolist() for i in r] for k, r in rows.items()}
+    assert (store.bytes_read, store.requests) == (fetched, requests)  # every page came from the prefetch

@@ -48,7 +48,7 @@ from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, SourceError
 from packloader.sources.identity import FileWatch, parquet_identity
 from packloader.sources.parquet_footer import constant_lengths, parsed_footer
-from packloader.sources.parquet_ranged import open_paged
+from packloader.sources.parquet_ranged import open_paged, prefetch
 from packloader.sources.paths import refuse_duplicates
 from packloader.sources.reader import LruCache, ShardedSource, group_positions
 from packloader.sources.storage import RemoteWatch, open_shard, watch_shard
@@ -349,6 +349,11 @@ class ParquetSource(ShardedSource):
                 f"{self.length_column!r}: the row group's statistics say every length is {n}, but column "
                 f"{self.column!r} holds {int(np.diff(offsets)[bad[0]])} tokens"
             )
+
+    def prefetch(self, requests: dict[int, np.ndarray]) -> None:
+        """Fetch the pages of several shards' rows at once, for the `read`s that follow (paged shards only)."""
+        if any(p is not None for p in self._paged):
+            prefetch(self._paged, {s: self._raw_rows(s, r) for s, r in requests.items()}, self._blocks())
 
     def _read_raw(self, shard: int, raw_rows: np.ndarray) -> Iterator[RawDocument]:
         if self._paged[shard] is not None:  # only the pages of these rows

@@ -52,8 +52,8 @@ class PagedShard:
             a, b = self.group_starts[g], self.group_starts[g + 1]
             self.value_starts[a:b] = np.concatenate(([0], np.cumsum(self.lengths[a:b])[:-1])) if b > a else []
 
-    def read(self, rows: np.ndarray, cache, shard: int, vocab_size: int | None) -> list[np.ndarray]:
-        """The token ids of `rows` (shard rows), in the order given."""
+    def _spans(self, rows: np.ndarray) -> tuple[list, dict[int, set[int]]]:
+        """Per row (row group, its first and end id in the chunk, its first and last page), and the pages needed."""
         groups = np.searchsorted(self.group_starts, rows, side="right") - 1
         need: dict[int, set[int]] = {}
         spans = []
@@ -65,13 +65,32 @@ class PagedShard:
             spans.append((g, a, b, first, last))
             if b > a:
                 need.setdefault(g, set()).update(range(first, last + 1))
-        pages = {}
-        for g, wanted in need.items():
-            pages.update(self._fetch(g, sorted(wanted), cache, shard))
+        return spans, need
+
+    def tasks(self, rows: np.ndarray, cache, shard: int, got: dict) -> list[tuple]:
+        """The runs of adjacent pages `rows` need that the cache lacks, as (shard's reader, shard, group, pages);
+        the pages the cache holds go into `got`."""
         out = []
-        for r, (g, a, b, first, last) in zip(rows.tolist(), spans):
+        for g, wanted in self._spans(rows)[1].items():
+            missing = []
+            for p in sorted(wanted):
+                hit = cache.get(("page", shard, g, p))
+                if hit is None:
+                    missing.append(p)
+                else:
+                    got[shard, g, p] = hit
+            cuts = np.flatnonzero(np.diff(missing) != 1) + 1
+            out += [(self, shard, g, run) for run in np.split(np.asarray(missing, np.int64), cuts) if len(run)]
+        return out
+
+    def read(self, rows: np.ndarray, cache, shard: int, vocab_size: int | None) -> list[np.ndarray]:
+        """The token ids of `rows` (shard rows), in the order given."""
+        got: dict = {}
+        got.update(fetch_runs(self.tasks(rows, cache, shard, got), cache))
+        out = []
+        for r, (g, a, b, first, last) in zip(rows.tolist(), self._spans(rows)[0]):
             ps = self.page_starts[g]
-            parts = [pages[g, p][max(a, ps[p]) - ps[p]:min(b, ps[p + 1]) - ps[p]] for p in range(first, last + 1)
+            parts = [got[shard, g, p][max(a, ps[p]) - ps[p]:min(b, ps[p + 1]) - ps[p]] for p in range(first, last + 1)
                      if b > a]
             tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
             out.append(self._checked(tokens, r, vocab_size))
@@ -86,43 +105,9 @@ class PagedShard:
                               f"position {pos}, expected an id {vocab}")
         return tokens.astype(np.int32)
 
-    def _fetch(self, g: int, wanted: list[int], cache, shard: int) -> dict:
-        """Decoded pages of row group `g`, from the cache or fetched in runs of adjacent pages."""
-        got, missing = {}, []
-        for p in wanted:
-            hit = cache.get(("page", shard, g, p))
-            if hit is None:
-                missing.append(p)
-            else:
-                got[g, p] = hit
-        table = self.pages[g]
-        runs = [r for r in np.split(np.asarray(missing, dtype=np.int64), np.flatnonzero(np.diff(missing) != 1) + 1)
-                if len(r)]
-        if not runs:
-            return got
-        f = self.storage.open(self.watch.info)
-        # concurrent with exact ranges only: runs in one block would each fetch that block
-        threads = int(getattr(self.storage, "fetch_threads", 8)) if self.storage.block_size == 0 else 1
-        bound = int(getattr(self.storage, "read_ahead_bytes", 64 << 20))
-        batch: list[np.ndarray] = []
-        size = 0
-        for k, run in enumerate(runs):
-            batch.append(run)
-            size += int(table[run[-1], 0] + table[run[-1], 1] - table[run[0], 0])
-            if k + 1 < len(runs) and size < bound:
-                continue
-            if threads > 1 and len(batch) > 1:
-                done = list(_fetch_pool(threads).map(lambda r: self._run(f, g, r), batch))
-            else:
-                done = [self._run(f, g, r) for r in batch]
-            for run_pages in done:
-                for p, ids in run_pages:
-                    got[g, p] = cache.put(("page", shard, g, p), ids, ids.nbytes)
-            batch, size = [], 0
-        return got
-
-    def _run(self, f, g: int, run: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    def run(self, g: int, run: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """The pages of one run of adjacent pages: one ranged read, then each page decoded and checked."""
+        f = self.storage.open(self.watch.info)
         table = self.pages[g]
         start = int(table[run[0], 0])
         end = int(table[run[-1], 0] + table[run[-1], 1])
@@ -153,6 +138,45 @@ class PagedShard:
             raise SourceError(f"{where} (rows {first}..{end - 1}, row group rows from {g0}): its ids and rows "
                               "disagree with the length index; the index is not this shard's")
         return ids
+
+
+def fetch_runs(tasks: list[tuple], cache) -> dict:
+    """{(shard, group, page): ids} of every run of `tasks` (`PagedShard.tasks`), fetched `fetch_threads` at a time
+    where the storage reads exact ranges (runs in one block would each fetch that block), in batches of at most
+    `read_ahead_bytes`, and kept in `cache`."""
+    if not tasks:
+        return {}
+    storage = tasks[0][0].storage
+    threads = int(getattr(storage, "fetch_threads", 8)) if storage.block_size == 0 else 1
+    bound = int(getattr(storage, "read_ahead_bytes", 64 << 20))
+    got: dict = {}
+    batch: list[tuple] = []
+    size = 0
+    for k, (paged, shard, g, run) in enumerate(tasks):
+        batch.append((paged, shard, g, run))
+        table = paged.pages[g]
+        size += int(table[run[-1], 0] + table[run[-1], 1] - table[run[0], 0])
+        if k + 1 < len(tasks) and size < bound:
+            continue
+        if threads > 1 and len(batch) > 1:
+            done = list(_fetch_pool(threads).map(lambda t: t[0].run(t[2], t[3]), batch))
+        else:
+            done = [t[0].run(t[2], t[3]) for t in batch]
+        for (_, shard_, g_, _), pages in zip(batch, done):
+            for p, ids in pages:
+                got[shard_, g_, p] = cache.put(("page", shard_, g_, p), ids, ids.nbytes)
+        batch, size = [], 0
+    return got
+
+
+def prefetch(paged: list, requests, cache) -> None:
+    """Fetch the pages of several shards' rows at once ({shard: rows}), into `cache`: a step's documents spread
+    over many shards cost one round of concurrent reads rather than one per shard."""
+    tasks: list[tuple] = []
+    for shard, rows in requests.items():
+        if paged[shard] is not None:
+            tasks += paged[shard].tasks(rows, cache, shard, {})
+    fetch_runs(tasks, cache)
 
 
 def open_paged(watch, storage, meta, column: str) -> PagedShard | None:

@@ -99,11 +99,33 @@ def epoch(source, text: bool, threads: int, dp: int = 1, rank: int = 0,
     return tokens, time.perf_counter() - start, first or 0.0
 
 
+def rr_many(client, tmp: str, shards: int, docs: int, threads: int) -> list[str]:
+    """The same number of documents in `shards` shards (tokenize layout): a step's documents spread over many
+    shards, read one shard at a time (`prefetch` off) or all shards' pages in one round (`ParquetSource.prefetch`,
+    what `DocumentStream.read` does); dp 4 rank 0, exact ranges, 8 in flight."""
+    from packloader.sources.parquet import ParquetSource
+
+    for i, d in enumerate(corpus(shards, docs, seed=1)):
+        tokenize_layout(d, client, f"many/{i}.parquet", tmp)
+    rows, real = [], ParquetSource.prefetch
+    try:
+        for name, pre in (("one shard at a time", None), ("all shards' pages at once", real)):
+            ParquetSource.prefetch = pre
+            tokens, wall, first = epoch(Storage(block_size=0).paths("s3://bench/many/*.parquet"), False, threads, dp=4)
+            rows.append(f"| tokenize layout + index, {shards} shards, dp 4 rank 0 | loopback S3, exact, 8 in flight, "
+                        f"{name} | {tokens:,} | {tokens / wall:,.0f} | {first:.2f} |")
+            print(rows[-1], flush=True)
+    finally:
+        ParquetSource.prefetch = real
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--docs", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--many", type=int, default=16, help="shards of the many-shards rows (as many documents in all)")
     ap.add_argument("--train-ms", type=float, default=50.0, help="simulated training time a micro-batch")
     ap.add_argument("--write", type=Path)
     args = ap.parse_args()
@@ -155,6 +177,8 @@ def main() -> None:
                 rows.append(f"| tokenize layout + index, dp 4 rank 0, {args.train_ms:g} ms training a micro-batch | "
                             f"{where} | {tokens:,} | {tokens / wall:,.0f} | {first:.2f} |")
                 print(rows[-1], flush=True)
+            many = rr_many(client, tmp, args.many, args.docs * args.shards // args.many, args.threads)
+            rows += many
             per_rank, totals = {}, {}
             for group in (256, 1, "tokenize"):  # 256 documents a row group; one; `tokenize` defaults (paged)
                 totals[group] = 0 if group != "tokenize" else sizes["tokenize"]
@@ -200,7 +224,10 @@ def main() -> None:
         "rows sleep a fixed time per micro-batch, standing for training: with "
         "`num_threads=0` the pages are fetched in the training thread, so reading and training add up; with 2 the "
         "loader's reading thread fetches the next steps' pages (`prefetch` steps ahead, default 2) while the trainer "
-        "sleeps, and the epoch takes about the longer of the two.\n\n"
+        "sleeps, and the epoch takes about the longer of the two. The many-shards rows hold the same number of "
+        "documents in more shards, so a step's documents come from many shards: read shard by shard, each shard's "
+        "few pages are a round of reads of their own; `DocumentStream.read` first asks the source to fetch every "
+        "shard's pages in one round (`ParquetSource.prefetch`).\n\n"
         "Bytes each rank fetched at dp 4 over one epoch (pre-tokenized, ranged GETs of `block` bytes, no disk "
         "cache), against the corpus's object bytes; the target is at most 1/dp + 10 % = 35 %. Every rank reads every "
         "footer (once per shard: reopened files reuse the parsed footer) and plans from the lengths; it then reads "

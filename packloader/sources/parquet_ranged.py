@@ -6,8 +6,10 @@ whose pages disagree with its index is an error naming the file, row group and p
 
 The ranged reads of one request run concurrently with exact ranges (`Storage(block_size=0, fetch_threads=...)`,
 default 8, each thread fetching and decoding its pages; at most `read_ahead_bytes` in flight), so a step's pages
-cost a few round trips' latency rather than one per run of pages. The loader already reads a step's documents in a
-thread of their own, `prefetch` steps ahead of the trainer, so these reads overlap training.
+cost a few round trips' latency rather than one per run of pages; `prefetch` does the same for the rows of several
+shards at once (`DocumentStream.read` calls it, since a step's documents come from many shards). The loader reads
+a step's documents in a thread of their own, `prefetch` steps ahead of the trainer, so these reads overlap
+training.
 """
 
 from __future__ import annotations

@@ -157,6 +157,11 @@ class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     # options per planner name, each checked against that planner's options Struct (its registry entry); `auto`
     # passes each candidate its own
     planner_options: dict[str, dict[str, Any]] = {}
+    # Context parallelism per document (issue 26): "fixed" shards every micro-batch over the whole CP group;
+    # "dynamic" plans every document on its own power-of-two subgroup of the DP x CP pool (the "dynamic-cp"
+    # planner, StepPlan.cp_mode "dynamic"); "auto" plans both when cp > 1 and keeps the faster on simulated
+    # step time. The runtime that runs the plan must accept dynamic plans for anything but "fixed".
+    cp_mode: Literal["fixed", "dynamic", "auto"] = "fixed"
 
 
 class ConfigError(ValueError):

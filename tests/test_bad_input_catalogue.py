@@ -41,6 +41,7 @@ from packloader.sources.jsonl import JsonlSource
 from packloader.sources.open import open_source
 from packloader.sources.parquet import ParquetSource
 from packloader.sources.pretokenize import tokenize_to_parquet
+from packloader.sources.remote import RemoteError
 from packloader.sources.tokenizers import get_tokenizer
 from packloader.sources.unsupported import UnsupportedSourceError
 
@@ -484,6 +485,11 @@ def cli_context_beyond_max_tokens_unsliced(tmp):
                        "--context", "2048", "--tokens-per-step", "4096", "--quiet")
 
 
+def cli_cp_mode_dynamic_with_fixed_cp_strategy(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--strategy", "wlb", "--cp-mode", "dynamic", "--quiet")
+
+
 def lengths_forty_digits(tmp):
     (tmp / "big.txt").write_text("10\n" + "1234567890" * 4 + "\n")
     return lambda: cli("plan", "--lengths", str(tmp / "big.txt"), "--quiet")
@@ -531,6 +537,36 @@ def to_hf_with_slices(tmp):
     b = collate([Segment(8, 0, 2, 0), Segment(7, 4, 10, 0)], {7: np.arange(100, 110), 8: np.array([1, 2])},
                 step=5, index_in_step=2)
     return b.to_hf
+
+
+def dynamic_cp_misaligned_group(tmp):
+    from packloader.collate.cp_dynamic import plan_dynamic_cp
+    from packloader.contracts import CPPlacement, MicroBatch, Segment
+
+    mb = MicroBatch(segments=[Segment(2, 0, 10, 0), Segment(9, 4, 12, 4)], cp=[CPPlacement(1, 1), CPPlacement(2, 1)])
+    return lambda: plan_dynamic_cp(mb, gpu=1, pool=4)
+
+
+def dynamic_cp_without_cp_rank(tmp):
+    import msgspec
+
+    from packloader.balancers.planners.fixed import FixedPlanner
+    from packloader.contracts import CPPlacement, RankPlan
+
+    cfg = _config(parallel=ParallelConfig(dp=1, cp=2), allow_slicing=False)
+
+    class OneGpuEach:  # the fixed plan as per-document CP: each micro-batch whole on pool GPU 0, GPU 1 idle
+        def plan(self, window, state, layout):
+            plan, st = FixedPlanner(cfg).plan(window, state, layout)
+            mbs = [msgspec.structs.replace(mb, cp=[CPPlacement(1, 0)] * len(mb.segments))
+                   for mb in plan.ranks[0].micro_batches]
+            idle = [msgspec.structs.replace(mb, segments=[], cp=[]) for mb in mbs]
+            ranks = [RankPlan(micro_batches=mbs), RankPlan(micro_batches=idle)]
+            return msgspec.structs.replace(plan, ranks=ranks, cp_mode="dynamic"), st
+
+    loader = PackedLoader(IterableSource([np.arange(40, dtype=np.int32)]), config=cfg, planner=OneGpuEach(),
+                          dp_rank=0, num_threads=0)
+    return lambda: next(iter(loader))
 # --- what the user did not mean: shards known by content, files read twice, tokenizers, columns (issue 22) -----------
 
 
@@ -765,6 +801,25 @@ def url_unsupported(tmp):
     return lambda: PackedLoader("ftp://host/shards/*.parquet", config=_config(), num_threads=0)
 
 
+def http_url_glob(tmp):
+    return lambda: PackedLoader("http://127.0.0.1:9/shards/*.parquet", config=_config(), num_threads=0)
+
+
+def http_server_ignores_range(tmp):
+    """The standard library's file server answers a ranged GET with the whole file (200)."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    pq.write_table(pa.table({"text": ["a", "b"]}), tmp / "a.parquet")
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp))
+    handler.log_message = lambda *a: None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/a.parquet"
+    return lambda: PackedLoader(url, config=_config(), num_threads=0)
+
+
 def filesystem_object_unsupported(tmp):
     import pyarrow.fs
 
@@ -909,6 +964,9 @@ CASES = [
     Case("cli_context_beyond_max_tokens_unsliced", cli_context_beyond_max_tokens_unsliced, CliExit,
          ("exit 2", "(--context, --max-tokens, --no-slicing, --strategy)",
           "PlanConfig.context=2048 exceeds max_tokens=1024 with strategy='fixed', which does not slice")),
+    Case("cli_cp_mode_dynamic_with_fixed_cp_strategy", cli_cp_mode_dynamic_with_fixed_cp_strategy, CliExit,
+         ("exit 2", "(--strategy, --cp-mode)", "PlanConfig.cp_mode='dynamic' plans every step with the dynamic-cp "
+          "planner, so strategy='wlb' would never run")),
     Case("lengths_forty_digits", lengths_forty_digits, CliExit,
          ("exit 2", "big.txt, line 2", "is beyond the largest length 9,223,372,036,854,775,807")),
     Case("lengths_uint64_max", lengths_uint64_max, CliExit,
@@ -916,6 +974,11 @@ CASES = [
     Case("stdout_closed", stdout_closed, CliExit, ("exit 141: ",)),
     Case("to_hf_with_slices", to_hf_with_slices, SlicesNotSupported,
          ("PackedBatch.to_hf(): step 5, micro-batch 2 holds a slice of document 7", "allow_slicing=False")),
+    Case("dynamic_cp_misaligned_group", dynamic_cp_misaligned_group, ValueError,
+         ("segment 1 (document 9, tokens 4..11): CP group starts at GPU 1, not a multiple of its size 2",)),
+    Case("dynamic_cp_without_cp_rank", dynamic_cp_without_cp_rank, ValueError,
+         ("step 0 is planned with per-document context parallelism (cp_mode 'dynamic', cp=2)",
+          "PackedLoader(..., cp_rank=...)")),
     Case("action_list_slice_order", action_list_slice_order, ValueError,
          ("action lists: pipeline rank 0, stage 0: backward of micro-batch 0 before that of micro-batch 1, which reads "
           "its keys",)),
@@ -940,6 +1003,10 @@ CASES = [
          ("the list of 2 strings mixes paths (1, e.g.", "a.jsonl", "and texts (1, e.g. 'a text, not a path')")),
     Case("url_unsupported", url_unsupported, UnsupportedSourceError,
          ("ftp://host/shards/*.parquet: ftp:// URLs are not supported", "supported: local paths")),
+    Case("http_url_glob", http_url_glob, UnsupportedSourceError,
+         ("http://127.0.0.1:9/shards/*.parquet: HTTP has no listing", "pass each shard's URL")),
+    Case("http_server_ignores_range", http_server_ignores_range, RemoteError,
+         ("/a.parquet: GET bytes 0..0 failed", "the server ignores Range requests")),
     Case("filesystem_object_unsupported", filesystem_object_unsupported, UnsupportedSourceError,
          ("a filesystem object (pyarrow._fs.LocalFileSystem) is not a source by itself",
           "Storage(filesystem=fs).paths(", "supported: local paths")),

@@ -106,7 +106,7 @@ def test_hydraulis_pack_matches_scan_reference(lengths, dp, v, cap, rnd):
 
 
 @settings(max_examples=40, deadline=None)
-@example([1, 1, 161, 1458, 2638, 2638], 1, 1, 3, "measured")  # a measured table is not convex: no bound there
+@example([1, 1, 161, 1458, 2638, 2638], 1, 1, 3, "measured")  # a measured table is not convex: the table bound
 @given(st.lists(st.integers(1, 4096), min_size=1, max_size=120), st.integers(1, 4), st.sampled_from([1, 2, 4]),
        st.sampled_from([3, 24]), st.sampled_from(["analytic", "measured"]))
 def test_hydraulis_v_bound_skips_only_losing_counts(lengths, dp, pp, v_limit, cost):

@@ -212,8 +212,8 @@ def test_lists_of_dicts_token_arrays_and_generators():
 
 # --- unsupported ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("url", ["ftp://host/shards/*.parquet", "hf://datasets/org/name",
-                                 "https://example.com/a.parquet", "webhdfs://host/a.parquet"])
+@pytest.mark.parametrize("url", ["ftp://host/shards/*.parquet", "sftp://host/a.parquet",  # https, hf: read
+                                 "oci://bucket/a.parquet", "webhdfs://host/a.parquet"])
 def test_urls_are_unsupported_and_the_error_lists_what_is(url):
     for call in (lambda: open_source(url), lambda: loader(url), lambda: open_any([url])):
         with pytest.raises(UnsupportedSourceError, match=r"URLs are not supported .*supported: local paths"):

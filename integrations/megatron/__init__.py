@@ -86,6 +86,10 @@ document's earlier slices in earlier micro-batches of the same step):
   ``slices=True`` refuses the first sliced batch at PP > 1, naming ``pipeline_model_parallel_size``.
 * CP > 1 with slices is refused too (``packloader.collate.cp_shard`` does not shard slices).
 
+Per-document context parallelism (``StepPlan.cp_mode`` "dynamic", ``PackedLoader(..., cp_rank=...)``):
+``megatron_dynamic_cp_batches`` turns one pool GPU's batch into the sub-samples megatron-core's hybrid context
+parallelism runs, one per CP group, with ``PackedSeqParams.local_cp_size`` and ``cp_group`` (``dynamic_cp.py``).
+
 Step metrics: ``MegatronDataIterator`` logs each step's ``packloader.StepMetrics`` once, at its first micro-batch
 (logger ``packloader.megatron``, level INFO: predicted step time, imbalance, DP spread, bubbles, tokens, loss
 tokens, padding, queue and delay), and every batch dict carries the record as ``batch["step_metrics"]`` for the
@@ -104,6 +108,7 @@ from .batch import (
     megatron_batch,
     te_partition_index,
 )
+from .dynamic_cp import megatron_dynamic_cp_batches
 from .pipeline import check_sliced_pipeline_config, pipeline_schedule_of, sliced_pipeline_forward_backward
 from .slices import PackloaderCoreAttention, sliced_forward_backward
 
@@ -117,6 +122,7 @@ __all__ = [
     "make_datasets_provider",
     "check_megatron_config",
     "te_partition_index",
+    "megatron_dynamic_cp_batches",
     "PackloaderCoreAttention",
     "sliced_forward_backward",
     "sliced_pipeline_forward_backward",

@@ -16,7 +16,9 @@ class PackloaderCoreAttention(torch.nn.Module):
     """A ``core_attention`` for Megatron's layer spec (``ModuleSpec(module=SelfAttention, submodules=
     SelfAttentionSubmodules(core_attention=PackloaderCoreAttention, ...))``) on the THD path: packloader's
     ``varlen_attention`` over ``packed_seq_params``' segments, any device (CPU reference backend included), and
-    inside ``sliced_forward_backward`` the slice context's attention (the earlier slices' keys and values).
+    inside ``sliced_forward_backward`` the slice context's attention (the earlier slices' keys and values); a
+    packloader CP shard (``packed_seq_params.packloader_shard``, cp_layout "packloader" or per-document CP) runs
+    ``cp_attention`` over ``packed_seq_params.cp_group``, else Megatron's CP group.
     Causal, no dropout; no parameters, so it swaps with TransformerEngine's or the local core attention. With RoPE,
     the sliced schedules give it the model's `SliceRope`, which turns a slice's queries and keys to their positions
     in the document before the slice context stores or reads any keys."""
@@ -44,12 +46,26 @@ class PackloaderCoreAttention(torch.nn.Module):
             if self.slice_rope is not None:  # Megatron rotated each segment from position 0; a slice starts later
                 query, key = self.slice_rope.rotate(query, key, ctx, packed_seq_params)
             out = ctx.attention(query, key, value, self.layer_number, softmax_scale=self.softmax_scale)
+        elif getattr(packed_seq_params, "packloader_shard", None) is not None \
+                and packed_seq_params.packloader_shard.cp_size > 1:
+            out = _cp_attention(query, key, value, packed_seq_params, self.softmax_scale)
         else:
             p = packed_seq_params
             out = varlen_attention(query, key, value, p.cu_seqlens_q.to(torch.int32), p.cu_seqlens_kv.to(torch.int32),
                                    int(p.max_seqlen_q), int(p.max_seqlen_kv), causal=True,
                                    softmax_scale=self.softmax_scale)
         return out.reshape(out.shape[0], -1)
+
+
+def _cp_attention(query, key, value, params, softmax_scale):
+    """A packloader CP shard's attention over its group: `params.cp_group` (per-document CP, Megatron's hybrid
+    field), else Megatron's CP group."""
+    from packloader.runtime.cp_attention import cp_attention
+
+    group = getattr(params, "cp_group", None)
+    if group is None:
+        group = require("megatron.core.parallel_state").get_context_parallel_group()
+    return cp_attention(query, key, value, params.packloader_shard, group, softmax_scale=softmax_scale)
 
 
 def sliced_forward_backward(*, forward_step_func, data_iterator, model, num_microbatches: int,

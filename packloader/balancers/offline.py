@@ -52,6 +52,8 @@ def plan_record(plan: StepPlan, actions: list | None = None) -> dict:
     """One JSON line of `packloader plan`: {"step", "ranks": [[[doc, start, end, attend_from], ...] per
     micro-batch] per rank, "costs": [[fwd, bwd] per micro-batch] per rank, "memory_over", ...}; with `actions`
     (`sim.actions.step_actions`), "actions": [per DP rank: [per pipeline rank: [[op, micro_batch, stage], ...]]].
+    A per-document CP plan has "cp_mode": "dynamic", one entry of "ranks" per GPU of the DP x CP pool, and "cp":
+    [size, first GPU] of each segment, aligned with "ranks".
 
     A DP-Merge micro-batch is written once, under the first rank of its group, and as an empty micro-batch at
     the same position of the other members; "dp_groups" lists [rank, position, [ranks]] for each."""
@@ -82,6 +84,9 @@ def plan_record(plan: StepPlan, actions: list | None = None) -> dict:
         rec["backward_order"] = orders
     if plan.delayed:
         rec["delayed"] = plan.delayed
+    if plan.cp_mode == "dynamic":  # per-document CP: "ranks" lists pool GPUs (dp_rank x cp + cp_rank)
+        rec["cp_mode"] = "dynamic"
+        rec["cp"] = [[[[c.size, c.first] for c in (mb.cp or [])] for mb in rank.micro_batches] for rank in plan.ranks]
     if plan.schedule:  # chosen by the planner (schedule "auto")
         rec["schedule"] = plan.schedule
     if actions is not None:

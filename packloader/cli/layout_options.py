@@ -50,6 +50,8 @@ HELP = {
     "cost": "cost model kind: measured (a profile timed on the device) or analytic",
     "memory_gib": "GPU memory in GiB for the memory check",
     "planner_options": "options per planner as a JSON object, e.g. '{\"wlb\": {\"fill\": 0.8}}'",
+    "cp_mode": "context parallelism: fixed (each micro-batch over the whole CP group), dynamic (each document on "
+               "its own power-of-two GPU subgroup of the DP x CP pool), auto (per step, the faster when cp > 1)",
 }
 
 

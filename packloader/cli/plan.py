@@ -32,7 +32,11 @@ output: one JSON line per step (the whole file by default; --steps N for the fir
             scored (op "F", "B", or "W" for weight gradients under --schedule zb-h1; stage the model
             chunk; packloader.balancers.sim.actions),
    and, when present: "dp_groups" [[rank, position, [ranks]]] (micro-batches run by several DP ranks
-   together), "backward_order" (per rank), "delayed" (documents held back for a later step)}
+   together), "backward_order" (per rank), "delayed" (documents held back for a later step);
+   with --cp-mode dynamic (or auto, on the steps it plans so): "cp_mode": "dynamic", "ranks" and "costs" per GPU
+   of the DP x CP pool (index dp_rank x cp + cp_rank), and "cp": [[[size, first] per segment] per micro-batch]
+   per GPU, each segment run by GPUs first .. first + size - 1 (size a power of two, first a multiple of it),
+   listed in the same micro-batch of each}
 
 Every token of every drawn document appears exactly once (the last step flushes what was delayed); no
 micro-batch holds more than --max-tokens tokens. Empty documents (length 0) are skipped, keeping the other

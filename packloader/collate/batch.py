@@ -54,6 +54,9 @@ class PackedBatch:
     stats: LoaderStats | None = None  # the loader's counts up to and including this step
     step_metrics: StepMetrics | None = None  # what the loader knows about the step, for the trainer's logs
     extra: dict[str, Any] = field(default_factory=dict)  # the caller's own entries (collate's `extra`)
+    # Per-document CP (StepPlan.cp_mode "dynamic"): this pool GPU's part, a collate.cp_dynamic.DynamicCPShard; the
+    # token tensors then hold this GPU's tokens only, cu_seqlens its query runs, cu_seqlens_k their gathered keys
+    cp: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +74,11 @@ class PackedBatch:
         A micro-batch holding a SlimPack slice is refused (SlicesNotSupported): the slice's keys begin in an
         earlier micro-batch, so `cu_seq_lens_k` would count keys this row does not hold, and transformers' flash
         path would cut every such row into the wrong sequences."""
+        if self.cp is not None and any(g.size > 1 for g in self.cp.groups):
+            raise ValueError(
+                f"PackedBatch.to_hf(): step {self.step}, micro-batch {self.index_in_step} is one GPU's part of a "
+                "per-document CP micro-batch whose keys are spread over its CP groups: run its attention with "
+                "packloader.runtime.cp_dynamic.dynamic_cp_attention")
         for s in self.segments:
             if s.attend_from != s.start:
                 raise SlicesNotSupported(

@@ -142,7 +142,10 @@ def remainder(plan: StepPlan, skips: list[int]) -> list[tuple[int, int, int]]:
     interruption become pieces of their own, one per contiguous run."""
     chains: dict[tuple[int, int], list[tuple[int, int, bool]]] = {}  # (doc, attend_from) -> [(start, end, trained)]
     seen: set = set()
-    for r, rank in enumerate(plan.ranks):
+    if plan.cp_mode == "dynamic":
+        for s, trained in _dynamic_trained(plan, skips):
+            chains.setdefault((s.doc, s.attend_from), []).append((s.start, s.end, trained))
+    for r, rank in enumerate(plan.ranks if plan.cp_mode != "dynamic" else ()):
         for i, mb in enumerate(rank.micro_batches):
             owner = r
             if mb.dp_group and len(mb.dp_group) > 1:
@@ -172,3 +175,24 @@ def remainder(plan: StepPlan, skips: list[int]) -> list[tuple[int, int, int]]:
                 run = [a, b]
     return out
 
+
+
+def _dynamic_trained(plan: StepPlan, skips: list[int]):
+    """(segment, trained) once per segment of a per-document CP plan (`ranks`: the DP x CP pool, GPU g of DP rank
+    g // cp; `skips` per DP rank): a segment of slot i is trained when the DP ranks of all its group's GPUs passed
+    slot i. A group whose GPUs disagree (some passed it, some not) cannot be told trained or not: refused."""
+    cp = max(1, len(plan.ranks) // max(1, len(skips)))
+    seen: set = set()
+    for g, rank in enumerate(plan.ranks):
+        for i, mb in enumerate(rank.micro_batches):
+            for s, p in zip(mb.segments, mb.cp or [None] * len(mb.segments)):
+                gpus = range(p.first, p.first + p.size) if p is not None else (g,)
+                if (i, s) in seen:
+                    continue
+                seen.add((i, s))
+                done = {i < skips[x // cp] for x in gpus}
+                if len(done) > 1:
+                    raise ValueError(f"step {plan.step}: micro-batch {i} of the CP group of GPUs {gpus[0]}.."
+                                     f"{gpus[-1]} (document {s.doc}) was yielded on some of its DP ranks and not on "
+                                     "others: these states are not the states of one save")
+                yield s, done.pop()

@@ -111,7 +111,7 @@ class LoaderPipeline:
         chunk_node = ChunkNode(span, self.options.chunk_docs, None)
         chunks = ParallelMapper(chunk_node, ChunkLoader(self.stream, mode, 0, 1), num_workers=0)
         node = StepNode(chunk_node, chunks, self.stream, make_planner(config), config, 0, span=span, mode=mode,
-                        check_ranks=False, start_state=step_state)
+                        check_ranks=False, start_state=step_state, cp_rank=0)
         try:
             node.reset(None)
             return node.next()
@@ -142,7 +142,8 @@ class LoaderPipeline:
                                     snapshot_frequency=0)
         steps = StepNode(chunk_node, chunks, self.stream, self.planner, self.config, self.dp_rank, span=span,
                          mode=mode, exchange=exchange, check_ranks=o.check_ranks, start_epoch=start_epoch,
-                         step_stride=step_stride, step_offset=step_offset, start_state=start_state, lock=self.lock)
+                         step_stride=step_stride, step_offset=step_offset, start_state=start_state, lock=self.lock,
+                         cp_rank=o.cp_rank)
         node = steps
         if mode == "column" and threads > 0:
             # pre-tokenized: planning in one thread, reading this rank's tokens in another (Parquet decoding

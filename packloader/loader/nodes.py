@@ -49,6 +49,7 @@ from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerSta
 from packloader.loader.chunks import Chunk, ChunkNode
 from packloader.loader.distributed import RankExchange, digest
 from packloader.loader.micro_batch_count import check_micro_batch_count
+from packloader.loader.pool import localize_step, own_rank, ranks_expected
 from packloader.loader.state import StepState, step_state
 from packloader.loader.step_metrics import draw_steps, padding_of, step_metrics
 from packloader.sources.order import split_range
@@ -74,6 +75,7 @@ class StepWork:
     step_lengths: dict[int, int] | None = None  # every document of the step's plan (all ranks)
     metrics: StepMetrics | None = None  # the step's record for the trainer's logs (padding added at collation)
     drawn: dict[int, int] | None = None  # doc -> first draw step, for the documents drawn before this step
+    pool_gpu: int | None = None  # per-document CP: this GPU's index in the DP x CP pool (loader.pool)
 
 
 class StepNode(BaseNode[StepWork]):
@@ -97,10 +99,12 @@ class StepNode(BaseNode[StepWork]):
         step_offset: int = 0,
         start_state: dict | None = None,
         lock: threading.Lock | None = None,
+        cp_rank: int | None = None,
     ) -> None:
         super().__init__()
         self.chunk_node, self.chunks, self.stream = chunk_node, chunks, stream
-        self.planner, self.config, self.dp_rank = planner, config, dp_rank
+        self.planner, self.config, self.dp_rank, self.cp_rank = planner, config, dp_rank, cp_rank
+        self.pool_gpu = dp_rank  # the index of this loader's RankPlan (loader.pool.own_rank), set per step
         self.span, self.mode, self.exchange, self.check_ranks = span, mode, exchange, check_ranks
         self.start_epoch = start_epoch
         self.step_stride, self.step_offset = step_stride, step_offset
@@ -317,7 +321,7 @@ class StepNode(BaseNode[StepWork]):
             self.pos = int(self._buf_ids[self._buf_at]) % self.stream.num_docs if self._buf_at < len(self._buf_ids) \
                 else self._next_pos_after_buffer()
         return StepWork(step, epoch, plan, mbs, lengths, tokens, loss_tokens, last, self.stats.copy(),
-                        step_lengths=doc_len, metrics=metrics, drawn=drawn)
+                        step_lengths=doc_len, metrics=metrics, drawn=drawn, pool_gpu=self.pool_gpu)
 
     def _plan(self, window, state_in: PlannerState, step: int, done: bool,
               remainder: bool = False) -> tuple[StepPlan, PlannerState]:
@@ -326,8 +330,9 @@ class StepNode(BaseNode[StepWork]):
         cfg = self.config
         plan, new_state = self.planner.plan(window, state_in, StepLayout(step, flush=done))
         planned = sum(mb.num_tokens for r in plan.ranks for mb in r.micro_batches)
-        if len(plan.ranks) != cfg.parallel.dp:
-            raise RuntimeError(f"planner {cfg.strategy!r} returned {len(plan.ranks)} ranks for parallel.dp={cfg.parallel.dp}")
+        if len(plan.ranks) != ranks_expected(plan, cfg.parallel):
+            raise RuntimeError(f"planner {cfg.strategy!r} returned {len(plan.ranks)} ranks for parallel.dp="
+                               f"{cfg.parallel.dp}, cp={cfg.parallel.cp} (cp_mode {plan.cp_mode!r})")
         if done and new_state.queued and planned == 0:
             raise RuntimeError(
                 f"planner {cfg.strategy!r} keeps {len(new_state.queued)} pieces queued at the end of epoch "
@@ -343,7 +348,8 @@ class StepNode(BaseNode[StepWork]):
         if self.exchange is not None and self.check_ranks:
             self.exchange.check_plan(plan.step, digest(window.doc, window.offset, window.length),
                                      digest(msgspec.json.encode(plan)))
-        mbs = plan.ranks[self.dp_rank].micro_batches
+        self.pool_gpu = own_rank(plan, self.config.parallel, self.dp_rank, self.cp_rank)
+        mbs = plan.ranks[self.pool_gpu].micro_batches
         own_docs = {s.doc for mb in mbs for s in mb.segments}
         self.stats.rank_micro_batches += len(mbs)
         self.stats.rank_tokens += sum(mb.num_tokens for mb in mbs)
@@ -364,7 +370,7 @@ class StepNode(BaseNode[StepWork]):
         metrics = step_metrics(plan, model, self.config, epoch=int(rem["epoch"]), state_in=PlannerState(),
                                state_out=PlannerState(), drawn={int(d): int(n) for d, n in rem.get("drawn", [])})
         return StepWork(plan.step, int(rem["epoch"]), plan, mbs, lengths, tokens, plan.loss_tokens, bool(rem["last"]),
-                        self.stats.copy(), step_lengths=doc_len, metrics=metrics)
+                        self.stats.copy(), step_lengths=doc_len, metrics=metrics, pool_gpu=self.pool_gpu)
 
     def _next_pos_after_buffer(self) -> int:
         if len(self._buf_ids):
@@ -434,6 +440,8 @@ class StepCollator:
                            loss_tokens_in_step=work.loss_tokens, dp_groups=[mb.dp_group for mb in work.micro_batches],
                            epoch=work.epoch, last_in_epoch=work.last_in_epoch, plan=work.plan, stats=work.stats,
                            step_metrics=metrics, **self.kw)
+        if work.plan.cp_mode == "dynamic":
+            out = localize_step(out, work.micro_batches, work.pool_gpu, len(work.plan.ranks))
         if not out and work.last_in_epoch:
             # a rank with no micro-batch in the epoch's last step still needs to see the epoch end
             return [None]

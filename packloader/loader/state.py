@@ -52,6 +52,9 @@ class LoaderOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
         "with torch.distributed: compare settings and every step's plan across ranks")] = True
     timeout: Annotated[float, msgspec.Meta(gt=0), _doc("seconds to wait for other ranks")] = 300.0
     name: Annotated[str, _doc("the name the ranks' exchange uses in the process group's store")] = "loader"
+    cp_rank: Annotated[Annotated[int, msgspec.Meta(ge=0)] | None, _doc(
+        "this GPU's CP rank: under per-document CP (cp_mode 'dynamic') it trains pool GPU dp_rank * cp + cp_rank's "
+        "part")] = None
 
 
 def validate_options(config: PlanConfig, **kwargs) -> LoaderOptions:

@@ -18,7 +18,7 @@ from packloader.balancers.planners.config_rules import validate_config
 from packloader.balancers.planners.registry import report_strategies
 from packloader.balancers.sim.simulator import simulate_step
 from packloader.contracts import PlanConfig, plan_encoder
-from packloader.report import plots
+from packloader.report import dynamic_cp, plots
 from packloader.report.advice import fits, recommend
 from packloader.report.draw import Draw, draw_steps
 from packloader.report.figures import (
@@ -165,12 +165,18 @@ def _build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions |
                 figs.append(strategy_figures(run, draw, model, config, memory))
     finally:
         bar.close()
+    advice_figs = list(figs)  # the advice tries fixed-CP strategies only
+    if dynamic_cp.wanted(config):  # per-document CP's row and whether it wins (issue 26)
+        run, fig, note = dynamic_cp.dynamic_cp_row(config, draw, model, runs, figs, memory)
+        runs[fig.name] = run
+        figs.append(fig)
+        notes.append(note)
     fill_speedups(figs)
     report = Report(settings=settings, lengths=length_stats(draw, model, lengths.empty), reference_baseline="", strategies=figs, notes=notes)
     ref = _reference(figs)
     report.reference_baseline = ref.name if ref else ""
     if opt.advice:
-        report.advice = recommend(figs, config, draw, model, memory, grid_steps=opt.grid_steps, grouping=opt.grouping,
+        report.advice = recommend(advice_figs, config, draw, model, memory, grid_steps=opt.grid_steps, grouping=opt.grouping,
                                   progress=opt.progress)
     if opt.out_dir is not None:
         _write(report, runs, draw, model, config, opt, memory)
@@ -209,7 +215,7 @@ def _write(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
 
 
 def _plots(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: CostModel, config: PlanConfig, out: Path, memory=None) -> dict[str, str]:
-    ok = [f for f in report.strategies if f.status == "ok"]
+    ok = [f for f in report.strategies if f.status == "ok" and f.name != dynamic_cp.NAME]  # its plans: a pool of GPUs
     roles = {f.name: f.role for f in ok}
     images: dict[str, str] = {}
     L = report.lengths

@@ -40,6 +40,8 @@ __all__ = [
     "dp_merge_group",
     "dp_merge_shard",
     "dp_merge_attention",
+    "prepare_cp_pool_groups",
+    "cp_pool_group",
 ]
 
 
@@ -227,3 +229,35 @@ def dp_merge_attention(q, k, v, mb: MicroBatch, *, dp_rank: int, shard: Any = No
     if cp_size == 1:
         return cp_attention(q, k, v, shard, None, **attention_kwargs)
     return cp_attention(q, k, v, shard, pg, **attention_kwargs)
+
+
+def _pool_ranks(size: int, first: int, rank_map: Sequence[int] | None) -> tuple[int, ...]:
+    return _to_global(range(int(first), int(first) + int(size)), rank_map)
+
+
+def prepare_cp_pool_groups(pool: int, *, rank_map: Sequence[int] | None = None,
+                           rank_maps: Sequence[Sequence[int]] | None = None, groups: ProcessGroupCache | None = None,
+                           backend: str | None = None) -> ProcessGroupCache:
+    """Per-document CP (StepPlan.cp_mode "dynamic"): create, on every rank (a collective), every aligned
+    power-of-two group of the DP x CP pool of `pool` GPUs, sizes 2 .. pool, as megatron-core's hybrid context
+    parallelism forms them; returns the cache `cp_pool_group` looks them up in. Pool GPU g (dp_rank * cp + cp_rank)
+    is global rank `rank_map[g]` (default g); with tensor or pipeline parallelism there is one pool per (tp, pp)
+    coordinate, and `rank_maps` creates the groups of all of them (every rank creates every pool's groups)."""
+    cache = DEFAULT_GROUPS if groups is None else groups
+    blocks = contiguous_pow2_groups(int(pool))
+    cache.create([_pool_ranks(len(b), b[0], m) for m in _maps(rank_map, rank_maps) for b in blocks], backend=backend)
+    return cache
+
+
+def cp_pool_group(size: int, first: int, *, gpu: int, rank_map: Sequence[int] | None = None,
+                  groups: ProcessGroupCache | None = None) -> Any:
+    """The process group of pool GPUs first .. first + size - 1 (None at size 1), created by prepare_cp_pool_groups;
+    checks that pool GPU `gpu` is its CP rank gpu - first."""
+    if int(size) == 1:
+        return None
+    pg = (DEFAULT_GROUPS if groups is None else groups).get(_pool_ranks(size, first, rank_map))
+    if dist.get_rank(pg) != int(gpu) - int(first):
+        raise ValueError(f"pool GPU {gpu} is rank {dist.get_rank(pg)} of the process group of pool GPUs {first}.."
+                         f"{int(first) + int(size) - 1}, not {int(gpu) - int(first)}: the rank map must increase "
+                         "with the pool index")
+    return pg

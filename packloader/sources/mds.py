@@ -1,4 +1,4 @@
-"""Local MDS directories written by mosaicml-streaming's `MDSWriter` (optional extra `mds`).
+"""MDS directories written by mosaicml-streaming's `MDSWriter` (optional extra `mds`), local or in object storage.
 
 The shards are read through streaming's own `MDSReader` (built from `index.json` by `reader_from_json`) for the
 shard metadata and its `mds_decode` for the column encoding, but not through `StreamingDataset`: no shared memory
@@ -11,6 +11,14 @@ memory-mapped: a mapped file truncated by another process kills the reader with 
 first needed and the most recent ones are kept up to `cache_bytes`. Only the chosen column of a sample is decoded, so a `pkl` column next
 to it is never unpickled. The text column must have the `str` encoding; a token column an integer `ndarray`
 encoding such as `ndarray:int32`.
+
+An MDS directory in object storage (`s3://bucket/mds/`, gs://, Azure, `Storage(filesystem=fs).paths(...)`) is read
+through packloader's own ranged reads and block caches, not streaming's `remote=`/`local=` download: that copies
+whole shards into a local directory shared through /dev/shm by a `StreamingDataset`, which would take over order,
+sharding and resume (the loader's job), and it neither pins a shard to the version indexed nor bounds its retries
+in time. Here index.json and each shard are fetched when first needed, every request tied to the ETag (or
+generation) seen when the source opened, retried within `RetryPolicy`, and kept in the optional disk cache
+bounded in bytes (`Storage(cache_dir=..., cache_bytes=...)`), so later epochs and restarts read it from disk.
 
 `import streaming` costs a few seconds (it imports torchvision and transformers); it happens when an MdsSource is
 built, never at `import packloader`.
@@ -29,6 +37,7 @@ from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, SourceError
 from packloader.sources.identity import file_identity
 from packloader.sources.reader import LruCache, ShardedSource
+from packloader.sources.storage import RemoteWatch, resolve
 
 DEFAULT_COLUMNS = ("text", "content", "tokens", "input_ids")
 
@@ -56,18 +65,18 @@ class MdsSource(ShardedSource):
         column: str | None = None,
         empty: str = "error",
         cache_bytes: int = 1 << 30,
+        storage=None,
     ) -> None:
         super().__init__(empty=empty)
-        self.directory = str(directory)
+        self.directory = str(directory).rstrip("/") if "://" in str(directory) else str(directory)
         self.cache_bytes = int(cache_bytes)
-        index_path = os.path.join(self.directory, "index.json")
-        if not os.path.exists(index_path):
-            raise FileNotFoundError(f"MDS index not found: {index_path}")
+        self._where = resolve(self.directory, storage)  # None: a local directory
+        self._objects: set[str] = set()
+        index_path = self._join("index.json")
         try:
-            with open(index_path) as f:
-                index = json.load(f)
+            index = json.loads(self._index_bytes(index_path))
             shard_objs = index["shards"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise SourceError(f"{index_path}: not an MDS index ({e!r})") from e
         if not shard_objs:
             raise SourceError(f"{index_path}: the index lists no shards")
@@ -86,26 +95,53 @@ class MdsSource(ShardedSource):
             self._check_column(k, reader)
         self._col = [r.column_names.index(self.column) for r in self._readers]
         names = [self._display_name(k) for k in range(len(self._readers))]
-        # content identities (sources/identity.py) for the saved state and the ranks' start-up check
-        self.identities = [file_identity(n) if os.path.exists(n) else None for n in names]
+        # content identities (sources/identity.py) for the saved state and the ranks' start-up check; a remote
+        # shard's watch also pins every read to the object version opened (ETag / generation)
+        self._watches = {n: RemoteWatch(n, "mds", self._where) for n in names if self._exists(n)} if self._where else {}
+        self.identities = ([self._watches[n].identity if n in self._watches else None for n in names] if self._where
+                           else [file_identity(n) if os.path.exists(n) else None for n in names])
         self._open_shards(names, [r.samples for r in self._readers])
+
+    def _join(self, name: str) -> str:
+        return f"{self.directory}/{name}" if self._where is not None else os.path.join(self.directory, name)
+
+    def _exists(self, path: str) -> bool:
+        return path in self._objects if self._where is not None else os.path.exists(path)
+
+    def _index_bytes(self, index_path: str) -> bytes:
+        """index.json's bytes; for a remote directory, the listing of its objects is taken once here."""
+        if self._where is None:
+            if not os.path.exists(index_path):
+                raise FileNotFoundError(f"MDS index not found: {index_path}")
+            return Path(index_path).read_bytes()
+        self._objects = set(self._where.listing(self.directory + "/"))
+        if index_path not in self._objects:
+            raise FileNotFoundError(f"MDS index not found: {index_path} (no such object)")
+        return self._where.open(self._where.head(index_path)).readall()
+
+    def _read_bytes(self, path: str) -> bytes:
+        """A whole shard file: a local read, or the object by ranged reads through the storage's block caches."""
+        if self._where is None:
+            return Path(path).read_bytes()  # never a memory map: a mapped file truncated by a writer is SIGBUS
+        watch = self._watches[path]
+        return self._where.open(watch.info).readall()
 
     @property
     def pretokenized(self) -> bool:
         return bool(self._pretokenized)
 
     def _shard_path(self, k: int) -> str:
-        return os.path.join(self.directory, self._readers[k].raw_data.basename)
+        return self._join(self._readers[k].raw_data.basename)
 
     def _display_name(self, k: int) -> str:
         """The file that holds shard k: the raw .mds file, or the compressed one when only that exists."""
         raw, zipped = self._shard_path(k), self._readers[k].zip_data
-        if os.path.exists(raw) or zipped is None:
+        if self._exists(raw) or zipped is None:
             return raw
-        return os.path.join(self.directory, zipped.basename)
+        return self._join(zipped.basename)
 
     def _check_column(self, k: int, reader) -> None:
-        where = os.path.join(self.directory, reader.raw_data.basename)
+        where = self._join(reader.raw_data.basename)
         names = list(reader.column_names)
         if self.column is None:
             found = [c for c in DEFAULT_COLUMNS if c in names]
@@ -148,12 +184,12 @@ class MdsSource(ShardedSource):
             return hit
         reader = self._readers[k]
         raw = self._shard_path(k)
-        if os.path.exists(raw):
-            buf = Path(raw).read_bytes()  # never a memory map: a mapped file truncated by a writer is SIGBUS
-        elif reader.zip_data is not None and os.path.exists(os.path.join(self.directory, reader.zip_data.basename)):
-            zpath = os.path.join(self.directory, reader.zip_data.basename)
+        if self._exists(raw):
+            buf = self._read_bytes(raw)
+        elif reader.zip_data is not None and self._exists(self._join(reader.zip_data.basename)):
+            zpath = self._join(reader.zip_data.basename)
             try:
-                buf = self._decompress(reader.compression, Path(zpath).read_bytes())
+                buf = self._decompress(reader.compression, self._read_bytes(zpath))
             except Exception as e:  # noqa: BLE001 - any codec error means a corrupt shard
                 raise SourceError(f"{zpath}: cannot be decompressed as {reader.compression} ({e!r})") from e
         else:

@@ -36,6 +36,13 @@ from packloader.sources.remote_cache import BlockCache
 _COUNT_LOCK = threading.Lock()
 
 
+def count_read(store, n: int) -> None:
+    """A store's bytes and requests, counted under a lock: ranged reads of pages run in several threads."""
+    with _COUNT_LOCK:
+        store.bytes_read += n
+        store.requests += 1
+
+
 class RemoteError(SourceError):
     """Object storage that cannot be read: the message names the URL and why."""
 
@@ -46,6 +53,15 @@ class ObjectMissing(RemoteError, FileNotFoundError):
 
 class AccessDenied(RemoteError, PermissionError):
     """The credentials were refused or lack permission for the URL."""
+
+
+class HttpError(Exception):
+    """An HTTP status of a request made here (GCS, http(s)://), classified by `classify` through `status_code`;
+    0 for a protocol problem that no retry mends."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 class RetryPolicy(msgspec.Struct, frozen=True):
@@ -72,37 +88,71 @@ def split_url(url: str) -> tuple[str, str, str]:
     return scheme.lower(), bucket, key
 
 
-_TRANSIENT_CODES = {"500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
+_TRANSIENT_CODES = {"429", "500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
                     "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
-_DENIED_CODES = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+_DENIED_CODES = {"401", "403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                  "InvalidToken", "AllAccessDisabled"}
 _MISSING_CODES = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
 
 
 def _code(e: BaseException) -> str:
+    """botocore's error code, else the HTTP status of a google-api-core (`code`) or azure-core (`status_code`) error."""
     response = getattr(e, "response", None)
-    if not isinstance(response, dict):
-        return ""
-    return str(response.get("Error", {}).get("Code", ""))
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    for attr in ("status_code", "code"):
+        status = getattr(e, attr, None)
+        if isinstance(status, int) and 400 <= status < 600:
+            return str(status)
+    return ""
 
 
 def classify(e: BaseException) -> str:
     """"transient", "missing", "denied", "changed" or "other" for an error a store raised."""
     code = _code(e)
-    if code in ("412", "PreconditionFailed"):
+    name = type(e).__name__
+    if code in ("412", "PreconditionFailed") or name == "ResourceModifiedError":
         return "changed"
-    if code in _MISSING_CODES or isinstance(e, FileNotFoundError):
+    if code in _MISSING_CODES or isinstance(e, FileNotFoundError) or name == "ResourceNotFoundError":
         return "missing"
     if code in _DENIED_CODES or isinstance(e, PermissionError) or type(e).__name__ in (
-            "NoCredentialsError", "PartialCredentialsError"):
+            "NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError", "ClientAuthenticationError",
+            "RefreshError") or (type(e).__module__.startswith("google.auth")  # a 401 the credentials cannot renew
+                                and type(e).__name__ != "TransportError"):
         return "denied"
-    if code in _TRANSIENT_CODES:
+    if code in _TRANSIENT_CODES or (code.isdigit() and code.startswith("5")):
         return "transient"
     names = {c.__name__ for c in type(e).__mro__}
     transient = {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
                  "ResponseStreamingError", "IncompleteReadError", "ProtocolError", "IncompleteRead",
-                 "ConnectionError", "TimeoutError", "ChunkedEncodingError"}
+                 "ConnectionError", "TimeoutError", "ChunkedEncodingError", "Timeout", "ServiceRequestError",
+                 "ServiceResponseError", "TransportError"}
     return "transient" if names & transient else "other"
+
+
+_HINTS = {
+    "gs": "check the credentials (GOOGLE_APPLICATION_CREDENTIALS or the application default credentials) and the "
+          "endpoint (STORAGE_EMULATOR_HOST for an emulator)",
+    "az": "check the credentials (AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with "
+          "AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN or an azure-identity login)",
+    "http": "packloader sends no credentials over http(s)://: use a URL that grants access by itself (a signed or "
+            "public URL), or pass a configured fsspec filesystem as Storage(filesystem=fs)",
+    "hf": "hf:// reads through huggingface_hub's HfFileSystem: check HF_TOKEN (or `huggingface-cli login`), "
+          "HF_ENDPOINT and HF_HUB_OFFLINE",
+}
+
+
+def credentials_hint(url: str) -> str:
+    """Where the credentials for `url`'s store come from, for an access-denied message."""
+    scheme = split_url(url)[0]
+    key = {"gs": "gs", "gcs": "gs", "az": "az", "abfs": "az", "abfss": "az", "http": "http", "https": "http",
+           "hf": "hf"}.get(scheme, "")
+    return _HINTS.get(key, "check the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN or "
+                           "the profile) and the endpoint (AWS_ENDPOINT_URL)")
+
+
+def _hf_hint(url: str) -> str:
+    return f"; {_HINTS['hf']}" if split_url(url)[0] == "hf" else ""
 
 
 def with_retries(call, url: str, policy: RetryPolicy, what: str):
@@ -111,28 +161,27 @@ def with_retries(call, url: str, policy: RetryPolicy, what: str):
     for attempt in range(1, policy.attempts + 1):
         try:
             return call()
+        except ShardChanged:
+            raise
         except Exception as e:  # noqa: BLE001 - classified below, re-raised as ours or as is
             kind = classify(e)
             if kind == "missing":
                 raise ObjectMissing(f"{url}: no such object ({what}: {e})") from e
             if kind == "denied":
-                raise AccessDenied(
-                    f"{url}: access denied ({what}: {e}); check the credentials (AWS_ACCESS_KEY_ID, "
-                    "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN or the profile) and the endpoint (AWS_ENDPOINT_URL)"
-                ) from e
+                raise AccessDenied(f"{url}: access denied ({what}: {e}); {credentials_hint(url)}") from e
             if kind == "changed":
                 raise ShardChanged(
                     f"{url}: the object changed since the source opened it (its ETag no longer matches); it was "
                     "rewritten or replaced. Reading on would train other documents than those indexed"
                 ) from e
             if kind != "transient":
-                raise RemoteError(f"{url}: {what} failed ({type(e).__name__}: {e})") from e
+                raise RemoteError(f"{url}: {what} failed ({type(e).__name__}: {e}){_hf_hint(url)}") from e
             elapsed = time.monotonic() - start
             delay = min(policy.max_delay_s, policy.base_delay_s * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
             if attempt == policy.attempts or elapsed + delay > policy.deadline_s:
                 raise RemoteError(
                     f"{url}: {what} failed after {attempt} attempts in {elapsed:.1f} s of transient errors (last: "
-                    f"{type(e).__name__}: {e}); the storage is unavailable or overloaded"
+                    f"{type(e).__name__}: {e}); the storage is unavailable or overloaded{_hf_hint(url)}"
                 ) from e
             time.sleep(delay)
     raise AssertionError("unreachable")
@@ -186,9 +235,7 @@ class S3Store:
             data = with_retries(call, info.url, self.policy, f"GET bytes {start}..{end - 1}")
         except ObjectMissing as e:
             raise ShardChanged(f"{info.url}: the object was deleted since the source opened it ({e})") from e
-        with _COUNT_LOCK:  # ranged reads of pages run in several threads
-            self.bytes_read += len(data)
-            self.requests += 1
+        count_read(self, len(data))
         return data
 
     def listing(self, url: str) -> list[str]:
@@ -245,7 +292,8 @@ class FsStore:
                 mtime = fi.mtime_ns or 0
                 return ObjectInfo(url, int(fi.size), f"mtime:{mtime}")
             info = self.fs.info(url)
-            tag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("mtime") or ""
+            tag = (info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("blob_id")
+                   or info.get("mtime") or "")
             return ObjectInfo(url, int(info["size"]), str(tag))
 
         return with_retries(call, url, self.policy, "stat")
@@ -262,9 +310,7 @@ class FsStore:
             return bytes(data)
 
         data = with_retries(call, info.url, self.policy, f"read bytes {start}..{end - 1}")
-        with _COUNT_LOCK:  # ranged reads of pages run in several threads
-            self.bytes_read += len(data)
-            self.requests += 1
+        count_read(self, len(data))
         return data
 
     def listing(self, url: str) -> list[str]:
@@ -277,9 +323,9 @@ class FsStore:
                 return sorted(i.path for i in infos if i.type == pafs.FileType.File and _glob_match(i.path, url))
             infos = self.fs.get_file_info(pafs.FileSelector(url, recursive=True))
             return sorted(i.path for i in infos if i.type == pafs.FileType.File)
-        if any(c in url for c in "*?["):
-            return sorted(self.fs.glob(url))
-        return sorted(p for p in self.fs.find(url))
+        found = self.fs.glob(url) if any(c in url for c in "*?[") else self.fs.find(url)
+        scheme = url.partition("://")[0] if "://" in url else ""
+        return sorted(p if not scheme or "://" in p else f"{scheme}://{p}" for p in found)  # fsspec drops it
 
 
 class RemoteFile(io.RawIOBase):

@@ -1,8 +1,10 @@
 """The storage seam of the file readers: a shard path is a local file or an object URL, and the readers (Parquet,
 JSONL) open, identify and watch it through these functions, taking a file-like object rather than a local path.
 
-`Storage` names where objects live: s3:// URLs through boto3 and the AWS settings by default, another scheme
-(gs://, az://, hf://, ...) through the fsspec filesystem installed for it, or a filesystem object the caller passes
+`Storage` names where objects live: s3:// URLs through boto3 and the AWS settings by default, gs:// and Azure
+(az://, abfs://) through the vendors' clients and settings (`remote_cloud.py`), http(s):// shard URLs by ranged
+GETs (`remote_http.py`), another scheme (hf:// through huggingface_hub's HfFileSystem) through the fsspec
+filesystem installed for it, or a filesystem object the caller passes
 (`Storage(filesystem=...)`: pyarrow.fs or fsspec). Options: block size of the ranged reads, an optional local
 block cache bounded in bytes (also from `PACKLOADER_CACHE_DIR` and `PACKLOADER_CACHE_BYTES`) behind a small in-memory one, the retry
 policy; whether shards' length indexes are used, also built where missing, or ignored (`index`, `index_dir`:
@@ -20,6 +22,8 @@ from packloader.sources.errors import SourceError
 from packloader.sources.identity import FileWatch
 from packloader.sources.remote import FsStore, ObjectInfo, RemoteFile, RetryPolicy, S3Store
 from packloader.sources.remote_cache import BlockCache, MemoryBlocks
+from packloader.sources.remote_cloud import AZURE_SCHEMES, GCS_SCHEMES, AzureStore, GcsStore
+from packloader.sources.remote_http import HTTP_SCHEMES, HttpStore
 from packloader.sources.unsupported import UnsupportedSourceError, url_scheme
 
 S3_SCHEMES = ("s3", "s3a")
@@ -46,7 +50,8 @@ class Storage:
                  fetch_threads: int = 8, read_ahead_bytes: int = 64 << 20) -> None:
         self.filesystem = filesystem
         if int(fetch_threads) < 1 or int(read_ahead_bytes) < 1:
-            raise ValueError(f"fetch_threads and read_ahead_bytes must be >= 1, got {fetch_threads}, {read_ahead_bytes}")
+            raise ValueError(f"fetch_threads and read_ahead_bytes must be >= 1, got {fetch_threads} and "
+                             f"{read_ahead_bytes}")
         self.fetch_threads, self.read_ahead_bytes = int(fetch_threads), int(read_ahead_bytes)
         if index not in ("use", "build", "off"):
             raise ValueError(f"index must be 'use', 'build' or 'off', got {index!r}")
@@ -58,7 +63,7 @@ class Storage:
         self.cache = BlockCache(cache_dir, cache_bytes) if cache_dir and cache_bytes else None
         self.blocks = MemoryBlocks(memory_bytes, self.cache)  # recent blocks in memory, then the disk cache
         self._s3 = S3Store(self.retry, endpoint_url)
-        self._fs: dict[str, FsStore] = {}
+        self._fs: dict = {}  # an FsStore by scheme; GcsStore, AzureStore, HttpStore by class name
 
     def store(self, url: str):
         if self.filesystem is not None:
@@ -68,6 +73,12 @@ class Storage:
         scheme = url_scheme(url)
         if scheme in S3_SCHEMES:
             return self._s3
+        own = {**dict.fromkeys(GCS_SCHEMES, GcsStore), **dict.fromkeys(AZURE_SCHEMES, AzureStore),
+               **dict.fromkeys(HTTP_SCHEMES, HttpStore)}.get(scheme)
+        if own is not None:
+            if own.__name__ not in self._fs:
+                self._fs[own.__name__] = own(self.retry)
+            return self._fs[own.__name__]
         if scheme not in self._fs:
             try:
                 import fsspec

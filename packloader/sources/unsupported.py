@@ -11,11 +11,15 @@ SUPPORTED = (
     "files, Megatron .bin/.idx pairs, a datasets save_to_disk folder or a directory of text files; "
     "a datasets Dataset, IterableDataset or one split of a DatasetDict; a list or generator of texts, token "
     "arrays or dicts; a Source object; object storage: s3:// URLs (S3 and S3-compatible servers, through the AWS "
-    "settings), gs:// and az:// where gcsfs or adlfs is installed, and paths in any pyarrow.fs or fsspec filesystem "
-    "object through packloader.Storage(filesystem=fs).paths('bucket/prefix/*.parquet') (Parquet and JSONL)"
+    "settings), gs:// and Azure (az://, abfs://) URLs with packloader[remote] installed (Parquet, JSONL, MDS), "
+    "http(s):// URLs of single Parquet or JSONL files (ranged GETs), hf:// with huggingface_hub installed, "
+    "and paths in any pyarrow.fs or fsspec filesystem object through "
+    "packloader.Storage(filesystem=fs).paths('bucket/prefix/*.parquet') (Parquet and JSONL)"
 )
-READABLE_SCHEMES = {"s3": None, "s3a": None, "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
-                    "abfss": "adlfs"}  # scheme: the fsspec package it needs (None: boto3, always installed)
+READABLE_SCHEMES = {"s3": None, "s3a": None, "gs": "google.cloud.storage", "gcs": "google.cloud.storage",
+                    "az": "azure.storage.blob", "abfs": "azure.storage.blob", "abfss": "azure.storage.blob",
+                    "http": None, "https": None, "hf": "huggingface_hub"}
+# scheme: the module it needs (None: always installed); packloader[remote] brings gs and az, packloader[hf] hf
 URL_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hf", "http", "https", "ftp", "sftp", "hdfs",
                "webhdfs", "oci", "oss", "r2", "file")
 
@@ -48,7 +52,8 @@ def unsupported_url(path: str) -> UnsupportedSourceError:
 
 def _needs(scheme: str | None) -> str:
     package = READABLE_SCHEMES.get(scheme or "")
-    return f" ({package} is not installed)" if package else ""
+    extra = "hf" if package == "huggingface_hub" else "remote"
+    return f" ({package} is not installed: pip install 'packloader[{extra}]')" if package else ""
 
 
 def readable_url(path: str) -> bool:
@@ -61,7 +66,10 @@ def readable_url(path: str) -> bool:
         return True
     import importlib.util
 
-    return importlib.util.find_spec(package) is not None
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:  # its parent package (google.cloud, azure.storage) is missing
+        return False
 
 
 def unsupported_object(obj) -> UnsupportedSourceError:

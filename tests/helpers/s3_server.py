@@ -73,6 +73,7 @@ class Faults:
         self.status = 503
         self.slow_s = 0.0
         self.access_key: str | None = None  # requests signed with another key get 403 InvalidAccessKeyId
+        self.bearer: str | None = None  # requests without `Authorization: Bearer <bearer>` get 401 (GCS's way)
         self.injected = 0
 
     def pick(self, method: str) -> str | None:
@@ -110,6 +111,8 @@ class FaultProxy:
                 key = faults.access_key
                 if key is not None and f"Credential={key}/" not in self.headers.get("Authorization", ""):
                     return self._reply(403, _DENIED)
+                if faults.bearer is not None and self.headers.get("Authorization") != f"Bearer {faults.bearer}":
+                    return self._reply(401, b'{"error": {"code": 401, "message": "Invalid Credentials"}}')
                 fault = faults.pick(self.command)
                 if fault == "status":
                     return self._reply(faults.status, _FAILED)

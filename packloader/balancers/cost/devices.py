@@ -49,6 +49,20 @@ class MeasuredKernels(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     shape: str  # a model preset name (the scaling reference: heads x head_dim, GEMM weights)
 
 
+class CPLink(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """What context-parallel K/V exchange achieves per GPU (`cost.cp_comm` prices it): bus bandwidth in GB/s and
+    latency per ring step, within a node and across nodes. The defaults are an HGX H100 board's, estimated, not
+    measured here: NVLink 4 carries 450 GB/s each way per GPU, of which NCCL's ring all-gather reaches about 80 %;
+    across nodes one 400 Gb/s NDR InfiniBand port per GPU (50 GB/s) at about 90 %. `packloader calibrate` on a GPU
+    is where measured numbers belong."""
+
+    intra_node_gbps: Positive = 360.0
+    inter_node_gbps: Positive = 45.0
+    intra_node_latency_us: Annotated[float, msgspec.Meta(ge=0.0)] = 8.0
+    inter_node_latency_us: Annotated[float, msgspec.Meta(ge=0.0)] = 15.0
+    gpus_per_node: Annotated[int, msgspec.Meta(ge=1)] = 8
+
+
 class Device(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """One GPU as its profile file describes it."""
 
@@ -59,6 +73,7 @@ class Device(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     reserve_gib: Annotated[float, msgspec.Meta(ge=0.0)] = 2.0  # NCCL buffers, workspaces, temporaries
     rates: DeviceSpec
     measured: MeasuredKernels | None = None
+    cp_link: CPLink = CPLink()  # context-parallel links (per-document CP prices its K/V exchange with them)
     file: str = ""  # where it was read from (set on loading, not in the file)
 
     def measured_profile_path(self) -> Path | None:

@@ -70,6 +70,114 @@ def _heap_pop(key, idx, size):
     return size
 
 
+@njit(cache=True)
+def _sift_down(key, idx, pos, size, j):
+    """Restore the heap in key[:size], idx[:size] after the entry at position j grew its key (keys here only
+    grow): the entry moves down; pos[item] tracks each item's position, so a bin whose key grew anywhere in the
+    heap is found without a search (and without the stale entries of lazy deletion)."""
+    k = key[j]
+    i = idx[j]
+    while True:
+        c = 2 * j + 1
+        if c >= size:
+            break
+        if c + 1 < size and (key[c + 1] < key[c] or (key[c + 1] == key[c] and idx[c + 1] < idx[c])):
+            c += 1
+        if k < key[c] or (k == key[c] and i < idx[c]):
+            break
+        key[j] = key[c]
+        idx[j] = idx[c]
+        pos[idx[j]] = j
+        j = c
+    key[j] = k
+    idx[j] = i
+    pos[i] = j
+
+
+# ------------------------------------------------------------------------------------------------ orders
+
+SORT_SPAN = 1 << 20  # lengths up to this (or up to 4 x the piece count) are ordered by counting, not merge sort
+
+
+@njit(cache=True)
+def _counting_span(lengths):
+    """The largest length when a counting sort over 0..max pays (non-negative lengths, max within SORT_SPAN or
+    4 x the count), else -1."""
+    n = lengths.shape[0]
+    top = 0
+    for i in range(n):
+        if lengths[i] < 0:
+            return -1
+        if lengths[i] > top:
+            top = lengths[i]
+    return top if top <= max(SORT_SPAN, 4 * n) else -1
+
+
+@njit(cache=True)
+def desc_order(lengths):
+    """np.argsort(-lengths, kind="mergesort") (longest first, ties in index order) by a counting sort: O(n +
+    max length) instead of O(n log n), for the planners that take pieces longest first."""
+    n = lengths.shape[0]
+    top = _counting_span(lengths)
+    if top < 0:
+        return np.argsort(-lengths, kind="mergesort")
+    start = np.zeros(top + 2, dtype=np.int64)
+    for i in range(n):
+        start[top - lengths[i] + 1] += 1
+    for k in range(top + 1):
+        start[k + 1] += start[k]
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        k = top - lengths[i]
+        out[start[k]] = i
+        start[k] += 1
+    return out
+
+
+@njit(cache=True)
+def desc_order_by(key, lengths):
+    """np.argsort(-key, kind="mergesort") (largest key first, ties in index order) where key[i] is a function of
+    lengths[i] alone (a piece's workload under one cost profile): the distinct lengths are sorted by their key,
+    then the pieces counted into those classes, so the sort is over distinct lengths, not pieces."""
+    n = lengths.shape[0]
+    top = _counting_span(lengths)
+    if top < 0:
+        return np.argsort(-key, kind="mergesort")
+    first = np.full(top + 1, -1, dtype=np.int64)
+    nd = 0
+    for i in range(n):
+        if first[lengths[i]] < 0:
+            first[lengths[i]] = i
+            nd += 1
+    reps = np.empty(nd, dtype=np.int64)  # a piece of each distinct length
+    k = 0
+    for l in range(top + 1):
+        if first[l] >= 0:
+            reps[k] = first[l]
+            k += 1
+    rkey = np.empty(nd, dtype=np.float64)
+    for k in range(nd):
+        rkey[k] = -key[reps[k]]
+    ro = np.argsort(rkey, kind="mergesort")
+    cls = np.empty(top + 1, dtype=np.int64)  # class of each length: equal keys share one, largest key first
+    c = -1
+    for k in range(nd):
+        if k == 0 or rkey[ro[k]] != rkey[ro[k - 1]]:
+            c += 1
+        cls[lengths[reps[ro[k]]]] = c
+    start = np.zeros(c + 2, dtype=np.int64)
+    for i in range(n):
+        start[cls[lengths[i]] + 1] += 1
+    for k in range(c + 1):
+        start[k + 1] += start[k]
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        k = cls[lengths[i]]
+        out[start[k]] = i
+        start[k] += 1
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- WLB-LLM
 
 

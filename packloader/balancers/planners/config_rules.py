@@ -35,7 +35,8 @@ def validate_config(config, *, strategy_rules: bool = True) -> PlanConfig:
         check_planner_options(cfg)
     except ValueError as e:
         raise ConfigError(str(e), fields=("planner_options",)) from None
-    if strategy_rules:
+    check_cp_mode(cfg)
+    if strategy_rules and not _plans_dynamic(cfg):
         try:
             check_strategy(cfg)
         except ValueError as e:
@@ -43,6 +44,35 @@ def validate_config(config, *, strategy_rules: bool = True) -> PlanConfig:
     check_device(cfg)
     check_model(cfg)
     return cfg
+
+
+def _plans_dynamic(config: PlanConfig) -> bool:
+    return config.cp_mode == "dynamic" or config.strategy == "dynamic-cp"
+
+
+def check_cp_mode(config: PlanConfig) -> None:
+    """cp_mode and strategy agree: the dynamic-cp strategy is per-document CP (cp_mode "dynamic"), cp_mode
+    "dynamic" plans with it alone (strategy "auto" or "dynamic-cp"), "auto" compares it with a fixed-CP strategy.
+    Per-document CP holds a piece on up to dp x cp GPUs of max_tokens / cp tokens each; longer ones need slicing."""
+    if config.strategy == "dynamic-cp" and config.cp_mode == "fixed":
+        raise ConfigError("PlanConfig.strategy='dynamic-cp' plans per-document context parallelism, but cp_mode is "
+                          "'fixed'; expected cp_mode='dynamic' (or 'auto' with a fixed-CP strategy)",
+                          fields=("strategy", "cp_mode"))
+    if config.cp_mode == "dynamic" and config.strategy not in ("auto", "dynamic-cp"):
+        raise ConfigError(f"PlanConfig.cp_mode='dynamic' plans every step with the dynamic-cp planner, so "
+                          f"strategy={config.strategy!r} would never run; expected strategy 'auto' or 'dynamic-cp', "
+                          "or cp_mode='auto' to compare it with per-document CP", fields=("strategy", "cp_mode"))
+    if config.cp_mode == "auto" and config.strategy == "dynamic-cp":
+        raise ConfigError("PlanConfig.cp_mode='auto' compares the strategy's fixed-CP plan with per-document CP; "
+                          "strategy 'dynamic-cp' is the latter; expected a fixed-CP strategy (e.g. 'auto')",
+                          fields=("strategy", "cp_mode"))
+    par = config.parallel
+    pool = par.dp * par.cp * -(-config.max_tokens // par.cp)
+    if _plans_dynamic(config) and config.context > pool and not config.allow_slicing:
+        raise ConfigError(f"PlanConfig.context={config.context} exceeds what per-document CP holds in one micro-batch "
+                          f"slot, dp x cp GPUs of max_tokens / cp tokens ({pool}), with allow_slicing=False; expected "
+                          "context <= dp x max_tokens or allow_slicing=True",
+                          fields=("context", "max_tokens", "allow_slicing", "cp_mode"))
 
 
 def check_device(config: PlanConfig) -> None:

@@ -28,13 +28,30 @@ from typing import Sequence
 
 import msgspec
 import numpy as np
-from numba import njit
 
-from packloader.balancers.cost.coeffs import LIN_BWD, LIN_FWD, LIN_KNOTS, doc_time_split
+from packloader.balancers.cost.coeffs import (
+    ATTN_BWD,
+    ATTN_FWD,
+    LIN_BWD,
+    LIN_FWD,
+    LIN_KNOTS,
+    LIN_TBWD,
+    LIN_TFWD,
+    LIN_TOK,
+    doc_time_split,
+    lin_times,
+    segment_times_kernel,
+)
 from packloader.balancers.cost.model import CostModel, annotate_costs
 from packloader.balancers.cost.resolve import RankCosts
 from packloader.balancers.planners.base import Model, PackingPlanner, StepLayout
-from packloader.balancers.planners.bins import HEAP_MIN_BINS, _add_piece, _empty_bin_loads, _heap_pop, _heap_push
+from packloader.balancers.planners.hydraulis_kernels import (  # noqa: F401 (hydraulis_pack: the kernels' API here)
+    hydraulis_dispatch,
+    hydraulis_pack,
+    hydraulis_pack_ordered,
+    pack_order,
+    rank_max,
+)
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, whole_pieces_packing
 from packloader.balancers.planners.registry import AutoUse, Planner, register_planner
 from packloader.contracts import PlanConfig, StepPlan
@@ -62,6 +79,19 @@ def v_candidates(lo: int, hi: int, limit: int = MAX_V_CANDIDATES) -> list[int]:
     step = (b - a) / (limit - 1)
     pts = [float(lo)] + [10.0 ** (k * step + a) for k in range(1, limit - 1)] + [float(hi)]
     return sorted({int(round(x)) for x in pts})
+
+
+def _least_holding(ck: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Under a measured linear table (forward + backward), the least linear time of a micro-batch of n >= q
+    tokens, for each q: the least of lin_time(q) and the table's rows at q tokens and more (lin_time is linear
+    between rows and grows past the last)."""
+    nk = int(ck[LIN_KNOTS])
+    past = np.searchsorted(ck[LIN_TOK:LIN_TOK + nk], q.astype(np.float64), side="left")
+    out = np.zeros(len(q))
+    for t, bwd in ((LIN_TFWD, False), (LIN_TBWD, True)):
+        rows = np.append(np.minimum.accumulate(ck[t:t + nk][::-1])[::-1], np.inf)
+        out += np.minimum(lin_times(ck, q.astype(np.float64), bwd), rows[past])
+    return out
 
 
 @dataclass(frozen=True)
@@ -133,11 +163,14 @@ class HydraulisPlanner(PackingPlanner):
         """A lower bound of the Eq. (1) objective for a given V, before packing: on each rank the largest
         micro-batch takes at least its largest piece plus the floor, and at least the mean, (its pieces' work
         + V floors) / V; times (PP - 1 + V). Valid when the linear part is convex (a bin of n tokens costs at
-        least its pieces' own shares, a*n^2 >= sum a*l^2); None otherwise, and None for a measured linear
-        table, which need not be convex (the H100 backward rows are not even monotone). Lets `solve` skip a V (at
-        the top of Appendix C's window: hundreds of micro-batches, each a floor) without changing which V wins."""
+        least its pieces' own shares, a*n^2 >= sum a*l^2); for measured linear tables, which need not be convex
+        (the H100 backward rows are not even monotone), the weaker `table_bound`; None otherwise. Lets `solve`
+        skip a V (at the top of Appendix C's window: hundreds of micro-batches, each a floor) without changing
+        which V wins."""
         ra = ra or self.arrays()
         c = ra.coeffs
+        if (c[:, LIN_KNOTS] > 0).all():
+            return self.table_bound(pieces, rank, ra)
         if (c[:, LIN_FWD] < 0).any() or (c[:, LIN_BWD] < 0).any() or (c[:, LIN_KNOTS] > 0).any():
             return None
         dp, pp = self.config.parallel.dp, self.config.parallel.pp
@@ -158,6 +191,51 @@ class HydraulisPlanner(PackingPlanner):
 
         return bound
 
+    def table_bound(self, pieces: Pieces, rank: np.ndarray, ra: RankArrays):
+        """`v_bound` for measured linear tables: a micro-batch's linear time is at least the table's least row
+        (lin_time holds the first row below it, interpolates between rows and grows past the last) and whole
+        pieces' attention adds up, so a rank's largest micro-batch takes at least (its pieces' attention + V x
+        the least row) / V, and at least the least time of a micro-batch holding its longest piece. At PP 1
+        and DP 1024 it skips the top of the window (130 micro-batches a rank, 14x the best objective), which
+        cost as long as the rest of the packing."""
+        c = ra.coeffs
+        dp, pp = self.config.parallel.dp, self.config.parallel.pp
+        attn = np.empty(len(pieces), np.float64)
+        prof = ra.rank_profile[rank]
+        for k in range(len(c)):
+            at = prof == k
+            if at.any():
+                q = np.ascontiguousarray(pieces.length[at])
+                f, b = segment_times_kernel(c[k], q, np.zeros_like(q))
+                attn[at] = f + b
+        tot = np.bincount(rank, weights=attn, minlength=dp)
+        if (c[:, [ATTN_FWD, ATTN_FWD + 1, ATTN_BWD, ATTN_BWD + 1]] >= 0).all():
+            # attention grows with the length, as does the least linear time of a micro-batch holding it
+            # (`_least_holding`): each rank's longest piece is the one that counts
+            longest = rank_max(rank, pieces.length, dp)
+            big = np.zeros(dp, np.float64)
+            for k in range(len(c)):
+                at = (ra.rank_profile == k) & (longest >= 0)
+                if at.any():
+                    q = np.ascontiguousarray(longest[at])
+                    f, b = segment_times_kernel(c[k], q, np.zeros_like(q))
+                    big[at] = f + b + _least_holding(c[k], q)
+        else:
+            alone = np.empty(len(pieces), np.float64)
+            for k in range(len(c)):
+                at = prof == k
+                if at.any():
+                    alone[at] = attn[at] + _least_holding(c[k], np.ascontiguousarray(pieces.length[at]))
+            big = np.zeros(dp, np.float64)
+            np.maximum.at(big, rank, alone)
+        least = np.array([sum(ck[t:t + int(ck[LIN_KNOTS])].min() for t in (LIN_TFWD, LIN_TBWD)) for ck in c])
+        least = least[ra.rank_profile]
+
+        def bound(v: int) -> float:
+            return float(np.maximum(big, (tot + v * least) / v).max()) * (pp - 1 + v)
+
+        return bound
+
     def solve(self, pieces: Pieces, layout: StepLayout, model: Model) -> Packing:
         cfg = self.config
         dp, pp = cfg.parallel.dp, cfg.parallel.pp
@@ -172,15 +250,16 @@ class HydraulisPlanner(PackingPlanner):
             tokens = np.bincount(rank, weights=pieces.length, minlength=dp)
             counts = np.bincount(rank, minlength=dp)
             lo = max(1, int(np.max(np.ceil(tokens / ra.caps)))) if n else 1
-            ul = min(util_len(m) for m in ra.models)
+            ul = min(util_len(m) for m in {id(m): m for m in ra.models}.values())  # each distinct model once
             hi = max(lo, int(np.max(np.minimum(tokens // ul, counts)))) if n else 1
             cands = v_candidates(lo, hi, self.v_limit)
         best = None
         bound = self.v_bound(pieces, rank, ra) if len(cands) > 1 and n else None
+        order = pack_order(ra.coeffs, ra.rank_profile, pieces.length, rank)
         for v in cands:
             if best is not None and bound is not None and bound(v) * (1.0 - 1e-9) >= best[0]:
                 continue  # its objective cannot beat the best so far: the same V wins without packing this one
-            assign, load = hydraulis_pack(ra.coeffs, ra.rank_profile, ra.caps, pieces.length, rank, v)
+            assign, load = hydraulis_pack_ordered(ra.coeffs, ra.rank_profile, ra.caps, pieces.length, rank, v, order)
             if n and assign[0] < 0:
                 continue
             obj = float(load.max()) * (pp - 1 + v)
@@ -189,7 +268,7 @@ class HydraulisPlanner(PackingPlanner):
         v = max(cands)
         while best is None:  # nothing in the window fits: more micro-batches until the cap allows
             v += 1
-            assign, load = hydraulis_pack(ra.coeffs, ra.rank_profile, ra.caps, pieces.length, rank, v)
+            assign, load = hydraulis_pack_ordered(ra.coeffs, ra.rank_profile, ra.caps, pieces.length, rank, v, order)
             if assign[0] >= 0:
                 best = (0.0, v, assign)
         _, v, assign = best
@@ -216,202 +295,3 @@ class HydraulisOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                                 options_at_scale={"trials": 1, "v_limit": 2}))
 def _make(config: PlanConfig, options: HydraulisOptions, model: Model) -> Planner:
     return HydraulisPlanner(config, model=model, **msgspec.structs.asdict(options))
-
-
-# ------------------------------------------------------------------------------------------------ Hydraulis
-
-
-@njit(cache=True)
-def _dispatch_trial(perm, lengths, caps, rank_profile, t_sum, t_full, pp, assign, cc, ee, lmax):
-    """One greedy pass of `hydraulis_dispatch` in the order `perm`: fills `assign`, returns the objective (the
-    largest bound over ranks)."""
-    d = rank_profile.shape[0]
-    n = lengths.shape[0]
-    cc[:] = 0.0
-    ee[:] = 0.0
-    lmax[:] = 0
-    # top two of cc + ee, to get max over k != j in O(1)
-    i1 = 0
-    v1 = 0.0
-    i2 = 1 if d > 1 else -1
-    v2 = 0.0 if d > 1 else -np.inf
-    for kk in range(n):
-        i = perm[kk]
-        l = lengths[i]
-        best_j = -1
-        best_o = np.inf
-        best_own = np.inf
-        for j in range(d):
-            if caps[j] < l:
-                continue
-            p = rank_profile[j]
-            cn = cc[j] + t_sum[p, i]
-            en = ee[j] if lmax[j] >= l else t_full[p, i] * (pp - 1)
-            own = cn + en
-            other = v2 if j == i1 else v1
-            o = own if own > other else other
-            if o < best_o or (o == best_o and own < best_own):
-                best_o = o
-                best_own = own
-                best_j = j
-        j = best_j
-        assign[i] = j
-        p = rank_profile[j]
-        cc[j] += t_sum[p, i]
-        if l > lmax[j]:
-            lmax[j] = l
-            ee[j] = t_full[p, i] * (pp - 1)
-        v = cc[j] + ee[j]
-        if j == i1:
-            v1 = v
-        elif v > v1:
-            i2 = i1
-            v2 = v1
-            i1 = j
-            v1 = v
-        elif j == i2 or v > v2:
-            i2 = j
-            v2 = v
-    return v1
-
-
-@njit(cache=True)
-def hydraulis_dispatch(coeffs, rank_profile, caps, lengths, pp, trials, seed):
-    """Hydraulis Algorithm 1 (Appendix D.2): greedy dispatch of pieces to DP ranks (pipelines), each piece to
-    the rank that keeps the largest lower bound (Eq. 2: sum T(l) + T(max l) * (PP - 1)) smallest, over
-    `trials` orders; trial 0 takes the pieces longest first (an addition: it is usually the best trial), the
-    others random permutations from `seed`. Ties go to the rank whose own bound stays lowest, then the lowest
-    index.
-
-    coeffs: (K, NUM_COEFFS) cost profiles; rank_profile: (D,) profile index of each rank; caps: (D,) token caps
-    (MaxLen) of each rank. Returns (rank of each piece, best objective); rank -1 everywhere if some piece fits
-    no rank.
-    """
-    n = lengths.shape[0]
-    d = rank_profile.shape[0]
-    k_prof = coeffs.shape[0]
-    best_assign = np.full(n, -1, dtype=np.int64)
-    if n == 0:
-        return best_assign, 0.0
-    for i in range(n):
-        ok = False
-        for j in range(d):
-            if caps[j] >= lengths[i]:
-                ok = True
-                break
-        if not ok:
-            return best_assign, np.inf
-    # T(l) without floor (summed) and T(l) with the micro-batch floor (the E term), per profile.
-    t_sum = np.empty((k_prof, n), dtype=np.float64)
-    t_full = np.empty((k_prof, n), dtype=np.float64)
-    for k in range(k_prof):
-        f, b = doc_time_split(coeffs[k], lengths)
-        for i in range(n):
-            t_sum[k, i] = f[i] + b[i]
-            t_full[k, i] = t_sum[k, i] + coeffs[k][LIN_FWD + 2] + coeffs[k][LIN_BWD + 2]
-    np.random.seed(seed)
-    best_obj = np.inf
-    assign = np.empty(n, dtype=np.int64)
-    cc = np.empty(d, dtype=np.float64)
-    ee = np.empty(d, dtype=np.float64)
-    lmax = np.empty(d, dtype=np.int64)
-    desc = np.argsort(-lengths, kind="mergesort")
-    for trial in range(trials):
-        perm = desc if trial == 0 else np.random.permutation(n)
-        obj = _dispatch_trial(perm, lengths, caps, rank_profile, t_sum, t_full, pp, assign, cc, ee, lmax)
-        if obj < best_obj:
-            best_obj = obj
-            best_assign[:] = assign
-    return best_assign, best_obj
-
-
-@njit(cache=True)
-def _hydraulis_pack_scan(coeffs, rank_profile, caps, lengths, piece_rank, per_rank, order, assign, attn, tok, load):
-    """`hydraulis_pack` by scanning the rank's bins for each piece (few bins per rank)."""
-    n = lengths.shape[0]
-    for kk in range(n):
-        i = order[kk]
-        r = piece_rank[i]
-        l = lengths[i]
-        best = -1
-        for b in range(r * per_rank, (r + 1) * per_rank):
-            if tok[b] + l <= caps[r] and (best < 0 or load[b] < load[best]):
-                best = b
-        if best < 0:
-            assign[:] = -1
-            return assign, load
-        _add_piece(coeffs[rank_profile[r]], i, l, best, assign, attn, tok, load)
-    _empty_bin_loads(coeffs, rank_profile, per_rank, tok, load)
-    return assign, load
-
-
-@njit(cache=True)
-def hydraulis_pack(coeffs, rank_profile, caps, lengths, piece_rank, per_rank):
-    """Hydraulis Eq. (1) for one V: on every rank, pack its pieces into `per_rank` micro-batches, longest
-    workload first into the least loaded micro-batch the rank's cap allows (LPT with a cap; ties to the lowest
-    bin). The least loaded bin comes from a per-rank binary heap keyed (load, bin) with lazy deletion (loads
-    only grow); bins over the cap for this piece are popped aside and pushed back: O(n log V) when the least
-    loaded bin usually fits, instead of a scan of the rank's V bins per piece (V reaches the hundreds at the
-    top of Appendix C's window); up to HEAP_MIN_BINS / 4 bins per rank the scan is cheaper and is used.
-
-    Returns (bin of each piece as rank * per_rank + j, or -1 everywhere when infeasible; bin times;
-    max over ranks of max bin time * (PP - 1 + V) is left to the caller)."""
-    n = lengths.shape[0]
-    d = rank_profile.shape[0]
-    nb = d * per_rank
-    assign = np.full(n, -1, dtype=np.int64)
-    attn = np.zeros(nb, dtype=np.float64)
-    tok = np.zeros(nb, dtype=np.int64)
-    load = np.zeros(nb, dtype=np.float64)
-    work = np.empty(n, dtype=np.float64)
-    for k in range(coeffs.shape[0]):  # each profile's workload of every piece, kept where the rank uses it
-        f, b = doc_time_split(coeffs[k], lengths)
-        for i in range(n):
-            if rank_profile[piece_rank[i]] == k:
-                work[i] = f[i] + b[i]
-    order = np.argsort(-work, kind="mergesort")
-    if per_rank <= HEAP_MIN_BINS // 4:
-        return _hydraulis_pack_scan(coeffs, rank_profile, caps, lengths, piece_rank, per_rank, order, assign, attn, tok, load)
-    count = np.zeros(d, dtype=np.int64)
-    for i in range(n):
-        count[piece_rank[i]] += 1
-    hcap = per_rank + 1
-    for r in range(d):
-        if per_rank + count[r] + 1 > hcap:
-            hcap = per_rank + count[r] + 1
-    hk = np.empty((d, hcap), dtype=np.float64)
-    hi = np.empty((d, hcap), dtype=np.int64)
-    hs = np.zeros(d, dtype=np.int64)
-    for r in range(d):
-        for b in range(r * per_rank, (r + 1) * per_rank):
-            hs[r] = _heap_push(hk[r], hi[r], hs[r], 0.0, b)
-    aside = np.empty(max(per_rank, 1), dtype=np.int64)
-    for kk in range(n):
-        i = order[kk]
-        r = piece_rank[i]
-        l = lengths[i]
-        kr = hk[r]
-        ir = hi[r]
-        best = -1
-        na = 0
-        while hs[r] > 0:
-            b = ir[0]
-            if kr[0] != load[b]:  # stale
-                hs[r] = _heap_pop(kr, ir, hs[r])
-                continue
-            if tok[b] + l <= caps[r]:
-                best = b
-                break
-            aside[na] = b  # over the cap for this piece: set aside, still a candidate for the next ones
-            na += 1
-            hs[r] = _heap_pop(kr, ir, hs[r])
-        if best < 0:
-            assign[:] = -1
-            return assign, load
-        hs[r] = _heap_pop(kr, ir, hs[r])
-        for t in range(na):
-            hs[r] = _heap_push(kr, ir, hs[r], load[aside[t]], aside[t])
-        _add_piece(coeffs[rank_profile[r]], i, l, best, assign, attn, tok, load)
-        hs[r] = _heap_push(kr, ir, hs[r], load[best], best)
-    _empty_bin_loads(coeffs, rank_profile, per_rank, tok, load)
-    return assign, load

@@ -11,6 +11,7 @@ Flushing (plan every queued piece now: the end of an epoch, `packloader plan` af
 from __future__ import annotations
 
 import dataclasses
+import gc
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,7 +57,8 @@ class Pieces:
 
     def queue(self, idx: np.ndarray) -> list[QueuedDoc]:
         """QueuedDoc entries for the given pieces, in the given order."""
-        return [QueuedDoc(int(self.doc[i]), int(self.offset[i]), int(self.length[i]), int(self.drawn[i])) for i in idx]
+        idx = np.asarray(idx, np.int64)
+        return list(map(QueuedDoc, *(a[idx].tolist() for a in (self.doc, self.offset, self.length, self.drawn))))
 
 
 def check_cap(pieces: Pieces, cap: int, strategy: str) -> None:
@@ -153,20 +155,40 @@ class Packing:
         return dataclasses.replace(self, rank_mbs=rank_mbs, backward_order=order)
 
     def to_step_plan(self, step: int) -> StepPlan:
+        # the plan's objects all stay alive, so a garbage collection while they are made frees nothing; at DP
+        # 1024 (~130K segments, ~20K containers) the collections their allocations set off cost 10-30 ms a step,
+        # more while earlier plans are held: collection waits until they are built
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            return self._step_plan(step)
+        finally:
+            if paused:
+                gc.enable()
+
+    def _step_plan(self, step: int) -> StepPlan:
         nmb = self.num_micro_batches
-        segs: list[list[Segment]] = [[] for _ in range(nmb)]
-        for d, s, e, a, m in zip(self.seg_doc.tolist(), self.seg_start.tolist(), self.seg_end.tolist(), self.seg_af.tolist(), self.seg_mb.tolist()):
-            segs[m].append(Segment(d, s, e, a))
+        # the segments grouped by micro-batch (a stable sort keeps their order within one), built in one pass and
+        # sliced: at DP 1024 a step holds ~130K segments, and a loop of appends cost twice as long
+        mb = self.seg_mb
+        if mb.size and not 0 <= int(mb.min()) <= int(mb.max()) < nmb:
+            raise ValueError(f"a segment in micro-batch {int(mb.max())} or {int(mb.min())}, but the ranks list "
+                             f"micro-batches 0..{nmb - 1}")
+        order = None if mb.size < 2 or bool((mb[1:] >= mb[:-1]).all()) else grouped_order(mb, nmb)
+        cols = (self.seg_doc, self.seg_start, self.seg_end, self.seg_af)
+        flat = list(map(Segment, *(c.tolist() if order is None else c[order].tolist() for c in cols)))
+        ends = np.cumsum(np.bincount(mb, minlength=nmb)).tolist() if mb.size else [0] * nmb
+        segs = [flat[b:e] for b, e in zip([0, *ends[:-1]], ends)]
         fwd = self.mb_fwd.tolist() if self.mb_fwd is not None else [0.0] * nmb
         bwd = self.mb_bwd.tolist() if self.mb_bwd is not None else [0.0] * nmb
-        mbs = [
-            MicroBatch(segments=segs[m], fwd_cost=fwd[m], bwd_cost=bwd[m], dp_group=self.groups.get(m))
-            for m in range(nmb)
-        ]
-        ranks = []
-        for r, row in enumerate(self.rank_mbs.tolist()):
-            order = self.backward_order[r] if self.backward_order is not None else None
-            ranks.append(RankPlan(micro_batches=[mbs[m] for m in row], backward_order=order))
+        if self.groups:
+            mbs = [MicroBatch(segments=s, fwd_cost=f, bwd_cost=b, dp_group=self.groups.get(m))
+                   for m, (s, f, b) in enumerate(zip(segs, fwd, bwd))]
+        else:
+            mbs = [MicroBatch(segments=s, fwd_cost=f, bwd_cost=b) for s, f, b in zip(segs, fwd, bwd)]
+        orders = self.backward_order if self.backward_order is not None else [None] * len(self.rank_mbs)
+        ranks = [RankPlan(micro_batches=[mbs[m] for m in row], backward_order=o)
+                 for row, o in zip(self.rank_mbs.tolist(), orders)]
         return StepPlan(step=step, ranks=ranks, delayed=sorted(set(self.delayed)), planner=self.strategy)
 
     def state(self) -> PlannerState:
@@ -182,6 +204,21 @@ def whole_pieces_packing(pieces: Pieces, piece_mb: np.ndarray, rank_mbs: np.ndar
         seg_doc=pieces.doc[sel], seg_start=start, seg_end=start + pieces.length[sel], seg_af=start,
         seg_mb=piece_mb[sel], rank_mbs=rank_mbs, **kw,
     )
+
+
+@njit(cache=True)
+def grouped_order(mb, nmb):
+    """np.argsort(mb, kind="stable") for micro-batch ids 0..nmb-1, by counting: O(n + nmb)."""
+    start = np.zeros(nmb + 1, dtype=np.int64)
+    for i in range(mb.shape[0]):
+        start[mb[i] + 1] += 1
+    for m in range(nmb):
+        start[m + 1] += start[m]
+    out = np.empty(mb.shape[0], dtype=np.int64)
+    for i in range(mb.shape[0]):
+        out[start[mb[i]]] = i
+        start[mb[i]] += 1
+    return out
 
 
 @njit(cache=True)
@@ -214,6 +251,42 @@ def _listings(rank_mbs):
 
 
 @njit(cache=True)
+def _sliced_doc_segments(seg_doc, seg_start, seg_af, nsl):
+    """The segments of documents that have a slice (the ones a slice can continue), in index order: a flag per
+    document id when the step's ids are dense enough, else a sorted search."""
+    ns = seg_doc.shape[0]
+    lo_doc = seg_doc.min()
+    span = seg_doc.max() - lo_doc + 1
+    if span <= 64 * ns:  # a flag per document id of the step
+        sliced_doc = np.zeros(span, dtype=np.bool_)
+        for i in range(ns):
+            if seg_af[i] < seg_start[i]:
+                sliced_doc[seg_doc[i] - lo_doc] = True
+        cand = np.empty(ns, dtype=np.int64)
+        nc = 0
+        for i in range(ns):
+            if sliced_doc[seg_doc[i] - lo_doc]:
+                cand[nc] = i
+                nc += 1
+    else:  # ids too sparse for flags: a sorted search
+        sdocs = np.empty(nsl, dtype=np.int64)
+        k = 0
+        for i in range(ns):
+            if seg_af[i] < seg_start[i]:
+                sdocs[k] = seg_doc[i]
+                k += 1
+        sdocs = np.sort(sdocs)
+        at = np.searchsorted(sdocs, seg_doc)
+        cand = np.empty(ns, dtype=np.int64)
+        nc = 0
+        for i in range(ns):
+            if at[i] < nsl and sdocs[at[i]] == seg_doc[i]:
+                cand[nc] = i
+                nc += 1
+    return cand[:nc]
+
+
+@njit(cache=True)
 def slice_edges_kernel(seg_doc, seg_start, seg_end, seg_af, seg_mb, rank_mbs):
     """Per-rank slice edges of a plan given as segment arrays (what `packing_measures.slice_edges_prefix` returns): for
     each slice (attend_from < start), an edge from the micro-batch holding the segment of its document that
@@ -231,12 +304,17 @@ def slice_edges_kernel(seg_doc, seg_start, seg_end, seg_af, seg_mb, rank_mbs):
             nsl += 1
     if nsl == 0:
         return offs, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    # (doc, end) of every segment, sorted (stable): the segment a slice continues
-    key_end = np.empty(ns, dtype=np.int64)
-    for i in range(ns):
-        key_end[i] = seg_doc[i] * (1 << 31) + seg_end[i]
-    order = np.argsort(key_end)  # keys are unique (segments of a document do not overlap): no need for stable
-    sorted_keys = key_end[order]
+    # (doc, end) of the segments of documents that have slices, sorted: the segment a slice continues (the
+    # other documents' segments, most of a step's, are left out of the sort)
+    cand = _sliced_doc_segments(seg_doc, seg_start, seg_af, nsl)
+    nc = cand.shape[0]
+    key_end = np.empty(nc, dtype=np.int64)
+    for j in range(nc):
+        key_end[j] = seg_doc[cand[j]] * (1 << 31) + seg_end[cand[j]]
+    by_key = np.argsort(key_end)  # keys are unique (segments of a document do not overlap): no need for stable
+    order = cand[by_key]
+    sorted_keys = key_end[by_key]
+    ns_sorted = nc
     lst_off, lst_r, lst_p = _listings(rank_mbs)
     cap = 0
     for i in range(ns):
@@ -253,7 +331,7 @@ def slice_edges_kernel(seg_doc, seg_start, seg_end, seg_af, seg_mb, rank_mbs):
             continue
         want = seg_doc[i] * (1 << 31) + seg_start[i]
         at = np.searchsorted(sorted_keys, want)
-        if at >= ns or sorted_keys[at] != want:
+        if at >= ns_sorted or sorted_keys[at] != want:
             continue
         src = seg_mb[order[at]]
         dst = seg_mb[i]

@@ -137,7 +137,7 @@ class PlannerSpec:
 _REGISTRY: dict[str, PlannerSpec] = {}
 # The modules of the planners that ship. Each registers its own names when imported, so the registry is the one
 # list of names; they are imported on the first lookup of a name not yet registered.
-_BUILTIN_MODULES = ("fixed", "wlb", "hydraulis", "slimpack", "auto", "concat", "multipack", "verl")
+_BUILTIN_MODULES = ("fixed", "wlb", "hydraulis", "slimpack", "auto", "concat", "multipack", "verl", "dynamic_cp")
 _builtins_loaded = False
 
 
@@ -229,7 +229,11 @@ def check_planner_options(config: PlanConfig) -> None:
 
 
 def make_planner(config: PlanConfig, model: CostModel | None = None) -> Planner:
-    """The configured strategy's planner, `model` injected (default: the config's own, `cost_model_for`)."""
+    """The configured strategy's planner, `model` injected (default: the config's own, `cost_model_for`); with
+    config.cp_mode "dynamic" or "auto", per-document CP's (`planners.dynamic_cp_choice`)."""
+    if config.cp_mode != "fixed" and config.strategy != "dynamic-cp":
+        choice = importlib.import_module("packloader.balancers.planners.dynamic_cp_choice")
+        return choice.cp_mode_planner(config, model)
     return planner_spec(config.strategy).build(config, model)
 
 

@@ -56,12 +56,14 @@ import numpy as np
 from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.base import PackingPlanner, StepLayout
-from packloader.balancers.planners.packing import Packing, Pieces, check_cap
+from packloader.balancers.planners.bins import desc_order_by
+from packloader.balancers.planners.packing import Packing, Pieces, check_cap, grouped_order
 from packloader.balancers.planners.registry import AutoUse, Planner, register_planner
 from packloader.balancers.planners.slimpack_kernels import (
     backward_runs_ranks,
     equal_cost_cuts,
     lpt_dispatch,
+    own_segments,
     slim_pack_ranks,
 )
 from packloader.contracts import PlanConfig
@@ -122,9 +124,9 @@ class SlimPackPlanner(PackingPlanner):
         f, b = doc_time_split(model.coeffs, pieces.length)
         share = float(f.sum()) / dp if n else 0.0
         merge_share = share if (self.dp_merge and dp > 1 and share > 0) else np.inf
-        rank, members, offs = lpt_dispatch(f, dp, merge_share)
-        by_work = np.argsort(-f, kind="stable")
-        merged = by_work[offs[by_work + 1] > offs[by_work]].tolist()
+        rank, members, offs = lpt_dispatch(f, dp, merge_share, pieces.length)
+        merged = np.nonzero(offs[1:] > offs[:-1])[0]
+        merged = merged[np.argsort(-f[merged], kind="stable")].tolist()  # heaviest first, ties in index order
         own = rank >= 0
         tokens = np.bincount(rank[own], weights=pieces.length[own], minlength=dp).astype(np.float64)
         # packs a rank needs at least: its own tokens under the cap, plus each merged piece's minimum slices
@@ -239,7 +241,9 @@ class SlimPackPlanner(PackingPlanner):
         if self._by_rank is not None and self._by_rank[0] is rank:
             by_rank, bounds = self._by_rank[1:]
         else:
-            by_rank = np.lexsort((np.arange(len(f)), -f, rank))
+            # np.lexsort((np.arange(n), -f, rank)) by two counting sorts: f is a function of the length
+            by_work = desc_order_by(f, pieces.length)
+            by_rank = by_work[grouped_order(rank[by_work] + 1, dp + 1)]
             bounds = np.searchsorted(rank[by_rank], np.arange(dp + 1))
             self._by_rank = (rank, by_rank, bounds)
         # phase two on every rank in one numba call; each rank's free positions, row-major, get the next ids
@@ -259,12 +263,11 @@ class SlimPackPlanner(PackingPlanner):
         slot[rows, cols] = nmb + np.arange(len(rows))
         free_off = np.zeros(dp + 1, np.int64)
         np.cumsum(kp, out=free_off[1:])
-        at = free_off[sr] + sk
-        p = by_rank[spc]
-        off = pieces.offset[p]
-        seg.append((pieces.doc[p], off + ss, off + se, off, nmb + at))
+        *own, at, p, is_slice = own_segments(by_rank, spc, ss, se, sk, sr, free_off, pieces.doc, pieces.offset,
+                                             pieces.length, nmb)
+        seg.append(tuple(own))
         nmb += len(rows)
-        sliced = np.nonzero((ss > 0) | (se < pieces.length[p]))[0]
+        sliced = np.nonzero(is_slice)[0]
         span_arr = np.array(spans, np.int64).reshape(-1, 3)
         if len(sliced):  # first and last pack position of each sliced piece (its slices are in order)
             p_sl = p[sliced]
@@ -272,7 +275,8 @@ class SlimPackPlanner(PackingPlanner):
             _, first_at = np.unique(p_sl, return_index=True)
             last_at = len(p_sl) - 1 - np.unique(p_sl[::-1], return_index=True)[1]
             span_arr = np.concatenate([span_arr, np.stack([sr[sliced][first_at], pos[first_at], pos[last_at]], axis=1)])
-        cat = [np.concatenate([s[j] for s in seg]).astype(np.int64) if seg else np.zeros(0, np.int64) for j in range(5)]
+        cat = [np.concatenate([s[j] for s in seg]).astype(np.int64, copy=False) if seg else np.zeros(0, np.int64)
+               for j in range(5)]
         # backward_runs of each rank, in one numba call
         order, has = backward_runs_ranks(v, dp, np.ascontiguousarray(span_arr[:, 0]), np.ascontiguousarray(span_arr[:, 1]),
                                          np.ascontiguousarray(span_arr[:, 2]))

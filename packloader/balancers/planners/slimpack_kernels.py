@@ -11,15 +11,17 @@ import numpy as np
 from numba import njit
 
 from packloader.balancers.cost.coeffs import ATTN_BWD, ATTN_FWD, LIN_BWD, LIN_FWD, attn_time, doc_time_split
+from packloader.balancers.planners.bins import _heap_pop, _heap_push, _sift_down, desc_order_by
 
 # ------------------------------------------------------------------------------------------------- SlimPack
 
 
 @njit(cache=True)
-def lpt_dispatch(work, dp, merge_share):
+def lpt_dispatch(work, dp, merge_share, lengths):
     """SlimPack phase one: pieces, heaviest first, to the least loaded DP rank (equal forward capacity per
-    rank). A piece heavier than `merge_share` (a rank's share; inf disables DP-Merge) goes to a DP-Merge group
-    of g = ceil(work / merge_share) ranks (2 <= g <= dp), the g least loaded, each charged work / g.
+    rank; ties to the lowest rank). A piece heavier than `merge_share` (a rank's share; inf disables DP-Merge)
+    goes to a DP-Merge group of g = ceil(work / merge_share) ranks (2 <= g <= dp), the g least loaded, each
+    charged work / g. `lengths`: the pieces' lengths (work is a function of them: the order is counted).
 
     Returns (rank of each piece, -1 for a merged one; members of piece i's group, sorted, as
     members[offs[i]:offs[i+1]], empty for a piece that is not merged)."""
@@ -34,22 +36,31 @@ def lpt_dispatch(work, dp, merge_share):
         offs[i + 1] = offs[i] + gsize[i]
     members = np.empty(offs[n], dtype=np.int64)
     load = np.zeros(dp, dtype=np.float64)
-    order = np.argsort(-work, kind="mergesort")
+    order = desc_order_by(work, lengths)  # heaviest first, ties in index order (work is a function of length)
+    # the least loaded ranks, ties to the lowest index, from a (load, rank) min-heap: O(log dp) a piece
+    hk = np.zeros(dp, dtype=np.float64)
+    hi = np.arange(dp, dtype=np.int64)  # all loads 0: index order is already a heap
+    hs = dp
+    hpos = np.arange(dp, dtype=np.int64)
+    sel = np.empty(dp, dtype=np.int64)
     for kk in range(n):
         i = order[kk]
         g = gsize[i]
-        if g > 1:
-            sel = np.sort(np.argsort(load, kind="mergesort")[:g])
+        if g > 1:  # the g least loaded (a stable argsort's first g), in index order
             for t in range(g):
-                members[offs[i] + t] = sel[t]
-                load[sel[t]] += work[i] / g
+                sel[t] = hi[0]
+                hs = _heap_pop(hk, hi, hs)
+            grp = np.sort(sel[:g])
+            for t in range(g):
+                members[offs[i] + t] = grp[t]
+                load[grp[t]] += work[i] / g
+                hs = _heap_push(hk, hi, hs, load[grp[t]], grp[t])
         else:
-            best = 0
-            for r in range(1, dp):
-                if load[r] < load[best]:
-                    best = r
+            best = hi[0]
             rank[i] = best
             load[best] += work[i]
+            hk[0] = load[best]  # its key grew: down from the top
+            _sift_down(hk, hi, hpos, hs, 0)
     return rank, members, offs
 
 
@@ -378,3 +389,32 @@ def backward_runs_ranks(num_slots, dp, span_r, span_a, span_b):
                 k += 1
             s = end + 1
     return order, has
+
+
+@njit(cache=True)
+def own_segments(by_rank, spc, ss, se, sk, sr, free_off, doc, offset, length, first_id):
+    """The segments of the ranks' own pieces from `slim_pack_ranks` (segment j: piece by_rank[spc[j]], tokens
+    ss..se of it, in pack sk of rank sr, whose free packs are numbered from free_off[sr] after first_id), in one
+    pass: (doc, start, end, attend_from, micro-batch id, pack index, piece, whether it is a slice of a cut
+    piece)."""
+    k = ss.shape[0]
+    s_doc = np.empty(k, dtype=np.int64)
+    s_start = np.empty(k, dtype=np.int64)
+    s_end = np.empty(k, dtype=np.int64)
+    s_af = np.empty(k, dtype=np.int64)
+    s_mb = np.empty(k, dtype=np.int64)
+    at = np.empty(k, dtype=np.int64)
+    piece = np.empty(k, dtype=np.int64)
+    cut = np.empty(k, dtype=np.bool_)
+    for j in range(k):
+        p = by_rank[spc[j]]
+        o = offset[p]
+        piece[j] = p
+        at[j] = free_off[sr[j]] + sk[j]
+        s_doc[j] = doc[p]
+        s_start[j] = o + ss[j]
+        s_end[j] = o + se[j]
+        s_af[j] = o
+        s_mb[j] = first_id + at[j]
+        cut[j] = ss[j] > 0 or se[j] < length[p]
+    return s_doc, s_start, s_end, s_af, s_mb, at, piece, cut

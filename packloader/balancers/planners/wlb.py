@@ -35,7 +35,15 @@ from numba import njit
 from packloader.balancers.cost.coeffs import doc_time_split
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.base import PackingPlanner, StepLayout
-from packloader.balancers.planners.bins import HEAP_MIN_BINS, _add_piece, _bin_time, _heap_pop, _heap_push, bin_times
+from packloader.balancers.planners.bins import (
+    HEAP_MIN_BINS,
+    _add_piece,
+    _bin_time,
+    _heap_pop,
+    _sift_down,
+    bin_times,
+    desc_order,
+)
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, whole_pieces_packing
 from packloader.balancers.planners.registry import AutoUse, Planner, register_planner
 from packloader.contracts import PlanConfig
@@ -138,7 +146,7 @@ class WLBPlanner(PackingPlanner):
         queued_idx = np.nonzero(piece_bin < 0)[0]
         return whole_pieces_packing(
             pieces, piece_bin, rank_mbs, queued=pieces.queue(queued_idx),
-            delayed=[int(pieces.doc[i]) for i in queued_idx if pieces.drawn[i] == step], strategy=self.name,
+            delayed=pieces.doc[queued_idx][pieces.drawn[queued_idx] == step].tolist(), strategy=self.name,
         )
 
 
@@ -162,6 +170,9 @@ def _make(config: PlanConfig, options: WLBOptions, model: CostModel) -> Planner:
     return WLBPlanner(config, model=model, **msgspec.structs.asdict(options))
 
 
+SCAN_MISSES = 32  # wlb_pack: times the fewest-tokens bin is found by a scan before its heap is built
+
+
 @njit(cache=True)
 def _choose_bin(tok, w_idx, l_idx, l, cap):
     """WLB's rule: the least loaded bin when the piece fits there, else the bin with the fewest tokens when it
@@ -179,7 +190,7 @@ def _wlb_pack_scan(c, lengths, nbins, cap, assign, attn, tok, load):
     n = lengths.shape[0]
     for b in range(nbins):
         load[b] = _bin_time(c, 0.0, 0)
-    order = np.argsort(-lengths, kind="mergesort")
+    order = desc_order(lengths)
     for k in range(n):
         i = order[k]
         l = lengths[i]
@@ -203,8 +214,9 @@ def wlb_pack(c, lengths, nbins, cap):
     workload if the token cap allows, else to the bin with the fewest tokens, else they remain for the next
     step (bin -1); ties to the lowest bin. Returns (bin of each piece, bin attention seconds, bin tokens).
 
-    Both minima come from binary heaps keyed (value, bin) with lazy deletion (loads and token counts only
-    grow, so an entry whose value is no longer its bin's is stale): O(n log bins) instead of a scan of
+    Both minima come from binary heaps keyed (value, bin), each bin's position tracked (loads and token counts
+    only grow: the bin that took a piece moves down from where it is), the tokens' one built only once the
+    least loaded bin has lacked room SCAN_MISSES times: O(n log bins) instead of a scan of
     every bin per piece, which dominated at DP 1024 (a thousand bins and more); up to HEAP_MIN_BINS bins the
     scan is cheaper and is used."""
     n = lengths.shape[0]
@@ -214,36 +226,57 @@ def wlb_pack(c, lengths, nbins, cap):
     load = np.zeros(nbins, dtype=np.float64)
     if nbins <= HEAP_MIN_BINS:
         return _wlb_pack_scan(c, lengths, nbins, cap, assign, attn, tok, load)
-    hcap = nbins + n + 1
-    lk = np.empty(hcap, dtype=np.float64)  # heap of (load, bin)
-    li = np.empty(hcap, dtype=np.int64)
-    tk = np.empty(hcap, dtype=np.int64)  # heap of (tokens, bin)
-    ti = np.empty(hcap, dtype=np.int64)
-    ls = 0
-    ts = 0
+    # every bin starts equal, so bin order is already a heap of (load, bin)
+    lk = np.empty(nbins, dtype=np.float64)
+    li = np.arange(nbins, dtype=np.int64)
+    lpos = np.arange(nbins, dtype=np.int64)  # each bin's position in the load heap
     for b in range(nbins):
         load[b] = _bin_time(c, 0.0, 0)
-        ls = _heap_push(lk, li, ls, load[b], b)
-        ts = _heap_push(tk, ti, ts, tok[b], b)
-    if nbins == 0:
-        return assign, attn, tok
-    order = np.argsort(-lengths, kind="mergesort")
+        lk[b] = load[b]
+    # the (tokens, bin) heap is only asked when the least loaded bin has no room, which is rare: until that has
+    # happened SCAN_MISSES times its minimum is found by a scan, then the heap is built and kept
+    tk = np.empty(nbins, dtype=np.int64)
+    ti = np.empty(nbins, dtype=np.int64)
+    tpos = np.empty(nbins, dtype=np.int64)
+    misses = 0
+    order = desc_order(lengths)
     for k in range(n):
         i = order[k]
         l = lengths[i]
-        while lk[0] != load[li[0]]:  # drop stale tops
-            ls = _heap_pop(lk, li, ls)
-        while tk[0] != tok[ti[0]]:
-            ts = _heap_pop(tk, ti, ts)
-        w_idx = li[0]
-        l_idx = ti[0]
-        b = _choose_bin(tok, w_idx, l_idx, l, cap)
-        if b < 0:
-            continue
+        b = li[0]
+        if tok[b] + l > cap:
+            misses += 1
+            if misses == SCAN_MISSES:
+                _build_heap(tok, tk, ti, tpos)
+            if misses >= SCAN_MISSES:
+                f = ti[0]
+            else:
+                f = 0
+                for j in range(1, nbins):
+                    if tok[j] < tok[f]:
+                        f = j
+            b = _choose_bin(tok, b, f, l, cap)
+            if b < 0:
+                continue
         _add_piece(c, i, l, b, assign, attn, tok, load)
-        ls = _heap_push(lk, li, ls, load[b], b)
-        ts = _heap_push(tk, ti, ts, tok[b], b)
+        lk[lpos[b]] = load[b]  # its keys grew: it moves down from where it is
+        _sift_down(lk, li, lpos, nbins, lpos[b])
+        if misses >= SCAN_MISSES:
+            tk[tpos[b]] = tok[b]
+            _sift_down(tk, ti, tpos, nbins, tpos[b])
     return assign, attn, tok
+
+
+@njit(cache=True)
+def _build_heap(key, hk, hi, pos):
+    """A (key, index) min-heap of every item of `key` in hk, hi, with positions in pos."""
+    n = key.shape[0]
+    for j in range(n):
+        hk[j] = key[j]
+        hi[j] = j
+        pos[j] = j
+    for j in range(n // 2 - 1, -1, -1):
+        _sift_down(hk, hi, pos, n, j)
 
 
 @njit(cache=True)
@@ -257,14 +290,21 @@ def deal_bins(cost, dp, per_rank):
     load = np.zeros(dp, dtype=np.float64)
     count = np.zeros(dp, dtype=np.int64)
     order = np.argsort(-cost, kind="mergesort")
+    # the least loaded rank with room, ties to the lowest, from a (load, rank) min-heap; a full rank leaves it
+    hk = np.zeros(dp, dtype=np.float64)
+    hi = np.arange(dp, dtype=np.int64)  # all loads 0: index order is already a heap
+    hpos = np.arange(dp, dtype=np.int64)
+    hs = dp if per_rank > 0 else 0
     for k in range(nb):
         b = order[k]
-        best = -1
-        for r in range(dp):
-            if count[r] < per_rank and (best < 0 or load[r] < load[best]):
-                best = r
+        best = hi[0]
         rank[b] = best
         pos[b] = count[best]
         count[best] += 1
         load[best] += cost[b]
+        if count[best] < per_rank:
+            hk[0] = load[best]  # its key grew: down from the top
+            _sift_down(hk, hi, hpos, hs, 0)
+        else:
+            hs = _heap_pop(hk, hi, hs)
     return rank, pos

@@ -41,7 +41,7 @@ import numpy as np
 from packloader.balancers.cost.model import CostModel, _per_rank
 from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, step_times_ranks_sliced
 from packloader.balancers.sim.simulator import plan_schedule, simulate_step, slice_edges_of
-from packloader.balancers.sim.verify import coverage
+from packloader.balancers.sim.verify import coverage, owned_segments
 from packloader.balancers.sim.weights import weight_times
 from packloader.contracts import ParallelConfig, PlannerState, StepPlan
 
@@ -139,14 +139,14 @@ def drawn_steps(windows: Sequence, first_step: int = 0) -> dict[int, int]:
 
 def _unique_segments(plan: StepPlan):
     seen: set = set()
-    for rank in plan.ranks:
+    for r, rank in enumerate(plan.ranks):
         for mb in rank.micro_batches:
             if mb.dp_group and len(mb.dp_group) > 1:
                 key = (tuple(mb.dp_group), tuple(mb.segments))
                 if key in seen:
                     continue
                 seen.add(key)
-            yield from mb.segments
+            yield from owned_segments(mb, r)
 
 
 def _fast_rank_times(plan: StepPlan, rank_f, rank_b, pp: int, vpp: int, schedule: str, models) -> np.ndarray:
@@ -214,11 +214,17 @@ class _Counts(msgspec.Struct):
 def _token_counts(plan: StepPlan, look) -> _Counts:
     out = _Counts(split_docs=set(), delays=[])
     seen_groups: set = set()
-    for rank in plan.ranks:
+    for r, rank in enumerate(plan.ranks):
         for mb in rank.micro_batches:
             g = len(mb.dp_group) if mb.dp_group else 1
             n = mb.num_tokens
             out.slots += 1
+            if mb.cp is not None:  # per-document CP: this GPU holds its shard of each segment, owns some
+                shard = sum(-(-(s.end - s.start) // c.size) for s, c in zip(mb.segments, mb.cp))
+                out.tokens_slots += shard
+                out.largest = max(out.largest, shard)
+                _count_segments(out, owned_segments(mb, r), plan.step, look)
+                continue
             out.tokens_slots += n / g
             out.largest = max(out.largest, -(-n // g))
             if g > 1:
@@ -226,20 +232,24 @@ def _token_counts(plan: StepPlan, look) -> _Counts:
                 if key in seen_groups:
                     continue
                 seen_groups.add(key)
-            out.tokens += n
-            for s in mb.segments:
-                k = s.end - s.start
-                if s.attend_from < s.start:
-                    out.tokens_split += k
-                    out.split_docs.add(s.doc)
-                if look is not None:
-                    out.delays.append((plan.step - look(s.doc), k))
+            _count_segments(out, mb.segments, plan.step, look)
     # a sliced piece's first slice has attend_from == start: count every segment of a slice chain
     if out.split_docs:
         unique = list(_unique_segments(plan))
         chains = {(sg.doc, sg.attend_from) for sg in unique if sg.attend_from < sg.start}
         out.tokens_split = sum(sg.end - sg.start for sg in unique if (sg.doc, sg.attend_from) in chains)
     return out
+
+
+def _count_segments(out: _Counts, segments, step: int, look) -> None:
+    for s in segments:
+        k = s.end - s.start
+        out.tokens += k
+        if s.attend_from < s.start:
+            out.tokens_split += k
+            out.split_docs.add(s.doc)
+        if look is not None:
+            out.delays.append((step - look(s.doc), k))
 
 
 def _imbalance(c: np.ndarray) -> float:
@@ -265,6 +275,9 @@ def score_plan(
     models = _per_rank(model, dp)
     pp, vpp = parallel.pp, parallel.vpp
     schedule = plan_schedule(plan, schedule)
+    # a per-document CP plan is scored on its own costs: one RankPlan per pool GPU, each micro-batch priced by the
+    # dynamic-cp planner with its CP traffic and the wait for its subgroups' slowest GPU (planners/dynamic_cp_price)
+    use_plan_costs = use_plan_costs or plan.cp_mode == "dynamic"
     rank_f, rank_b = _rank_costs(plan, models, use_plan_costs)
     look = _drawn_lookup(drawn, plan.step)
     counts = _token_counts(plan, look)

@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit
 
 from packloader.balancers.sim.kernels import (
+    SCHEDULES,
     backward_order_kernel,
     build_ops,
     edge_csr,
@@ -111,6 +112,47 @@ def packing_peaks(packing, memory, pp: int, vpp: int, kind: int, edges, stages=N
                 has[r] = True
     act_pt, trans_pt, kv_pt, static = stages if stages is not None else stage_bytes(memory, pp)
     e_off, e_src, e_dst, e_prefix = edges
-    peaks = peaks_ranks_sliced(pp, vpp, kind, f, b, tokens, act_pt, trans_pt, kv_pt, offsets, e_off, e_src, e_dst,
-                               np.ascontiguousarray(e_prefix, dtype=np.float64), bo, has)
+    e_prefix = np.ascontiguousarray(e_prefix, dtype=np.float64)
+    if pp == 1 and vpp == 1 and kind == SCHEDULES["1f1b"]:  # 1F1B on one stage: ranks without slices need no simulation
+        peaks = one_stage_peaks(tokens, act_pt[0], trans_pt[0], v, e_off, has)
+        sim = np.nonzero(peaks[:, 0] < 0)[0]
+        if len(sim):
+            take = (sim[:, None] * v + np.arange(v)).ravel()
+            counts = e_off[sim + 1] - e_off[sim]
+            off = np.zeros(len(sim) + 1, np.int64)
+            np.cumsum(counts, out=off[1:])
+            at = np.repeat(e_off[sim] - off[:-1], counts) + np.arange(off[-1])
+            peaks[sim] = peaks_ranks_sliced(1, 1, kind, f[take], b[take], tokens[take], act_pt, trans_pt, kv_pt,
+                                            np.arange(len(sim) + 1, dtype=np.int64) * v, off, e_src[at], e_dst[at],
+                                            e_prefix[at], bo[take], has[sim])
+    else:
+        peaks = peaks_ranks_sliced(pp, vpp, kind, f, b, tokens, act_pt, trans_pt, kv_pt, offsets, e_off, e_src, e_dst,
+                                   e_prefix, bo, has)
     return peaks + static[None, :]
+
+
+@njit(cache=True)
+def one_stage_peaks(tokens, act_pt, trans_pt, v, e_off, has_order):
+    """Peak bytes of each DP rank at PP 1 under 1F1B (F0 B0 F1 B1 ...) for the ranks without slice edges or a
+    plan's own backward order, the simulator's memory steps written out (an F allocates its activations and
+    transient and frees the transient; a B allocates its transient and frees it with the activations), in the
+    same order and arithmetic, so bit for bit its peak; -1 for the other ranks, left to the simulator."""
+    dp = e_off.shape[0] - 1
+    out = np.empty((dp, 1), dtype=np.float64)
+    for r in range(dp):
+        if e_off[r + 1] > e_off[r] or has_order[r]:
+            out[r, 0] = -1.0
+            continue
+        cur = 0.0
+        peak = 0.0
+        for u in range(r * v, (r + 1) * v):
+            act = tokens[u] * act_pt
+            trans = tokens[u] * trans_pt
+            cur += act + trans
+            peak = max(peak, cur)
+            cur -= trans
+            cur += trans
+            peak = max(peak, cur)
+            cur -= trans + act
+        out[r, 0] = peak
+    return out

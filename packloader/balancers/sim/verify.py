@@ -83,6 +83,14 @@ def _unique_micro_batches(plan: StepPlan):
             yield r, i, mb
 
 
+def owned_segments(mb, r: int):
+    """The segments of micro-batch `mb` that pool GPU `r` owns: all of them in a fixed-CP plan; in a per-document
+    CP plan (`mb.cp`) those whose subgroup starts at r, so a segment listed by each GPU of its group counts once."""
+    if mb.cp is None:
+        return mb.segments
+    return [s for s, c in zip(mb.segments, mb.cp) if c.first == r]
+
+
 def _merge(intervals: np.ndarray) -> np.ndarray:
     """Union of (doc, start, end) rows, as sorted disjoint maximal rows."""
     if len(intervals) == 0:
@@ -154,8 +162,8 @@ def coverage(plans: StepPlan | Iterable[StepPlan], pieces, final_state: PlannerS
     exp_iv = np.stack([exp[:, 0], exp[:, 1], exp[:, 1] + exp[:, 2]], axis=1) if len(exp) else np.zeros((0, 3), np.int64)
     rows = []
     for p in plans:
-        for _, _, mb in _unique_micro_batches(p):
-            for s in mb.segments:
+        for r, _, mb in _unique_micro_batches(p):
+            for s in owned_segments(mb, r):
                 rows.append((s.doc, s.start, s.end))
     planned = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
     qrows = [(q.doc, q.offset, q.offset + q.length) for q in (final_state.queued if final_state else [])]
@@ -185,7 +193,7 @@ def _duplicate_examples(plans: list[StepPlan], final_state: PlannerState | None,
     rows = []
     for p in plans:
         for r, i, mb in _unique_micro_batches(p):
-            for s in mb.segments:
+            for s in owned_segments(mb, r):
                 rows.append((s.doc, s.start, s.end, f"step {p.step} rank {r} micro-batch {i}"))
     for q in (final_state.queued if final_state else []):
         rows.append((q.doc, q.offset, q.offset + q.length, "the final queue"))
@@ -254,12 +262,13 @@ def _check_rank(where_step: str, r: int, rank, num_ranks: int, piece_starts: dic
                 raise PlanError(f"{where}: dp_group {group} must be distinct ranks of 0..{num_ranks - 1} including {r}")
         g = len(group) if group else 1
         n = 0
-        for s in mb.segments:
+        sizes = [c.size for c in mb.cp] if mb.cp is not None else [1] * len(mb.segments)
+        for s, size in zip(mb.segments, sizes):
             if s.start < 0 or s.end <= s.start:
                 raise PlanError(f"{where}: segment {_seg(s)} of doc {s.doc} is empty or reversed")
             if s.attend_from < 0 or s.attend_from > s.start:
                 raise PlanError(f"{where}: segment {_seg(s)} has attend_from {s.attend_from} outside 0..start={s.start}")
-            n += s.end - s.start
+            n += -(-(s.end - s.start) // size)  # per-document CP: this GPU's shard
             if s.attend_from < s.start:
                 slices += 1
                 _check_slice(where, s, i, ends, piece_starts, allow_slicing)
@@ -267,6 +276,30 @@ def _check_rank(where_step: str, r: int, rank, num_ranks: int, piece_starts: dic
         if max_tokens is not None and -(-n // g) > max_tokens:
             raise PlanError(f"{where} holds {n} tokens{f' over {g} ranks' if g > 1 else ''}, more than max_tokens={max_tokens}")
     return slices
+
+
+def _check_placements(where_step: str, plan: StepPlan) -> None:
+    """A per-document CP plan's shape: one placement per segment, a power-of-two size, aligned, within the pool,
+    and each segment listed with its placement in the same micro-batch of exactly its subgroup's GPUs."""
+    pool = len(plan.ranks)
+    holders: dict = {}
+    for r, rank in enumerate(plan.ranks):
+        for i, mb in enumerate(rank.micro_batches):
+            where = f"{where_step} pool GPU {r} micro-batch {i}"
+            if mb.cp is None or len(mb.cp) != len(mb.segments):
+                raise PlanError(f"{where}: a per-document CP plan needs one CP placement per segment, got "
+                                f"{None if mb.cp is None else len(mb.cp)} for {len(mb.segments)} segments")
+            for s, c in zip(mb.segments, mb.cp):
+                if c.size < 1 or c.size & (c.size - 1) or c.first % c.size or c.first + c.size > pool \
+                        or not c.first <= r < c.first + c.size:
+                    raise PlanError(f"{where}: segment {_seg(s)} placed on GPUs {c.first}..{c.first + c.size - 1}; "
+                                    f"expected a power-of-two size, first a multiple of it, within the pool of {pool} "
+                                    f"GPUs and including GPU {r}")
+                holders.setdefault((i, s, c), set()).add(r)
+    for (i, s, c), gpus in holders.items():
+        if gpus != set(range(c.first, c.first + c.size)):
+            raise PlanError(f"{where_step} micro-batch {i}: segment {_seg(s)} placed on GPUs {c.first}.."
+                            f"{c.first + c.size - 1} is listed by GPUs {sorted(gpus)}; expected each of its GPUs once")
 
 
 def verify_plan(
@@ -301,9 +334,11 @@ def verify_plan(
             raise PlanError(f"{where_step}: ranks hold different numbers of micro-batches {counts}; every rank must run the same count")
         for r, rank in enumerate(p.ranks):
             n_slices += _check_rank(where_step, r, rank, len(p.ranks), piece_starts, max_tokens, allow_slicing)
-        for _, _, mb in _unique_micro_batches(p):
+        if p.cp_mode == "dynamic":
+            _check_placements(where_step, p)
+        for r, _, mb in _unique_micro_batches(p):
             n_mbs += 1
-            n_tokens += mb.num_tokens
+            n_tokens += sum(s.end - s.start for s in owned_segments(mb, r))
     if len(exp) or pieces is not None:
         cov = coverage(plans, exp, final_state)
         if not cov.ok:

@@ -1,0 +1,231 @@
+"""`dynamic-cp`: context parallelism sized per document over the DP x CP pool (issue 26; megatron-core's hybrid
+context parallelism, cost-balanced).
+
+Each step's pieces (the queued ones first) become units: a piece whole, or, where even the whole pool cannot hold
+it in one slot (more than G x cap tokens; G = dp x cp GPUs, cap = max_tokens / cp tokens per GPU), its SlimPack
+slices, one per slot in order. A unit's CP size is a power of two from 1 to G: the smallest whose shard fits cap,
+then doubled while the unit alone would take more than `lift` x the even share of a GPU's step time and doubling
+makes it faster (CP traffic included, `cost.cp_comm`). Units are placed longest-first (size, then cost) by
+`dynamic_cp_kernels.place_pieces` on aligned subgroups of micro-batch slots; short documents land side by side at
+CP 1. Candidates (slot counts x lifts, and on steps of few documents for the pool also every unit at least 2, 4,
+... G GPUs) are priced per GPU (`dynamic_cp_price`) and simulated per GPU with the configured pipeline schedule;
+the fastest wins (ties: fewer slots, then the earlier candidate).
+
+The StepPlan has cp_mode "dynamic": one RankPlan per pool GPU (dp_rank x cp + cp_rank), micro-batch m of every
+GPU in slot m, a unit on s GPUs listed with the same `CPPlacement(s, first)` in micro-batch m of each of them,
+its costs what the GPU's micro-batch takes waiting included. Nothing is held back (queued pieces from another
+planner's state are planned), so it composes with outlier delay upstream, slicing and pipelines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from packloader.balancers.planners.dynamic_cp_kernels import place_pieces
+from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost, Placed, SlotTimes
+from packloader.balancers.planners.packing import Pieces
+from packloader.balancers.planners.registry import StepLayout, Window, register_planner
+from packloader.balancers.sim.simulator import step_time
+from packloader.contracts import CPPlacement, MicroBatch, PlanConfig, PlannerState, RankPlan, Segment, StepPlan
+
+NAME = "dynamic-cp"
+SMALL_UNITS = 8  # units per pool GPU up to which size floors are tried too
+
+
+class DynamicCPOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`PlanConfig.planner_options["dynamic-cp"]`."""
+
+    exchange: Literal["allgather", "ring"] = "allgather"  # how CP traffic is priced (cost.cp_comm)
+    # thresholds, as shares of a GPU's even step time, above which a document's CP size is doubled; 0: never
+    # (each document at the smallest size its memory allows, as megatron-core sizes them)
+    lifts: tuple[float, ...] = (0.0, 1.0, 0.5, 0.25)
+    # on steps of few documents for the pool (up to SMALL_UNITS per GPU), also every unit at least 2, 4, ... GPUs
+    floors: bool = True
+
+
+@dataclass
+class Units:
+    """What the pool runs: unit k is tokens start[k]..end[k]-1 of doc[k] attending from af[k]; `after`/`rest`
+    chain a piece's slices (`dynamic_cp_kernels.place_pieces`); `min_size`: the smallest CP size that fits."""
+
+    doc: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    af: np.ndarray
+    after: np.ndarray
+    rest: np.ndarray
+    min_size: np.ndarray
+
+    @property
+    def q(self) -> np.ndarray:
+        return self.end - self.start
+
+    @property
+    def p(self) -> np.ndarray:
+        return self.start - self.af
+
+
+def pow2_at_least(x: np.ndarray) -> np.ndarray:
+    x = np.maximum(np.asarray(x, dtype=np.int64), 1)
+    return (1 << np.ceil(np.log2(x)).astype(np.int64)).astype(np.int64)
+
+
+def units_of(pieces: Pieces, cap: int, pool: int, allow_slicing: bool) -> Units:
+    """Pieces as units, each longer than the pool's G x cap tokens cut into equal slices (an error naming the
+    piece where slicing is not allowed)."""
+    rows: list[tuple[int, int, int, int, int, int]] = []
+    for d, o, n in zip(pieces.doc.tolist(), pieces.offset.tolist(), pieces.length.tolist()):
+        k = -(-n // (pool * cap))
+        if k > 1 and not allow_slicing:
+            raise ValueError(f"{NAME}: piece (doc {d}, offset {o}) of {n} tokens exceeds the pool's {pool} GPUs x "
+                             f"{cap} tokens (max_tokens / cp) with allow_slicing=False; expected pieces of at most "
+                             f"{pool * cap} tokens (PlanConfig.context) or allow_slicing=True")
+        cuts = [o + (n * j) // k for j in range(k + 1)]
+        for j in range(k):
+            rows.append((d, cuts[j], cuts[j + 1], o, len(rows) - 1 if j else -1, k - 1 - j))
+    a = np.array(rows, dtype=np.int64).reshape(-1, 6)
+    units = Units(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5], np.zeros(len(a), np.int64))
+    units.min_size = np.where(units.after >= 0, pool, np.minimum(pow2_at_least(-(-units.q // cap)), pool))
+    units.min_size[units.rest > 0] = pool
+    return units
+
+
+def lifted_sizes(units: Units, cost: DynamicCPCost, lift: float, slots: int) -> np.ndarray:
+    """Each unit's CP size under `lift` (module docstring)."""
+    size = units.min_size.copy()
+    if lift <= 0 or len(size) == 0:
+        return size
+    est = cost.estimate(units.q, units.p, size)
+    share = float((est * size).sum()) / (cost.pool * slots)
+    while True:
+        grow = (size < cost.pool) & (est > lift * share)
+        if not grow.any():
+            return size
+        est2 = cost.estimate(units.q, units.p, np.where(grow, size * 2, size))
+        better = grow & (est2 < est)
+        if not better.any():
+            return size
+        size = np.where(better, size * 2, size)
+        est = np.where(better, est2, est)
+
+
+@dataclass
+class Candidate:
+    slots: int
+    lift: float
+    placed: Placed
+    times: SlotTimes
+    step_time: float
+
+
+class DynamicCPPlanner:
+    """Per-document CP over the DP x CP pool (module docstring)."""
+
+    name = NAME
+
+    def __init__(self, config: PlanConfig, options: DynamicCPOptions | None = None, cost: DynamicCPCost | None = None) -> None:
+        self.config = config
+        self.options = options or DynamicCPOptions()
+        self.cost = cost or DynamicCPCost.for_config(config, self.options.exchange)
+
+    def plan(self, window: Window, state: PlannerState, layout: StepLayout | int) -> tuple[StepPlan, PlannerState]:
+        layout = StepLayout.of(layout)
+        pieces = Pieces.of(window, state, layout.step)
+        units = units_of(pieces, self.cost.cap, self.cost.pool, self.config.allow_slicing)
+        best = self.best(units, layout.micro_batches or self.config.num_micro_batches)
+        plan = self.step_plan(units, best, layout.step)
+        return plan, PlannerState(queued=[], extra=dict(state.extra))
+
+    def slot_counts(self, units: Units, pinned: int | None) -> list[int]:
+        if pinned:
+            return [pinned]
+        chain = int(units.rest.max()) + 1 if len(units.rest) else 1
+        base = max(1, -(-int(units.q.sum()) // (self.cost.pool * self.cost.cap)), chain)
+        counts = {base, base + 1, 2 * base}
+        if self.config.parallel.pp > 1:
+            counts.add(4 * base)
+        return sorted(counts)
+
+    def best(self, units: Units, pinned: int | None) -> Candidate:
+        best: Candidate | None = None
+        G = self.cost.pool
+        # few units for the pool: also every size floor (each unit at least 2, 4, ... G GPUs), where too few short
+        # documents are left to fill the gaps that long ones leave
+        small = self.options.floors and len(units.q) <= SMALL_UNITS * G
+        floors = [1 << k for k in range(G.bit_length()) if 1 << k <= G] if small else [1]
+        tries = [(lift, 1) for lift in self.options.lifts or (0.0,)] + [(0.0, f) for f in floors[1:]]
+        for slots in self.slot_counts(units, pinned):
+            for lift, floor in tries:
+                cand = self.candidate(units, slots, lift, floor)
+                if best is None or cand.step_time < best.step_time * (1 - 1e-9):
+                    best = cand
+        assert best is not None
+        return best
+
+    def candidate(self, units: Units, slots: int, lift: float, floor: int = 1) -> Candidate:
+        """The placement at `slots` with every size at least `floor`, grown by one slot until everything fits."""
+        size = np.maximum(lifted_sizes(units, self.cost, lift, slots), floor)
+        cost = self.cost.estimate(units.q, units.p, size)
+        need = -(-units.q // size)
+        sliced = (units.after >= 0) | (units.rest > 0)
+        idx = np.arange(len(size))
+        whole = idx[~sliced][np.lexsort((idx[~sliced], -cost[~sliced], -size[~sliced]))]
+        order = np.concatenate([idx[sliced], whole])  # slices first, each piece's in order
+        while True:
+            slot, first, ok = place_pieces(order, size, cost, need, units.after, units.rest, slots, self.cost.pool,
+                                           self.cost.cap)
+            if ok:
+                break
+            if slots > len(size) + 1:  # every unit on a slot of its own fits: no more slots can help
+                raise ValueError(f"{NAME}: {len(size)} pieces fit no {slots} slots of {self.cost.pool} GPUs x "
+                                 f"{self.cost.cap} tokens")
+            slots += 1
+        placed = Placed(units.q, units.p, slot, first, size)
+        times = self.cost.slot_times(placed, slots)
+        return Candidate(slots, lift, placed, times, self.simulate(times))
+
+    def simulate(self, times: SlotTimes) -> float:
+        """The slowest pool GPU's simulated step time (each GPU's own pipeline, waits included)."""
+        par = self.config.parallel
+        used = (times.tokens > 0).any(axis=1)
+        f, b = times.synced_fwd[used], times.synced_bwd[used]
+        if par.pp == 1:
+            return float((f + b).sum(axis=0).max()) if f.size else 0.0
+        sched = self.config.schedule if self.config.schedule in ("1f1b", "gpipe", "interleaved", "zb-h1") else "1f1b"
+        return max(step_time(f[:, g], b[:, g], par.pp, schedule=sched, vpp=par.vpp) for g in range(f.shape[1]))
+
+    def step_plan(self, units: Units, cand: Candidate, step: int) -> StepPlan:
+        """The winner as a StepPlan (module docstring); slots no GPU uses are dropped."""
+        used = np.nonzero((cand.times.tokens > 0).any(axis=1))[0]
+        renum = {int(m): j for j, m in enumerate(used)}
+        G = self.cost.pool
+        segs: list[list[list[tuple[Segment, CPPlacement]]]] = [[[] for _ in used] for _ in range(G)]
+        pl = cand.placed
+        for k in range(len(units.q)):
+            seg = Segment(int(units.doc[k]), int(units.start[k]), int(units.end[k]), int(units.af[k]))
+            at = CPPlacement(int(pl.size[k]), int(pl.first[k]))
+            for g in range(at.first, at.first + at.size):
+                segs[g][renum[int(pl.m[k])]].append((seg, at))
+        ranks = []
+        for g in range(G):
+            mbs = []
+            for j, m in enumerate(used):
+                held = segs[g][j]
+                mbs.append(MicroBatch(segments=[s for s, _ in held], cp=[c for _, c in held],
+                                      fwd_cost=float(cand.times.synced_fwd[m, g]) if held else 0.0,
+                                      bwd_cost=float(cand.times.synced_bwd[m, g]) if held else 0.0))
+            ranks.append(RankPlan(micro_batches=mbs))
+        return StepPlan(step=step, ranks=ranks, planner=NAME, cp_mode="dynamic")
+
+
+@register_planner(NAME, options=DynamicCPOptions, report_order=None,
+                  summary="packloader per-document CP: each document on its own power-of-two GPU subgroup")
+def _make(config: PlanConfig, options: DynamicCPOptions, model) -> DynamicCPPlanner:
+    if config.cp_mode == "fixed":  # its plans need a runtime that runs per-document subgroups: opted into
+        raise ValueError(f"strategy {NAME!r} plans per-document context parallelism; expected PlanConfig.cp_mode="
+                         "'dynamic' (a runtime that runs per-document CP subgroups) or 'auto'")
+    return DynamicCPPlanner(config, options)

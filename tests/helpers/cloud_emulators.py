@@ -1,0 +1,96 @@
+"""Real Google Cloud Storage and Azure Blob Storage emulators on the loopback for the object-storage tests:
+gcp-storage-emulator (PyPI, in the dev extra) and Azurite (npm; `scripts/setup.sh dev` installs it under
+`.tools/azurite`). Only 127.0.0.1, in memory, Azurite's telemetry off; every wait is bounded."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from helpers.s3_server import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+# Azurite's well-known development account (public, in Azure's documentation)
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+def _first_executable(candidates) -> str | None:
+    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def find_gcs_emulator() -> str | None:
+    """`gcp-storage-emulator` from $PACKLOADER_GCS_EMULATOR, beside this Python or on PATH."""
+    return _first_executable([os.environ.get("PACKLOADER_GCS_EMULATOR"),
+                              str(Path(sys.executable).parent / "gcp-storage-emulator"),
+                              shutil.which("gcp-storage-emulator")])
+
+
+def find_azurite() -> str | None:
+    """`azurite-blob` from $PACKLOADER_AZURITE, the repo's `.tools/azurite` or PATH (it needs `node` on PATH)."""
+    if shutil.which("node") is None:
+        return None
+    return _first_executable([os.environ.get("PACKLOADER_AZURITE"),
+                              str(REPO / ".tools" / "azurite" / "node_modules" / ".bin" / "azurite-blob"),
+                              shutil.which("azurite-blob")])
+
+
+class EmulatorDown(RuntimeError):
+    pass
+
+
+class Emulator:
+    """A server process listening on 127.0.0.1:`port` for the life of the object (`EmulatorDown` if it cannot
+    start: the tests skip naming why)."""
+
+    def __init__(self, argv: list[str], port: int, name: str, timeout: float = 60.0) -> None:
+        self.port, self.name = port, name
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.workdir = tempfile.mkdtemp(prefix=f"packloader-{name}-")
+        self.proc = subprocess.Popen(argv, cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.close()
+                raise EmulatorDown(f"{name} exited with {self.proc.returncode} at start ({' '.join(argv)})")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        self.close()
+        raise EmulatorDown(f"{name} did not listen on 127.0.0.1:{port} in {timeout} s")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def start_gcs_emulator(exe: str) -> Emulator:
+    port = free_port()
+    return Emulator([exe, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"], port,
+                    "gcp-storage-emulator")
+
+
+def start_azurite(exe: str) -> Emulator:
+    port = free_port()
+    return Emulator([exe, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
+                     "--disableTelemetry", "--skipApiVersionCheck", "--loose", "--silent"],
+                    port, "azurite")
+
+
+def azurite_connection_string(endpoint: str, key: str = AZURITE_KEY) -> str:
+    return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={key};"
+            f"BlobEndpoint={endpoint}/{AZURITE_ACCOUNT};")

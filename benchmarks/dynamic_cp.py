@@ -17,9 +17,14 @@ micro-batch (max_tokens 128K over CP 4), so all of them meet the same memory cap
   from lengths alone (`lifts` 0, no floors: the smallest size whose shard fits, megatron-core's rule) to show what the
   cost-driven sizing adds;
 * cp_mode "auto" at DP 4 x CP 4: each step fixed CP 4 (its traffic priced) or per-document CP, the faster;
-* megatron-core's hybrid CP (`BalancedCPScheduler`): the column of `megatron_hybrid_cp_plan` below, a hook that
-  turns one step's lengths into a per-document CP StepPlan, priced here like ours (`priced_dynamic`); empty until
-  the peer adapter (`benchmarks/peers/megatron_hybrid_cp.py`) is wired to it.
+* bound: every piece's attention at CP 1, the linear part at its lowest time per token, no CP traffic, perfectly
+  balanced over the 16 GPUs: no plan of these steps, priced the way per-document CP plans are, beats it (slicing
+  at smaller CP sizes included);
+* megatron-core's hybrid CP (`BalancedCPScheduler`, run by `benchmarks/peers/megatron_hybrid_cp.py` on each step's
+  pieces, max_seqlen_per_dp_cp_rank 32K, sequence parallelism at TP 8): its placement priced like ours
+  (`priced_dynamic`: the same attention, linear part, CP traffic and waits for subgroup peers) plus its group
+  barriers (`barrier_step_time`: each group lasts as long as its busiest GPU); its padding column counts the
+  padding it requires (every sample to a multiple of 2 x DP x CP x TP), which is not priced (in its favour).
 
 Data sets (`benchmarks/planner.py`'s generators, cut at the 128K context as the loader cuts): synthetic-longtail,
 synthetic-cc, synthetic-github; `--steps` steps of `--tokens-per-step` tokens each. Figures: simulated tokens per
@@ -61,8 +66,26 @@ FIXED_LAYOUTS = ((4, 4), (8, 2), (16, 1))  # (dp, cp) of the 16 GPUs
 def megatron_hybrid_cp_plan(lengths: np.ndarray, config: PlanConfig) -> StepPlan | tuple[StepPlan, int] | None:
     """THE PEER HOOK: one step's piece lengths (draw order, doc ids 0..n-1 within the step) and the
     per-document-CP PlanConfig in, megatron-core's BalancedCPScheduler placement as a StepPlan with cp_mode
-    "dynamic" out (optionally with its padding tokens). None: not wired yet (the column says so)."""
-    return None
+    "dynamic" out, with the padding tokens megatron-core's hybrid CP requires (every sample to a multiple of
+    2 x DP x CP x TP with sequence parallelism). Its memory cap is the same 32K tokens a GPU holds under every
+    other plan (max_tokens / cp)."""
+    from peers.megatron_hybrid_cp import megatron_hybrid_cp_plan as peer  # imports megatron-core: only when used
+
+    par = config.parallel
+    plan = peer([int(n) for n in lengths], dp=par.dp, cp=par.cp, max_tokens_per_gpu=config.max_tokens // par.cp,
+                sequence_parallel_tp=par.tp)
+    return plan, int(plan.extra["pad_tokens_required"])
+
+
+def megatron_step_time(plan: StepPlan) -> float:
+    """A priced megatron plan's step time: each of its groups lasts as long as its busiest GPU (the barrier over
+    the DP x CP GPUs that ends it), which a plan's per-GPU sums cannot express."""
+    from peers.megatron_hybrid_cp import barrier_step_time
+
+    slots = max(len(r.micro_batches) for r in plan.ranks)
+    times = [[r.micro_batches[m].fwd_cost + r.micro_batches[m].bwd_cost if m < len(r.micro_batches) else 0.0
+              for r in plan.ranks] for m in range(slots)]
+    return barrier_step_time(plan, times)
 
 
 def config_for(dp: int, cp: int, args, cp_mode: str = "fixed") -> PlanConfig:
@@ -141,6 +164,8 @@ def _priced(plan: StepPlan, model) -> StepPlan:
 def run_dynamic(lengths: np.ndarray, args, hook: Callable | None = None, by_length: bool = False) -> Row:
     config = config_for(4, 4, args, cp_mode="dynamic")
     cost = DynamicCPCost.for_config(config)
+    if hook is not None:
+        hook(np.array([CONTEXT // 4]), config)  # megatron-core imported before the clock starts
     t0 = time.perf_counter()
     if hook is None:
         name = "per-document CP (packloader dynamic-cp)"
@@ -169,15 +194,38 @@ def run_dynamic(lengths: np.ndarray, args, hook: Callable | None = None, by_leng
     for plan in plans:
         plan = priced_dynamic(plan, cost)
         s = score_plan(plan, cost.model, config.parallel, use_plan_costs=True)
+        step_time = megatron_step_time(plan) if hook is not None else s.step_time
         row.tokens += s.tokens
-        row.time += s.step_time
-        busy += (1 - idle_share(plan, cost, s.step_time)) * s.step_time
+        row.time += step_time
+        busy += (1 - idle_share(plan, cost, step_time)) * step_time
         for r, rank in enumerate(plan.ranks):
             for mb in rank.micro_batches:
                 for seg, c in zip(mb.segments, mb.cp or []):
                     if c.first == r:
                         row.cp_tokens[c.size] = row.cp_tokens.get(c.size, 0) + seg.end - seg.start
     row.idle = 1 - busy / row.time if row.time else 0.0
+    return row
+
+
+def run_bound(lengths: np.ndarray, args) -> Row:
+    """What no plan of these steps can beat under this cost model: every piece's attention at CP 1 (a CP shard
+    costs each of its s GPUs at least 1 / s of it; slices of a piece at least the piece), the linear part at the
+    lowest per-token time of any micro-batch a GPU may hold (1 to max_tokens / cp tokens), no CP traffic, spread
+    evenly over the 16 GPUs. The ceiling of any plan priced the way per-document CP plans are, slicing at smaller
+    CP sizes included (issue 26's open question)."""
+    from packloader.balancers.cost.coeffs import lin_times
+    from packloader.balancers.draw import draw_windows
+
+    config = config_for(4, 4, args, cp_mode="dynamic")
+    cost = DynamicCPCost.for_config(config)
+    n = np.arange(1, cost.cap + 1, dtype=np.float64)  # lin is piecewise linear: its time per token is lowest at a knot
+    rate = float(((lin_times(cost.model.coeffs, n, False) + lin_times(cost.model.coeffs, n, True)) / n).min())
+    row = Row("bound: attention at CP 1, linear at its lowest per-token time, no CP traffic, perfect balance")
+    for w in draw_windows(lengths, config.tokens_per_step, config.context, args.steps).windows:
+        q = np.asarray(w.length, dtype=np.int64)
+        fa, ba = cost.model.segment_times(q, np.zeros_like(q))
+        row.tokens += int(q.sum())
+        row.time += float(fa.sum() + ba.sum() + rate * q.sum()) / cost.pool
     return row
 
 
@@ -208,6 +256,9 @@ def table(results: dict[str, list[Row]]) -> str:
             if r.note:  # over memory: shown, never the baseline
                 lines.append(f"| {ds} | {r.name}: {r.note} | {r.rate:,.0f} | ({r.rate / best:.3f}x) | {r.idle:.1%} | "
                              f"{r.padding} | {r.plan_s:.2f} | |")
+                continue
+            if r.name.startswith("bound"):
+                lines.append(f"| {ds} | {r.name} | {r.rate:,.0f} | {r.rate / best:.3f}x | 0.0% | 0 | | |")
                 continue
             share = r.mix
             if r.cp_tokens:
@@ -243,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_dynamic(lengths, args, by_length=True))
         rows.append(run_auto(lengths, args))
         rows.append(run_dynamic(lengths, args, hook=megatron_hybrid_cp_plan))
+        rows.append(run_bound(lengths, args))
         results[ds] = rows
         print(table({ds: rows}).splitlines()[-len(rows):] and table({ds: rows}), flush=True)
     text = table(results)

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu" / "run_all.py"
-PARTS = ("calibrate", "slices", "accuracy", "balance", "runtime", "loader")
+PARTS = ("calibrate", "slices", "accuracy", "balance", "runtime", "loader", "cp_link")
 
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -54,6 +54,9 @@ def test_dry_run_runs_every_part(tmp_path):
     assert {k.split("/")[0] for k in errs} == {"cp", "remap"} and max(errs.values()) < 1e-4
     assert max(p["runtime"]["slice_executor"].values()) < 1e-4
     assert p["loader"]["batches"] == 6 and p["loader"]["loader_tokens_per_s"] > 0
+    # packloader calibrate --cp under torchrun (2 CPU ranks): a device file with the fitted intra-node CP link
+    assert p["cp_link"]["exit"] == 0, p["cp_link"]["output"]
+    assert p["cp_link"]["cp_link"]["intra_node_gbps"] > 0 and (tmp_path / "out" / "device-cp.json").exists()
     text = docs.read_text()
     assert "kept" in text and "<!-- SECTION:gpu-proof -->" in text and "DRY RUN" in text
     assert (tmp_path / "out" / "gpu-proof.md").read_text().strip() in text

@@ -88,8 +88,18 @@ def _loader(r: dict) -> list[str]:
             f"{r['keeps_up']}.", ""]
 
 
+def _cp_link(r: dict) -> list[str]:
+    if "skipped" in r:
+        return [f"CP link: not measured ({r['skipped']}).", ""]
+    link = r.get("cp_link")
+    head = (f"CP link (per-document CP's K/V all-gather inside a node): {_f(link['intra_node_gbps'])} GB/s, "
+            f"{_f(link['intra_node_latency_us'])} us per ring step, written to {r['device_file']}." if link
+            else f"CP link: `{r['command']}` failed (exit {r['exit']}).")
+    return [head, "", "```", r["output"].strip(), "```", ""]
+
+
 RENDER = {"calibrate": _calibrate, "slices": _slices, "accuracy": _accuracy, "balance": _balance,
-          "runtime": _runtime, "loader": _loader}
+          "runtime": _runtime, "loader": _loader, "cp_link": _cp_link}
 
 
 def render(report: dict) -> str:

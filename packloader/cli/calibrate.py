@@ -4,6 +4,9 @@
     packloader calibrate --device cpu --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 --ffn 128 \\
         --max-len 512 --dtype fp32 --out cpu.json                                               # the CPU reference
 
+    torchrun --nproc-per-node 8 -m packloader.cli.main calibrate --cp intra --out h100-ours.json
+                                                        # a device file with this node's measured CP link
+
 The profile is per pipeline stage (`--layers` layers, default the preset's layers / `--pp`, or 1 for an explicit
 shape); the balancers load it with `--model profile.json` / `load_cost_model(path)`.
 """
@@ -55,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slices", default=None, metavar="CSV", help="also time slices (q query tokens after p earlier "
                    "keys, beside short documents), write their table here and fit the slice term against the profile")
     p.add_argument("--quiet", action="store_true", help="print only the fit")
+    p.add_argument("--cp", choices=["intra", "inter"], default=None, help="instead of the kernels: time the CP K/V "
+                   "all-gather over groups of 2, 4, ... of the torchrun processes (one per GPU, inside one node: intra; "
+                   "one per node: inter), fit bandwidth and latency and write --out as a device file with that half "
+                   "of --base-device's cp_link replaced")
+    p.add_argument("--base-device", default="h100", help="with --cp: the device (name or file) the new file copies")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="with --cp: also set cp_link.gpus_per_node")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     from packloader.runtime.calibrate import LayerShape, calibrate, fit_warnings, format_fit, shape_from_preset
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.cp:
+        return _cp_link(args, device)
     dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if device == "cuda" else "fp32")])
     if device == "cpu":
         found = "" if args.device else "no GPU found (torch.cuda.is_available() is False): calibrating on the CPU; "
@@ -116,3 +127,49 @@ def _slices(args, shape, profile, device, dtype, layers, max_len, say) -> None:
     write_slice_csv(table, args.slices)
     print(format_slice_term(fit_slice_term(profile, table)))
     print(f"wrote {args.slices}")
+
+
+CP_ROWS = {"cuda": [1024, 4096, 16384, 65536], "cpu": [64, 256, 1024, 4096]}  # tokens of 4 KiB of K/V per rank
+NOT_LAUNCHED = ("packloader calibrate --cp times a collective: run it with one process per GPU under torchrun, e.g. "
+                "torchrun --nproc-per-node 8 -m packloader.cli.main calibrate --cp intra --out dev.json (WORLD_SIZE "
+                "is not set and no process group is initialised)")
+
+
+def _cp_link(args: argparse.Namespace, device: str) -> int:
+    """Time the CP all-gather over this job's ranks and write a device file with the fitted half of cp_link."""
+    import os
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from packloader.balancers.cost.devices import load_device, read_device
+    from packloader.runtime.calibrate_cp import device_with_cp_link, fit_cp_link, measure_cp_groups, write_device
+
+    base = read_device(args.base_device) if Path(args.base_device).suffix == ".json" else load_device(args.base_device)
+    launched = not dist.is_initialized()
+    if launched:
+        if "WORLD_SIZE" not in os.environ:
+            raise SystemExit(NOT_LAUNCHED)
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    try:
+        on = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        samples = measure_cp_groups(CP_ROWS[device], 4096, device=on, repeats=args.repeats, warmup=args.warmup)
+    finally:
+        if launched:
+            dist.destroy_process_group()
+    if not samples:  # ranks other than 0
+        return 0
+    gbps, latency_us = fit_cp_link(samples)
+    out = Path(args.out)
+    write_device(device_with_cp_link(base, args.cp, gbps, latency_us, name=out.stem,
+                                     gpus_per_node=args.gpus_per_node), out)
+    for size, received, seconds in samples:
+        print(f"all-gather over {size} ranks: {received / 1e6:.3g} MB received per rank in {seconds * 1e3:.3g} ms")
+    print(f"cp_link {args.cp}_node: {gbps:.3g} GB/s, {latency_us:.3g} us per ring step "
+          f"({max(size for size, _, _ in samples)} ranks, {device}{'; a CPU dry run, not a GPU link' if device == 'cpu' else ''})")
+    print(f"wrote {out} (load it with register_device or PACKLOADER_DEVICE_PATH, then PlanConfig.device="
+          f"{out.stem!r})")
+    return 0

@@ -11,7 +11,7 @@ from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
 from packloader.loader.elastic import drawn_fields, same_layout
 from packloader.loader.graph import LoaderPipeline, StepGraph
-from packloader.loader.state import check_fingerprint, check_state_shape, fingerprint, saved_state
+from packloader.loader.state import check_fingerprint, check_state_shape, fingerprint, saved_state, upgraded
 from packloader.loader.state_check import StateContext, check_state_values, source_lengths
 from packloader.loader.worker_resume import PARTS_FORMAT
 from packloader.sources.order import split_range
@@ -92,6 +92,7 @@ class _StepIterator:
             self.close()
             self._parts, self._turn = parts, int(state["turn"])
             return
+        state = upgraded(state)  # a state saved before a config field existed: the field as it was then
         check_state_shape(state)
         if (state.get("worker", self.worker), state.get("workers", self.workers)) != (self.worker, self.workers):
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Elastic resume: a state saved at one layout (dp, pp, cp, tp, micro-batch count, planner, max_tokens,
+"""Elastic resume: a state saved at one layout (dp, pp, cp, tp, micro-batch count, planner, cp_mode, max_tokens,
 tokens_per_step) resumes at another.
 
 Every rank of a run plans the same steps from the same stream, so a rank's state is the global stream position
@@ -20,12 +20,15 @@ from __future__ import annotations
 import msgspec
 
 from packloader.contracts import PlanConfig, StepPlan
-from packloader.loader.state import check_fingerprint, check_state_shape, flatten
+from packloader.loader.state import check_fingerprint, check_state_shape, flatten, upgraded
 
 # fingerprint fields a resume may change: the layout and how steps are planned, not what is drawn
+# (cp_mode too: fixed and per-document CP draw the same steps; an interrupted step of either leaves pieces that the
+# other plans, and `remainder` reads both kinds of plan)
 ELASTIC_FIELDS = ("config.parallel.", "config.num_micro_batches", "config.max_tokens", "config.strategy",
                   "config.allow_slicing", "config.schedule", "config.model", "config.device", "config.cost",
-                  "config.memory_gib", "config.tokens_per_step", "config.planner_options", "dp_rank")
+                  "config.memory_gib", "config.tokens_per_step", "config.planner_options", "config.cp_mode",
+                  "dp_rank")
 ALL = 1 << 40  # a rank that finished the step: every micro-batch yielded
 
 
@@ -55,6 +58,7 @@ def merge_states(states: list[dict]) -> dict:
     loads with `load_state_dict`. Refuses states of different runs or different saves, naming what differs."""
     if not states:
         raise ValueError("merge_states needs the state_dict() of every rank of one save, got none")
+    states = [upgraded(st) for st in states]
     for st in states:
         check_state_shape(st)
     first = states[0]["fingerprint"]

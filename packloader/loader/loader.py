@@ -58,6 +58,7 @@ from packloader.loader.state import (
     options_doc,
     options_signature,
     saved_state,
+    upgraded,
 )
 from packloader.loader.state_check import StateContext, check_skip, check_state_values, source_lengths
 from packloader.sources.stream import DocumentStream
@@ -222,7 +223,7 @@ class PackedLoader:
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Resume from `state_dict()`: the next batch is the one that followed when it was saved.
 
-        At another layout (dp, pp, cp, tp, num_micro_batches, strategy, max_tokens, tokens_per_step: elastic
+        At another layout (dp, pp, cp, tp, num_micro_batches, strategy, cp_mode, max_tokens, tokens_per_step: elastic
         resume, `loader.elastic`), pass any rank's state saved at a step boundary, or `merge_states` of every
         rank's state of one save: the interrupted step's untrained remainder is planned for this layout first.
         A state saved with another source, seed, shuffle, tokenizer, EOS setting or context is refused, with
@@ -230,6 +231,7 @@ class PackedLoader:
         only). So is a state whose numbers describe no point of this stream (`state_check.py`), naming the field;
         a mid-step state's step is planned here, to check `skip` against it (the loader is left as it was when
         refused)."""
+        state = upgraded(state)  # a state saved before a config field existed: the field as it was then
         saved = check_state_shape(state)  # the SavedState (msgspec.convert); the checks below read the plain dict
         fp = self._fingerprint()
         n = self._p.stream.num_docs

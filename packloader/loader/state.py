@@ -161,6 +161,20 @@ def saved_state(*, fingerprint: dict, step_state: dict | None, skip: int, next_e
                                           worker=worker, workers=workers))
 
 
+# PlanConfig fields added after states were first saved, with the value every state without them was saved under
+ADDED_CONFIG_FIELDS = {"cp_mode": "fixed"}  # per-document CP (issue 26): before it, every plan was fixed CP
+
+
+def upgraded(state):
+    """A state saved before a PlanConfig field existed, with that field as it was then (a copy: the caller's dict
+    is left as it is); anything else as given, for `check_state_shape` to judge."""
+    fp = state.get("fingerprint") if isinstance(state, dict) else None
+    config = fp.get("config") if isinstance(fp, dict) else None
+    if not isinstance(config, dict) or all(k in config for k in ADDED_CONFIG_FIELDS):
+        return state
+    return dict(state, fingerprint=dict(fp, config={**ADDED_CONFIG_FIELDS, **config}))
+
+
 def check_state(state, current_fingerprint: dict) -> None:
     """Refuse, naming the field, a state that is not a complete `state_dict()` of a loader configured like this one."""
     check_state_shape(state)

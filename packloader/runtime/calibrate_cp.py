@@ -10,10 +10,14 @@ the numbers that matter come from NCCL on the GPUs the plans are for.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
+from pathlib import Path
 from typing import Sequence
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -56,4 +60,52 @@ def fit_cp_link(samples: Sequence[tuple[int, float, float]]) -> tuple[float, flo
     (lat, inv_bw), *_ = np.linalg.lstsq(a, t, rcond=None)
     if inv_bw <= 0:
         raise ValueError("fit_cp_link: time does not grow with the bytes sent; time larger transfers")
-    return 1.0 / inv_bw / 1e9, max(0.0, float(lat)) * 1e6
+    return float(1.0 / inv_bw / 1e9), max(0.0, float(lat)) * 1e6
+
+
+def measure_cp_groups(rows: Sequence[int], row_bytes: int, *, device: torch.device | None = None, repeats: int = 5,
+                      warmup: int = 2) -> list[tuple[int, float, float]]:
+    """`time_all_gather` over the first 2, 4, 8, ... ranks of the initialised process group (every power of two up
+    to the world size), as CP groups of those sizes gather: every rank must call it; rank 0 (in every group)
+    returns all the samples, the others []. Two sizes or more give the fit both of its terms apart."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2:
+        raise ValueError(f"measuring a CP link needs a process group of at least 2 ranks, got {world}")
+    samples = []
+    size = 2
+    while size <= world:
+        group = dist.new_group(list(range(size)))  # every rank creates every group, members or not
+        if rank < size:
+            got = time_all_gather(rows, row_bytes, group=group, device=device, repeats=repeats, warmup=warmup)
+            samples += got if rank == 0 else []
+        dist.barrier()
+        size *= 2
+    return samples
+
+
+def device_with_cp_link(base, half: str, gbps: float, latency_us: float, *, name: str,
+                        gpus_per_node: int | None = None):
+    """A copy of Device `base` (`balancers.cost.devices`) named `name`, with the `half` ("intra" or "inter" node)
+    of its cp_link replaced by the fitted numbers; the other half kept."""
+    if half not in ("intra", "inter"):
+        raise ValueError(f"half: expected 'intra' or 'inter' (node), got {half!r}")
+    link = msgspec.structs.replace(base.cp_link, **{f"{half}_node_gbps": float(gbps),
+                                                      f"{half}_node_latency_us": float(latency_us)})
+    if gpus_per_node is not None:
+        link = msgspec.structs.replace(link, gpus_per_node=gpus_per_node)
+    return msgspec.structs.replace(base, name=name, cp_link=link)
+
+
+def write_device(device, path) -> None:
+    """Device `device` as a device file at `path` (its name must be the file's stem, as `read_device` checks),
+    its measured profile referenced relative to the new file's folder."""
+    path = Path(path)
+    if device.name != path.stem:
+        raise ValueError(f"device file {path}: the device is named {device.name!r}; a device file's name is its stem")
+    data = msgspec.to_builtins(device)
+    data.pop("file", None)
+    profile = device.measured_profile_path()
+    if profile is not None:
+        data["measured"]["profile"] = os.path.relpath(profile, path.resolve().parent)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")

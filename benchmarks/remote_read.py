@@ -55,15 +55,21 @@ def corpus(shards: int, docs: int, seed: int = 0):
     return out
 
 
-def tokenize_layout(docs, client, key: str, tmp: str) -> int:
-    """A shard as `packloader tokenize` writes it (one row group, one document a page), uploaded with its
-    length index; its object bytes."""
-    path = Path(tmp, key.replace("/", "-"))
+def tokenize_shard(docs, path: Path, page_rows: int = 1, index: bool = True) -> None:
+    """A shard as `packloader tokenize` writes it (one row group here, `page_rows` documents a page, 0: pyarrow's
+    1 MiB pages), with its length index beside it."""
     t = pa.table({"tokens": pa.array([d.tolist() for d in docs], pa.list_(pa.int32())),
                   "length": pa.array([len(d) for d in docs], pa.int32())})
     pq.write_table(t, path, row_group_size=len(docs), compression="zstd", use_dictionary=False,
-                   write_page_checksum=True, max_rows_per_page=1, write_statistics=["length"])
-    write_index(str(path))
+                   write_page_checksum=True, max_rows_per_page=page_rows or None, write_statistics=["length"])
+    if index:
+        write_index(str(path))
+
+
+def tokenize_layout(docs, client, key: str, tmp: str) -> int:
+    """A shard as `packloader tokenize` writes it by default, uploaded with its length index; its object bytes."""
+    path = Path(tmp, key.replace("/", "-"))
+    tokenize_shard(docs, path)
     client.put_object(Bucket="bench", Key=key, Body=path.read_bytes())
     client.put_object(Bucket="bench", Key=index_name(key), Body=Path(index_name(str(path))).read_bytes())
     return path.stat().st_size
@@ -120,6 +126,90 @@ def rr_many(client, tmp: str, shards: int, docs: int, threads: int) -> list[str]
     return rows
 
 
+LOCAL_LAYOUTS = {  # name: (writer, row of the table)
+    "256 documents a row group, 1 MiB pages, no checksums (the pre-tokenized rows above)":
+        lambda d, p: p.write_bytes(shard_bytes(d, False)),
+    "tokenize --page-rows 0 (1 MiB pages), index beside": lambda d, p: tokenize_shard(d, p, page_rows=0),
+    "tokenize default (one document a page), index beside": lambda d, p: tokenize_shard(d, p),
+    "tokenize default (one document a page), no index (pyarrow decodes)":
+        lambda d, p: tokenize_shard(d, p, index=False),
+}
+
+
+def rr_local(data, tmp: str, threads: int, repeats: int) -> list[str]:
+    """Local disk, dp 1: one epoch of each layout in turn, `repeats` rounds (interleaved, so the machine's load
+    falls on every layout alike); median tokens/s and the median of each round's ratio to the first layout."""
+    import statistics
+
+    globs = []
+    for k, write in enumerate(LOCAL_LAYOUTS.values()):
+        for i, docs in enumerate(data):
+            write(docs, Path(tmp, f"local{k}-{i}.parquet"))
+        globs.append(f"{tmp}/local{k}-*.parquet")
+    epoch(globs[0], False, threads)  # warm-up
+    rates: list[list[float]] = [[] for _ in globs]
+    for _ in range(repeats):
+        for k, g in enumerate(globs):
+            tokens, wall, _ = epoch(g, False, threads)
+            rates[k].append(tokens / wall)
+    rows = []
+    for k, name in enumerate(LOCAL_LAYOUTS):
+        ratio = statistics.median(a / b for a, b in zip(rates[k], rates[0]))
+        rows.append(f"| {name} | {statistics.median(rates[k]):,.0f} | {min(rates[k]):,.0f}..{max(rates[k]):,.0f} "
+                    f"| {ratio:.2f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def rr_gaps(client, tmp: str, threads: int, gaps: list[int]) -> list[str]:
+    """dp 4 over the tokenize-layout shards (uploaded under tok/), exact ranges with gaps below each bound
+    merged: every rank's bytes and requests, rank 0's tokens/s."""
+    rows = []
+    for gap in gaps:
+        got, reqs, rate = [], [], 0.0
+        for rank in range(4):
+            store = Storage(block_size=0, merge_gap_bytes=gap)
+            tokens, wall, _ = epoch(store.paths("s3://bench/tok/*.parquet"), False, threads, dp=4, rank=rank)
+            got.append(store.bytes_read)
+            reqs.append(store.requests)
+            rate = rate or tokens / wall
+        rows.append((gap, got, reqs, rate))
+        print(gap, got, reqs, f"{rate:,.0f}", flush=True)
+    return rows
+
+
+def _command() -> str:
+    return "python benchmarks/remote_read.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def write_local(args, rows: list[str]) -> None:
+    body = (
+        f"`{_command()}` ({args.shards} shards x {args.docs} documents as above, {args.threads} threads, "
+        f"{args.repeats} rounds; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}). One dp-1 epoch of "
+        "`PackedLoader` from local files per layout per round, the layouts in turn within each round; tokens/s "
+        "median and range over the rounds, and the median of each round's ratio to the first row (the machine is "
+        "shared: compare ratios, not the absolute figures).\n\n"
+        "| layout | tokens/s (median) | range | ratio to 256-document row groups |\n| --- | --- | --- | --- |\n"
+        + "\n".join(rows))
+    write_section(args.write, "remote-read-local", "Local reads of the tokenize layout", body)
+
+
+def write_gaps(args, gaps: list, corpus_bytes: int) -> None:
+    lines = "\n".join(
+        f"| {gap >> 10} KiB | {', '.join(f'{b:,}' for b in got)} | {max(got) / corpus_bytes:.0%} | "
+        f"{', '.join(f'{r:,}' for r in reqs)} | {rate:,.0f} |" for gap, got, reqs, rate in gaps)
+    body = (
+        f"`{_command()}` ({args.shards} shards x {args.docs} documents, tokenize layout with the length index, "
+        f"{args.threads} threads; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}). dp 4, each rank's epoch "
+        "from moto_server on the loopback with exact ranges (`Storage(block_size=0, merge_gap_bytes=...)`, 8 reads "
+        f"in flight): bytes and requests per rank (footers, indexes and the probes for them included) against "
+        f"the corpus's {corpus_bytes:,} object bytes (target: at most 1/dp + 10 % = 35 %), and rank 0's "
+        "tokens/s.\n\n"
+        "| merge gap | bytes per rank 0..3 | largest share | requests per rank 0..3 | rank 0 tokens/s |\n"
+        "| --- | --- | --- | --- | --- |\n" + lines)
+    write_section(args.write, "remote-read-gaps", "Exact reads: merging the gaps between a rank's pages", body)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shards", type=int, default=4)
@@ -128,7 +218,18 @@ def main() -> None:
     ap.add_argument("--many", type=int, default=16, help="shards of the many-shards rows (as many documents in all)")
     ap.add_argument("--train-ms", type=float, default=50.0, help="simulated training time a micro-batch")
     ap.add_argument("--write", type=Path)
+    ap.add_argument("--part", choices=["all", "local", "gaps"], default="all",
+                    help="local: the local-disk layouts alone; gaps: the gap-merging rows alone (both: their own "
+                         "sections)")
+    ap.add_argument("--repeats", type=int, default=7, help="rounds of the local-disk layouts")
+    ap.add_argument("--gaps", default="0,4096,16384,65536,262144,1048576", help="merge_gap_bytes of the gap rows")
     args = ap.parse_args()
+    if args.part == "local":
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = rr_local(corpus(args.shards, args.docs), tmp, args.threads, args.repeats)
+        if args.write:
+            write_local(args, rows)
+        return
     exe = find_moto_server()
     if exe is None:
         raise SystemExit("moto_server not found: bash scripts/setup.sh dev")
@@ -141,6 +242,12 @@ def main() -> None:
         client.create_bucket(Bucket="bench")
         data = corpus(args.shards, args.docs)
         with tempfile.TemporaryDirectory() as tmp:
+            if args.part == "gaps":
+                sizes = sum(tokenize_layout(d, client, f"tok/{i}.parquet", tmp) for i, d in enumerate(data))
+                gaps = rr_gaps(client, tmp, args.threads, [int(g) for g in args.gaps.split(",")])
+                if args.write:
+                    write_gaps(args, gaps, sizes)
+                return
             for kind, text in (("pre-tokenized", False), ("raw text", True)):
                 sizes[kind] = 0
                 for i, docs in enumerate(data):
@@ -201,7 +308,7 @@ def main() -> None:
         f"{f'{block >> 10} KiB' if block else 'exact'} | {', '.join(f'{b:,}' for b in got)} | "
         f"{', '.join(f'{b / totals[group]:.0%}' for b in got)} | {max(got) / totals[group]:.0%} |"
         for (group, block), got in per_rank.items())
-    cmd = "python benchmarks/remote_read.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    cmd = _command()
     body = (
         f"`{cmd}` ({args.shards} shards x {args.docs} documents, lengths 16..4096 log-uniform, {args.threads} "
         f"threads; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}). One epoch each after an untimed warm-up epoch; S3 is moto_server on the "

@@ -191,7 +191,7 @@ def test_concurrent_and_bounded_page_reads_fetch_each_page_once(tmp_path, thread
     from packloader.sources.pretokenize import write_index
 
     write_index(str(path))
-    store = local_storage(fetch_threads=threads, read_ahead_bytes=in_flight)
+    store = local_storage(fetch_threads=threads, read_ahead_bytes=in_flight, merge_gap_bytes=0)  # exact
     src = open_source(store.paths(str(path)))
     opened = store.bytes_read
     some = np.arange(0, 120, 3)
@@ -245,3 +245,42 @@ def test_prefetch_fetches_several_shards_pages_for_the_reads_that_follow(tmp_pat
     got = {k: [np.asarray(d).tolist() for d in src.read(k, r)] for k, r in rows.items()}
     assert got == {k: [shards[k][i].tolist() for i in r] for k, r in rows.items()}
     assert (store.bytes_read, store.requests) == (fetched, requests)  # every page came from the prefetch
+
+
+@pytest.mark.parametrize("gap", [0, 3000, 20_000, 1 << 30])
+def test_merged_gaps_read_the_same_documents_for_bounded_extra_bytes(tmp_path, gap):
+    """Runs of a quarter of the pages at most `gap` bytes apart are fetched by one read each: the same documents
+    as written; every request saved costs at most `gap` more bytes than exact ranges, and all of them together at
+    most MERGE_SHARE more. Every document but one in the middle: with a gap above that page's bytes, one read of
+    the whole column chunk (as the footer states its bytes); exact, two reads of less."""
+    from packloader.sources.parquet_ranged import MERGE_SHARE
+    from packloader.sources.pretokenize import write_index
+
+    docs = docs_of(120, 13)
+    path = tmp_path / "a.parquet"
+    write(path, docs, compression="zstd", max_rows_per_page=1, row_group_size=120, write_page_checksum=True)
+    write_index(str(path))
+    chunk = pq.read_metadata(path).row_group(0).column(0).total_compressed_size
+
+    def fetch(rows, merge):
+        store = local_storage(merge_gap_bytes=merge)
+        src = open_source(store.paths(str(path)))
+        b, r = store.bytes_read, store.requests
+        got = [np.asarray(d).tolist() for d in src.read(0, rows)]
+        assert got == [docs[i].tolist() for i in rows]
+        return store.bytes_read - b, store.requests - r
+
+    rows = np.sort(np.random.default_rng(3).permutation(120)[:30])
+    (exact, exact_reqs), (merged, reqs) = fetch(rows, 0), fetch(rows, gap)
+    assert reqs <= exact_reqs and exact <= merged <= min(exact + (exact_reqs - reqs) * gap,
+                                                         (1 + MERGE_SHARE) * exact)
+    if gap == 0:
+        assert merged == exact
+    if gap == 1 << 30:
+        assert reqs < exact_reqs
+    but_one = np.setdiff1d(np.arange(120), [60])
+    assert fetch(but_one, 1 << 30) == (chunk, 1)
+    apart = fetch(but_one, 0)
+    assert apart[1] == 2 and apart[0] < chunk
+    with pytest.raises(ValueError, match="merge_gap_bytes"):
+        Storage(merge_gap_bytes=-1)

@@ -90,7 +90,7 @@ def test_dp_ranks_fetch_only_their_documents_pages_and_train_every_token_once(s3
     pieces: dict[int, list[int]] = {}
     fetched = []
     for rank in range(4):
-        store = Storage(block_size=0, retry=FAST)
+        store = Storage(block_size=0, retry=FAST, merge_gap_bytes=0)  # exact ranges, no gap merged
         loader = PackedLoader(store.paths("s3://pages/d/*.parquet"), config=CFG, tokenizer=None, num_threads=2,
                               dp_rank=rank, check_ranks=False)
         for b in loader:

@@ -40,12 +40,18 @@ class LengthIndex(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     layouts: list[tuple[str, str, int, int]]  # per row group: compression, physical type, max rep, max def levels
     lengths: bytes  # int64 per row
     pages: list[bytes]  # per row group: int64 (offset, bytes, ids, first row) per data page
+    # per row group: int64 (header bytes, uncompressed bytes, CRC or -1, page type) per data page, so a local
+    # reader decodes a whole chunk without parsing page headers (`parquet_chunk.py`); empty in older indexes
+    bodies: list[bytes] = []
 
     def length_array(self) -> np.ndarray:
         return np.frombuffer(self.lengths, dtype="<i8")
 
     def page_array(self, group: int) -> np.ndarray:
         return np.frombuffer(self.pages[group], dtype="<i8").reshape(-1, 4)
+
+    def body_array(self, group: int) -> np.ndarray | None:
+        return np.frombuffer(self.bodies[group], dtype="<i8").reshape(-1, 4) if self.bodies else None
 
 
 def content_identity(size: int, footer: bytes) -> str:
@@ -84,6 +90,9 @@ def decode(data: bytes, where: str) -> LengthIndex:
     groups = len(index.group_rows)
     if len(index.layouts) != groups or len(index.pages) != groups or len(index.lengths) != 8 * sum(index.group_rows):
         raise LengthIndexError(f"{where}: the length index's row groups, pages and lengths disagree")
+    if index.bodies and (len(index.bodies) != groups
+                         or any(len(b) != len(p) for b, p in zip(index.bodies, index.pages))):
+        raise LengthIndexError(f"{where}: the length index's pages and page bodies disagree")
     return index
 
 
@@ -105,22 +114,23 @@ def build(pread, meta, column: str, identity: str) -> LengthIndex:
     every page decoded to count its ids and rows. `Unpageable` where pages cannot be read one by one."""
     leaf = token_leaf(meta, column)
     lengths: list[int] = []
-    pages, layouts, rows = [], [], []
+    pages, bodies, layouts, rows = [], [], [], []
     for g in range(meta.num_row_groups):
         lay = layout(meta, leaf, g)
         col = meta.row_group(g).column(leaf)
         start = col.data_page_offset
-        table, got = scan_chunk(pread(col.total_compressed_size, start), start, lay)
+        table, got, body = scan_chunk(pread(col.total_compressed_size, start), start, lay)
         if len(got) != meta.row_group(g).num_rows:
             raise PageError(f"row group {g}: its pages hold {len(got)} rows, the footer says "
                             f"{meta.row_group(g).num_rows}")
         table[:, 3] += len(lengths)
         lengths += got
         pages.append(table.astype("<i8").tobytes())
+        bodies.append(body.astype("<i8").tobytes())
         layouts.append(lay.key())
         rows.append(meta.row_group(g).num_rows)
     return LengthIndex(version=VERSION, identity=identity, column=column, group_rows=rows, layouts=layouts,
-                       lengths=np.asarray(lengths, dtype="<i8").tobytes(), pages=pages)
+                       lengths=np.asarray(lengths, dtype="<i8").tobytes(), pages=pages, bodies=bodies)
 
 
 def write_beside(path: str, index: LengthIndex) -> str:
@@ -184,3 +194,20 @@ def find(watch, storage, meta, column: str, mode: str) -> LengthIndex | None:
         fh.write(encode(index))
     os.replace(tmp, local)
     return index
+
+
+def find_local(path: str, identity: str, meta, column: str) -> LengthIndex | None:
+    """The index beside a local shard, where it lets whole row groups be decoded from it (`parquet_chunk.py`);
+    None where there is none. For a local file the index only speeds decoding (pyarrow reads the file whole and
+    checked without it), so an index that is corrupt, stale or from an older writer is logged and left unused."""
+    beside = index_name(path)
+    if not os.path.exists(beside):
+        return None
+    try:
+        with open(beside, "rb") as fh:
+            index = decode(fh.read(), beside)
+        check_matches(index, identity, meta, column, beside)
+    except (LengthIndexError, OSError) as e:
+        log.warning("%s: length index not used, the shard's row groups are read whole (%s)", path, e)
+        return None
+    return index if index.bodies else None

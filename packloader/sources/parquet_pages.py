@@ -171,13 +171,15 @@ def page_values(buf, lay: ColumnLayout) -> tuple[np.ndarray, int, np.ndarray] | 
     return ids, head, rows
 
 
-def scan_chunk(chunk: bytes, start: int, lay: ColumnLayout) -> tuple[np.ndarray, list[int]]:
+def scan_chunk(chunk: bytes, start: int, lay: ColumnLayout) -> tuple[np.ndarray, list[int], np.ndarray]:
     """Every data page of a column chunk read whole (`chunk` begins at file offset `start`): an int64 array of
-    (file offset, size with header, ids, first row) per page, and the rows' lengths."""
-    pages, lengths = [], []
+    (file offset, size with header, ids, first row) per page, the rows' lengths, and per page what decoding it
+    without parsing its header again needs (`parquet_chunk.py`): (header bytes, uncompressed bytes, CRC or -1,
+    page type)."""
+    pages, lengths, bodies = [], [], []
     view, pos = memoryview(chunk), 0
     while pos < len(view):
-        _, _, end = page_size(view[pos:])
+        header, head_bytes, end = page_size(view[pos:])
         page = page_values(view[pos:pos + end], lay)
         if page is not None:
             ids, head, rows = page
@@ -186,6 +188,9 @@ def scan_chunk(chunk: bytes, start: int, lay: ColumnLayout) -> tuple[np.ndarray,
             if head:
                 lengths[-1] += head
             pages.append((start + pos, end, len(ids), len(lengths)))
+            crc = header.get(4)
+            bodies.append((head_bytes, int(header[2]), crc & 0xFFFFFFFF if isinstance(crc, int) else -1, header[1]))
             lengths.extend(rows.tolist())
         pos += end
-    return np.asarray(pages, dtype=np.int64).reshape(-1, 4), lengths
+    return (np.asarray(pages, dtype=np.int64).reshape(-1, 4), lengths,
+            np.asarray(bodies, dtype=np.int64).reshape(-1, 4))

@@ -25,6 +25,7 @@ from packloader.sources.length_index import LengthIndex, find
 from packloader.sources.parquet_pages import ColumnLayout, PageError, Unpageable, page_values
 
 _INT32_LIMIT = 2**31
+MERGE_SHARE = 0.25  # a merged run's skipped bytes: at most this share of the bytes it wants
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
@@ -70,8 +71,10 @@ class PagedShard:
         return spans, need
 
     def tasks(self, rows: np.ndarray, cache, shard: int, got: dict) -> list[tuple]:
-        """The runs of adjacent pages `rows` need that the cache lacks, as (shard's reader, shard, group, pages);
-        the pages the cache holds go into `got`."""
+        """The runs of pages `rows` need that the cache lacks, as (shard's reader, shard, group, pages): pages
+        at most `merge_gap_bytes` apart share a run (one read spans the gap between them: fewer requests for a few
+        more bytes, see `_runs`); the pages the cache holds go into `got`."""
+        gap = int(getattr(self.storage, "merge_gap_bytes", 0))
         out = []
         for g, wanted in self._spans(rows)[1].items():
             missing = []
@@ -81,9 +84,28 @@ class PagedShard:
                     missing.append(p)
                 else:
                     got[shard, g, p] = hit
-            cuts = np.flatnonzero(np.diff(missing) != 1) + 1
-            out += [(self, shard, g, run) for run in np.split(np.asarray(missing, np.int64), cuts) if len(run)]
+            out += [(self, shard, g, np.asarray(run, np.int64)) for run in self._runs(g, missing, gap)]
         return out
+
+    def _runs(self, g: int, pages: list[int], gap: int) -> list[list[int]]:
+        """`pages` (ascending) cut into runs: the next page joins a run where the bytes between them are at most
+        `gap` and the run's skipped bytes stay within MERGE_SHARE of its wanted bytes (so merging never costs a
+        rank more than that share above exact ranges, whatever the documents' sizes)."""
+        table = self.pages[g][:, :2].tolist()
+        runs: list[list[int]] = []
+        wanted = skipped = 0
+        for p in pages:
+            at, size = table[p]
+            if runs:
+                prev = table[runs[-1][-1]]
+                between = at - prev[0] - prev[1]
+                if between <= gap and skipped + between <= MERGE_SHARE * (wanted + size):
+                    runs[-1].append(p)
+                    wanted, skipped = wanted + size, skipped + between
+                    continue
+            runs.append([p])
+            wanted, skipped = size, 0
+        return runs
 
     def read(self, rows: np.ndarray, cache, shard: int, vocab_size: int | None) -> list[np.ndarray]:
         """The token ids of `rows` (shard rows), in the order given."""

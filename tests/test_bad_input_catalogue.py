@@ -208,6 +208,23 @@ def length_index_lengths_disagree(tmp):
     return read
 
 
+def local_indexed_page_corrupt(tmp):
+    """A local shard as `tokenize` writes it (one document a page, its index beside), the last byte of row group
+    0's token pages flipped: same size and footer, so the index still matches and the local reader decodes the
+    row group through it; the page's CRC tells."""
+    from packloader.sources.pretokenize import write_index
+
+    p = tmp / "idx.parquet"
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2, 3], [4, 5], [6, 7, 8, 9]], pa.list_(pa.int32()))}), p,
+                   max_rows_per_page=1, use_dictionary=False, compression="zstd", write_page_checksum=True)
+    write_index(str(p))
+    col = pq.read_metadata(p).row_group(0).column(0)
+    raw = bytearray(p.read_bytes())
+    raw[col.data_page_offset + col.total_compressed_size - 1] ^= 0x01
+    p.write_bytes(bytes(raw))
+    return lambda: read_all(ParquetSource(p))
+
+
 def parquet_empty_row_length_column(tmp):
     p = token_table(tmp / "e1.parquet", [[1, 2], [], [3]], length=True)
     return lambda: PackedLoader(ParquetSource(p), config=_config(), append_eos=False, num_threads=0).__iter__().__next__()
@@ -889,6 +906,8 @@ CASES = [
          ("_idx.parquet.index", "the length index describes another shard", "the shard was rewritten after its index")),
     Case("length_index_lengths_disagree", length_index_lengths_disagree, SourceError,
          ("idx.parquet, row group 0, page at byte", "its ids and rows disagree with the length index")),
+    Case("local_indexed_page_corrupt", local_indexed_page_corrupt, SourceError,
+         ("idx.parquet: row group 0 (rows 0..", "column 'tokens'", "CRC checksum verification failed for the page")),
     Case("parquet_empty_row_length_column", parquet_empty_row_length_column, EmptyDocumentError,
          ("e1.parquet", "row 1", "empty document", "empty='skip'")),
     Case("parquet_empty_row_no_length_column", parquet_empty_row_no_length_column, EmptyDocumentError,

@@ -25,7 +25,8 @@ from packloader.sources.length_index import LengthIndex, find
 from packloader.sources.parquet_pages import ColumnLayout, PageError, Unpageable, page_values
 
 _INT32_LIMIT = 2**31
-MERGE_SHARE = 0.25  # a merged run's skipped bytes: at most this share of the bytes it wants
+MERGE_SHARE = 0.1  # bytes spanned by merged reads: at most this share of the bytes a request wants (the 10 %
+# slack of the byte target, at most 1/dp + 10 % of the corpus a rank, that exact reads leave at any dp)
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
@@ -84,28 +85,23 @@ class PagedShard:
                     missing.append(p)
                 else:
                     got[shard, g, p] = hit
-            out += [(self, shard, g, np.asarray(run, np.int64)) for run in self._runs(g, missing, gap)]
+            out += [(self, shard, g, run) for run in self._runs(g, missing, gap)]
         return out
 
-    def _runs(self, g: int, pages: list[int], gap: int) -> list[list[int]]:
-        """`pages` (ascending) cut into runs: the next page joins a run where the bytes between them are at most
-        `gap` and the run's skipped bytes stay within MERGE_SHARE of its wanted bytes (so merging never costs a
-        rank more than that share above exact ranges, whatever the documents' sizes)."""
-        table = self.pages[g][:, :2].tolist()
-        runs: list[list[int]] = []
-        wanted = skipped = 0
-        for p in pages:
-            at, size = table[p]
-            if runs:
-                prev = table[runs[-1][-1]]
-                between = at - prev[0] - prev[1]
-                if between <= gap and skipped + between <= MERGE_SHARE * (wanted + size):
-                    runs[-1].append(p)
-                    wanted, skipped = wanted + size, skipped + between
-                    continue
-            runs.append([p])
-            wanted, skipped = size, 0
-        return runs
+    def _runs(self, g: int, pages: list[int], gap: int) -> list[np.ndarray]:
+        """`pages` (ascending) cut into runs, one read each. Adjacent pages share a run; of the gaps between the
+        others, those of at most `gap` bytes are spanned smallest first (each saves a request for its bytes)
+        while the bytes spanned stay within MERGE_SHARE of the wanted pages' bytes, so merging never costs a
+        request more than that share above exact ranges, whatever the documents' sizes."""
+        at = np.asarray(pages, np.int64)
+        starts = self.pages[g][at, 0]
+        ends = starts + self.pages[g][at, 1]
+        between = starts[1:] - ends[:-1]
+        order = np.argsort(between, kind="stable")
+        spanned = (between[order] <= gap) & (np.cumsum(between[order]) <= MERGE_SHARE * int((ends - starts).sum()))
+        cut = np.ones(len(between), dtype=bool)
+        cut[order[spanned]] = False
+        return [run for run in np.split(at, np.flatnonzero(cut) + 1) if len(run)]
 
     def read(self, rows: np.ndarray, cache, shard: int, vocab_size: int | None) -> list[np.ndarray]:
         """The token ids of `rows` (shard rows), in the order given."""

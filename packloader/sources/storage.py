@@ -28,7 +28,7 @@ from packloader.sources.remote_http import HTTP_SCHEMES, HttpStore
 from packloader.sources.unsupported import UnsupportedSourceError, url_scheme
 
 S3_SCHEMES = ("s3", "s3a")
-MERGE_GAP_BYTES = 4 << 10  # see docs/object-storage.md: larger gaps cost more bytes per rank than dp 4 allows
+MERGE_GAP_BYTES = 1 << 20  # gaps up to 1 MiB spanned, within parquet_ranged.MERGE_SHARE (docs/object-storage.md)
 
 
 class StoragePaths:

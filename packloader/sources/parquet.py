@@ -279,6 +279,7 @@ class ParquetSource(ShardedSource):
             self._watch[shard].check()  # the bytes just read are the indexed file's
             if block is not None:
                 check_range(path, self.column, start, *block, self.vocab_size)
+                self._group_bytes = max(self._group_bytes, block[0].nbytes + block[1].nbytes)
                 return block, block[0].nbytes + block[1].nbytes
         columns = [self.column] + ([self.length_column] if self.length_column else [])
         try:

@@ -7,6 +7,8 @@ per-thread LRU cache (`cache_bytes`, always at least the current one), so consec
 group decode nothing. A request that spans several row groups not yet cached decodes them concurrently first, in a
 small per-process thread pool (`decode_threads`, default min(4, CPUs); 1 turns it off): Arrow releases the GIL
 while decoding, and a training step's documents, spread by the shuffle, touch many row groups at once.
+A local token shard with a length index beside it (`packloader tokenize` writes one) is decoded through the index
+(`parquet_chunk.py`: pyarrow spends a zstd context on every page of tokenize's one document a page).
 Files are read with plain reads, never memory-mapped (a mapped file truncated by another process kills the
 reader with SIGBUS); each shard's identity (`identity.py`: size and footer hash) is taken when the source opens,
 and every handle opened and every row group read is followed by a check that the file is still that one, so a

@@ -327,7 +327,8 @@ def main() -> None:
         + "\n\nThe `tokenize layout + index` rows read the shards as `packloader tokenize` writes them by default (one "
         "row group a shard here, one document a data page, the length index beside each shard), through the index: "
         "with exact ranges (`Storage(block_size=0)`) a request fetches only its documents' pages, one ranged GET per "
-        "run of adjacent pages, `fetch_threads` of them in flight at once (1: before, 8: the default); with 4 MiB "
+        "run of adjacent pages (small gaps merged: `merge_gap_bytes`, last section), `fetch_threads` of them in "
+        "flight at once (1: before, 8: the default); with 4 MiB "
         "blocks the pages come out of whole blocks, which the memory cache keeps. dp 4 rank 0 is one rank's epoch "
         "(its quarter of the documents). Exact ranges cost a request per document on a one-rank epoch, so they pay "
         "where a rank reads a small share; on moto, a Python server on the same 2 busy cores, a request costs "
@@ -353,7 +354,7 @@ def main() -> None:
         "default layout (row groups of 1M tokens, one document a page, a length index) meets the target with exact "
         "ranges at any row-group size, for 9 % more bytes than pyarrow's 1 MiB pages (page headers, a zstd frame "
         "per page); the footers and indexes every rank reads are counted (the indexes are not in the corpus bytes: "
-        "what the 4 MiB row fetched above them, about 10 bytes a document). A rank's share also follows its share of "
+        "what the 4 MiB row fetched above them, about 18 bytes a document with the page bodies' table). A rank's share also follows its share of "
         "the tokens, which the fixed planner leaves uneven by a few percent.\n\n"
         "| documents per row group | corpus bytes | block | bytes per rank 0..3 | share per rank | largest share |\n"
         "| --- | --- | --- | --- | --- | --- |\n" + fetched

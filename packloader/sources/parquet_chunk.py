@@ -23,14 +23,14 @@ _LOCAL = threading.local()
 _INT32_LIMIT = 2**31
 
 
-def _zstd(data, size: int) -> bytes:
+def _decompressor(codec: str | None):
+    """`decompress(body, size)` for `codec`: zstd through one context per thread, reused page after page."""
+    if codec != "zstd":
+        return lambda body, size: _decompress(body, size, codec)
     d = getattr(_LOCAL, "zstd", None)
     if d is None:
         d = _LOCAL.zstd = zstandard.ZstdDecompressor()
-    try:
-        return d.decompress(data, max_output_size=size)
-    except zstandard.ZstdError as e:
-        raise PageError(f"the page does not decompress ({e})") from None
+    return lambda body, size: d.decompress(body, max_output_size=size)
 
 
 def decodable(bodies: np.ndarray | None, lay: ColumnLayout) -> bool:
@@ -44,6 +44,7 @@ def chunk_ids(buf, pages: np.ndarray, bodies: np.ndarray, lay: ColumnLayout) -> 
     view, start = memoryview(buf), int(pages[0, 0])
     out = np.empty(int(pages[:, 2].sum()), dtype="<i4")
     dest, at = memoryview(out).cast("B"), 0
+    decompress = _decompressor(lay.codec)
     for (off, size, ids, _), (head, raw, crc, _) in zip(pages.tolist(), bodies.tolist()):
         a = off - start
         if a + size > len(view):
@@ -51,13 +52,10 @@ def chunk_ids(buf, pages: np.ndarray, bodies: np.ndarray, lay: ColumnLayout) -> 
         body = view[a + head:a + size]
         if crc >= 0 and zlib.crc32(body) != crc:
             raise PageError(f"CRC checksum verification failed for the page at byte {off}")
-        if lay.codec == "zstd":
-            data = _zstd(body, raw)
-        else:
-            try:
-                data = _decompress(body, raw, lay.codec)
-            except Exception as e:  # pyarrow's codecs raise their own kinds
-                raise PageError(f"the page at byte {off} does not decompress ({e})") from None
+        try:
+            data = decompress(body, raw)
+        except Exception as e:  # zstandard's and pyarrow's codecs raise their own kinds
+            raise PageError(f"the page at byte {off} does not decompress ({e})") from None
         if len(data) != raw or raw < 8:
             raise PageError(f"the page at byte {off} decompresses to {len(data)} bytes, its header says {raw}")
         rep = struct.unpack_from("<I", data, 0)[0]

@@ -2,6 +2,9 @@
 
     .venv/bin/python benchmarks/source_reads.py --repeats 5 --data /tmp/srcbench
     PYTHONPATH=<a checkout of an older packloader> .venv/bin/python benchmarks/source_reads.py ... (to compare)
+    .venv/bin/python benchmarks/source_reads.py --page-rows 1 --compression zstd --data /tmp/srcbench-pages (one
+    document a page in zstd, as `packloader tokenize` writes by default, without its index: what pyarrow's decoding
+    costs; with pyarrow's default snappy the pages alone cost nothing, since the cost is a zstd context a page)
 
 Data (written once into `--data`, not timed): `--shards` Parquet token shards (`tokens list<int32>`, `length`,
 row groups of 1,000 rows, random ids) and as many plain JSONL text shards, seeded. Timed, each best and median of
@@ -30,7 +33,8 @@ from packloader.sources.open import open_source
 from packloader.sources.stream import DocumentStream
 
 
-def prepare(d: Path, shards: int, docs: int) -> tuple[list[str], list[str]]:
+def prepare(d: Path, shards: int, docs: int, page_rows: int = 0,
+            compression: str = "snappy") -> tuple[list[str], list[str]]:
     d.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     pqs, jsonls = [], []
@@ -42,7 +46,8 @@ def prepare(d: Path, shards: int, docs: int) -> tuple[list[str], list[str]]:
             values = rng.integers(0, 100_000, size=int(offsets[-1]), dtype=np.int32)
             table = pa.table({"tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
                               "length": pa.array(lengths.astype(np.int32))})
-            pq.write_table(table, p, row_group_size=1000)
+            pq.write_table(table, p, row_group_size=1000, max_rows_per_page=page_rows or None,
+                           compression=compression)
         if not j.exists():
             words = ["alpha", "beta", "gamma", "delta", "epsilon", "über", "日本"]
             with open(j, "w") as f:
@@ -83,8 +88,11 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--docs", type=int, default=4000, help="documents per shard")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--page-rows", type=int, default=0,
+                    help="documents per Parquet data page (0: pyarrow's 1 MiB pages)")
+    ap.add_argument("--compression", default="snappy", help="Parquet codec (snappy: pyarrow's default)")
     args = ap.parse_args()
-    pqs, jsonls = prepare(Path(args.data), args.shards, args.docs)
+    pqs, jsonls = prepare(Path(args.data), args.shards, args.docs, args.page_rows, args.compression)
     rows = []
     for name, paths, raw in (("Parquet tokens", pqs, False), ("JSONL text", jsonls, True)):
         best_o, med_o, src = timed(lambda p=paths: open_source(p), args.repeats)

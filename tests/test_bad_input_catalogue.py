@@ -71,10 +71,10 @@ def texts(n: int = 60, seed: int = 0) -> list[str]:
             for i in range(n)]
 
 
-def tokenized(tmp: Path) -> tuple[str, list[np.ndarray]]:
+def tokenized(tmp: Path, page_rows: int = 1) -> tuple[str, list[np.ndarray]]:
     """A shard written by `packloader tokenize` (page checksums, vocabulary in the metadata), and its tokens."""
     summary = tokenize_to_parquet(IterableSource(texts()), get_tokenizer("tekken", num_threads=1), tmp / "tok",
-                                  progress=False, row_group_tokens=2000)
+                                  progress=False, row_group_tokens=2000, page_rows=page_rows)
     path = summary.files[0]
     return path, [d.copy() for d in read_all(ParquetSource(path))]
 
@@ -82,8 +82,10 @@ def tokenized(tmp: Path) -> tuple[str, list[np.ndarray]]:
 def corrupt_page_data(tmp: Path, seed: int) -> Callable[[], object]:
     """One bit flipped at a seeded offset inside the compressed page data of row group 0's token column, at seeds
     where a reader that skips the checksums gets changed tokens, every one inside the vocabulary: nothing but the
-    page checksum can tell (checked here, by reading the same bytes with verification off)."""
-    path, good = tokenized(tmp)
+    page checksum can tell (checked here, by reading the same bytes with verification off). The shard has pyarrow's
+    1 MiB pages (`--page-rows 0`), where the seeds were chosen: with one document a page most flipped bits land in
+    a page header or a zstd frame, which fail on their own."""
+    path, good = tokenized(tmp, page_rows=0)
     col = pq.ParquetFile(path).metadata.row_group(0).column(0)
     start, size = col.data_page_offset, col.total_compressed_size
     rnd = random.Random(seed)
@@ -163,6 +165,64 @@ def parquet_length_statistics_mismatch(tmp):
     footer = body[-8 - n:-8].replace((300).to_bytes(4, "little"), (299).to_bytes(4, "little"))
     (tmp / "stats.parquet").write_bytes(body[:-8 - n] + footer + body[-8:])
     return lambda: read_all(ParquetSource(tmp / "stats.parquet"))
+
+
+def _indexed_shard(tmp, docs):
+    """A token shard with one document a page and its length index beside it, read as a remote shard (through a
+    filesystem object) so the index is used."""
+    import pyarrow.fs as pafs
+
+    from packloader.sources.pretokenize import write_index
+    from packloader.sources.storage import Storage
+
+    p = tmp / "idx.parquet"
+    pq.write_table(pa.table({"tokens": pa.array(docs, pa.list_(pa.int32()))}), p, max_rows_per_page=1,
+                   use_dictionary=False)
+    index = write_index(str(p))
+    return p, index, lambda: read_all(open_source(Storage(filesystem=pafs.LocalFileSystem(), block_size=0).paths(str(p))))
+
+
+def length_index_corrupt(tmp):
+    _, index, read = _indexed_shard(tmp, [[1, 2, 3], [4, 5]])
+    raw = bytearray(Path(index).read_bytes())
+    raw[-3] ^= 0x55
+    Path(index).write_bytes(bytes(raw))
+    return read
+
+
+def length_index_of_another_shard(tmp):
+    p, _, read = _indexed_shard(tmp, [[1, 2, 3], [4, 5]])
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2], [3]], pa.list_(pa.int32()))}), p)  # rewritten, index stale
+    return read
+
+
+def length_index_lengths_disagree(tmp):
+    """A well-formed index (hash recomputed) whose first two lengths are swapped: the pages say otherwise."""
+    import msgspec
+
+    from packloader.sources.length_index import decode, encode
+
+    _, index, read = _indexed_shard(tmp, [[1, 2, 3], [4, 5]])
+    idx = decode(Path(index).read_bytes(), index)
+    Path(index).write_bytes(encode(msgspec.structs.replace(idx, lengths=np.array([2, 3], "<i8").tobytes())))
+    return read
+
+
+def local_indexed_page_corrupt(tmp):
+    """A local shard as `tokenize` writes it (one document a page, its index beside), the last byte of row group
+    0's token pages flipped: same size and footer, so the index still matches and the local reader decodes the
+    row group through it; the page's CRC tells."""
+    from packloader.sources.pretokenize import write_index
+
+    p = tmp / "idx.parquet"
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2, 3], [4, 5], [6, 7, 8, 9]], pa.list_(pa.int32()))}), p,
+                   max_rows_per_page=1, use_dictionary=False, compression="zstd", write_page_checksum=True)
+    write_index(str(p))
+    col = pq.read_metadata(p).row_group(0).column(0)
+    raw = bytearray(p.read_bytes())
+    raw[col.data_page_offset + col.total_compressed_size - 1] ^= 0x01
+    p.write_bytes(bytes(raw))
+    return lambda: read_all(ParquetSource(p))
 
 
 def parquet_empty_row_length_column(tmp):
@@ -832,7 +892,7 @@ def _seeded(seed: int) -> Callable:
 
 CASES = [
     *(Case(f"corrupt_parquet_pages_seed{s}", _seeded(s), SourceError,
-           ("corrupt.parquet", "row group 0 (rows 0..", "column 'tokens'", "CRC checksum")) for s in (0, 1, 2, 4)),
+           ("corrupt.parquet", "row group 0 (rows 0..", "column 'tokens'", "CRC checksum")) for s in (1, 2, 3, 4)),
     Case("truncated_parquet", truncated_parquet, SourceError, ("cut.parquet", "not a readable Parquet file")),
     Case("parquet_wrong_column", parquet_wrong_column, SourceError,
          ("cols.parquet", "no text or token column found among ['body']")),
@@ -845,6 +905,14 @@ CASES = [
          ("len.parquet", "row 1", "column 'length': says 9 tokens")),
     Case("parquet_length_statistics_mismatch", parquet_length_statistics_mismatch, SourceError,
          ("stats.parquet", "row 0", "statistics say every length is 299", "holds 300 tokens")),
+    Case("length_index_corrupt", length_index_corrupt, SourceError,
+         ("_idx.parquet.index", "the length index is corrupt")),
+    Case("length_index_of_another_shard", length_index_of_another_shard, SourceError,
+         ("_idx.parquet.index", "the length index describes another shard", "the shard was rewritten after its index")),
+    Case("length_index_lengths_disagree", length_index_lengths_disagree, SourceError,
+         ("idx.parquet, row group 0, page at byte", "its ids and rows disagree with the length index")),
+    Case("local_indexed_page_corrupt", local_indexed_page_corrupt, SourceError,
+         ("idx.parquet: row group 0 (rows 0..", "column 'tokens'", "CRC checksum verification failed for the page")),
     Case("parquet_empty_row_length_column", parquet_empty_row_length_column, EmptyDocumentError,
          ("e1.parquet", "row 1", "empty document", "empty='skip'")),
     Case("parquet_empty_row_no_length_column", parquet_empty_row_no_length_column, EmptyDocumentError,

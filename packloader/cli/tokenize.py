@@ -21,6 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pattern", default="**/*", help="glob of the files to read in a directory; it also decides the format (default **/*)")
     p.add_argument("--shard-tokens", type=numbers.tokens, default=1 << 27, help="start a new file after this many tokens")
     p.add_argument("--row-group-tokens", type=numbers.tokens, default=1 << 20, help="tokens per Parquet row group")
+    p.add_argument("--page-rows", type=int, default=1,
+                   help="documents per Parquet data page (default 1: a rank reading from object storage fetches only "
+                        "its own documents' pages, through the length index written beside each shard, which local "
+                        "reads decode through too; 0: pyarrow's 1 MiB pages, about 9 %% fewer bytes)")
     p.add_argument("--no-eos", action="store_true", help="do not append the tokenizer's EOS to each document")
     p.add_argument("--skip-empty", action="store_true", help="skip and count empty documents instead of failing")
     p.add_argument("--skip-bad-files", action="store_true",
@@ -67,6 +71,7 @@ def _run(args: argparse.Namespace) -> int:
         append_eos=not args.no_eos,
         shard_tokens=args.shard_tokens,
         row_group_tokens=args.row_group_tokens,
+        page_rows=args.page_rows,
         overwrite=args.overwrite,
         progress=not args.no_progress,
     )

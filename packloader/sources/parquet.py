@@ -7,6 +7,8 @@ per-thread LRU cache (`cache_bytes`, always at least the current one), so consec
 group decode nothing. A request that spans several row groups not yet cached decodes them concurrently first, in a
 small per-process thread pool (`decode_threads`, default min(4, CPUs); 1 turns it off): Arrow releases the GIL
 while decoding, and a training step's documents, spread by the shuffle, touch many row groups at once.
+A local token shard with a length index beside it (`packloader tokenize` writes one) is decoded through the index
+(`parquet_chunk.py`: pyarrow spends a zstd context on every page of tokenize's one document a page).
 Files are read with plain reads, never memory-mapped (a mapped file truncated by another process kills the
 reader with SIGBUS); each shard's identity (`identity.py`: size and footer hash) is taken when the source opens,
 and every handle opened and every row group read is followed by a check that the file is still that one, so a
@@ -47,7 +49,10 @@ import pyarrow.parquet as pq
 from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, SourceError
 from packloader.sources.identity import FileWatch, parquet_identity
+from packloader.sources.length_index import find_local
+from packloader.sources.parquet_chunk import check_range, indexed_block
 from packloader.sources.parquet_footer import constant_lengths, parsed_footer
+from packloader.sources.parquet_ranged import open_paged, prefetch
 from packloader.sources.paths import refuse_duplicates
 from packloader.sources.reader import LruCache, ShardedSource, group_positions
 from packloader.sources.storage import RemoteWatch, open_shard, watch_shard
@@ -55,7 +60,6 @@ from packloader.sources.storage import RemoteWatch, open_shard, watch_shard
 DEFAULT_COLUMNS = ("text", "content", "tokens", "input_ids")
 TOKENIZER_KEYS = ("packloader.tokenizer", "packloader.vocab_size", "packloader.eos_id", "packloader.eos_appended")
 DEFAULT_LENGTH_COLUMN = "length"
-_INT32_LIMIT = 2**31
 
 
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
@@ -91,18 +95,9 @@ def _is_token_list(t: pa.DataType) -> bool:
 class ParquetSource(ShardedSource):
     """Parquet files as shards (sorted paths). `column=None` picks the first of text, content, tokens, input_ids."""
 
-    def __init__(
-        self,
-        paths: str | Path | Sequence[str | Path],
-        *,
-        column: str | None = None,
-        length_column: str | None = "auto",
-        empty: str = "error",
-        cache_bytes: int = 256 << 20,
-        decode_threads: int | None = None,
-        vocab_size: int | None = None,
-        storage=None,
-    ) -> None:
+    def __init__(self, paths: str | Path | Sequence[str | Path], *, column: str | None = None,
+                 length_column: str | None = "auto", empty: str = "error", cache_bytes: int = 256 << 20,
+                 decode_threads: int | None = None, vocab_size: int | None = None, storage=None) -> None:
         super().__init__(empty=empty)
         self.storage = storage  # remote shards: `storage.Storage` (None: local files, or URLs by their scheme)
         if vocab_size is not None and int(vocab_size) < 1:
@@ -139,6 +134,12 @@ class ParquetSource(ShardedSource):
         recorded = self.metadata.get("packloader.vocab_size", "")
         self.vocab_size: int | None = int(vocab_size) if vocab_size is not None else (
             int(recorded) if recorded.isdigit() else None)
+        # remote token shards with a length index (`length_index.py`) are read page by page
+        self._paged = [open_paged(w, w.storage, m, self.column) if isinstance(w, RemoteWatch) and self.pretokenized
+                       else None for w, m in zip(self._watch, self._footers)]
+        # local token shards with one (`tokenize` writes it) are decoded a row group at a time through it
+        self._local = [find_local(p, w.identity, m, self.column) if self.pretokenized and not isinstance(
+            w, RemoteWatch) else None for p, w, m in zip(self._paths, self._watch, self._footers)]
         self._open_shards(self._paths, [int(s[-1]) for s in self._rg_starts])
 
     @property
@@ -255,25 +256,33 @@ class ParquetSource(ShardedSource):
             return hit
         return blocks.put((shard, group), *self._decode(shard, group))
 
-    def _decode_ahead(self, shard: int, groups: list[int]) -> None:
-        """Decode these row groups (those not cached yet), several at once in a small thread pool, into this
-        thread's cache. Arrow decodes one row group's column on one core and releases the GIL, so a request that
-        spans many row groups (a step's documents, spread by the shuffle) decodes up to `decode_threads` times faster."""
+    def _decode_ahead(self, groups: list[tuple[int, int]]) -> None:
+        """Decode these (shard, row group)s (those not cached yet), several at once in a small thread pool, into
+        this thread's cache. Arrow and zstd decode one row group's column on one core and release the GIL, so a
+        request that spans many row groups (a step's documents, spread by the shuffle over row groups and shards)
+        decodes up to `decode_threads` times faster."""
         if self.decode_threads < 2:
             return
         blocks = self._blocks()
-        todo = [g for g in groups if blocks.get((shard, g)) is None]
-        budget = max(1, int(self.cache_bytes // max(1, self._group_bytes)))  # never decode what would be evicted
-        todo = todo[:budget]
+        todo = [k for k in groups if blocks.get(k) is None]
+        todo = todo[:max(1, int(self.cache_bytes // max(1, self._group_bytes)))]  # never decode what is evicted
         if len(todo) < 2:
             return
-        futures = [_decode_pool(self.decode_threads).submit(self._decode, shard, g) for g in todo]
-        for g, f in zip(todo, futures):
-            blocks.put((shard, g), *f.result())
+        futures = [_decode_pool(self.decode_threads).submit(self._decode, *k) for k in todo]
+        for k, f in zip(todo, futures):
+            blocks.put(k, *f.result())
 
     def _decode(self, shard: int, group: int) -> tuple[Any, int]:
         """A row group read, decoded and checked: (block, bytes). Thread-safe (files are per thread)."""
         path = self._paths[shard]
+        start = int(self._rg_starts[shard][group])
+        if self._local[shard] is not None:
+            block = indexed_block(path, self._local[shard], group, start)
+            self._watch[shard].check()  # the bytes just read are the indexed file's
+            if block is not None:
+                check_range(path, self.column, start, *block, self.vocab_size)
+                self._group_bytes = max(self._group_bytes, block[0].nbytes + block[1].nbytes)
+                return block, block[0].nbytes + block[1].nbytes
         columns = [self.column] + ([self.length_column] if self.length_column else [])
         try:
             table = self._file(shard).read_row_group(group, columns=columns)
@@ -285,7 +294,6 @@ class ParquetSource(ShardedSource):
                 f"corrupt or truncated ({e})"
             ) from e
         self._watch[shard].check()  # the bytes just read are the indexed file's
-        start = int(self._rg_starts[shard][group])
         arr = table.column(self.column).combine_chunks()
         if arr.null_count:
             row = start + int(pc.index(arr.is_null(), True).as_py())
@@ -310,16 +318,7 @@ class ParquetSource(ShardedSource):
         offsets = arr.offsets.to_numpy().astype(np.int64)
         offsets -= offsets[0]
         tokens = values.to_numpy(zero_copy_only=False)
-        if tokens.size:
-            hi = self.vocab_size if self.vocab_size is not None else _INT32_LIMIT
-            if int(tokens.min()) < 0 or int(tokens.max()) >= hi:
-                pos = int(np.flatnonzero((tokens < 0) | (tokens >= hi))[0])
-                row = start + int(np.searchsorted(offsets, pos, side="right")) - 1
-                vocab = f"in [0, {self.vocab_size}), the vocabulary" if self.vocab_size is not None else ">= 0"
-                raise SourceError(
-                    f"{path}, row {row}, column {self.column!r}: token id {int(tokens[pos])} at position "
-                    f"{pos - int(offsets[row - start])}, expected an id {vocab}"
-                )
+        check_range(path, self.column, start, offsets, tokens, self.vocab_size)
         if self.length_column:
             declared = table.column(self.length_column).combine_chunks()
             if declared.null_count:
@@ -346,12 +345,24 @@ class ParquetSource(ShardedSource):
                 f"{self.column!r} holds {int(np.diff(offsets)[bad[0]])} tokens"
             )
 
+    def prefetch(self, requests: dict[int, np.ndarray]) -> None:
+        """For the `read`s that follow: fetch the pages of several shards' rows at once (remote shards with an
+        index), and decode the other shards' row groups these rows need concurrently."""
+        raw = {s: self._raw_rows(s, r) for s, r in requests.items()}
+        if any(p is not None for p in self._paged):
+            prefetch(self._paged, raw, self._blocks())
+        self._decode_ahead([(s, g) for s, r in raw.items() if self._paged[s] is None for g in dict.fromkeys(
+            (np.searchsorted(self._rg_starts[s], r, side="right") - 1).tolist())])
+
     def _read_raw(self, shard: int, raw_rows: np.ndarray) -> Iterator[RawDocument]:
+        if self._paged[shard] is not None:  # only the pages of these rows
+            yield from self._paged[shard].read(raw_rows, self._blocks(), shard, self.vocab_size)
+            return
         starts = self._rg_starts[shard]
         groups = np.searchsorted(starts, raw_rows, side="right") - 1
         by_group = group_positions(groups)
         if len(by_group) > 1:
-            self._decode_ahead(shard, list(dict.fromkeys(groups.tolist())))  # in the order the request needs them
+            self._decode_ahead([(shard, g) for g in dict.fromkeys(groups.tolist())])  # in the order needed
         pending: dict[int, RawDocument] = {}
         for i, g in enumerate(groups.tolist()):
             doc = pending.pop(i, None)
@@ -388,7 +399,11 @@ class ParquetSource(ShardedSource):
         max and no nulls holds rows of that one length (every row group of one document, as `packloader tokenize
         --row-group-tokens 1` writes, is told whole), so only the other row groups' length chunks are fetched. A
         rank with its own reads then plans without touching the token pages; the lengths stay checked against the
-        tokens whenever a row group is decoded."""
+        tokens whenever a row group is decoded. A length index gives them all without a read."""
+        if self._paged[shard] is not None:
+            return self._paged[shard].lengths.copy()
+        if self._local[shard] is not None:
+            return self._local[shard].length_array().astype(np.int64)
         if self.length_column is None:
             return None
         path = self._paths[shard]

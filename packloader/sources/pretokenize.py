@@ -1,12 +1,16 @@
 """Text shards in, Parquet token shards out, so that later epochs skip tokenizing (`packloader tokenize`).
 
 Output: `part-00000.parquet`, `part-00001.parquet`, ... in `out_dir`, each with columns `tokens: list<int32>` and
-`length: int32` (zstd, no dictionary encoding, CRC page checksums that `ParquetSource` verifies, row groups of about `row_group_tokens` tokens), documents in source
-order (shard by shard, row by row). A new file starts once the current one holds `shard_tokens` tokens. The schema
+`length: int32` (zstd, no dictionary encoding, CRC page checksums that `ParquetSource` verifies, row groups of
+about `row_group_tokens` tokens, one document a data page by default: `page_rows`), documents in source order
+(shard by shard, row by row). A new file starts once the current one holds `shard_tokens` tokens. The schema
 metadata records the tokenizer, its EOS id and whether EOS was appended (`packloader.eos_appended`), so a reader
 knows not to append it again; `ParquetSource(...).metadata` exposes it. Each file's footer also records a BLAKE2b
 digest of its tokens and row lengths (`packloader.tokens_blake2b`), so the footer hash that identifies a shard
-(`sources/identity.py`) changes with any token.
+(`sources/identity.py`) changes with any token. Beside each file goes its length index (`_part-00000.parquet.index`,
+`length_index.py`): uploaded with the shards, it lets each rank fetch only its own documents' pages. One document a
+page costs about 9 % more bytes than pyarrow's 1 MiB pages at documents of ~1,000 tokens, and is what brings a
+rank's share of the bytes down to its share of the documents (`docs/benchmarks.md`, "Object storage").
 
 A reader thread reads the next batch of documents while the tokenizer encodes the current one in its own threads;
 files are written under a temporary name and renamed when complete.
@@ -27,6 +31,9 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from packloader.sources.identity import parquet_identity
+from packloader.sources.length_index import build, index_name, write_beside
 
 SCHEMA = pa.schema([("tokens", pa.list_(pa.int32())), ("length", pa.int32())])
 _INT32_MAX = 2**31 - 1
@@ -90,11 +97,23 @@ def _prefetched(it: Iterator, depth: int = 2) -> Iterator:
                 t.join(0.05)
 
 
+def write_index(path: str) -> str:
+    """The length index of a token shard just written, beside it (one local read of the file)."""
+    meta = pq.read_metadata(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        index = build(lambda n, off: os.pread(fd, n, off), meta, "tokens", parquet_identity(path))
+    finally:
+        os.close(fd)
+    return write_beside(path, index)
+
+
 class _ShardWriter:
     """Writes token arrays into numbered Parquet files, row group by row group, rolling over at `shard_tokens`."""
 
-    def __init__(self, out_dir: Path, shard_tokens: int, row_group_tokens: int, metadata: dict[str, str]) -> None:
-        self.out_dir = out_dir
+    def __init__(self, out_dir: Path, shard_tokens: int, row_group_tokens: int, metadata: dict[str, str],
+                 page_rows: int = 1) -> None:
+        self.out_dir, self.page_rows = out_dir, page_rows
         self.shard_tokens = shard_tokens
         self.row_group_tokens = row_group_tokens
         self.schema = SCHEMA.with_metadata(metadata)
@@ -140,7 +159,8 @@ class _ShardWriter:
             name = f"part-{len(self.files):05d}.parquet"
             self._tmp = self.out_dir / f".{name}.tmp"
             self._writer = pq.ParquetWriter(self._tmp, self.schema, compression="zstd", use_dictionary=False,
-                                           write_page_checksum=True)
+                                           write_page_checksum=True, max_rows_per_page=self.page_rows or None,
+                                           write_statistics=["length"])  # token statistics tell nothing
             self.files.append(str(self.out_dir / name))
         self._writer.write_table(table, row_group_size=len(self._pending))
         self._pending, self._pending_tokens = [], 0
@@ -152,6 +172,7 @@ class _ShardWriter:
             self._writer.close()
             os.replace(self._tmp, self.files[-1])
             self._writer, self._tmp = None, None
+            write_index(self.files[-1])
         self._file_tokens = 0
         self._digest = hashlib.blake2b(digest_size=16)
 
@@ -173,6 +194,7 @@ def tokenize_to_parquet(
     append_eos: bool = True,
     shard_tokens: int = 1 << 27,
     row_group_tokens: int = 1 << 20,
+    page_rows: int = 1,
     batch_docs: int = 1024,
     batch_chars: int = 8 << 20,
     overwrite: bool = False,
@@ -185,6 +207,8 @@ def tokenize_to_parquet(
         raise ValueError(f"tokenizer {tokenizer.name!r} has no EOS token; pass append_eos=False (--no-eos)")
     if shard_tokens < 1 or row_group_tokens < 1:
         raise ValueError("shard_tokens and row_group_tokens must be >= 1")
+    if page_rows < 0:
+        raise ValueError(f"page_rows must be >= 0 (0: pyarrow's page size alone), got {page_rows}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     existing = sorted(out.glob("part-*.parquet"))
@@ -193,13 +217,14 @@ def tokenize_to_parquet(
             raise FileExistsError(f"{out} already holds token shards ({existing[0].name}, ...); pass overwrite=True")
         for p in existing:
             p.unlink()
+            Path(index_name(str(p))).unlink(missing_ok=True)
     metadata = {
         "packloader.tokenizer": tokenizer.name,
         "packloader.vocab_size": str(tokenizer.vocab_size),
         "packloader.eos_id": "" if tokenizer.eos_id is None else str(tokenizer.eos_id),
         "packloader.eos_appended": "true" if append_eos else "false",
     }
-    writer = _ShardWriter(out, shard_tokens, row_group_tokens, metadata)
+    writer = _ShardWriter(out, shard_tokens, row_group_tokens, metadata, page_rows)
     eos = None if not append_eos else np.array([tokenizer.eos_id], dtype=np.int32)
     from tqdm import tqdm
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import threading
 import time
 from fnmatch import fnmatchcase
 
@@ -31,6 +32,15 @@ import msgspec
 from packloader.sources.errors import SourceError
 from packloader.sources.identity import ShardChanged
 from packloader.sources.remote_cache import BlockCache
+
+_COUNT_LOCK = threading.Lock()
+
+
+def count_read(store, n: int) -> None:
+    """A store's bytes and requests, counted under a lock: ranged reads of pages run in several threads."""
+    with _COUNT_LOCK:
+        store.bytes_read += n
+        store.requests += 1
 
 
 class RemoteError(SourceError):
@@ -225,8 +235,7 @@ class S3Store:
             data = with_retries(call, info.url, self.policy, f"GET bytes {start}..{end - 1}")
         except ObjectMissing as e:
             raise ShardChanged(f"{info.url}: the object was deleted since the source opened it ({e})") from e
-        self.bytes_read += len(data)
-        self.requests += 1
+        count_read(self, len(data))
         return data
 
     def listing(self, url: str) -> list[str]:
@@ -301,8 +310,7 @@ class FsStore:
             return bytes(data)
 
         data = with_retries(call, info.url, self.policy, f"read bytes {start}..{end - 1}")
-        self.bytes_read += len(data)
-        self.requests += 1
+        count_read(self, len(data))
         return data
 
     def listing(self, url: str) -> list[str]:

@@ -31,6 +31,7 @@ from packloader.sources.remote import (
     ObjectMissing,
     RetryPolicy,
     _glob_match,
+    count_read,
     split_url,
     with_retries,
 )
@@ -86,8 +87,7 @@ class _Store:
                                 self.policy, f"GET bytes {start}..{end - 1}")
         except ObjectMissing as e:
             raise ShardChanged(f"{info.url}: the object was deleted since the source opened it ({e})") from e
-        self.bytes_read += len(data)
-        self.requests += 1
+        count_read(self, len(data))
         return data
 
     def listing(self, url: str) -> list[str]:

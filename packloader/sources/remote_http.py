@@ -15,7 +15,7 @@ import http.client
 from urllib.parse import urljoin, urlsplit
 
 from packloader.sources.identity import ShardChanged
-from packloader.sources.remote import HttpError, ObjectInfo, ObjectMissing, RetryPolicy, with_retries
+from packloader.sources.remote import HttpError, ObjectInfo, ObjectMissing, RetryPolicy, count_read, with_retries
 
 HTTP_SCHEMES = ("http", "https")
 _REDIRECTS = (301, 302, 303, 307, 308)
@@ -82,8 +82,7 @@ class HttpStore:
             data = with_retries(call, info.url, self.policy, f"GET bytes {start}..{end - 1}")
         except ObjectMissing as e:
             raise ShardChanged(f"{info.url}: the file was deleted since the source opened it ({e})") from e
-        self.bytes_read += len(data)
-        self.requests += 1
+        count_read(self, len(data))
         return data
 
     def listing(self, url: str) -> list[str]:

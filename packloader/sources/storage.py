@@ -7,7 +7,10 @@ GETs (`remote_http.py`), another scheme (hf:// through huggingface_hub's HfFileS
 filesystem installed for it, or a filesystem object the caller passes
 (`Storage(filesystem=...)`: pyarrow.fs or fsspec). Options: block size of the ranged reads, an optional local
 block cache bounded in bytes (also from `PACKLOADER_CACHE_DIR` and `PACKLOADER_CACHE_BYTES`) behind a small in-memory one, the retry
-policy.
+policy; whether shards' length indexes are used, also built where missing, or ignored (`index`, `index_dir`:
+`length_index.py`); how many ranged reads of pages run at once, and how many bytes (`fetch_threads`,
+`read_ahead_bytes`: `parquet_ranged.py`), and below what gap between two runs of wanted pages one read spans
+both (`merge_gap_bytes`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from packloader.sources.remote_http import HTTP_SCHEMES, HttpStore
 from packloader.sources.unsupported import UnsupportedSourceError, url_scheme
 
 S3_SCHEMES = ("s3", "s3a")
+MERGE_GAP_BYTES = 1 << 20  # gaps up to 1 MiB spanned, within parquet_ranged.MERGE_SHARE (docs/object-storage.md)
 
 
 class StoragePaths:
@@ -44,8 +48,20 @@ class Storage:
 
     def __init__(self, filesystem=None, *, block_size: int = 4 << 20, cache_dir: str | None = None,
                  cache_bytes: int = 0, retry: RetryPolicy | None = None, endpoint_url: str | None = None,
-                 memory_bytes: int = 64 << 20) -> None:
+                 memory_bytes: int = 64 << 20, index: str = "use", index_dir: str | None = None,
+                 fetch_threads: int = 8, read_ahead_bytes: int = 64 << 20,
+                 merge_gap_bytes: int = MERGE_GAP_BYTES) -> None:
         self.filesystem = filesystem
+        if int(merge_gap_bytes) < 0:
+            raise ValueError(f"merge_gap_bytes must be >= 0, got {merge_gap_bytes}")
+        self.merge_gap_bytes = int(merge_gap_bytes)
+        if int(fetch_threads) < 1 or int(read_ahead_bytes) < 1:
+            raise ValueError(f"fetch_threads and read_ahead_bytes must be >= 1, got {fetch_threads} and "
+                             f"{read_ahead_bytes}")
+        self.fetch_threads, self.read_ahead_bytes = int(fetch_threads), int(read_ahead_bytes)
+        if index not in ("use", "build", "off"):
+            raise ValueError(f"index must be 'use', 'build' or 'off', got {index!r}")
+        self.index, self.index_dir = index, index_dir
         if int(block_size) < 0:
             raise ValueError(f"block_size must be >= 0 (0: exact ranges), got {block_size}")
         self.block_size = int(block_size)

@@ -197,6 +197,9 @@ class DocumentStream:
         if not len(ids):
             return []
         shards, rows = self.locate(ids)
+        prefetch = getattr(self.source, "prefetch", None)  # remote pages of every shard at once
+        if prefetch is not None and len(np.unique(shards)) > 1:
+            prefetch({int(s): rows[shards == s] for s in np.unique(shards).tolist()})
         for s in np.unique(shards).tolist():
             where = np.flatnonzero(shards == s)
             raw = list(self.source.read(int(s), rows[where]))

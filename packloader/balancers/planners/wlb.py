@@ -146,7 +146,7 @@ class WLBPlanner(PackingPlanner):
         rank_mbs[rank, pos] = np.arange(nbins)
         queued_idx = np.nonzero(piece_bin < 0)[0]
         return whole_pieces_packing(
-            pieces, piece_bin, rank_mbs, queued=pieces.queue(queued_idx),
+            pieces, piece_bin, rank_mbs, queued=pieces.held(queued_idx),
             delayed=pieces.doc[queued_idx][pieces.drawn[queued_idx] == step].tolist(), strategy=self.name,
         )
 

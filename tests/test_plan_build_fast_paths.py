@@ -86,3 +86,36 @@ def test_wlb_pack_with_few_misses_matches_the_loop(short):
     assert 0 < to_fewest  # the scan path chose bins (at 15,500 short pieces also the heap's, from the 32nd miss)
     got, _, _ = wlb_pack(CostModel(prof).coeffs, np.array(lengths, np.int64), nbins, cap)
     assert got.tolist() == ref
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.parametrize("whole", [True, False])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_step_plan_segments_made_in_chunks_equal_those_made_one_by_one(monkeypatch, chunk, whole, grouped):
+    """to_step_plan makes the segments chunk by chunk (SEGMENT_CHUNK a chunk): over several chunks, with the
+    segments in micro-batch order or not, whole or attending from earlier, each micro-batch holds exactly the
+    Segments written out one by one from its rows, in their order, and each rank its listed micro-batches."""
+    from packloader.balancers.planners import packing
+    from packloader.contracts import Segment
+
+    if chunk:
+        monkeypatch.setattr(packing, "SEGMENT_CHUNK", chunk)
+    n = 2 * packing.SEGMENT_CHUNK + 123 if chunk is None else 60
+    rng = np.random.default_rng(chunk or 3)
+    dp, v = 4, 5
+    mb = rng.integers(0, dp * v, n)
+    if grouped:
+        mb = np.sort(mb)
+    doc = rng.integers(0, 10**9, n)
+    start = rng.integers(0, 200_000, n)
+    end = start + rng.integers(1, 70_000, n)
+    af = start if whole else start - rng.integers(0, 3, n) * (start > 2)
+    rank_mbs = rng.permutation(dp * v).reshape(dp, v)
+    plan = Packing(doc, start, end, af, mb, rank_mbs).to_step_plan(3)
+    by_mb = {m: [Segment(int(doc[i]), int(start[i]), int(end[i]), int(af[i])) for i in range(n) if mb[i] == m]
+             for m in range(dp * v)}
+    for r in range(dp):
+        got = [b.segments for b in plan.ranks[r].micro_batches]
+        assert got == [by_mb[int(m)] for m in rank_mbs[r]]
+    segs = [s for rank in plan.ranks for b in rank.micro_batches for s in b.segments]
+    assert all(type(x) is int for s in segs for x in (s.doc, s.start, s.end, s.attend_from))  # not numpy ints

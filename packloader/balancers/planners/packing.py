@@ -114,6 +114,12 @@ def check_cap(pieces: Pieces, cap: int, strategy: str) -> None:
         )
 
 
+# segments made per chunk in `Packing.to_step_plan`: the chunk's column lists (64 KiB each) stay below glibc's
+# mmap threshold, so each chunk reuses the last one's freed memory instead of ~1.4 MB lists of fresh pages at DP
+# 1024 (~1,300 fewer page faults and ~2 ms a step on docs)
+SEGMENT_CHUNK = 8192
+
+
 @dataclass
 class Packing:
     """A step plan as arrays.
@@ -220,11 +226,14 @@ class Packing:
             raise ValueError(f"a segment in micro-batch {int(mb.max())} or {int(mb.min())}, but the ranks list "
                              f"micro-batches 0..{nmb - 1}")
         order = None if mb.size < 2 or bool((mb[1:] >= mb[:-1]).all()) else grouped_order(mb, nmb)
-        cols = [c.tolist() if order is None else c[order].tolist() for c in (self.seg_doc, self.seg_start, self.seg_end)]
         # whole pieces attend from their start: one list of ints for both fields (fewer objects, ~2 ms at DP 1024)
         whole = self.seg_af is self.seg_start or np.array_equal(self.seg_af, self.seg_start)
-        cols.append(cols[1] if whole else self.seg_af.tolist() if order is None else self.seg_af[order].tolist())
-        flat = list(map(Segment, *cols))
+        flat: list[Segment] = []
+        for lo in range(0, mb.size, SEGMENT_CHUNK):  # chunks: the columns' lists reuse freed memory, no fresh pages
+            at = slice(lo, lo + SEGMENT_CHUNK) if order is None else order[lo : lo + SEGMENT_CHUNK]
+            cols = [c[at].tolist() for c in (self.seg_doc, self.seg_start, self.seg_end)]
+            cols.append(cols[1] if whole else self.seg_af[at].tolist())
+            flat += map(Segment, *cols)
         ends = np.cumsum(np.bincount(mb, minlength=nmb)).tolist() if mb.size else [0] * nmb
         segs = [flat[b:e] for b, e in zip([0, *ends[:-1]], ends)]
         fwd = self.mb_fwd.tolist() if self.mb_fwd is not None else [0.0] * nmb

@@ -27,7 +27,7 @@ TokenCount = Annotated[int, msgspec.Meta(ge=1, le=TOKENS_MAX)]
 Degree = Annotated[int, msgspec.Meta(ge=1, le=DEGREE_MAX)]
 
 
-class Segment(msgspec.Struct, frozen=True, array_like=True):
+class Segment(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Tokens `start..end-1` of document `doc`, each attending causally from `attend_from` up to itself.
 
     `attend_from == start` for a whole document or an independent context-window piece; `attend_from < start`

@@ -263,8 +263,9 @@ class AutoPlanner:
         best, over = self.choose(results)
         packing = best.packing
         packing.extra = dict(state.extra)
-        q_tokens = sum(q.length for q in packing.queued)
-        q_delay = sum((step - q.drawn_step) * q.length for q in packing.queued)
+        q_len, q_drawn = queued_arrays(packing)
+        q_tokens = int(q_len.sum())
+        q_delay = int(((step - q_drawn) * q_len).sum())
         packing.extra[DELAY_KEY] = [int(run_tokens + pieces.total_tokens - q_tokens), int(run_delay + piece_delay - q_delay)]
         plan = packing.to_step_plan(step)
         plan.planner = best.cand.planner

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from packloader.balancers.planners.base import StepLayout
-from packloader.balancers.planners.packing import Packing, Pieces
+from packloader.balancers.planners.packing import Packing, Pieces, QueuedPieces
 from packloader.balancers.planners.packing_measures import imbalance_degree
 
 
@@ -23,6 +23,8 @@ def queued_arrays(packing: Packing) -> tuple[np.ndarray, np.ndarray]:
     """The lengths and drawn steps of what a packing holds back, as arrays (wlb holds ~10^4 pieces at DP 1024:
     sums over them in Python cost milliseconds)."""
     q = packing.queued
+    if isinstance(q, QueuedPieces):
+        return q.length, q.drawn
     return (np.fromiter((x.length for x in q), np.int64, len(q)), np.fromiter((x.drawn_step for x in q), np.int64, len(q)))
 
 

@@ -146,7 +146,7 @@ class WLBPlanner(PackingPlanner):
         rank_mbs[rank, pos] = np.arange(nbins)
         queued_idx = np.nonzero(piece_bin < 0)[0]
         return whole_pieces_packing(
-            pieces, piece_bin, rank_mbs, queued=pieces.queue(queued_idx),
+            pieces, piece_bin, rank_mbs, queued=pieces.held(queued_idx),
             delayed=pieces.doc[queued_idx][pieces.drawn[queued_idx] == step].tolist(), strategy=self.name,
         )
 
@@ -217,7 +217,8 @@ def wlb_pack(c, lengths, nbins, cap):
 
     Both minima come from binary heaps keyed (value, bin), each bin's position tracked (loads and token counts
     only grow: the bin that took a piece moves down from where it is), the tokens' one built only once the
-    least loaded bin has lacked room SCAN_MISSES times: O(n log bins) instead of a scan of
+    least loaded bin has lacked room SCAN_MISSES times; until then the load heap keeps no positions (the bin
+    that took a piece is its top but for those few misses, found by a scan): O(n log bins) instead of a scan of
     every bin per piece, which dominated at DP 1024 (a thousand bins and more); up to HEAP_MIN_BINS bins the
     scan is cheaper and is used."""
     n = lengths.shape[0]
@@ -230,7 +231,7 @@ def wlb_pack(c, lengths, nbins, cap):
     # every bin starts equal, so bin order is already a heap of (load, bin)
     lk = np.empty(nbins, dtype=np.float64)
     li = np.arange(nbins, dtype=np.int64)
-    lpos = np.arange(nbins, dtype=np.int64)  # each bin's position in the load heap
+    lpos = np.arange(nbins, dtype=np.int64)  # each bin's position in the load heap, once SCAN_MISSES is reached
     for b in range(nbins):
         load[b] = _bin_time(c, 0.0, 0)
         lk[b] = load[b]
@@ -251,6 +252,8 @@ def wlb_pack(c, lengths, nbins, cap):
             misses += 1
             if misses == SCAN_MISSES:
                 _build_heap(tok, tk, ti, tpos)
+                for j in range(nbins):  # from here on the load heap keeps positions too
+                    lpos[li[j]] = j
             if misses >= SCAN_MISSES:
                 f = ti[0]
             else:
@@ -268,8 +271,17 @@ def wlb_pack(c, lengths, nbins, cap):
         attn[b] += a_l
         tok[b] += l
         load[b] = _bin_time(c, attn[b], tok[b])
-        lk[lpos[b]] = load[b]  # its keys grew: it moves down from where it is
-        _sift_down(lk, li, lpos, nbins, lpos[b])
+        if misses >= SCAN_MISSES:  # its keys grew: it moves down from where it is
+            lk[lpos[b]] = load[b]
+            _sift_down(lk, li, lpos, nbins, lpos[b])
+        elif li[0] == b:  # until then no positions are kept: the least loaded bin moves down from the top
+            _sift_top(lk, li, nbins, load[b], b)
+        else:  # or the fewest-tokens bin (fewer than SCAN_MISSES times), found by a scan
+            j = 0
+            while li[j] != b:
+                j += 1
+            lk[j] = load[b]
+            _sift_down(lk, li, lpos, nbins, j)  # lpos: scratch until positions are kept
         if misses >= SCAN_MISSES:
             tk[tpos[b]] = tok[b]
             _sift_down(tk, ti, tpos, nbins, tpos[b])

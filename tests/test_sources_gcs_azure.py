@@ -14,10 +14,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from helpers.cloud_emulators import (
-    EmulatorDown,
     azurite_connection_string,
     find_azurite,
     find_gcs_emulator,
+    server_or_skip,
     start_azurite,
     start_gcs_emulator,
 )
@@ -41,28 +41,18 @@ _NAMES = itertools.count()
 
 @pytest.fixture(scope="module")
 def gcs_server():
-    exe = find_gcs_emulator()
-    if exe is None:
-        pytest.skip("gcp-storage-emulator not installed (`bash scripts/setup.sh dev` installs it)")
-    try:
-        server = start_gcs_emulator(exe)
-    except EmulatorDown as e:
-        pytest.skip(f"gcp-storage-emulator cannot start: {e}")
-    yield server
-    server.close()
+    with server_or_skip(find_gcs_emulator(), start_gcs_emulator,
+                        "gcp-storage-emulator not installed (`bash scripts/setup.sh dev` installs it)",
+                        "gcp-storage-emulator") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def azurite_server():
-    exe = find_azurite()
-    if exe is None:
-        pytest.skip("Azurite or node not installed (`bash scripts/setup.sh dev` installs azurite with npm)")
-    try:
-        server = start_azurite(exe)
-    except EmulatorDown as e:
-        pytest.skip(f"Azurite cannot start: {e}")
-    yield server
-    server.close()
+    with server_or_skip(find_azurite(), start_azurite,
+                        "Azurite or node not installed (`bash scripts/setup.sh dev` installs azurite with npm)",
+                        "Azurite") as server:
+        yield server
 
 
 class Bucket:

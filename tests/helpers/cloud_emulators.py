@@ -19,6 +19,8 @@ from helpers.s3_server import free_port, stop, wait_listening
 REPO = Path(__file__).resolve().parents[2]
 # Azurite's well-known development account (public, in Azure's documentation)
 AZURITE_ACCOUNT = "devstoreaccount1"
+GCS_MISSING = "gcp-storage-emulator not installed (`bash scripts/setup.sh dev` installs it)"
+AZURITE_MISSING = "Azurite or node not installed (`bash scripts/setup.sh dev` installs azurite with npm)"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 

@@ -245,7 +245,8 @@ class S3Store:
 
         def call() -> bytes:
             kw = {"IfMatch": info.etag} if info.etag else {}
-            return self.client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **kw)["Body"].read()
+            body = self.client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **kw)["Body"]
+            return body.read()
 
         return read_range(self, info, start, end, call)
 

@@ -135,22 +135,10 @@ def test_pipeline_pp_run_matches_the_whole_document_run(tmp_path):
     assert whole["curve"][2]["loss"] < whole["curve"][0]["loss"] - 0.05
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("planner,schedule", [("slimpack", "zb-h1"), ("auto", "auto")])
-def test_pipeline_pp_zb_h1_runs_the_written_lists_like_the_whole_document_run(tmp_path, planner, schedule):
-    """--pp 2 --schedule zb-h1 (and `auto` choosing per step): every step runs exactly the action lists `packloader
-    plan` writes for the loader's own plans (under ZB-H1 split input / weight backwards, "W", which a 1F1B run would
-    not execute; empty slots dropped), and trains the same steps as the unsliced whole-document run of the same
-    plans (same tolerance as 1F1B above)."""
-    ex = load_example()
-    common = ["--out", str(tmp_path), "--tiny", "--pp", "2", "--steps", "2", "--quiet", "--threads", "1",
-              "--schedule", schedule, "--planners", planner]
-    whole = ex.main(common + ["--pp-whole"])["runs"][0]
-    pp = ex.main(common)["runs"][0]
-    assert len(pp["curve"]) == len(whole["curve"]) == 2
-    for a, b in zip(whole["curve"], pp["curve"]):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
-    # the lists, rebuilt here from the loader's plans (independently of the run), are what the first stage ran
+def _first_stage_lists(ex, tmp_path, common, planner, schedule, **parallel) -> list[tuple[str, list]]:
+    """Per step of the first two: the schedule the plan chose (`auto` records its choice in the plan) and the first
+    stage's action lists `packloader plan` writes for the loader's own plans, empty slots dropped and renumbered;
+    rebuilt here from the plans, independently of the run."""
     import msgspec
 
     from packloader.balancers.cost.model import CostModel
@@ -169,13 +157,33 @@ def test_pipeline_pp_zb_h1_runs_the_written_lists_like_the_whole_document_run(tm
         if b.index_in_step == 0:
             steps.append([])
         steps[-1].append(b)
-    acts = pp["pipeline_actions"]
-    for k, mbs in enumerate(steps):
+    out = []
+    for mbs in steps:
         lists = msgspec.json.decode(msgspec.json.encode(
-            step_actions(mbs[0].plan, linear, ParallelConfig(pp=2), schedule=schedule)[0][0]))
+            step_actions(mbs[0].plan, linear, ParallelConfig(**parallel), schedule=schedule)[0][0]))
         keep = {j: i for i, j in enumerate(j for j, b in enumerate(mbs) if b.num_tokens)}
-        want = [[op, keep[u], st] for op, u, st in lists if u in keep]
-        chosen = mbs[0].plan.schedule or schedule  # `auto` records its choice in the plan
+        out.append((mbs[0].plan.schedule or schedule, [[op, keep[u], st] for op, u, st in lists if u in keep]))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("planner,schedule", [("slimpack", "zb-h1"), ("auto", "auto")])
+def test_pipeline_pp_zb_h1_runs_the_written_lists_like_the_whole_document_run(tmp_path, planner, schedule):
+    """--pp 2 --schedule zb-h1 (and `auto` choosing per step): every step runs exactly the action lists `packloader
+    plan` writes for the loader's own plans (under ZB-H1 split input / weight backwards, "W", which a 1F1B run would
+    not execute; empty slots dropped), and trains the same steps as the unsliced whole-document run of the same
+    plans (same tolerance as 1F1B above)."""
+    ex = load_example()
+    common = ["--out", str(tmp_path), "--tiny", "--pp", "2", "--steps", "2", "--quiet", "--threads", "1",
+              "--schedule", schedule, "--planners", planner]
+    whole = ex.main(common + ["--pp-whole"])["runs"][0]
+    pp = ex.main(common)["runs"][0]
+    assert len(pp["curve"]) == len(whole["curve"]) == 2
+    for a, b in zip(whole["curve"], pp["curve"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
+    # the lists, rebuilt here from the loader's plans (independently of the run), are what the first stage ran
+    acts = pp["pipeline_actions"]
+    for k, (chosen, want) in enumerate(_first_stage_lists(ex, tmp_path, common, planner, schedule, pp=2)):
         assert chosen in ("1f1b", "zb-h1")
         assert any(a[0] == "W" for a in want) == (chosen == "zb-h1")
         assert acts["written"][k] == want
@@ -199,33 +207,10 @@ def test_pipeline_vpp2_runs_the_written_lists_like_the_whole_document_run(tmp_pa
     assert len(pp["curve"]) == len(whole["curve"]) == 2
     for a, b in zip(whole["curve"], pp["curve"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
-    import msgspec
-
-    from packloader.balancers.cost.model import CostModel
-    from packloader.balancers.sim.actions import step_actions
-    from packloader.contracts import CostProfile, ParallelConfig, Poly
-
-    linear = CostModel(CostProfile(name="linear", tile=1, attn_fwd=Poly(), attn_bwd=Poly(), lin_fwd=Poly(0, 1.0, 0),
-                                   lin_bwd=Poly(0, 2.0, 0)))
-    args = ex.parse_args(common)
-    args.seed = 0
-    steps = []
-    for b in ex.make_loader(ex.write_shards(tmp_path, args.files, args.valid_fraction, args.data_seed)[0], args,
-                            planner, epochs=1):
-        if b.step >= 2:
-            break
-        if b.index_in_step == 0:
-            steps.append([])
-        steps[-1].append(b)
     acts = pp["pipeline_actions"]
-    for k, mbs in enumerate(steps):
-        chosen = mbs[0].plan.schedule or schedule
+    for k, (chosen, want) in enumerate(_first_stage_lists(ex, tmp_path, common, planner, schedule, pp=2, vpp=2)):
         assert chosen in ("interleaved", "zb-h1", "zb-v")
         assert acts["schedules"][k] == chosen
-        lists = msgspec.json.decode(msgspec.json.encode(
-            step_actions(mbs[0].plan, linear, ParallelConfig(pp=2, vpp=2), schedule=schedule)[0][0]))
-        keep = {j: i for i, j in enumerate(j for j, b in enumerate(mbs) if b.num_tokens)}
-        want = [[op, keep[u], st] for op, u, st in lists if u in keep]
         assert {a[2] for a in want} == ({0, 3} if chosen == "zb-v" else {0, 2})
         assert any(a[0] == "W" for a in want) == (chosen != "interleaved")
         assert acts["written"][k] == want

@@ -14,15 +14,17 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from helpers.cloud_emulators import (
-    EmulatorDown,
+    AZURITE_MISSING,
+    GCS_MISSING,
     azurite_connection_string,
     find_azurite,
     find_gcs_emulator,
+    server_or_skip,
     start_azurite,
     start_gcs_emulator,
 )
 from helpers.s3_server import FaultProxy
-from helpers.source_resume import check_exact_resume, check_exactly_once, small_config
+from helpers.source_resume import check_exact_resume, check_exactly_once, check_replaced_shard_refused, small_config
 from test_sources_s3 import parquet_bytes, read_all, token_docs
 
 from packloader import PackedLoader
@@ -41,28 +43,14 @@ _NAMES = itertools.count()
 
 @pytest.fixture(scope="module")
 def gcs_server():
-    exe = find_gcs_emulator()
-    if exe is None:
-        pytest.skip("gcp-storage-emulator not installed (`bash scripts/setup.sh dev` installs it)")
-    try:
-        server = start_gcs_emulator(exe)
-    except EmulatorDown as e:
-        pytest.skip(f"gcp-storage-emulator cannot start: {e}")
-    yield server
-    server.close()
+    with server_or_skip(find_gcs_emulator(), start_gcs_emulator, GCS_MISSING, "gcp-storage-emulator") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def azurite_server():
-    exe = find_azurite()
-    if exe is None:
-        pytest.skip("Azurite or node not installed (`bash scripts/setup.sh dev` installs azurite with npm)")
-    try:
-        server = start_azurite(exe)
-    except EmulatorDown as e:
-        pytest.skip(f"Azurite cannot start: {e}")
-    yield server
-    server.close()
+    with server_or_skip(find_azurite(), start_azurite, AZURITE_MISSING, "Azurite") as server:
+        yield server
 
 
 class Bucket:
@@ -205,14 +193,8 @@ def test_bad_credentials_name_the_url(bucket):
 
 def test_object_replaced_under_a_saved_state_is_refused(bucket):
     url, _ = two_shards(bucket)
-    loader = PackedLoader(url, config=small_config(), tokenizer=None, num_threads=1)
-    it = iter(loader)
-    next(it)
-    state = pickle.loads(pickle.dumps(loader.state_dict()))
-    bucket.put("p/b.parquet", parquet_bytes(token_docs(30, 99)))  # same name and row count, other tokens
-    fresh = PackedLoader(url, config=small_config(), tokenizer=None, num_threads=1)
-    with pytest.raises(ValueError, match="b.parquet"):
-        fresh.load_state_dict(state)
+    # b.parquet rewritten: same name and row count, other tokens
+    check_replaced_shard_refused(url, lambda: bucket.put("p/b.parquet", parquet_bytes(token_docs(30, 99))), "b.parquet")
 
 
 @pytest.mark.parametrize("how", ["replaced", "deleted"])

@@ -16,8 +16,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers.s3_server import FaultProxy, MotoServer, find_moto_server
-from helpers.source_resume import check_exact_resume, check_exactly_once, small_config
+from helpers.cloud_emulators import server_or_skip
+from helpers.s3_server import MOTO_MISSING, FaultProxy, MotoServer, find_moto_server
+from helpers.source_resume import check_exact_resume, check_exactly_once, check_replaced_shard_refused, small_config
+from helpers.spawned_epoch import spawned_epoch
 
 from packloader import PackedLoader, ParallelConfig, PlanConfig
 from packloader.sources import storage as storage_mod
@@ -36,12 +38,8 @@ _NAMES = itertools.count()
 
 @pytest.fixture(scope="module")
 def moto():
-    exe = find_moto_server()
-    if exe is None:
-        pytest.skip("moto_server not installed (`bash scripts/setup.sh dev` installs moto[server])")
-    server = MotoServer(exe)
-    yield server
-    server.close()
+    with server_or_skip(find_moto_server(), MotoServer, MOTO_MISSING, "moto_server") as server:
+        yield server
 
 
 @pytest.fixture()
@@ -169,15 +167,9 @@ def test_bad_credentials_name_the_url(s3, moto):
 
 
 def test_object_replaced_under_a_saved_state_is_refused(s3):
-    url, docs = two_shards(s3)
-    loader = PackedLoader(url, config=small_config(), tokenizer=None, num_threads=1)
-    it = iter(loader)
-    next(it)
-    state = pickle.loads(pickle.dumps(loader.state_dict()))
-    put_parquet(s3, "p/b.parquet", token_docs(30, 99))  # same name and row count, other tokens
-    fresh = PackedLoader(url, config=small_config(), tokenizer=None, num_threads=1)
-    with pytest.raises(ValueError, match="b.parquet"):
-        fresh.load_state_dict(state)
+    url, _ = two_shards(s3)
+    # b.parquet rewritten: same name and row count, other tokens
+    check_replaced_shard_refused(url, lambda: put_parquet(s3, "p/b.parquet", token_docs(30, 99)), "b.parquet")
 
 
 @pytest.mark.parametrize("how", ["replaced", "deleted"])
@@ -259,22 +251,12 @@ def test_killed_and_resumed_from_object_storage_equals_one_uninterrupted_epoch(s
 
 def test_dataloader_workers_read_from_s3_and_cover_every_token_once(s3):
     """Spawned DataLoader workers get the source pickled (no client, no open object) and make their own client."""
-    from torch.utils.data import DataLoader
-
     from packloader import PackedDataset
-    from tests.helpers.ledger import TokenLedger
 
     url, docs = two_shards(s3)
     ds = PackedDataset(Storage(retry=FAST).paths(url), config=small_config(), tokenizer=None, epochs=1)
-    steps = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn"))
-    ledger = TokenLedger(ds._p.stream)
-    got = []
-    for mbs in steps:
-        ledger.add(mbs)
-        for b in mbs:
-            ids, cu = b.input_ids.numpy().reshape(-1), b.cu_seqlens.numpy()
-            got += [ids[a:e].tolist() for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
-    assert ledger.check_epoch(0) == sum(len(d) for d in docs)
+    tokens, got = spawned_epoch(ds)
+    assert tokens == sum(len(d) for d in docs)
     assert sorted(t for piece in got for t in piece) == sorted(t for d in docs for t in d.tolist())
 
 

@@ -13,8 +13,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers.s3_server import MotoServer, find_moto_server
+from helpers.cloud_emulators import server_or_skip
+from helpers.s3_server import MOTO_MISSING, MotoServer, find_moto_server
 from helpers.source_resume import check_exact_resume
+from helpers.spawned_epoch import spawned_epoch
 
 from packloader import PackedLoader, ParallelConfig, PlanConfig
 from packloader.sources import storage as storage_mod
@@ -32,10 +34,12 @@ FAST = RetryPolicy(attempts=6, base_delay_s=0.01, max_delay_s=0.1, deadline_s=30
 
 @pytest.fixture(scope="module")
 def s3():
-    exe = find_moto_server()
-    if exe is None:
-        pytest.skip("moto_server not installed (`bash scripts/setup.sh dev` installs moto[server])")
-    server = MotoServer(exe)
+    with server_or_skip(find_moto_server(), MotoServer, MOTO_MISSING, "moto_server") as server:
+        yield from _pages_bucket(server)
+
+
+def _pages_bucket(server):
+    """A bucket "pages" on `server`, the AWS settings pointing at it while the tests run."""
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
                                             "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")}
     os.environ.update(AWS_ACCESS_KEY_ID="t", AWS_SECRET_ACCESS_KEY="t", AWS_DEFAULT_REGION="us-east-1",
@@ -45,7 +49,6 @@ def s3():
     client = boto3.client("s3", endpoint_url=server.endpoint)
     client.create_bucket(Bucket="pages")
     yield client
-    server.close()
     for k, v in saved.items():
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     storage_mod._DEFAULT.clear()
@@ -143,10 +146,7 @@ def test_killed_and_resumed_with_paged_reads_equals_one_uninterrupted_epoch(s3, 
 def test_spawned_workers_read_pages_and_cover_every_token_once(s3, tmp_path):
     """DataLoader workers get the source, its indexes included, pickled; each reads its pages with its own client
     and thread pool."""
-    from torch.utils.data import DataLoader
-
     from packloader import PackedDataset
-    from tests.helpers.ledger import TokenLedger
 
     shards = [token_docs(50, 34), token_docs(40, 35)]
     upload(s3, tmp_path, "w", shards)
@@ -154,13 +154,6 @@ def test_spawned_workers_read_pages_and_cover_every_token_once(s3, tmp_path):
     ds = PackedDataset(Storage(block_size=0, retry=FAST).paths("s3://pages/w/*.parquet"), config=cfg, tokenizer=None,
                        epochs=1)
     assert all(s is not None for s in ds._p.stream.source._paged)
-    steps = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn"))
-    ledger = TokenLedger(ds._p.stream)
-    got = []
-    for mbs in steps:
-        ledger.add(mbs)
-        for b in mbs:
-            ids, cu = b.input_ids.numpy().reshape(-1), b.cu_seqlens.numpy()
-            got += [ids[a:e].tolist() for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
-    assert ledger.check_epoch(0) == sum(len(d) for docs in shards for d in docs)
+    tokens, got = spawned_epoch(ds)
+    assert tokens == sum(len(d) for docs in shards for d in docs)
     assert sorted(map(tuple, got)) == sorted(tuple(d.tolist()) for docs in shards for d in docs)

@@ -138,15 +138,22 @@ def megatron_batch(
         ids, lab, pos, params = _thd_rows(batch, cp_size, cp_rank, sliced, ids, lab, pos)
     else:
         ids, lab, pos, params, shard = _packloader_cp_rows(batch, cp_size, cp_rank, cp_mode, cost_model, ids, lab)
-    loss_mask = (lab != IGNORE_INDEX).to(torch.float32)
-    labels = torch.where(lab == IGNORE_INDEX, torch.full_like(lab, label_pad), lab)
-    if device is not None:
-        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-            setattr(params, name, getattr(params, name).to(device, non_blocking=True))
+    out = gpt_sample(ids, lab, pos, params, label_pad, device)
+    out["cp_shard"] = shard
+    out["num_loss_tokens_in_step"] = int(batch.loss_tokens_in_step)
+    out["segments"] = list(batch.segments)
+    out["step_plan"] = batch.plan  # the StepPlan (backward order) for sliced_pipeline_forward_backward
+    out["step_metrics"] = batch.step_metrics  # what the loader knows about the step (packloader.StepMetrics)
+    return out
+
+
+def gpt_sample(ids, lab, pos, params, label_pad: int, device: Any) -> dict[str, Any]:
+    """Megatron's GPT batch of one THD row: labels padded where ignored (Megatron reads every label), the loss mask
+    from them, on `device` with `params`' cu_seqlens. Shared by the per-rank and the dynamic-CP adapters."""
     out = {
         "tokens": ids.unsqueeze(0),
-        "labels": labels.unsqueeze(0),
-        "loss_mask": loss_mask.unsqueeze(0),
+        "labels": torch.where(lab == IGNORE_INDEX, torch.full_like(lab, label_pad), lab).unsqueeze(0),
+        "loss_mask": (lab != IGNORE_INDEX).to(torch.float32).unsqueeze(0),
         "attention_mask": None,
         "position_ids": pos.unsqueeze(0),
         "packed_seq_params": params,
@@ -154,11 +161,8 @@ def megatron_batch(
     if device is not None:
         for k in ("tokens", "labels", "loss_mask", "position_ids"):
             out[k] = out[k].to(device, non_blocking=True)
-    out["cp_shard"] = shard
-    out["num_loss_tokens_in_step"] = int(batch.loss_tokens_in_step)
-    out["segments"] = list(batch.segments)
-    out["step_plan"] = batch.plan  # the StepPlan (backward order) for sliced_pipeline_forward_backward
-    out["step_metrics"] = batch.step_metrics  # what the loader knows about the step (packloader.StepMetrics)
+        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            setattr(params, name, getattr(params, name).to(device, non_blocking=True))
     return out
 
 

@@ -29,6 +29,7 @@ from packloader.collate.batch import IGNORE_INDEX, PackedBatch
 
 from .._common import flat
 from .._lazy import require
+from .batch import gpt_sample
 
 __all__ = ["megatron_dynamic_cp_batches"]
 
@@ -38,23 +39,6 @@ def _params(cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, size
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, cu_seqlens_q_padded=cu_q,
                            cu_seqlens_kv_padded=cu_k, max_seqlen_q=int(max_q), max_seqlen_kv=int(max_k),
                            local_cp_size=int(size), cp_group=group)
-
-
-def _sub_sample(ids, lab, pos, params, label_pad: int, device: Any) -> dict[str, Any]:
-    out = {
-        "tokens": ids.unsqueeze(0),
-        "labels": torch.where(lab == IGNORE_INDEX, torch.full_like(lab, label_pad), lab).unsqueeze(0),
-        "loss_mask": (lab != IGNORE_INDEX).to(torch.float32).unsqueeze(0),
-        "attention_mask": None,
-        "position_ids": pos.unsqueeze(0),
-        "packed_seq_params": params,
-    }
-    if device is not None:
-        for k in ("tokens", "labels", "loss_mask", "position_ids"):
-            out[k] = out[k].to(device, non_blocking=True)
-        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-            setattr(params, name, getattr(params, name).to(device, non_blocking=True))
-    return out
 
 
 def megatron_dynamic_cp_batches(batch: PackedBatch, *, groups: Any = None, rank_map: Sequence[int] | None = None,
@@ -78,14 +62,14 @@ def megatron_dynamic_cp_batches(batch: PackedBatch, *, groups: Any = None, rank_
         cu_q = torch.from_numpy(g.shard.cu_seqlens_q.astype("int32"))
         params = _params(cu_q, torch.from_numpy(cu_k.astype("int32")), g.shard.max_seqlen_q, max_k, g.size, group)
         params.packloader_shard = g.shard
-        sub = _sub_sample(ids[g.lo:g.hi], lab[g.lo:g.hi], pos[g.lo:g.hi], params, label_pad, device)
+        sub = gpt_sample(ids[g.lo:g.hi], lab[g.lo:g.hi], pos[g.lo:g.hi], params, label_pad, device)
         sub["cp_shard"] = g.shard
         subs.append(sub)
     if not subs:  # an empty slot: one padding token on this GPU alone, no loss target
         cu = torch.tensor([0, 1], dtype=torch.int32)
         pad = torch.zeros(1, dtype=torch.int64)
-        subs.append(_sub_sample(pad, torch.full_like(pad, IGNORE_INDEX), pad, _params(cu, cu, 1, 1, 1, None),
-                                label_pad, device))
+        subs.append(gpt_sample(pad, torch.full_like(pad, IGNORE_INDEX), pad, _params(cu, cu, 1, 1, 1, None),
+                               label_pad, device))
         subs[0]["cp_shard"] = None
     for sub in subs:
         sub["num_loss_tokens_in_step"] = int(batch.loss_tokens_in_step)

@@ -187,6 +187,26 @@ def with_retries(call, url: str, policy: RetryPolicy, what: str):
     raise AssertionError("unreachable")
 
 
+def read_range(store, info: ObjectInfo, start: int, end: int, call, what: str = "object") -> bytes:
+    """Bytes [start, end) from `call()` under `store.policy`, counted on `store`.
+
+    Every store's ranged GET shares this: a cut response is retried like a reset, and a deleted object is
+    `ShardChanged` since the source indexed it.
+    """
+    def whole() -> bytes:
+        data = call()
+        if len(data) != end - start:  # a cut response: retried like a reset
+            raise ConnectionError(f"short read: {len(data)} of {end - start} bytes")
+        return data
+
+    try:
+        data = with_retries(whole, info.url, store.policy, f"GET bytes {start}..{end - 1}")
+    except ObjectMissing as e:
+        raise ShardChanged(f"{info.url}: the {what} was deleted since the source opened it ({e})") from e
+    count_read(store, len(data))
+    return data
+
+
 class S3Store:
     """s3:// objects through boto3, configured from the standard AWS settings (endpoint included)."""
 
@@ -226,17 +246,9 @@ class S3Store:
         def call() -> bytes:
             kw = {"IfMatch": info.etag} if info.etag else {}
             body = self.client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **kw)["Body"]
-            data = body.read()
-            if len(data) != end - start:  # a cut response: retried like a reset
-                raise ConnectionError(f"short read: {len(data)} of {end - start} bytes")
-            return data
+            return body.read()
 
-        try:
-            data = with_retries(call, info.url, self.policy, f"GET bytes {start}..{end - 1}")
-        except ObjectMissing as e:
-            raise ShardChanged(f"{info.url}: the object was deleted since the source opened it ({e})") from e
-        count_read(self, len(data))
-        return data
+        return read_range(self, info, start, end, call)
 
     def listing(self, url: str) -> list[str]:
         """The object URLs under `url`'s prefix, or matching it where it holds `*`, `?` or `[` (`**`: any depth)."""

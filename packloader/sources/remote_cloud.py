@@ -28,10 +28,9 @@ from packloader.sources.identity import ShardChanged
 from packloader.sources.remote import (
     HttpError,
     ObjectInfo,
-    ObjectMissing,
     RetryPolicy,
     _glob_match,
-    count_read,
+    read_range,
     split_url,
     with_retries,
 )
@@ -75,20 +74,9 @@ class _Store:
             self._clients[key] = make()
         return self._clients[key]
 
-    def _whole(self, data: bytes, info: ObjectInfo, start: int, end: int) -> bytes:
-        if len(data) != end - start:  # a cut response: retried like a reset
-            raise ConnectionError(f"short read of {info.url}: {len(data)} of {end - start} bytes")
-        return data
-
     def get_range(self, info: ObjectInfo, start: int, end: int) -> bytes:
         """Bytes [start, end) of the object `info` describes; a replaced or deleted object is `ShardChanged`."""
-        try:
-            data = with_retries(lambda: self._whole(self._read(info, start, end), info, start, end), info.url,
-                                self.policy, f"GET bytes {start}..{end - 1}")
-        except ObjectMissing as e:
-            raise ShardChanged(f"{info.url}: the object was deleted since the source opened it ({e})") from e
-        count_read(self, len(data))
-        return data
+        return read_range(self, info, start, end, lambda: self._read(info, start, end))
 
     def listing(self, url: str) -> list[str]:
         """The object URLs under `url`'s prefix, or matching it where it holds `*`, `?` or `[` (`**`: any depth)."""

@@ -15,7 +15,7 @@ import http.client
 from urllib.parse import urljoin, urlsplit
 
 from packloader.sources.identity import ShardChanged
-from packloader.sources.remote import HttpError, ObjectInfo, ObjectMissing, RetryPolicy, count_read, with_retries
+from packloader.sources.remote import HttpError, ObjectInfo, RetryPolicy, read_range, with_retries
 
 HTTP_SCHEMES = ("http", "https")
 _REDIRECTS = (301, 302, 303, 307, 308)
@@ -74,16 +74,9 @@ class HttpStore:
                 raise ShardChanged(f"{info.url}: the file changed since the source opened it ({total} bytes, ETag "
                                    f"{etag}; opened: {info.size} bytes, ETag {info.etag}); reading on would train "
                                    "other documents than those indexed")
-            if len(data) != end - start:
-                raise ConnectionError(f"short read: {len(data)} of {end - start} bytes")
             return data
 
-        try:
-            data = with_retries(call, info.url, self.policy, f"GET bytes {start}..{end - 1}")
-        except ObjectMissing as e:
-            raise ShardChanged(f"{info.url}: the file was deleted since the source opened it ({e})") from e
-        count_read(self, len(data))
-        return data
+        return read_range(self, info, start, end, call, "file")
 
     def listing(self, url: str) -> list[str]:
         from packloader.sources.unsupported import UnsupportedSourceError

@@ -4,20 +4,23 @@ gcp-storage-emulator (PyPI, in the dev extra) and Azurite (npm; `scripts/setup.s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from helpers.s3_server import free_port
+import pytest
+
+from helpers.s3_server import free_port, stop, wait_listening
 
 REPO = Path(__file__).resolve().parents[2]
 # Azurite's well-known development account (public, in Azure's documentation)
 AZURITE_ACCOUNT = "devstoreaccount1"
+GCS_MISSING = "gcp-storage-emulator not installed (`bash scripts/setup.sh dev` installs it)"
+AZURITE_MISSING = "Azurite or node not installed (`bash scripts/setup.sh dev` installs azurite with npm)"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 
@@ -54,27 +57,13 @@ class Emulator:
         self.endpoint = f"http://127.0.0.1:{port}"
         self.workdir = tempfile.mkdtemp(prefix=f"packloader-{name}-")
         self.proc = subprocess.Popen(argv, cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.close()
-                raise EmulatorDown(f"{name} exited with {self.proc.returncode} at start ({' '.join(argv)})")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.1)
-        self.close()
-        raise EmulatorDown(f"{name} did not listen on 127.0.0.1:{port} in {timeout} s")
+        why = wait_listening(self.proc, port, timeout, name)
+        if why:
+            self.close()
+            raise EmulatorDown(f"{why} ({' '.join(argv)})")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop(self.proc)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -94,3 +83,19 @@ def start_azurite(exe: str) -> Emulator:
 def azurite_connection_string(endpoint: str, key: str = AZURITE_KEY) -> str:
     return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={key};"
             f"BlobEndpoint={endpoint}/{AZURITE_ACCOUNT};")
+
+
+@contextlib.contextmanager
+def server_or_skip(exe: str | None, start, missing: str, name: str):
+    """`start(exe)`'s server, closed on exit; the test skipped with `missing` where `exe` is None, or naming why
+    where the server cannot start (`EmulatorDown`). Shared by the object-storage tests' module fixtures."""
+    if exe is None:
+        pytest.skip(missing)
+    try:
+        server = start(exe)
+    except EmulatorDown as e:
+        pytest.skip(f"{name} cannot start: {e}")
+    try:
+        yield server
+    finally:
+        server.close()

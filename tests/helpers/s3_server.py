@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+MOTO_MISSING = "moto_server not installed (`bash scripts/setup.sh dev` installs moto[server])"
 
 
 def find_moto_server() -> str | None:
@@ -32,6 +33,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_listening(proc: subprocess.Popen, port: int, timeout: float, name: str) -> str | None:
+    """None once `proc` accepts connections on 127.0.0.1:`port`, else why not (it exited, or `timeout` passed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"{name} exited with {proc.returncode} at start"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return None
+        except OSError:
+            time.sleep(0.1)
+    return f"{name} did not listen on 127.0.0.1:{port} in {timeout} s"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate `proc`, killing it if it does not exit in 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 class MotoServer:
     """`moto_server -H 127.0.0.1 -p PORT` for the life of the object; `endpoint` is its URL."""
 
@@ -40,26 +66,13 @@ class MotoServer:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(self.port)], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {self.proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.1)
-        self.close()
-        raise RuntimeError(f"moto_server did not listen on 127.0.0.1:{self.port} in {timeout} s")
+        why = wait_listening(self.proc, self.port, timeout, "moto_server")
+        if why:
+            self.close()
+            raise RuntimeError(why)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop(self.proc)
 
 
 class Faults:

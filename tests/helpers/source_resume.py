@@ -7,6 +7,7 @@ import pickle
 from typing import Callable
 
 import numpy as np
+import pytest
 
 from packloader.contracts import PlanConfig
 from packloader.loader.loader import PackedLoader
@@ -52,3 +53,15 @@ def check_exact_resume(make: Callable[[], PackedLoader], stop: int) -> None:
     second.load_state_dict(state)
     tail = [batch_digest(b) for b in second]
     assert head + tail == whole
+
+
+def check_replaced_shard_refused(url: str, replace: Callable[[], None], name: str) -> None:
+    """A state saved mid-epoch is refused, naming the shard `name`, once `replace()` rewrites it under the state."""
+    loader = PackedLoader(url, config=small_config(), tokenizer=None, num_threads=1)
+    it = iter(loader)
+    next(it)
+    state = pickle.loads(pickle.dumps(loader.state_dict()))
+    replace()
+    fresh = PackedLoader(url, config=small_config(), tokenizer=None, num_threads=1)
+    with pytest.raises(ValueError, match=name):
+        fresh.load_state_dict(state)

@@ -4,6 +4,7 @@ planners and simulation."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 from pathlib import Path
 
@@ -114,3 +115,22 @@ def test_every_package_folder_is_in_the_wheel():
         folder = roots[pkg.split(".")[0]].joinpath(*pkg.split(".")[1:])
         kinds = {f.suffix for f in folder.iterdir() if f.is_file() and f.suffix in (".json", ".csv")}
         assert all(f"*{k}" in data.get(pkg, []) for k in kinds), (pkg, kinds, data.get(pkg))
+
+
+def _test_modules_imported(source: str) -> set[str]:
+    """The test modules (test_*) a file's code imports; what it shares belongs in tests/helpers."""
+    tree = ast.parse(source)
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    return {m for m in names if m.split(".")[-1].startswith("test_") or m.startswith("tests.test_")}
+
+
+def test_no_test_module_imports_another():
+    tests = Path(__file__).parent
+    found = {p.name: sorted(_test_modules_imported(p.read_text())) for p in sorted(tests.glob("test_*.py"))}
+    found.update({f"helpers/{p.name}": sorted(_test_modules_imported(p.read_text()))
+                  for p in sorted((tests / "helpers").glob("*.py"))})
+    assert {k: v for k, v in found.items() if v} == {}
+    # the check can fail
+    assert _test_modules_imported("from test_sources_s3 import s3\nimport tests.test_x\n") == {"test_sources_s3",
+                                                                                             "tests.test_x"}

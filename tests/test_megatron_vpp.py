@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_integration_slices import LENGTHS, VOCAB, _dense_core_attention_cls, _megatron_rope_on_cpu, corpus
+from helpers.megatron_slices import LENGTHS, VOCAB, _dense_core_attention_cls, _megatron_rope_on_cpu, corpus
 
 from packloader.contracts import ParallelConfig, PlanConfig
 from packloader.loader.loader import PackedLoader

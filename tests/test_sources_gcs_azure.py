@@ -23,9 +23,9 @@ from helpers.cloud_emulators import (
     start_azurite,
     start_gcs_emulator,
 )
+from helpers.s3_fixtures import parquet_bytes, read_all, token_docs
 from helpers.s3_server import FaultProxy
 from helpers.source_resume import check_exact_resume, check_exactly_once, check_replaced_shard_refused, small_config
-from test_sources_s3 import parquet_bytes, read_all, token_docs
 
 from packloader import PackedLoader
 from packloader.sources import storage as storage_mod

@@ -3,7 +3,7 @@
 `http.server` (which ignores Range: refused); and hf:// through huggingface_hub, whose Hub this machine cannot
 reach: the error names the URL and the settings. Expected documents are the ones the test wrote."""
 
-# ruff: noqa: F811 (the S3 tests' moto and s3 fixtures, imported)
+# ruff: noqa: F811 (the moto and s3 fixtures, imported from tests/helpers/s3_fixtures.py)
 from __future__ import annotations
 
 import functools
@@ -14,8 +14,8 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+from helpers.s3_fixtures import FAST, moto, parquet_bytes, put_parquet, read_all, s3, token_docs  # noqa: F401 (fixtures)
 from helpers.source_resume import check_exact_resume, check_exactly_once, small_config
-from test_sources_s3 import FAST, moto, parquet_bytes, put_parquet, read_all, s3, token_docs  # noqa: F401 (fixtures)
 
 from packloader import PackedLoader
 from packloader.sources.identity import ShardChanged

@@ -1,7 +1,7 @@
 """MDS directories in object storage (moto_server on the loopback): written by streaming's own MDSWriter, uploaded,
 read through packloader's ranged reads and disk cache. The expected samples are the ones the test wrote."""
 
-# ruff: noqa: F811 (the S3 tests' moto and s3 fixtures, imported)
+# ruff: noqa: F811 (the moto and s3 fixtures, imported from tests/helpers/s3_fixtures.py)
 from __future__ import annotations
 
 import os
@@ -9,8 +9,8 @@ import pickle
 
 import numpy as np
 import pytest
+from helpers.s3_fixtures import FAST, moto, s3  # noqa: F401 (fixtures)
 from helpers.source_resume import check_exact_resume, check_exactly_once, small_config
-from test_sources_s3 import FAST, moto, s3  # noqa: F401 (fixtures)
 
 from packloader import PackedLoader
 from packloader.sources.errors import SourceError

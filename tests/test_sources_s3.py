@@ -1,3 +1,4 @@
+# ruff: noqa: F811 (the moto and s3 fixtures, imported from tests/helpers/s3_fixtures.py)
 """Object storage: Parquet and JSONL shards read from a real S3-compatible server (moto_server) on the loopback, with
 faults injected by a proxy in front of it. Expected documents are the ones the test wrote (independent reference)."""
 
@@ -5,24 +6,21 @@ from __future__ import annotations
 
 import gzip
 import io
-import itertools
 import json
 import os
 import pickle
 import struct
 
-import boto3
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers.cloud_emulators import server_or_skip
-from helpers.s3_server import MOTO_MISSING, FaultProxy, MotoServer, find_moto_server
+from helpers.s3_fixtures import FAST, moto, parquet_bytes, put_parquet, read_all, s3, token_docs, two_shards  # noqa: F401 (fixtures)
+from helpers.s3_server import FaultProxy
 from helpers.source_resume import check_exact_resume, check_exactly_once, check_replaced_shard_refused, small_config
 from helpers.spawned_epoch import spawned_epoch
 
 from packloader import PackedLoader, ParallelConfig, PlanConfig
-from packloader.sources import storage as storage_mod
 from packloader.sources.errors import SourceError
 from packloader.sources.identity import ShardChanged
 from packloader.sources.open import open_source
@@ -30,64 +28,6 @@ from packloader.sources.remote import AccessDenied, ObjectMissing, RemoteError, 
 from packloader.sources.storage import Storage
 
 pytestmark = pytest.mark.multiprocess  # starts moto_server
-
-FAST = RetryPolicy(attempts=6, base_delay_s=0.01, max_delay_s=0.1, deadline_s=30, connect_timeout_s=2,
-                   read_timeout_s=2)
-_NAMES = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def moto():
-    with server_or_skip(find_moto_server(), MotoServer, MOTO_MISSING, "moto_server") as server:
-        yield server
-
-
-@pytest.fixture()
-def s3(moto, monkeypatch):
-    """A fresh bucket; the AWS settings point at the server (the default storage rebuilt from them)."""
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                 "AWS_ENDPOINT_URL": moto.endpoint}.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    monkeypatch.setattr(storage_mod, "_DEFAULT", {})
-    client = boto3.client("s3", endpoint_url=moto.endpoint)
-    bucket = f"bkt-{os.getpid()}-{next(_NAMES)}"
-    client.create_bucket(Bucket=bucket)
-    return client, bucket
-
-
-def token_docs(n: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 1000, int(rng.integers(1, 300))).astype(np.int32) for _ in range(n)]
-
-
-def parquet_bytes(docs, row_group_size: int = 16) -> bytes:
-    t = pa.table({"tokens": pa.array([d.tolist() for d in docs], pa.list_(pa.int32())),
-                  "length": pa.array([len(d) for d in docs], pa.int32())})
-    buf = io.BytesIO()
-    pq.write_table(t, buf, row_group_size=row_group_size)
-    return buf.getvalue()
-
-
-def put_parquet(s3, key: str, docs) -> str:
-    client, bucket = s3
-    client.put_object(Bucket=bucket, Key=key, Body=parquet_bytes(docs))
-    return f"s3://{bucket}/{key}"
-
-
-def two_shards(s3, prefix: str = "p"):
-    a, b = token_docs(40, 1), token_docs(30, 2)
-    put_parquet(s3, f"{prefix}/a.parquet", a)
-    put_parquet(s3, f"{prefix}/b.parquet", b)
-    return f"s3://{s3[1]}/{prefix}/*.parquet", a + b
-
-
-def read_all(src) -> list[list[int]]:
-    out = []
-    for k, s in enumerate(src.shards):
-        out += [np.asarray(d).tolist() for d in src.read(k, np.arange(s.num_rows))]
-    return out
-
 
 def test_parquet_from_s3_url_reads_every_document(s3):
     url, docs = two_shards(s3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.planners import ATTENTION_HEAVY, wlb_reference
 
 from packloader.balancers.planners.auto_step import queued_arrays
 from packloader.balancers.planners.packing import Packing, Pieces, QueuedPieces
@@ -44,29 +45,6 @@ def test_held_pieces_score_and_state_as_a_list_does():
     assert not isinstance(plain.queued, QueuedPieces)
 
 
-def _wlb_reference(prof, lengths: list[int], nbins: int, cap: int) -> tuple[list[int], int]:
-    """WLB-LLM Algorithm 1 written out: the least loaded bin if it has room, else the fewest tokens', else
-    wait; ties to the lowest bin. Returns (bins, pieces that went to the fewest tokens' bin)."""
-    def bin_time(a: float, n: int) -> float:
-        return a + sum(p.a * n * n + p.b * n + p.c for p in (prof.lin_fwd, prof.lin_bwd))
-
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    attn, tok, load, ref = [0.0] * nbins, [0] * nbins, [bin_time(0.0, 0)] * nbins, [-1] * len(lengths)
-    to_fewest = 0
-    for i in order:
-        w = min(range(nbins), key=lambda b: (load[b], b))
-        f = min(range(nbins), key=lambda b: (tok[b], b))
-        b = w if tok[w] + lengths[i] <= cap else (f if tok[f] + lengths[i] <= cap else -1)
-        if b < 0:
-            continue
-        to_fewest += b != w
-        ref[i] = b
-        attn[b] += sum(p.a * lengths[i] ** 2 + p.b * lengths[i] + p.c for p in (prof.attn_fwd, prof.attn_bwd))
-        tok[b] += lengths[i]
-        load[b] = bin_time(attn[b], tok[b])
-    return ref, to_fewest
-
-
 @pytest.mark.parametrize("short", [15_460, 15_475, 15_500])
 def test_wlb_pack_with_few_misses_matches_the_loop(short):
     """Until the least loaded bin has lacked room SCAN_MISSES times wlb_pack's load heap keeps no positions: the
@@ -76,13 +54,11 @@ def test_wlb_pack_with_few_misses_matches_the_loop(short):
     from packloader.balancers.cost.model import CostModel
     from packloader.balancers.planners.bins import HEAP_MIN_BINS
     from packloader.balancers.planners.wlb import wlb_pack
-    from packloader.contracts import CostProfile, Poly
 
-    prof = CostProfile(name="attention-heavy", tile=1, attn_fwd=Poly(1e-6, 0, 0), attn_bwd=Poly(2e-6, 0, 0),
-                       lin_fwd=Poly(0, 1e-9, 1e-7), lin_bwd=Poly(0, 2e-9, 2e-7))
+    prof = ATTENTION_HEAVY
     nbins, cap = HEAP_MIN_BINS + 4, 4096
     lengths = [1000] * 150 + [10] * short
-    ref, to_fewest = _wlb_reference(prof, lengths, nbins, cap)
+    ref, to_fewest = wlb_reference(prof, lengths, nbins, cap)
     assert 0 < to_fewest  # the scan path chose bins (at 15,500 short pieces also the heap's, from the 32nd miss)
     got, _, _ = wlb_pack(CostModel(prof).coeffs, np.array(lengths, np.int64), nbins, cap)
     assert got.tolist() == ref

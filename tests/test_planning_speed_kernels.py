@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.planners import ATTENTION_HEAVY, wlb_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -260,31 +261,12 @@ def test_wlb_pack_builds_its_token_heap_after_misses_and_matches_the_scan():
     from packloader.balancers.cost.model import CostModel
     from packloader.balancers.planners.bins import HEAP_MIN_BINS
     from packloader.balancers.planners.wlb import SCAN_MISSES, wlb_pack
-    from packloader.contracts import CostProfile, Poly
 
-    prof = CostProfile(name="attention-heavy", tile=1, attn_fwd=Poly(1e-6, 0, 0), attn_bwd=Poly(2e-6, 0, 0),
-                       lin_fwd=Poly(0, 1e-9, 1e-7), lin_bwd=Poly(0, 2e-9, 2e-7))
+    prof = ATTENTION_HEAVY
     coeffs = CostModel(prof).coeffs
-
-    def bin_time(a: float, n: int) -> float:
-        return a + sum(p.a * n * n + p.b * n + p.c for p in (prof.lin_fwd, prof.lin_bwd))
-
     nbins, cap = HEAP_MIN_BINS + 4, 4096
     lengths = [1000] * 150 + [10] * 40_000
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    attn, tok, load, ref = [0.0] * nbins, [0] * nbins, [bin_time(0.0, 0)] * nbins, [-1] * len(lengths)
-    to_fewest = 0
-    for i in order:  # WLB-LLM Algorithm 1: the least loaded bin if it has room, else the fewest tokens', else wait
-        w = min(range(nbins), key=lambda b: (load[b], b))
-        f = min(range(nbins), key=lambda b: (tok[b], b))
-        b = w if tok[w] + lengths[i] <= cap else (f if tok[f] + lengths[i] <= cap else -1)
-        if b < 0:
-            continue
-        to_fewest += b != w
-        ref[i] = b
-        attn[b] += sum(p.a * lengths[i] ** 2 + p.b * lengths[i] + p.c for p in (prof.attn_fwd, prof.attn_bwd))
-        tok[b] += lengths[i]
-        load[b] = bin_time(attn[b], tok[b])
+    ref, to_fewest = wlb_reference(prof, lengths, nbins, cap)
     got, _, _ = wlb_pack(coeffs, np.array(lengths, np.int64), nbins, cap)
     assert to_fewest > 10 * SCAN_MISSES  # the heap path chose bins
     assert got.tolist() == ref

@@ -13,7 +13,7 @@ from packloader.balancers.planners.auto import AutoPlanner, Candidate
 from packloader.balancers.planners.fixed import FixedPlanner
 from packloader.balancers.planners.packing import Pieces, cost_model_for
 from packloader.balancers.planners.registry import StepLayout, Window
-from packloader.contracts import PlanConfig, PlannerState, QueuedDoc, StepPlan
+from packloader.contracts import CostProfile, PlanConfig, PlannerState, Poly, QueuedDoc, StepPlan
 
 
 class DelayingPlanner:
@@ -61,3 +61,32 @@ def candidate_plans(auto: AutoPlanner, cfg: PlanConfig, window: Window, state: P
             continue
         out.append((cand, packing.costs(model).to_step_plan(0)))
     return out
+
+
+# Attention dominates: bins of many short pieces fill their tokens while staying the least loaded, so WLB-LLM's
+# rule sends pieces to the fewest tokens' bin (the path wlb_pack's token heap serves)
+ATTENTION_HEAVY = CostProfile(name="attention-heavy", tile=1, attn_fwd=Poly(1e-6, 0, 0), attn_bwd=Poly(2e-6, 0, 0),
+                              lin_fwd=Poly(0, 1e-9, 1e-7), lin_bwd=Poly(0, 2e-9, 2e-7))
+
+
+def wlb_reference(prof, lengths: list[int], nbins: int, cap: int) -> tuple[list[int], int]:
+    """WLB-LLM Algorithm 1 written out: the least loaded bin if it has room, else the fewest tokens', else
+    wait; ties to the lowest bin. Returns (bins, pieces that went to the fewest tokens' bin)."""
+    def bin_time(a: float, n: int) -> float:
+        return a + sum(p.a * n * n + p.b * n + p.c for p in (prof.lin_fwd, prof.lin_bwd))
+
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    attn, tok, load, ref = [0.0] * nbins, [0] * nbins, [bin_time(0.0, 0)] * nbins, [-1] * len(lengths)
+    to_fewest = 0
+    for i in order:
+        w = min(range(nbins), key=lambda b: (load[b], b))
+        f = min(range(nbins), key=lambda b: (tok[b], b))
+        b = w if tok[w] + lengths[i] <= cap else (f if tok[f] + lengths[i] <= cap else -1)
+        if b < 0:
+            continue
+        to_fewest += b != w
+        ref[i] = b
+        attn[b] += sum(p.a * lengths[i] ** 2 + p.b * lengths[i] + p.c for p in (prof.attn_fwd, prof.attn_bwd))
+        tok[b] += lengths[i]
+        load[b] = bin_time(attn[b], tok[b])
+    return ref, to_fewest

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.distributed import run_ranks
+from helpers.docs import tail_with_giant
 
 from packloader import PackedLoader, ParallelConfig, PlanConfig, merge_states
 from packloader.contracts import MicroBatch, RankPlan, Segment, StepPlan
@@ -16,11 +17,7 @@ from packloader.sources.base import IterableSource
 
 
 def corpus(seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    lengths = np.minimum(rng.pareto(1.1, 150) * 60 + 1, 3000).astype(np.int64)
-    docs = [rng.integers(0, 256, size=int(k)).astype(np.int32) for k in lengths]
-    docs.insert(11, rng.integers(0, 256, size=9000).astype(np.int32))  # spreads over several steps
-    return docs
+    return tail_with_giant(150, 60, 3000, 11, 9000, seed=seed)
 
 
 def config(dp: int, strategy: str, **kw) -> PlanConfig:

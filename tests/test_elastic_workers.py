@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.docs import tail_with_giant
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from packloader import PackedDataset, ParallelConfig, PlanConfig, dataloader_state_for
@@ -15,11 +16,7 @@ from packloader.sources.base import IterableSource
 
 
 def corpus(seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    lengths = np.minimum(rng.pareto(1.1, 120) * 50 + 1, 2000).astype(np.int64)
-    docs = [rng.integers(0, 256, size=int(k)).astype(np.int32) for k in lengths]
-    docs.insert(7, rng.integers(0, 256, size=4000).astype(np.int32))  # spreads over several steps
-    return docs
+    return tail_with_giant(120, 50, 2000, 7, 4000, seed=seed)
 
 
 def config(dp: int = 1, strategy: str = "wlb") -> PlanConfig:

@@ -15,6 +15,16 @@ def token_docs(n=300, seed=0, max_len=300, vocab=256):
     return [rng.integers(0, vocab, size=int(k)).astype(np.int32) for k in lengths]
 
 
+def tail_with_giant(n: int, scale: float, cap: int, giant_at: int, giant_len: int, seed: int = 0) -> list[np.ndarray]:
+    """A long-tail corpus (Pareto 1.1 lengths, `scale` x, capped at `cap`) with one document of `giant_len` tokens
+    inserted at `giant_at`, long enough to spread over several steps (delay, slices, interrupted steps)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.pareto(1.1, n) * scale + 1, cap).astype(np.int64)
+    docs = [rng.integers(0, 256, size=int(k)).astype(np.int32) for k in lengths]
+    docs.insert(giant_at, rng.integers(0, 256, size=giant_len).astype(np.int32))
+    return docs
+
+
 def text_docs(n=200, seed=0):
     rng = np.random.default_rng(seed)
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "über", "naïve", "日本"]

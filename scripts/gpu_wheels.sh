@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download the wheels a GPU machine lacks, to carry there: the GPU machines have torch (CUDA), numba, pyarrow,
-# tokenizers and tiktoken, but not torchdata or msgspec (nor mosaicml-streaming, which only the MDS source needs:
+# tokenizers and tiktoken, but not torchdata, msgspec or zstandard (nor mosaicml-streaming, which only the MDS source needs:
 # add --mds). Resolves the packages and their dependencies for the GPU machine's Python and platform from
 # metadata (`pip install --dry-run --report`: nothing large is fetched), drops what the machine already has
 # (torch and its CUDA libraries, numpy, numba, pyarrow, ...), and downloads the rest as binary wheels.
@@ -33,7 +33,7 @@ platforms=${GPU_PLATFORMS:-"manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinu
 # what the GPU machine already has: torch and everything it pulls in, and the packages its image ships
 keep_out=${KEEP_OUT:-'^(torch|torchvision|triton|nvidia-.*|cuda-.*|sympy|mpmath|networkx|jinja2|markupsafe|filelock|fsspec|typing[-_]extensions|setuptools|numpy|numba|llvmlite|pyarrow|tokenizers|tiktoken|regex)$'}
 
-packages=(torchdata msgspec)
+packages=(torchdata msgspec zstandard)
 [ "$mds" = 1 ] && packages+=(mosaicml-streaming)
 
 plat_args=()

@@ -54,6 +54,7 @@ class Ctx:
     repeats: int
     warmup: int
     seed: int = 0
+    quick: bool = False  # the main shape only, and no `packloader calibrate` CLI run: a rerun on a short lease
     results: dict = field(default_factory=dict)  # what earlier parts produced (e.g. calibrated profiles)
 
     @property
@@ -61,7 +62,7 @@ class Ctx:
         return self.device.type == "cuda"
 
     def shapes(self) -> list[LayerShape]:
-        return [SHAPE_TINY] if self.dry_run else [SHAPE_7B, SHAPE_1B]
+        return [SHAPE_TINY] if self.dry_run else [SHAPE_7B] if self.quick else [SHAPE_7B, SHAPE_1B]
 
     def main_shape(self) -> LayerShape:
         return SHAPE_TINY if self.dry_run else SHAPE_7B

@@ -104,7 +104,9 @@ def run(ctx: Ctx, budget: Budget, out_dir) -> dict:
         profiles[shape.name] = prof
         ctx.free()
     ctx.results["calibration_profiles"] = profiles
-    if budget.left() > 0.3 * budget.seconds:  # about a minute on an H100; skipped rather than cut
+    if ctx.quick:
+        out["cli"] = {"skipped": "--quick"}
+    elif budget.left() > 0.3 * budget.seconds:  # about a minute on an H100; skipped rather than cut
         out["cli"] = cli_run(ctx, out_dir)
     else:
         out["cli"] = {"skipped": f"{budget.left():.0f} s of the budget left"}

@@ -39,12 +39,14 @@ def _qkvw(lengths, hq, hkv, d, seed):
     return [torch.randn(T, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq)]
 
 
-def _ref(lengths, q, k, v, w):
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    cu = cu_seqlens(lengths, torch.device("cpu"))
+def _ref(lengths, q, k, v, w, dev: torch.device):
+    """The float64 reference, computed on `dev` (a 16K-token pack in float64 takes minutes on one CPU thread) and
+    returned on the CPU."""
+    q, k, v = (t.to(dev, copy=True).requires_grad_() for t in (q, k, v))
+    cu = cu_seqlens(lengths, dev)
     out = reference_varlen_attention(q, k, v, cu, cu, causal=True)
-    (out * w).sum().backward()
-    return out.detach(), q.grad, k.grad, v.grad
+    (out * w.to(dev)).sum().backward()
+    return tuple(t.cpu() for t in (out.detach(), q.grad, k.grad, v.grad))
 
 
 def _stage_through_cpu() -> None:
@@ -78,7 +80,7 @@ def _cp_rank(rank, world, device, dtype, backend, packs):
     errs = {}
     for pi, lengths in enumerate(packs):
         q, k, v, w = _qkvw(lengths, 8, 2, 64 if dev.type == "cuda" else 8, seed=pi)
-        ref = _ref(lengths, q, k, v, w)
+        ref = _ref(lengths, q, k, v, w, dev)
         for mode in MODES:
             shard = plan_cp_shards(lengths, world, mode, cost=cp_cost()).ranks[rank]
             idx = torch.from_numpy(shard.token_index)
@@ -187,10 +189,13 @@ def run(ctx: Ctx, budget: Budget, out_dir) -> dict:
     res["slice_executor"] = _slice_check(ctx)
     budget.check("slice executor")
     world = 2 if ctx.dry_run else 4
-    packs = [[37, 1, 5, 64, 3, 20]] if ctx.dry_run else [[3000, 17, 1, 900, 64, 5000, 333], [16384]]
-    per_rank = run_ranks(_cp_rank, world, str(ctx.device), str(ctx.dtype).removeprefix("torch."), ctx.backend, packs,
-                         timeout=max(60.0, budget.left()))
+    packs = [[37, 1, 5, 64, 3, 20]] if ctx.dry_run else [[3000, 17, 1, 900, 64, 5000, 333], [8192]]
     res["cp_world"] = world
-    res["distributed_max_rel_err"] = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    try:  # the ranks' figures are lost on a failure, the ones above are kept
+        per_rank = run_ranks(_cp_rank, world, str(ctx.device), str(ctx.dtype).removeprefix("torch."), ctx.backend,
+                             packs, timeout=max(120.0, budget.left()))
+        res["distributed_max_rel_err"] = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    except AssertionError as e:
+        res["distributed_error"] = str(e)[-2000:]
     res["pipeline"] = "not measured on one GPU (see the module docstring)"
     return res

@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/gpu/run_all.py --out out/gpu-proof                  # on the GPU
     PYTHONPATH=$PWD python benchmarks/gpu/run_all.py --parts slices,accuracy --budget-min 8
+    PYTHONPATH=$PWD python benchmarks/gpu/run_all.py --quick --budget-min 4                # a short lease
     PYTHONPATH=$PWD python benchmarks/gpu/run_all.py --dry-run --out /tmp/gpu-dry          # CPU, tiny shapes
 
 Parts (each a module beside this one, each with its share of the time budget; a part past its share stops and
@@ -49,6 +50,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="out/gpu-proof", help="folder for gpu-proof.json, gpu-proof.md and tables")
     p.add_argument("--write-docs", default=None, help="also rewrite the gpu-proof section of this markdown file")
     p.add_argument("--dry-run", action="store_true", help="CPU, reference attention, float32, tiny shapes")
+    p.add_argument("--quick", action="store_true",
+                   help="the 7B shape only and no `packloader calibrate` CLI run: about 4 minutes on an H200")
     p.add_argument("--device", default=None, help="default: cuda (cpu with --dry-run)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 (fp32 dry run)")
     p.add_argument("--backend", default=None, help="force an attention backend (default: the dispatcher's choice)")
@@ -72,7 +75,8 @@ def make_ctx(args) -> Ctx:
         raise SystemExit("run_all: no CUDA device here; run with --dry-run on CPU")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype or ("fp32" if dry else "bf16")]
     return Ctx(device=device, dtype=dtype, dry_run=dry, backend=args.backend or ("reference" if dry else None),
-               repeats=args.repeats or (1 if dry else 5), warmup=args.warmup if args.warmup is not None else (0 if dry else 2))
+               repeats=args.repeats or (1 if dry else 5), warmup=args.warmup if args.warmup is not None else (0 if dry else 2),
+               quick=args.quick)
 
 
 def budgets(parts: list[str], minutes: float) -> dict[str, float]:

@@ -150,3 +150,20 @@ def test_the_device_file_is_the_gpu_present():
     assert device_for_gpu("NVIDIA H200") == "h200"
     assert device_for_gpu("NVIDIA H100 80GB HBM3") == "h100"
     assert device_for_gpu("NVIDIA A100-SXM4-80GB") == "h100"  # no file of its own: PlanConfig's default
+
+
+def test_the_h200_runs_balance_plans_replanned_offline_give_its_predictions():
+    """reprice_balance.py plans the H200 run's steps again on CPU: its shipped-profile prices are the run's own
+    predictions (so the plans are the ones that were timed), and the per-micro-batch cost fitted on auto's row
+    brings every other strategy's price within 5 % of its measured time."""
+    _run_all()
+    from reprice_balance import reprice
+
+    folder = ROOT / "benchmarks" / "gpu" / "results" / "2026-11-26-h200"
+    run = {r["strategy"]: r for r in json.loads((folder / "gpu-proof.json").read_text())["parts"]["balance"]["rows"]}
+    d, rows = reprice(folder)
+    assert {r["strategy"] for r in rows} == set(run)
+    for r in rows:
+        assert r["shipped"] == pytest.approx(run[r["strategy"]]["step_time_predicted_s"], rel=1e-6)
+        assert r["fitted"] == pytest.approx(r["measured"], rel=0.05)
+    assert 0.02 < d < 0.04  # about 31 ms per micro-batch per 8-layer stage

@@ -47,13 +47,20 @@ def test_dry_run_runs_every_part(tmp_path):
     assert (tmp_path / "out" / "slices.csv").read_text().startswith("q,p,fwd_ms,bwd_ms")
     kinds = {r["kind"] for r in p["accuracy"]["rows"]}
     assert kinds == {"one long", "many short", "mixed", "slices"}
-    assert {r["strategy"] for r in p["balance"]["rows"]} == {"fixed", "auto", "concat"}
-    assert all("error" not in r and r["steps"] >= 1 for r in p["balance"]["rows"])
+    bal = p["balance"]
+    assert {r["strategy"] for r in bal["rows"]} == {"fixed", "auto", "concat"}
+    assert all("error" not in r for r in bal["rows"])
+    # every strategy timed over the same steps (at least 2), so their tokens/s compare like with like
+    assert bal["steps"] >= 2 and [r["steps"] for r in bal["rows"]] == [bal["steps"]] * 3
+    # planned and predicted with part 2's calibrated profile, handed to PlanConfig as a profile JSON path
+    assert bal["profile"].startswith("the profile calibrated in part 2") and bal["plan_model"].endswith(".json")
+    assert (tmp_path / "out" / Path(bal["plan_model"]).name).exists() and bal["planner_warnings"] == []
     # the runtime on CPU float32 against the float64 reference: errors of float32 rounding, not of logic
     errs = p["runtime"]["distributed_max_rel_err"]
     assert {k.split("/")[0] for k in errs} == {"cp", "remap"} and max(errs.values()) < 1e-4
     assert max(p["runtime"]["slice_executor"].values()) < 1e-4
     assert p["loader"]["batches"] == 6 and p["loader"]["loader_tokens_per_s"] > 0
+    assert p["loader"]["plan_warnings"] == []  # a model that fits the device: no "no candidate plan fits"
     # packloader calibrate --cp under torchrun (2 CPU ranks): a device file with the fitted intra-node CP link
     assert p["cp_link"]["exit"] == 0, p["cp_link"]["output"]
     assert p["cp_link"]["cp_link"]["intra_node_gbps"] > 0 and (tmp_path / "out" / "device-cp.json").exists()
@@ -112,3 +119,51 @@ def test_a_gpu_run_drops_pending_from_the_heading(tmp_path):
     text = docs.read_text()
     assert "## GPU proof\n\nhow to run" in text and "gpu figures" in text and "old" not in text
     assert text.endswith("## Next\n")
+
+
+def test_balance_steps_come_from_the_budget():
+    _run_all()
+    from part_balance import steps_for_budget
+
+    # first steps took 10 + 20 + 20 s; 85 % of 100 s left buys one more round: 2 steps each
+    assert steps_for_budget(100.0, [10.0, 20.0, 20.0], 20) == 2
+    assert steps_for_budget(1000.0, [10.0, 20.0, 20.0], 20) == 18  # 1 + 850 // 50
+    assert steps_for_budget(1000.0, [10.0, 20.0, 20.0], 6) == 6  # --quick's cap
+    assert steps_for_budget(-5.0, [10.0, 20.0, 20.0], 20) == 2  # budget spent: still the minimum of 2
+
+
+def test_balance_without_a_calibration_plans_with_the_shipped_profile(tmp_path):
+    run_all = _run_all()
+    import part_balance
+
+    ctx = run_all.make_ctx(run_all.parse(["--dry-run"]))  # no calibrate part ran: ctx.results is empty
+    res = run_all.run_part("balance", ctx, 0.0, tmp_path)  # and the budget is spent from the start
+    assert res["status"] == "done", res.get("traceback")
+    assert res["plan_model"] == "llama2-7b" and res["plan_device"] == "h100" and "shipped H100" in res["profile"]
+    assert res["steps"] == part_balance.MIN_STEPS and [r["steps"] for r in res["rows"]] == [2, 2, 2]
+
+
+def test_the_device_file_is_the_gpu_present():
+    _run_all()
+    from gpu_plan import device_for_gpu
+
+    assert device_for_gpu("NVIDIA H200") == "h200"
+    assert device_for_gpu("NVIDIA H100 80GB HBM3") == "h100"
+    assert device_for_gpu("NVIDIA A100-SXM4-80GB") == "h100"  # no file of its own: PlanConfig's default
+
+
+def test_the_h200_runs_balance_plans_replanned_offline_give_its_predictions():
+    """reprice_balance.py plans the H200 run's steps again on CPU: its shipped-profile prices are the run's own
+    predictions (so the plans are the ones that were timed), and the per-micro-batch cost fitted on auto's row
+    brings every other strategy's price within 5 % of its measured time."""
+    _run_all()
+    from reprice_balance import reprice
+
+    folder = ROOT / "benchmarks" / "gpu" / "results" / "2026-11-26-h200"
+    run = {r["strategy"]: r for r in json.loads((folder / "gpu-proof.json").read_text())["parts"]["balance"]["rows"]}
+    d, rows = reprice(folder)
+    assert {r["strategy"] for r in rows} == set(run)
+    for r in rows:
+        assert r["shipped"] == pytest.approx(run[r["strategy"]]["step_time_predicted_s"], rel=1e-6)
+        assert r["fitted"] == pytest.approx(r["measured"], rel=0.05)
+    assert 0.02 < d < 0.04  # about 31 ms per micro-batch per 8-layer stage

@@ -59,12 +59,17 @@ def _balance(r: dict) -> list[str]:
     s = r["setup"]
     out = [f"Balance on measured time: DP {s['dp']} / PP {s['pp']}, micro-batches up to {s['cap']} tokens, "
            f"{s['tokens_per_step']} tokens per step, {r['layers_timed']} layers timed per micro-batch, scaled to "
-           f"{r['stage_layers']:g} per stage:"]
-    out += _table(["strategy", "steps", "imbalance measured", "imbalance predicted", "step time measured s",
-                   "predicted s", "tokens/s (measured)", "vs concat"],
-                  [[x["strategy"], x.get("steps"), x.get("imbalance_measured"), x.get("imbalance_predicted"),
-                    x.get("step_time_measured_s"), x.get("step_time_predicted_s"), x.get("tokens_per_s_measured"),
-                    x.get("speedup_vs_concat", x.get("error"))] for x in r["rows"]])
+           f"{r['stage_layers']:g} per stage; every strategy timed over the same {r.get('steps', '?')} steps, planned and "
+           f"predicted with {r.get('profile', 'the shipped H100 profile')}. Each rank's slowest micro-batch is timed "
+           "twice and keeps the faster run (last column: the most its first run was slower):"]
+    out += _table(["strategy", "steps", "micro-batches / rank", "imbalance measured", "imbalance predicted",
+                   "steps' time measured s", "predicted s", "tokens/s (measured)", "vs concat",
+                   "slowest's first run x"],
+                  [[x["strategy"], x.get("steps"), x.get("micro_batches_per_rank"), x.get("imbalance_measured"),
+                    x.get("imbalance_predicted"), x.get("step_time_measured_s"), x.get("step_time_predicted_s"),
+                    x.get("tokens_per_s_measured"), x.get("speedup_vs_concat", x.get("error")),
+                    x.get("first_run_slowdown_max")] for x in r["rows"]])
+    out += [f"\nPlanner warning: {w}" for w in r.get("planner_warnings", [])]
     return out + [""]
 
 
@@ -81,11 +86,13 @@ def _runtime(r: dict) -> list[str]:
 
 
 def _loader(r: dict) -> list[str]:
-    return [f"Loader: {_f(r['loader_tokens_per_s'], '.3g')} tokens/s alone; the {r['layers_timed']} timed layers "
+    warn = [f"\nPlanner warning: {w}" for w in r.get("plan_warnings", [])]
+    return [f"Loader ({r.get('model', 'llama2-7b')} planned for device {r.get('device', 'h100')}): "
+            f"{_f(r['loader_tokens_per_s'], '.3g')} tokens/s alone; the {r['layers_timed']} timed layers "
             f"consume {_f(r['consumed_tokens_per_s'], '.3g')} tokens/s (a whole model "
             f"{_f(r['consumed_tokens_per_s_full_model'], '.3g')}); together {_f(r['together_tokens_per_s'], '.3g')} "
             f"tokens/s with {_f(r['together_wait_share'], '.1%')} of the time waiting for batches; keeps up: "
-            f"{r['keeps_up']}.", ""]
+            f"{r['keeps_up']}.", *warn, ""]
 
 
 def _cp_link(r: dict) -> list[str]:

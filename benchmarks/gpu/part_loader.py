@@ -7,7 +7,11 @@
   spent waiting for the next batch (0 when the loader keeps up).
 
 A full model consumes fewer tokens/s than the timed layers: `consumed_tokens_per_s_full_model` scales the step
-alone to all the model's layers, the rate the loader must beat on one GPU without pipeline stages."""
+alone to all the model's layers, the rate the loader must beat on one GPU without pipeline stages. So the model
+is one that fits one GPU: Llama-3.2-1B's layers (the 7B does not fit at TP 1 with 16K-token micro-batches, its
+weights and optimizer state alone fill an H100), planned for that model (`ModelShape.spec()`, as
+`packloader.model_spec` gives a user's model) on the device file of the GPU present (gpu_plan.device_name); the
+planner's warnings, none expected, are kept with the figures."""
 
 from __future__ import annotations
 
@@ -19,10 +23,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from gpu_common import Budget, Ctx, long_tail_lengths
+from gpu_common import SHAPE_1B, SHAPE_TINY, Budget, Ctx, long_tail_lengths
 from gpu_model import Layers, Pack
+from gpu_plan import device_name, planner_warnings
 
 from packloader import PackedLoader
+from packloader.balancers.cost.presets import ModelShape
 from packloader.contracts import PlanConfig
 
 LAYERS = 2
@@ -47,7 +53,7 @@ class Step:
     """Embedding + Layers, forward and backward of one micro-batch (the loss: the outputs' mean square)."""
 
     def __init__(self, ctx: Ctx) -> None:
-        self.ctx, shape = ctx, ctx.main_shape()
+        self.ctx, shape = ctx, model_shape(ctx)
         torch.manual_seed(ctx.seed)
         self.emb = torch.nn.Embedding(VOCAB, shape.hidden).to(ctx.device, ctx.dtype)
         self.layers = Layers(shape, LAYERS).to(ctx.device, ctx.dtype)
@@ -60,6 +66,18 @@ class Step:
         y = self.layers(self.emb(ids), batch.position_ids.to(dev, non_blocking=True), pack)
         y.float().pow(2).mean().backward()
         return int(ids.numel())
+
+
+def model_shape(ctx: Ctx):
+    """The layer the step runs: one whose whole model fits one GPU (the dry run's tiny one on CPU)."""
+    return SHAPE_TINY if ctx.dry_run else SHAPE_1B
+
+
+def plan_model(ctx: Ctx) -> str:
+    """PlanConfig.model for that model: its shape as a spec string (the data's vocabulary prices the head)."""
+    s = model_shape(ctx)
+    return ModelShape(name=s.name, hidden=s.hidden, layers=s.layers or LAYERS, heads=s.heads, kv_heads=s.kv_heads,
+                      ffn=s.ffn, vocab=s.vocab or VOCAB, head_size=s.head_dim).spec()
 
 
 def _loader(paths, cfg) -> PackedLoader:
@@ -89,9 +107,9 @@ def run(ctx: Ctx, budget: Budget, out_dir) -> dict:
     cap, tps, n = (64, 512, 6) if dry else (16384, 131072, 64)
     lengths = np.minimum(long_tail_lengths(20000 if dry else 60000, ctx.seed, scale=1 / 256 if dry else 1.0), cap * 4)
     cfg = PlanConfig(strategy="auto", max_tokens=cap, context=cap, tokens_per_step=tps, allow_slicing=False,
-                     model="llama2-7b")
+                     model=plan_model(ctx), device=device_name(ctx))
     step = Step(ctx)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, planner_warnings() as warnings:
         paths = write_shards(Path(tmp), lengths, ctx.seed)
         alone = _rate(iter(_loader(paths, cfg)), lambda b: b.input_ids.to(ctx.device).numel(), n, ctx.sync)
         budget.check("loader alone")
@@ -101,8 +119,9 @@ def run(ctx: Ctx, budget: Budget, out_dir) -> dict:
         gpu = _rate(iter(batches), step, len(batches), ctx.sync)
         budget.check("step alone")
         both = _rate(iter(_loader(paths, cfg)), step, n, ctx.sync)
-    layers_full = ctx.main_shape().layers or LAYERS
-    return {"micro_batch_tokens": cap, "batches": n, "layers_timed": LAYERS,
+    layers_full = model_shape(ctx).layers or LAYERS
+    return {"model": model_shape(ctx).name, "plan_model": cfg.model, "device": cfg.device,
+            "plan_warnings": sorted(set(warnings))[:20], "micro_batch_tokens": cap, "batches": n, "layers_timed": LAYERS,
             "loader_tokens_per_s": alone[0], "consumed_tokens_per_s": gpu[0],
             "consumed_tokens_per_s_full_model": gpu[0] * LAYERS / layers_full,
             "together_tokens_per_s": both[0], "together_wait_share": both[1],

@@ -3,6 +3,7 @@ are known, the measured-table CSV format, and the slice timer's output on CPU (t
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -126,3 +127,15 @@ def test_calibrate_cli_times_and_fits_slices(tmp_path, capsys):
     assert all(q + p <= 256 for q, p in zip(qs, ps))
     text = capsys.readouterr().out
     assert "slice term (tile" in text and "the model's rule" in text and f"wrote {csv}" in text
+    assert f"wrote {out} with the slice term" in text
+    # the saved profile prices slices by the term fitted on the table it wrote (refitted here from the CSV)
+    from packloader.balancers.cost.model import CostModel
+    from packloader.balancers.cost.profile_io import load_profile
+
+    saved = load_profile(out)
+    assert saved.slice_term is not None and "slice_fwd_mape_pct" in saved.fit_error
+    rule = msgspec.structs.replace(saved, slice_term=None)
+    again = fit_slice_term(rule, table, tile=saved.slice_term.tile)
+    q, p = np.array(table.q), np.array(table.p)
+    for got, want in zip(CostModel(saved).segment_times(q, p), slice_times(rule, again, q, p)):
+        np.testing.assert_allclose(got, want, rtol=1e-3)

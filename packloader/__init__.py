@@ -49,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "CostProfile": "packloader.contracts",
     "Poly": "packloader.contracts",
     "LinTable": "packloader.contracts",
+    "SliceCoeffs": "packloader.contracts",
     "ConfigError": "packloader.contracts",
     "validate_config": "packloader.balancers.planners.config_rules",
     "Window": "packloader.balancers.planners.registry",

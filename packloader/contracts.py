@@ -227,13 +227,33 @@ class LinTable(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
 MAX_LIN_KNOTS = 16
 
 
+class SliceCoeffs(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A measured slice term (`packloader calibrate --slices`): a segment of q query tokens after p > 0 earlier
+    keys costs attn(q, 0) + x*2*qs*p + y*p per pass, qs = q rounded up to `tile`, instead of the rule's q*p
+    extra pairs at the document's own per-pair rate. x: seconds per extra (query, key) pair (counted as 2*qs*p
+    like a); y: seconds per earlier key read, whatever q (a short slice still reads, and in the runtime
+    assembles, every earlier key)."""
+
+    tile: PosInt = 1
+    x_fwd: NonNegFloat
+    y_fwd: NonNegFloat
+    x_bwd: NonNegFloat
+    y_bwd: NonNegFloat
+
+    def scaled(self, factor: float) -> "SliceCoeffs":
+        """The same term `factor` times slower (more layers, a slower device, 1/g of a CP group)."""
+        return msgspec.structs.replace(self, x_fwd=self.x_fwd * factor, y_fwd=self.y_fwd * factor,
+                                       x_bwd=self.x_bwd * factor, y_bwd=self.y_bwd * factor)
+
+
 class CostProfile(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Per-pipeline-stage time of a micro-batch, forward and backward separately.
 
     Attention of a segment with q query tokens and p earlier keys (p = start - attend_from), q rounded up to
     the kernel's tile: attn(q, p) = a*(q^2 + 2*q*p) + b*q + c. For p = 0 this is a*l^2 + b*l + c per document
     (Hydraulis' form: b and c carry what short documents cost beyond their (query, key) pairs); a slice's q*p
-    extra pairs cost the same per pair as the document's own (2a per pair, as l^2/2 pairs cost a*l^2).
+    extra pairs cost the same per pair as the document's own (2a per pair, as l^2/2 pairs cost a*l^2), unless
+    `slice_term` holds a measured price of slices (`SliceCoeffs`).
     Linear part of a micro-batch of n tokens: lin(n) = a*n^2 + b*n + c, whose c is the per-micro-batch floor,
     or `lin_table` where one was measured (the polynomials then summarise it for the planners' per-document
     workload: their b is the per-token rate, c the floor). A micro-batch's time is the sum of its segments'
@@ -254,6 +274,8 @@ class CostProfile(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     lin_table: LinTable | None = None
     # Where the numbers come from (measurement, scaling applied), for reports.
     source: str = ""
+    # Measured price of slices (segments with p > 0); None: the rule above (q*p pairs at 2a each).
+    slice_term: SliceCoeffs | None = None
 
 
 COEFF_LAYOUT = (
@@ -266,6 +288,8 @@ COEFF_LAYOUT = (
     *(f"lin_table.tokens[{i}]" for i in range(MAX_LIN_KNOTS)),
     *(f"lin_table.fwd[{i}]" for i in range(MAX_LIN_KNOTS)),
     *(f"lin_table.bwd[{i}]" for i in range(MAX_LIN_KNOTS)),
+    "slice_term.tile",  # 0: no term (the rule)
+    "slice_term.x_fwd", "slice_term.y_fwd", "slice_term.x_bwd", "slice_term.y_bwd",
 )
 
 

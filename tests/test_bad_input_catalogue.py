@@ -852,6 +852,19 @@ def unknown_object_unsupported(tmp):
     return lambda: PackedLoader(object(), config=_config(), num_threads=0)
 
 
+def profile_slice_term_negative(tmp):
+    """A cost profile whose measured slice term has a negative per-pair rate (edited by hand?)."""
+    from packloader.balancers.cost.measured import base_profile
+    from packloader.balancers.cost.profile_io import load_profile, save_profile
+
+    path = tmp / "termed.json"
+    save_profile(base_profile(), path)
+    data = json.loads(path.read_text())
+    data["slice_term"] = {"tile": 1, "x_fwd": -2e-11, "y_fwd": 0.0, "x_bwd": 0.0, "y_bwd": 0.0}
+    path.write_text(json.dumps(data))
+    return lambda: load_profile(path)
+
+
 def action_list_slice_order(tmp):
     """Written action lists (a `packloader plan` record) whose stage 0 runs the backward of micro-batch 0 before
     that of micro-batch 1, which holds the next slice of micro-batch 0's document."""
@@ -1005,6 +1018,8 @@ CASES = [
     Case("dynamic_cp_without_cp_rank", dynamic_cp_without_cp_rank, ValueError,
          ("step 0 is planned with per-document context parallelism (cp_mode 'dynamic', cp=2)",
           "PackedLoader(..., cp_rank=...)")),
+    Case("profile_slice_term_negative", profile_slice_term_negative, ValueError,
+         ("termed.json: not a cost profile: Expected `float` >= 0.0 - at `$.slice_term.x_fwd`",)),
     Case("action_list_slice_order", action_list_slice_order, ValueError,
          ("action lists: pipeline rank 0, stage 0: backward of micro-batch 0 before that of micro-batch 1, which reads "
           "its keys",)),

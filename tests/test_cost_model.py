@@ -1,5 +1,6 @@
 """The cost model: the CostProfile formula by hand, the DESIGN.md anchor, presets, profile files, annotations."""
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -16,6 +17,7 @@ from packloader.contracts import (
     Poly,
     RankPlan,
     Segment,
+    SliceCoeffs,
     StepPlan,
 )
 
@@ -31,10 +33,14 @@ HAND = CostProfile(
 
 def test_coeff_layout_order():
     c = profile_coeffs(HAND)
-    assert len(c) == len(COEFF_LAYOUT) == 13 + 1 + 3 * 16
+    assert len(c) == len(COEFF_LAYOUT) == 13 + 1 + 3 * 16 + 5
     named = dict(zip(COEFF_LAYOUT, c))
     assert named["tile"] == 4 and named["attn_bwd.b"] == 20.0 and named["lin_fwd.c"] == 1000.0 and named["lin_bwd.a"] == 1.0
     assert named["lin_table.knots"] == 0  # no table: the polynomials are the linear part
+    assert named["slice_term.tile"] == 0  # no slice term: slices priced by the rule
+    termed = msgspec.structs.replace(HAND, slice_term=SliceCoeffs(tile=2, x_fwd=1.5, y_fwd=2.5, x_bwd=3.5, y_bwd=4.5))
+    named = dict(zip(COEFF_LAYOUT, profile_coeffs(termed)))
+    assert [named[f"slice_term.{k}"] for k in ("tile", "x_fwd", "y_fwd", "x_bwd", "y_bwd")] == [2, 1.5, 2.5, 3.5, 4.5]
 
 
 def test_attention_formula_by_hand_with_tile_floor():

@@ -3,6 +3,7 @@ are known, the measured-table CSV format, and the slice timer's output on CPU (t
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -126,3 +127,46 @@ def test_calibrate_cli_times_and_fits_slices(tmp_path, capsys):
     assert all(q + p <= 256 for q, p in zip(qs, ps))
     text = capsys.readouterr().out
     assert "slice term (tile" in text and "the model's rule" in text and f"wrote {csv}" in text
+    assert f"wrote {out} with the slice term" in text
+    # the saved profile prices slices by the term fitted on the table it wrote (refitted here from the CSV)
+    from packloader.balancers.cost.model import CostModel
+    from packloader.balancers.cost.profile_io import load_profile
+
+    saved = load_profile(out)
+    assert saved.slice_term is not None and "slice_fwd_mape_pct" in saved.fit_error
+    rule = msgspec.structs.replace(saved, slice_term=None)
+    again = fit_slice_term(rule, table, tile=saved.slice_term.tile)
+    q, p = np.array(table.q), np.array(table.p)
+    for got, want in zip(CostModel(saved).segment_times(q, p), slice_times(rule, again, q, p)):
+        np.testing.assert_allclose(got, want, rtol=1e-3)
+
+
+def test_the_slice_launch_attends_to_its_earlier_keys():
+    """calibrate_slices times the runtime's SliceContext: its output is causal attention of each segment over
+    its cached earlier keys then its own, as written out here (the same draws, keys concatenated by hand)."""
+    from packloader.runtime.attention import varlen_attention
+    from packloader.runtime.calibrate import LayerShape
+    from packloader.runtime.calibrate_slices import _launch
+
+    shape = LayerShape(hidden=16, heads=2, kv_heads=1, head_dim=8, ffn=32)
+    q_lens, p_lens = [4, 1, 3], [0, 1, 6]
+    run = _launch(shape, q_lens, p_lens, device=torch.device("cpu"), dtype=torch.float64, backend="reference",
+                  gen=torch.Generator().manual_seed(7))
+    (out,), (g,) = run()
+    gen = torch.Generator().manual_seed(7)  # _launch's draws in its order: each prefix's k and v, then q, k, v, g
+
+    def rnd(n, h):
+        return torch.randn(n, h, 8, generator=gen, dtype=torch.float64)
+
+    pre = [(rnd(p, 1), rnd(p, 1)) if p else None for p in p_lens]
+    q, k, v = rnd(8, 2), rnd(8, 1), rnd(8, 1)
+    torch.testing.assert_close(rnd(8, 2), g)
+    ks, vs, lo = [], [], 0
+    for n, pr in zip(q_lens, pre):
+        ks += ([pr[0]] if pr else []) + [k[lo:lo + n]]
+        vs += ([pr[1]] if pr else []) + [v[lo:lo + n]]
+        lo += n
+    cu_q = torch.tensor([0, 4, 5, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 6, 15], dtype=torch.int32)
+    want = varlen_attention(q, torch.cat(ks), torch.cat(vs), cu_q, cu_k, 4, 9, causal=True, backend="reference")
+    torch.testing.assert_close(out, want)

@@ -43,6 +43,8 @@ def _slices(r: dict) -> list[str]:
         out.append(f"\nFitted slice term (tile {f['tile']}): pair rate x {f['pair_ratio_fwd']:.3g} (fwd) / "
                    f"{f['pair_ratio_bwd']:.3g} (bwd) of the model's; fit MAPE {f['mape_pct_fwd']:.1f} / "
                    f"{f['mape_pct_bwd']:.1f} %, the rule's {f['rule_mape_pct_fwd']:.1f} / {f['rule_mape_pct_bwd']:.1f} %.")
+        out.append(f"The term is in the calibrated profile ({f['in_profile']}): part 4's calibrated row prices slices "
+                   "by it." if f.get("in_profile") else "The term is not in a profile (no profile was calibrated here).")
     return out + [""]
 
 
@@ -52,6 +54,8 @@ def _accuracy(r: dict) -> list[str]:
     names = list(r["mape_pct"])
     out += _table(["predicted by"] + list(r["mape_pct"][names[0]]) if names else ["-"],
                   [[n] + [_f(v, ".1f") for v in r["mape_pct"][n].values()] for n in names])
+    if "calibrated_slices" in r:
+        out.append(f"\nThe calibrated profile prices slices by {r['calibrated_slices']}.")
     return out + [""]
 
 

@@ -6,7 +6,10 @@ documents (`packloader.runtime.calibrate_slices`), against two prices:
 * the alternative an independent re-scoring used: every (query, key) pair of the slice at the per-pair rate of
   a short document of q tokens, ``attn(q, 0) / (q(q+1)/2) * (q(q+1)/2 + q*p)``.
 
-Then `fit_slice_term` fits the measured term, and the table is written as CSV for `packloader calibrate`'s fit."""
+Then `fit_slice_term` fits the measured term, and the table is written as CSV for `packloader calibrate`'s fit.
+The slices are timed as the runtime runs them (`SliceContext`, prefix keys/values assembled in the key buffer).
+When part 2 calibrated the profile here, the fitted term goes into it (`with_slice_term`): part 4's "calibrated"
+row then prices slices by the term, and profile-<shape>.json is written again with it."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from gpu_common import Budget, Ctx, mape
 
 from packloader.balancers.cost.measured import base_profile
 from packloader.balancers.cost.model import CostModel
-from packloader.balancers.cost.slice_fit import fit_slice_term, write_slice_csv
+from packloader.balancers.cost.profile_io import save_profile
+from packloader.balancers.cost.slice_fit import fit_slice_term, with_slice_term, write_slice_csv
 from packloader.runtime.calibrate_slices import time_slices
 
 GPU_Q = (128, 144, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -43,6 +47,17 @@ def alternative(model: CostModel, q: np.ndarray, p: np.ndarray) -> np.ndarray:
     f, b = model.segment_times(q, np.zeros_like(q))
     pairs0 = q * (q + 1) / 2.0
     return (f + b) / pairs0 * (pairs0 + q * p)
+
+
+def _into_profile(ctx: Ctx, name: str, prof, term, which: str, out_dir: Path) -> str | None:
+    """Put the term into part 2's calibrated profile (what part 4 prices by); the shipped profile is left as it
+    is (the term was measured here, on another device). Returns the profile file written, or None."""
+    if which != "calibrated here":
+        return None
+    termed = with_slice_term(prof, term)
+    ctx.results["calibration_profiles"][name] = termed
+    save_profile(termed, out_dir / f"profile-{name}.json")
+    return f"profile-{name}.json"
 
 
 def run(ctx: Ctx, budget: Budget, out_dir: Path) -> dict:
@@ -71,6 +86,7 @@ def run(ctx: Ctx, budget: Budget, out_dir: Path) -> dict:
         res["fit"] = {"tile": term.tile, "rows": term.rows,
                       **{f"{k}_{part}": getattr(getattr(term, part), k) for part in ("fwd", "bwd")
                          for k in ("x", "y", "pair_ratio", "mape_pct", "rule_mape_pct")}}
+        res["fit"]["in_profile"] = _into_profile(ctx, shape.name, prof, term, which, out_dir)
     closer = "rule" if res["rule_mape_pct"] <= res["alt_mape_pct"] else "alternative"
     res["verdict"] = (f"the {closer} is closer on the {int(sliced.sum())} slices (p > 0): MAPE rule "
                       f"{res['rule_mape_pct']:.1f} %, alternative {res['alt_mape_pct']:.1f} %")

@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="profile name (default: model@device/backend/dtype/layers)")
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.add_argument("--slices", default=None, metavar="CSV", help="also time slices (q query tokens after p earlier "
-                   "keys, beside short documents), write their table here and fit the slice term against the profile")
+                   "keys, beside short documents), write their table here, fit the slice term against the profile and "
+                   "save the profile with it")
     p.add_argument("--quiet", action="store_true", help="print only the fit")
     p.add_argument("--cp", choices=["intra", "inter"], default=None, help="instead of the kernels: time the CP K/V "
                    "all-gather over groups of 2, 4, ... of the torchrun processes (one per GPU, inside one node: intra; "
@@ -102,8 +103,10 @@ def run(args: argparse.Namespace) -> int:
     save_profile(profile, args.out)
     print(format_fit(profile))
     print(f"wrote {args.out}")
-    if args.slices:
-        _slices(args, shape, profile, device, dtype, layers, max_len, say)
+    if args.slices:  # the profile is on disk already: a failure timing slices does not lose it
+        profile = _slices(args, shape, profile, device, dtype, layers, max_len, say)
+        save_profile(profile, args.out)
+        print(f"wrote {args.out} with the slice term")
     bad = fit_warnings(profile)
     if bad:
         log.warning("the fit is far from the measurements on lengths it did not see (%s): plans priced with %s are "
@@ -112,11 +115,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _slices(args, shape, profile, device, dtype, layers, max_len, say) -> None:
-    """Time one layer's slices, scale them to the profile's layers, write the table and print the fitted term."""
+def _slices(args, shape, profile, device, dtype, layers, max_len, say):
+    """Time one layer's slices, scale them to the profile's layers, write the table, print the fitted term and
+    return the profile with it."""
     import torch
 
-    from packloader.balancers.cost.slice_fit import fit_slice_term, format_slice_term, scaled_timings, write_slice_csv
+    from packloader.balancers.cost.slice_fit import (
+        fit_slice_term,
+        format_slice_term,
+        scaled_timings,
+        with_slice_term,
+        write_slice_csv,
+    )
     from packloader.runtime.calibrate_slices import slice_grid, time_slices
 
     qs, ps = slice_grid(max_len)
@@ -125,8 +135,10 @@ def _slices(args, shape, profile, device, dtype, layers, max_len, say) -> None:
                       repeats=args.repeats, warmup=args.warmup, progress=say)
     table = scaled_timings(one, layers)
     write_slice_csv(table, args.slices)
-    print(format_slice_term(fit_slice_term(profile, table)))
+    term = fit_slice_term(profile, table)
+    print(format_slice_term(term))
     print(f"wrote {args.slices}")
+    return with_slice_term(profile, term)
 
 
 CP_ROWS = {"cuda": [1024, 4096, 16384, 65536], "cpu": [64, 256, 1024, 4096]}  # tokens of 4 KiB of K/V per rank

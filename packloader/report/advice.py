@@ -54,6 +54,7 @@ def merged_model(model: CostModel, g: int) -> CostModel:
         pr, name=f"{pr.name}/cpx{g}", attn_fwd=s(pr.attn_fwd), attn_bwd=s(pr.attn_bwd),
         lin_fwd=s(pr.lin_fwd), lin_bwd=s(pr.lin_bwd), lin_table=table,
         memory_cap=pr.memory_cap * g if pr.memory_cap else None,
+        slice_term=None if pr.slice_term is None else pr.slice_term.scaled(1.0 / g),
     ))
 
 

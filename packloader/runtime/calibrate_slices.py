@@ -1,19 +1,29 @@
 """Timing slices for calibration: a slice of q query tokens after p earlier keys, in one varlen launch beside
 short documents (as a packed micro-batch runs it), forward and backward. Its time is the launch's with the slice
 less the launch's without it, so what is measured is what the slice adds to a micro-batch, the quantity the
-planners price. `packloader.balancers.cost.slice_fit.fit_slice_term` fits the result."""
+planners price. `packloader.balancers.cost.slice_fit.fit_slice_term` fits the result.
+
+The launch is the runtime's own (`SliceContext.attention` with the prefix in a `SliceKVCache`, read as leaves
+that take gradients): a micro-batch holding a slice copies its earlier keys/values in front of the slice's own
+and concatenates its key buffer, forward, and splits the key gradients backward, and the slice's time includes
+that. The launch without the slice holds a 1-token slice after 1 key, so that both pay the assembly of the
+short documents' keys and the difference is the slice's: its attention and the copy of its q + p keys. (The
+executor's accumulation of prefix gradients into the cache after backward is not timed.)"""
 
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import Callable, Sequence
 
 import torch
 
 from packloader.balancers.cost.slice_fit import SliceTimings
+from packloader.contracts import Segment
 from packloader.runtime.calibrate import LayerShape, _time_fwd_bwd, geometric_points
+from packloader.runtime.slice_cache import SliceKVCache
+from packloader.runtime.slices import SliceContext
 
 MIN_SECONDS = 1e-9  # a slice lost in the launch's noise is recorded as this, not as a negative time
+ASSEMBLE = (1, 1)  # (q, p) of the slice in the launch without the measured one: it makes the runtime assemble keys
 
 
 def slice_grid(max_len: int, points: int = 5) -> tuple[list[int], list[int]]:
@@ -25,25 +35,26 @@ def slice_grid(max_len: int, points: int = 5) -> tuple[list[int], list[int]]:
 
 
 def _launch(shape: LayerShape, q_lens: list[int], p_lens: list[int], *, device, dtype, backend, gen):
-    """A run() for the timer: one varlen_attention call of segments with q_lens queries after p_lens keys."""
-    from packloader.runtime.attention import varlen_attention
-
+    """A run() for the timer: one attention call of the runtime's `SliceContext` over segments (one document
+    each) with q_lens queries after p_lens earlier keys, those keys in its cache."""
     def rnd(n, h, grad=True):  # drawn on the device: a 128K-key slice is gigabytes, slow to draw on the CPU
         t = torch.randn(n, h, shape.head_dim, generator=gen, device=device, dtype=dtype)
         return t.requires_grad_() if grad else t
 
-    k_lens = [a + b for a, b in zip(q_lens, p_lens)]
-    cu_q = torch.tensor(list(accumulate(q_lens, initial=0)), dtype=torch.int32, device=device)
-    cu_k = torch.tensor(list(accumulate(k_lens, initial=0)), dtype=torch.int32, device=device)
-    mq, mk = max(q_lens), max(k_lens)
-    tq, tk = sum(q_lens), sum(k_lens)
-    q, k, v = rnd(tq, shape.heads), rnd(tk, shape.kv_heads), rnd(tk, shape.kv_heads)
+    segments = [Segment(doc=i, start=p, end=p + q, attend_from=0) for i, (q, p) in enumerate(zip(q_lens, p_lens))]
+    cache = SliceKVCache()
+    for s in segments:
+        if s.start > 0:
+            cache.put(0, s.doc, 0, s.start, rnd(s.start, shape.kv_heads, False), rnd(s.start, shape.kv_heads, False))
+    tq = sum(q_lens)
+    q, k, v = rnd(tq, shape.heads), rnd(tq, shape.kv_heads), rnd(tq, shape.kv_heads)
     g = rnd(tq, shape.heads, grad=False)
 
     def run():
         for t in (q, k, v):
             t.grad = None
-        return [varlen_attention(q, k, v, cu_q, cu_k, mq, mk, causal=True, backend=backend)], [g]
+        ctx = SliceContext(segments, cache, track_prefix=True, backend=backend)
+        return [ctx.attention(q, k, v, layer=0)], [g]
 
     return run
 
@@ -57,7 +68,7 @@ def time_slices(shape: LayerShape, qs: Sequence[int], ps: Sequence[int], *, devi
     budget): the rows measured so far come back."""
     gen = torch.Generator(device=device).manual_seed(0)
     n_fill = max(1, filler_tokens // filler_len)
-    fill_q, fill_p = [filler_len] * n_fill, [0] * n_fill
+    fill_q, fill_p = [filler_len] * n_fill + [ASSEMBLE[0]], [0] * n_fill + [ASSEMBLE[1]]
     base_f, base_b = _time_fwd_bwd(_launch(shape, fill_q, fill_p, device=device, dtype=dtype, backend=backend, gen=gen),
                                    device, repeats, warmup)
     out_q, out_p, out_f, out_b = [], [], [], []

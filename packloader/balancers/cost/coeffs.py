@@ -4,6 +4,7 @@ per-micro-batch floor), forward and backward separately.
 The formula is the one `contracts.CostProfile` documents. With ``qt = ceil(q / tile) * tile``::
 
     attn(q, p) = a * (qt^2 + 2*qt*p) + b * qt + c        # a segment of q query tokens after p earlier keys
+    attn(q, p) = a * qt^2 + b * qt + c + x*2*qs*p + y*p  # p > 0 under a measured `slice_term` (qs: its tile)
     lin(n)     = a * n^2 + b * n + c                      # a micro-batch of n tokens; c is its floor
     time(mb)   = sum over segments of attn(q_i, p_i) + lin(sum q_i)
 
@@ -32,7 +33,10 @@ LIN_KNOTS = 13  # number of LinTable knots (0: the lin polynomials are the linea
 LIN_TOK = 14
 LIN_TFWD = LIN_TOK + MAX_LIN_KNOTS
 LIN_TBWD = LIN_TOK + 2 * MAX_LIN_KNOTS
-NUM_COEFFS = LIN_TOK + 3 * MAX_LIN_KNOTS
+SLICE_TILE = LIN_TOK + 3 * MAX_LIN_KNOTS  # 0: no slice term, slices priced by the rule
+SLICE_FWD = SLICE_TILE + 1  # x, y
+SLICE_BWD = SLICE_TILE + 3
+NUM_COEFFS = SLICE_TILE + 5
 
 
 def profile_coeffs(profile: CostProfile) -> np.ndarray:
@@ -48,6 +52,10 @@ def profile_coeffs(profile: CostProfile) -> np.ndarray:
         out[LIN_TOK:LIN_TOK + k] = t.tokens
         out[LIN_TFWD:LIN_TFWD + k] = t.fwd
         out[LIN_TBWD:LIN_TBWD + k] = t.bwd
+    st = profile.slice_term
+    if st is not None:
+        out[SLICE_TILE] = float(st.tile)
+        out[SLICE_FWD], out[SLICE_FWD + 1], out[SLICE_BWD], out[SLICE_BWD + 1] = st.x_fwd, st.y_fwd, st.x_bwd, st.y_bwd
     assert len(COEFF_LAYOUT) == NUM_COEFFS
     return out
 
@@ -69,6 +77,10 @@ def attn_time(c, q, p, bwd):
         return 0.0
     o = ATTN_BWD if bwd else ATTN_FWD
     qt = _round_tile(q, c[TILE])
+    if p > 0 and c[SLICE_TILE] > 0.0:  # a measured slice term: attn(q, 0) + x*2*qs*p + y*p
+        s = SLICE_BWD if bwd else SLICE_FWD
+        qs = _round_tile(q, c[SLICE_TILE])
+        return c[o] * qt * qt + c[o + 1] * qt + c[o + 2] + c[s] * 2.0 * qs * p + c[s + 1] * p
     return c[o] * (qt * qt + 2.0 * qt * p) + c[o + 1] * qt + c[o + 2]
 
 

@@ -167,6 +167,7 @@ def measured_profile(
         name=f"{shape.name}@{device.name}-measured/{par}", tile=base.tile, attn_fwd=attn(base.attn_fwd), attn_bwd=attn(base.attn_bwd),
         lin_fwd=lin(base.lin_fwd, extra_f), lin_bwd=lin(base.lin_bwd, extra_b), device=base.device, memory_cap=memory_cap,
         fit_error=dict(base.fit_error), lin_table=table,
+        slice_term=None if base.slice_term is None else base.slice_term.scaled(fa / cp),
         source=f"measured ({base.source}); scaled to {shape.name} {par}: attention x{fa:.4g}, linear x{fl:.4g}",
     )
 

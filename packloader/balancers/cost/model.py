@@ -110,6 +110,7 @@ class CostModel:
             msgspec.structs.replace(
                 pr, name=f"{pr.name}x{factor:g}", attn_fwd=s(pr.attn_fwd), attn_bwd=s(pr.attn_bwd),
                 lin_fwd=s(pr.lin_fwd), lin_bwd=s(pr.lin_bwd), lin_table=table,
+                slice_term=None if pr.slice_term is None else pr.slice_term.scaled(factor),
             )
         )
 

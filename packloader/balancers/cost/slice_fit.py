@@ -11,8 +11,8 @@ documents) is fitted with
 
 per pass, x and y non-negative, residuals relative to the measured time, the tile chosen from candidates as
 the attention fit does. The model's rule is x = a, y = 0: `SliceTerm.pair_ratio` (x / a) and the fit's error
-under the rule say how far the measurement is from it. What the planners price is unchanged; a profile with
-the term fitted is the evidence for changing it.
+under the rule say how far the measurement is from it. `with_slice_term` puts the fitted term into the profile
+(`CostProfile.slice_term`), which the cost model, the planners and the simulator then price slices by.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.model import CostModel
-from packloader.contracts import CostProfile
+from packloader.contracts import CostProfile, SliceCoeffs
 
 SLICE_CSV_COLUMNS = ("q", "p", "fwd_ms", "bwd_ms")
 TILES = (1, 16, 32, 64, 128, 256)
@@ -122,6 +122,7 @@ def fit_slice_term(profile: CostProfile, timings: SliceTimings, *, tile: int | N
     """The slice term of `profile` fitted to `timings` (rows with p > 0; at least 2). The profile prices the
     whole-document part attn(q, 0); its tile is used unless `tile` is given or the profile's is 1, in which
     case the candidate with the smallest error is chosen."""
+    profile = msgspec.structs.replace(profile, slice_term=None)  # the rule, whatever term it carried
     q, p = np.asarray(timings.q, dtype=np.float64), np.asarray(timings.p, dtype=np.float64)
     rows = p > 0
     if rows.sum() < 2:
@@ -141,6 +142,22 @@ def fit_slice_term(profile: CostProfile, timings: SliceTimings, *, tile: int | N
         if best is None or f.mape_pct + b.mape_pct < best[1].mape_pct + best[2].mape_pct - 1e-12:
             best = (t, f, b)
     return SliceTerm(tile=best[0], fwd=best[1], bwd=best[2], rows=int(rows.sum()))
+
+
+def slice_coeffs(term: SliceTerm) -> SliceCoeffs:
+    """The fitted term as the profile carries it."""
+    return SliceCoeffs(tile=term.tile, x_fwd=term.fwd.x, y_fwd=term.fwd.y, x_bwd=term.bwd.x, y_bwd=term.bwd.y)
+
+
+def with_slice_term(profile: CostProfile, term: SliceTerm) -> CostProfile:
+    """`profile` pricing slices (p > 0) by the fitted term; its fit errors gain the term's MAPE and the rule's."""
+    errors = dict(profile.fit_error)
+    for name in ("fwd", "bwd"):
+        s = getattr(term, name)
+        errors[f"slice_{name}_mape_pct"] = s.mape_pct
+        errors[f"slice_{name}_rule_mape_pct"] = s.rule_mape_pct
+    return msgspec.structs.replace(profile, slice_term=slice_coeffs(term), fit_error=errors,
+                                   source=f"{profile.source}; slice term fitted on {term.rows} slices".lstrip("; "))
 
 
 def slice_times(profile: CostProfile, term: SliceTerm, q, p) -> tuple[np.ndarray, np.ndarray]:

@@ -10,7 +10,17 @@ import math
 import numpy as np
 from numba import njit
 
-from packloader.balancers.cost.coeffs import ATTN_BWD, ATTN_FWD, LIN_BWD, LIN_FWD, attn_time, doc_time_split
+from packloader.balancers.cost.coeffs import (
+    ATTN_BWD,
+    ATTN_FWD,
+    LIN_BWD,
+    LIN_FWD,
+    SLICE_BWD,
+    SLICE_FWD,
+    SLICE_TILE,
+    attn_time,
+    doc_time_split,
+)
 from packloader.balancers.planners.bins import _heap_pop, _heap_push, _sift_top, desc_order_by
 
 # ------------------------------------------------------------------------------------------------- SlimPack
@@ -67,9 +77,12 @@ def slice_end(c, x0, budget, length, scale):
     """Token offset x1 (within a piece of `length` tokens) such that the slice x0..x1, attending to the
     piece's first x0 tokens, costs about `budget` forward seconds (divided by `scale`, the DP-Merge group
     size). Attention of a slice is A(x1) - A(x0) with A(x) = a*x^2 + b*x; the linear part adds lam*(x1-x0).
-    Tile rounding is ignored here (the caller measures the real cost). At least x0 + 1, at most length."""
+    Tile rounding is ignored here (the caller measures the real cost). At least x0 + 1, at most length.
+    Under a measured slice term the q = x1 - x0 tokens after x0 > 0 keys cost a*q^2 + (b + 2*x*x0)*q + y*x0."""
     a = c[ATTN_FWD] / scale
     b = (c[ATTN_FWD + 1] + c[LIN_FWD + 1]) / scale
+    if x0 > 0 and c[SLICE_TILE] > 0.0:
+        return _slice_end_term(a, b + 2.0 * c[SLICE_FWD] / scale * x0, budget - c[SLICE_FWD + 1] / scale * x0, x0, length)
     target = a * x0 * x0 + b * x0 + budget
     if a > 0.0:
         x1 = (-b + math.sqrt(b * b + 4.0 * a * target)) / (2.0 * a)
@@ -83,6 +96,21 @@ def slice_end(c, x0, budget, length, scale):
     if e > length:
         e = length
     return e
+
+
+@njit(cache=True)
+def _slice_end_term(a, b, target, x0, length):
+    """slice_end's x1 where the slice's q tokens cost a*q^2 + b*q = target (at least x0 + 1, at most length)."""
+    if target <= 0.0:
+        q = 0.0
+    elif a > 0.0:
+        q = (-b + math.sqrt(b * b + 4.0 * a * target)) / (2.0 * a)
+    elif b > 0.0:
+        q = target / b
+    else:
+        q = float(length)
+    e = x0 + int(math.floor(q))
+    return min(max(e, x0 + 1), length)
 
 
 @njit(cache=True)
@@ -280,6 +308,8 @@ def slim_pack_rank(c, lengths, npacks, budget, bbudget, cap, min_slice, allow_sl
     for j in range(3):
         cb[ATTN_FWD + j] = c[ATTN_BWD + j]
         cb[LIN_FWD + j] = c[LIN_BWD + j]
+    cb[SLICE_FWD] = c[SLICE_BWD]
+    cb[SLICE_FWD + 1] = c[SLICE_BWD + 1]
     ns = _slim(c, cb, lengths, f_one, budget, bbudget, cap, min_slice, allow_slice, npacks, fl, bl, tok,
                seg_piece, seg_start, seg_end, seg_pack, placed_whole, run_packs)
     if ns >= 0:

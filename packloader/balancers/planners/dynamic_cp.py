@@ -9,7 +9,10 @@ makes it faster (CP traffic included, `cost.cp_comm`). Units are placed longest-
 `dynamic_cp_kernels.place_pieces` on aligned subgroups of micro-batch slots; short documents land side by side at
 CP 1. Candidates (slot counts x lifts, and on steps of few documents for the pool also every unit at least 2, 4,
 ... G GPUs) are priced per GPU (`dynamic_cp_price`) and simulated per GPU with the configured pipeline schedule;
-the fastest wins (ties: fewer slots, then the earlier candidate).
+the fastest wins (ties: fewer slots, then the earlier candidate). With slicing allowed, the winner's sizing is
+tried again with every piece on 2, 4, ... or more GPUs run as a chain of as many slices at that fraction of its CP
+size, on one subgroup in consecutive slots (`dynamic_cp_chains`: less CP traffic and per-GPU overhead for the
+same tokens per GPU and slot), kept where faster and where the chain's simulated peak memory fits the device.
 
 The StepPlan has cp_mode "dynamic": one RankPlan per pool GPU (dp_rank x cp + cp_rank), micro-batch m of every
 GPU in slot m, a unit on s GPUs listed with the same `CPPlacement(s, first)` in micro-batch m of each of them,

@@ -133,22 +133,21 @@ class DynamicCPPlanner:
                 if best is None or cand.step_time < best.step_time * (1 - 1e-9):
                     best = cand
         assert best is not None
-        return self.best_chained(units, pinned, best) if self.memory is not None else best
+        return self.best_chained(units, best) if self.memory is not None else best
 
-    def best_chained(self, units: Units, pinned: int | None, best: Candidate) -> Candidate:
+    def best_chained(self, units: Units, best: Candidate) -> Candidate:
         """`best`, or the same sizing with every piece on `split` or more GPUs run as a chain of `split` slices at
         1 / split of its CP size (split 2, 4, ... G), where faster and its simulated peak fits the device."""
         limit = self.memory.limit_bytes()  # type: ignore[union-attr]
         par = self.config.parallel
         base = best
         for split in (1 << k for k in range(1, self.cost.pool.bit_length())):
-            for slots in (base.slots,):
-                cand = self.candidate(units, slots, base.lift, base.floor, split)
-                if cand is None:
-                    return best
-                if cand.step_time < best.step_time * (1 - 1e-9) and \
-                        chain_peak(cand.units, cand.placed, cand.times, self.memory, par.pp, par.vpp, self.kind) <= limit:
-                    best = cand
+            cand = self.candidate(units, base.slots, base.lift, base.floor, split)
+            if cand is None:  # no piece on `split` GPUs, so none on more
+                return best
+            if cand.step_time < best.step_time * (1 - 1e-9) and \
+                    chain_peak(cand.units, cand.placed, cand.times, self.memory, par.pp, par.vpp, self.kind) <= limit:
+                best = cand
         return best
 
     def candidate(self, units: Units, slots: int, lift: float, floor: int = 1, split: int = 1) -> Candidate:

@@ -1,13 +1,13 @@
-"""Slice chains for the dynamic-cp planner: a long piece cut into SlimPack slices that run at a smaller CP size than
-the piece needs whole, on one subgroup in consecutive slots, each slice attending to the earlier ones' keys (a 128K
-document as two 64K slices on CP 2 instead of one 128K piece on CP 4: less CP traffic and per-GPU overhead, priced
-by the cost model's slice pricing, q tokens after p keys).
+"""The memory check of the dynamic-cp planner's slice chains: a long piece cut into SlimPack slices that run at a
+smaller CP size than the piece needs whole, on one subgroup in consecutive slots, each slice attending to the
+earlier ones' keys (a 128K document as two 64K slices on CP 2 instead of one 128K piece on CP 4;
+`dynamic_cp_units.chained` cuts them).
 
-`chained` builds such units; `chain_peak` is their memory check. A chain keeps every slice's activations on its
-GPUs until its backward (and each later slice's prefix key/value gradients between two backwards), which the
-per-slot token cap does not bound. The check is the one the fixed-CP planners' `auto` runs
-(`sim.peaks.packing_peaks`), with the pool's GPUs as its ranks: a GPU's micro-batch m holds its tokens of slot m,
-and a chain links its slots on every GPU of its subgroup, with its shard of the prefix keys (p / size).
+A chain keeps every slice's activations on its GPUs until its backward (and each later slice's prefix key/value
+gradients between two backwards), which the per-slot token cap does not bound. The check is the one the fixed-CP
+planners' `auto` runs (`sim.peaks.packing_peaks`), with the pool's GPUs as its ranks: a GPU's micro-batch m holds
+its tokens of slot m, and every slice links its previous slice's slot to its own on each GPU of its subgroup, with
+its shard of the prefix keys (p / size).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def chain_peak(units: "Units", placed: "Placed", times: "SlotTimes", memory, pp:
     packing.mb_fwd = np.ascontiguousarray(times.synced_fwd.T.ravel())
     packing.mb_bwd = np.ascontiguousarray(times.synced_bwd.T.ravel())
     edges = []
-    for k in np.nonzero((units.link > 0) & (units.after >= 0))[0]:
+    for k in np.nonzero(units.after >= 0)[0]:  # every slice: chains' and those of pieces longer than the pool
         f, s = int(placed.first[k]), int(placed.size[k])
         edges += [(g, int(placed.m[units.after[k]]), int(placed.m[k]), float(placed.p[k]) / s) for g in range(f, f + s)]
     edges.sort()

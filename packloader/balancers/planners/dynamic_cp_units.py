@@ -1,5 +1,6 @@
 """What the dynamic-cp planner places: a step's pieces as units (whole, SlimPack slices of a piece longer than the
-pool holds, or a chain of slices at a smaller CP size than the piece needs whole, `dynamic_cp_chains`)."""
+pool holds, or a chain of slices at a smaller CP size than the piece needs whole: `chained`; their memory check:
+`dynamic_cp_chains`)."""
 
 from __future__ import annotations
 

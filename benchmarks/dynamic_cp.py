@@ -13,9 +13,10 @@ micro-batch (max_tokens 128K over CP 4), so all of them meet the same memory cap
   CP group's K/V all-gather (`dynamic_cp_choice.fixed_with_comm`, the same price per-document CP pays); the best of
   those that fit the device's memory (auto's memory check: a sliced 128K document keeps every slice's activations
   on its GPUs until its backward, so CP 2 and CP 1 do not fit at TP 8) is the baseline;
-* per-document CP: `cp_mode="dynamic"` (the dynamic-cp planner) on the 16-GPU pool; and the same with CP sizes
-  from lengths alone (`lifts` 0, no floors: the smallest size whose shard fits, megatron-core's rule) to show what the
-  cost-driven sizing adds;
+* per-document CP: `cp_mode="dynamic"` (the dynamic-cp planner, slice chains at smaller CP sizes included where
+  their simulated peak fits) on the 16-GPU pool; and the same with CP sizes from lengths alone (`lifts` 0, no
+  floors, no chains: the smallest size whose shard fits, megatron-core's rule) to show what the cost-driven sizing
+  and the chains add;
 * cp_mode "auto" at DP 4 x CP 4: each step fixed CP 4 (its traffic priced) or per-document CP, the faster;
 * bound: every piece's attention at CP 1, the linear part at its lowest time per token, no CP traffic, perfectly
   balanced over the 16 GPUs: no plan of these steps, priced the way per-document CP plans are, beats it (slicing
@@ -170,8 +171,9 @@ def run_dynamic(lengths: np.ndarray, args, hook: Callable | None = None, by_leng
     if hook is None:
         name = "per-document CP (packloader dynamic-cp)"
         if by_length:  # CP sizes from lengths alone, as megatron-core sizes them; packloader's placement
-            config = msgspec.structs.replace(config, planner_options={"dynamic-cp": {"lifts": [0.0], "floors": False}})
-            name = "per-document CP, sizes by length only (dynamic-cp lifts 0, no floors)"
+            config = msgspec.structs.replace(config, planner_options={"dynamic-cp": {"lifts": [0.0], "floors": False,
+                                                                                      "chains": False}})
+            name = "per-document CP, sizes by length only (dynamic-cp lifts 0, no floors, no chains)"
         run = plan_run(lengths, config, args.steps)
         plans, windows, state = run.plans, run.windows, run.final_state
         row = Row(name)

@@ -569,6 +569,15 @@ def dynamic_cp_misaligned_group(tmp):
     return lambda: plan_dynamic_cp(mb, gpu=1, pool=4)
 
 
+def dynamic_cp_chain_slice(tmp):
+    from packloader.collate.cp_dynamic import plan_dynamic_cp
+    from packloader.contracts import CPPlacement, MicroBatch, Segment
+
+    # the second slice of a chain as dynamic-cp plans it: tokens 8192.. of document 3 after its first 8192, on GPU 0
+    mb = MicroBatch(segments=[Segment(5, 0, 100, 0), Segment(3, 8192, 16384, 0)], cp=[CPPlacement(1, 0)] * 2)
+    return lambda: plan_dynamic_cp(mb, gpu=0, pool=2)
+
+
 def dynamic_cp_without_cp_rank(tmp):
     import msgspec
 
@@ -1015,6 +1024,8 @@ CASES = [
          ("PackedBatch.to_hf(): step 5, micro-batch 2 holds a slice of document 7", "allow_slicing=False")),
     Case("dynamic_cp_misaligned_group", dynamic_cp_misaligned_group, ValueError,
          ("segment 1 (document 9, tokens 4..11): CP group starts at GPU 1, not a multiple of its size 2",)),
+    Case("dynamic_cp_chain_slice", dynamic_cp_chain_slice, NotImplementedError,
+         ("segment 1 (document 3, tokens 8192..16383) is a slice (attend_from 0)", "allow_slicing=False")),
     Case("dynamic_cp_without_cp_rank", dynamic_cp_without_cp_rank, ValueError,
          ("step 0 is planned with per-document context parallelism (cp_mode 'dynamic', cp=2)",
           "PackedLoader(..., cp_rank=...)")),

@@ -127,7 +127,8 @@ def covered_once(plans, lengths) -> None:
 def test_dynamic_cp_within_brute_force_on_tiny_steps(seed):
     rng = np.random.default_rng(seed)
     lengths = [int(x) for x in rng.choice([300, 900, 1800, 3500, 6000, 8000], size=4)]
-    config = cfg(micro_batches=2)
+    # whole documents only, as the brute force places them (slice chains: tests/test_dynamic_cp_chains.py)
+    config = cfg(micro_batches=2, planner_options={"dynamic-cp": {"chains": False}})
     planner = make_planner(config)
     plan, _ = planner.plan(Window.from_lengths(np.array(lengths)), PlannerState(), 0)
     got = placements_of(plan)

@@ -9,7 +9,10 @@ makes it faster (CP traffic included, `cost.cp_comm`). Units are placed longest-
 `dynamic_cp_kernels.place_pieces` on aligned subgroups of micro-batch slots; short documents land side by side at
 CP 1. Candidates (slot counts x lifts, and on steps of few documents for the pool also every unit at least 2, 4,
 ... G GPUs) are priced per GPU (`dynamic_cp_price`) and simulated per GPU with the configured pipeline schedule;
-the fastest wins (ties: fewer slots, then the earlier candidate).
+the fastest wins (ties: fewer slots, then the earlier candidate). With slicing allowed, the winner's sizing is
+tried again with every piece on 2, 4, ... or more GPUs run as a chain of as many slices at that fraction of its CP
+size, on one subgroup in consecutive slots (`dynamic_cp_chains`: less CP traffic and per-GPU overhead for the
+same tokens per GPU and slot), kept where faster and where the chain's simulated peak memory fits the device.
 
 The StepPlan has cp_mode "dynamic": one RankPlan per pool GPU (dp_rank x cp + cp_rank), micro-batch m of every
 GPU in slot m, a unit on s GPUs listed with the same `CPPlacement(s, first)` in micro-batch m of each of them,
@@ -25,14 +28,18 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from packloader.balancers.cost.memory import memory_model_for
+from packloader.balancers.planners.dynamic_cp_chains import chain_peak
 from packloader.balancers.planners.dynamic_cp_kernels import place_pieces
 from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost, Placed, SlotTimes
+from packloader.balancers.planners.dynamic_cp_units import NAME, Units, chained, units_of
 from packloader.balancers.planners.packing import Pieces
 from packloader.balancers.planners.registry import StepLayout, Window, register_planner
+from packloader.balancers.sim.kernels import SCHEDULES
 from packloader.balancers.sim.simulator import step_time
 from packloader.contracts import CPPlacement, MicroBatch, PlanConfig, PlannerState, RankPlan, Segment, StepPlan
 
-NAME = "dynamic-cp"
+__all__ = ["NAME", "DynamicCPOptions", "DynamicCPPlanner", "Units", "units_of"]
 SMALL_UNITS = 8  # units per pool GPU up to which size floors are tried too
 
 
@@ -45,53 +52,9 @@ class DynamicCPOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lifts: tuple[float, ...] = (0.0, 1.0, 0.5, 0.25)
     # on steps of few documents for the pool (up to SMALL_UNITS per GPU), also every unit at least 2, 4, ... GPUs
     floors: bool = True
-
-
-@dataclass
-class Units:
-    """What the pool runs: unit k is tokens start[k]..end[k]-1 of doc[k] attending from af[k]; `after`/`rest`
-    chain a piece's slices (`dynamic_cp_kernels.place_pieces`); `min_size`: the smallest CP size that fits."""
-
-    doc: np.ndarray
-    start: np.ndarray
-    end: np.ndarray
-    af: np.ndarray
-    after: np.ndarray
-    rest: np.ndarray
-    min_size: np.ndarray
-
-    @property
-    def q(self) -> np.ndarray:
-        return self.end - self.start
-
-    @property
-    def p(self) -> np.ndarray:
-        return self.start - self.af
-
-
-def pow2_at_least(x: np.ndarray) -> np.ndarray:
-    x = np.maximum(np.asarray(x, dtype=np.int64), 1)
-    return (1 << np.ceil(np.log2(x)).astype(np.int64)).astype(np.int64)
-
-
-def units_of(pieces: Pieces, cap: int, pool: int, allow_slicing: bool) -> Units:
-    """Pieces as units, each longer than the pool's G x cap tokens cut into equal slices (an error naming the
-    piece where slicing is not allowed)."""
-    rows: list[tuple[int, int, int, int, int, int]] = []
-    for d, o, n in zip(pieces.doc.tolist(), pieces.offset.tolist(), pieces.length.tolist()):
-        k = -(-n // (pool * cap))
-        if k > 1 and not allow_slicing:
-            raise ValueError(f"{NAME}: piece (doc {d}, offset {o}) of {n} tokens exceeds the pool's {pool} GPUs x "
-                             f"{cap} tokens (max_tokens / cp) with allow_slicing=False; expected pieces of at most "
-                             f"{pool * cap} tokens (PlanConfig.context) or allow_slicing=True")
-        cuts = [o + (n * j) // k for j in range(k + 1)]
-        for j in range(k):
-            rows.append((d, cuts[j], cuts[j + 1], o, len(rows) - 1 if j else -1, k - 1 - j))
-    a = np.array(rows, dtype=np.int64).reshape(-1, 6)
-    units = Units(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5], np.zeros(len(a), np.int64))
-    units.min_size = np.where(units.after >= 0, pool, np.minimum(pow2_at_least(-(-units.q // cap)), pool))
-    units.min_size[units.rest > 0] = pool
-    return units
+    # with allow_slicing and a preset model (the memory check), also long pieces as chains of slices at smaller
+    # CP sizes (dynamic_cp_chains), where their simulated peak fits the device
+    chains: bool = True
 
 
 def lifted_sizes(units: Units, cost: DynamicCPCost, lift: float, slots: int) -> np.ndarray:
@@ -115,8 +78,10 @@ def lifted_sizes(units: Units, cost: DynamicCPCost, lift: float, slots: int) -> 
 
 @dataclass
 class Candidate:
+    units: Units
     slots: int
     lift: float
+    floor: int
     placed: Placed
     times: SlotTimes
     step_time: float
@@ -131,13 +96,17 @@ class DynamicCPPlanner:
         self.config = config
         self.options = options or DynamicCPOptions()
         self.cost = cost or DynamicCPCost.for_config(config, self.options.exchange)
+        par = config.parallel  # chains' memory check: one pool GPU's tokens, static memory as the layout's
+        self.memory = memory_model_for(config.model, msgspec.structs.replace(par, cp=1), config.schedule, config.device,
+                                       config.memory_gib) if self.options.chains and config.allow_slicing else None
+        self.kind = SCHEDULES[self.schedule()]
 
     def plan(self, window: Window, state: PlannerState, layout: StepLayout | int) -> tuple[StepPlan, PlannerState]:
         layout = StepLayout.of(layout)
         pieces = Pieces.of(window, state, layout.step)
         units = units_of(pieces, self.cost.cap, self.cost.pool, self.config.allow_slicing)
         best = self.best(units, layout.micro_batches or self.config.num_micro_batches)
-        plan = self.step_plan(units, best, layout.step)
+        plan = self.step_plan(best.units, best, layout.step)
         return plan, PlannerState(queued=[], extra=dict(state.extra))
 
     def slot_counts(self, units: Units, pinned: int | None) -> list[int]:
@@ -164,20 +133,41 @@ class DynamicCPPlanner:
                 if best is None or cand.step_time < best.step_time * (1 - 1e-9):
                     best = cand
         assert best is not None
+        return self.best_chained(units, best) if self.memory is not None else best
+
+    def best_chained(self, units: Units, best: Candidate) -> Candidate:
+        """`best`, or the same sizing with every piece on `split` or more GPUs run as a chain of `split` slices at
+        1 / split of its CP size (split 2, 4, ... G), where faster and its simulated peak fits the device."""
+        limit = self.memory.limit_bytes()  # type: ignore[union-attr]
+        par = self.config.parallel
+        base = best
+        for split in (1 << k for k in range(1, self.cost.pool.bit_length())):
+            cand = self.candidate(units, base.slots, base.lift, base.floor, split)
+            if cand is None:  # no piece on `split` GPUs, so none on more
+                return best
+            if cand.step_time < best.step_time * (1 - 1e-9) and \
+                    chain_peak(cand.units, cand.placed, cand.times, self.memory, par.pp, par.vpp, self.kind) <= limit:
+                best = cand
         return best
 
-    def candidate(self, units: Units, slots: int, lift: float, floor: int = 1) -> Candidate:
-        """The placement at `slots` with every size at least `floor`, grown by one slot until everything fits."""
+    def candidate(self, units: Units, slots: int, lift: float, floor: int = 1, split: int = 1) -> Candidate:
+        """The placement at `slots` with every size at least `floor` (and pieces on `split` or more GPUs chained,
+        `best_chained`; None when none is), grown by one slot until everything fits."""
         size = np.maximum(lifted_sizes(units, self.cost, lift, slots), floor)
+        if split > 1:
+            got = chained(units, size, split)
+            if got is None:
+                return None  # type: ignore[return-value]
+            units, size = got
         cost = self.cost.estimate(units.q, units.p, size)
         need = -(-units.q // size)
         sliced = (units.after >= 0) | (units.rest > 0)
         idx = np.arange(len(size))
         whole = idx[~sliced][np.lexsort((idx[~sliced], -cost[~sliced], -size[~sliced]))]
-        order = np.concatenate([idx[sliced], whole])  # slices first, each piece's in order
+        order = np.concatenate([idx[sliced & (units.link == 0)], chain_order(units, cost), whole])
         while True:
-            slot, first, ok = place_pieces(order, size, cost, need, units.after, units.rest, slots, self.cost.pool,
-                                           self.cost.cap)
+            slot, first, ok = place_pieces(order, size, cost, need, units.after, units.rest, units.link, slots,
+                                           self.cost.pool, self.cost.cap)
             if ok:
                 break
             if slots > len(size) + 1:  # every unit on a slot of its own fits: no more slots can help
@@ -186,7 +176,12 @@ class DynamicCPPlanner:
             slots += 1
         placed = Placed(units.q, units.p, slot, first, size)
         times = self.cost.slot_times(placed, slots)
-        return Candidate(slots, lift, placed, times, self.simulate(times))
+        return Candidate(units, slots, lift, floor, placed, times, self.simulate(times))
+
+    def schedule(self) -> str:
+        """The pipeline schedule each pool GPU is simulated with (1F1B where the configured one is per-step)."""
+        sched = self.config.schedule
+        return sched if sched in ("1f1b", "gpipe", "interleaved", "zb-h1") else "1f1b"
 
     def simulate(self, times: SlotTimes) -> float:
         """The slowest pool GPU's simulated step time (each GPU's own pipeline, waits included)."""
@@ -195,8 +190,7 @@ class DynamicCPPlanner:
         f, b = times.synced_fwd[used], times.synced_bwd[used]
         if par.pp == 1:
             return float((f + b).sum(axis=0).max()) if f.size else 0.0
-        sched = self.config.schedule if self.config.schedule in ("1f1b", "gpipe", "interleaved", "zb-h1") else "1f1b"
-        return max(step_time(f[:, g], b[:, g], par.pp, schedule=sched, vpp=par.vpp) for g in range(f.shape[1]))
+        return max(step_time(f[:, g], b[:, g], par.pp, schedule=self.schedule(), vpp=par.vpp) for g in range(f.shape[1]))
 
     def step_plan(self, units: Units, cand: Candidate, step: int) -> StepPlan:
         """The winner as a StepPlan (module docstring); slots no GPU uses are dropped."""
@@ -220,6 +214,15 @@ class DynamicCPPlanner:
                                       bwd_cost=float(cand.times.synced_bwd[m, g]) if held else 0.0))
             ranks.append(RankPlan(micro_batches=mbs))
         return StepPlan(step=step, ranks=ranks, planner=NAME, cp_mode="dynamic")
+
+
+def chain_order(units: Units, cost: np.ndarray) -> np.ndarray:
+    """The chains' slices, costliest chain first, each chain's slices in order (its head before its later ones)."""
+    heads = np.nonzero((units.link > 0) & (units.after < 0))[0]
+    if not len(heads):
+        return np.zeros(0, np.int64)
+    total = np.array([cost[h:h + units.rest[h] + 1].sum() for h in heads])
+    return np.concatenate([np.arange(h, h + units.rest[h] + 1) for h in heads[np.argsort(-total, kind="stable")]])
 
 
 @register_planner(NAME, options=DynamicCPOptions, report_order=None, cp_pool=True,

@@ -81,25 +81,29 @@ class DynamicCPCost:
 
     def slot_times(self, placed: Placed, slots: int) -> SlotTimes:
         G = self.pool
-        own_f = np.zeros((slots, G))
-        own_b = np.zeros((slots, G))
-        tok = np.zeros((slots, G))
         fa, ba = self.attention_share(placed.q, placed.p, placed.size)
-        groups: dict[tuple[int, int, int], list[float]] = {}
-        for k in range(len(placed.q)):
-            m, f, s = int(placed.m[k]), int(placed.first[k]), int(placed.size[k])
-            own_f[m, f:f + s] += fa[k]
-            own_b[m, f:f + s] += ba[k]
-            tok[m, f:f + s] += placed.q[k] / s
-            if s > 1:
-                g = groups.setdefault((m, f, s), [0.0, 0.0, 0.0])
-                g[0] += float(placed.q[k])
-                g[1] += float(fa[k])
-                g[2] += float(ba[k])
-        for (m, f, s), (n, af, ab) in groups.items():
-            cf, cb = self.comm.times(n, s, af, ab)
-            own_f[m, f:f + s] += cf
-            own_b[m, f:f + s] += cb
+        size = np.asarray(placed.size, dtype=np.int64)
+        k = np.repeat(np.arange(len(size)), size)  # (segment, GPU) pairs, as bincount keys slot x G + GPU
+        gpu = placed.first[k] + np.arange(len(k)) - np.repeat(np.cumsum(size) - size, size)
+        key = placed.m[k] * G + gpu
+
+        def per_gpu(w: np.ndarray) -> np.ndarray:
+            return np.bincount(key, weights=w[k], minlength=slots * G).reshape(slots, G)
+
+        own_f, own_b = per_gpu(fa), per_gpu(ba)
+        tok = per_gpu(placed.q / size)
+        wide = np.nonzero(size > 1)[0]
+        if len(wide):  # one K/V exchange per (slot, subgroup) over its documents' tokens
+            gk = np.stack([placed.m[wide], placed.first[wide], size[wide]], axis=1)
+            groups, inv = np.unique(gk, axis=0, return_inverse=True)
+            inv = inv.ravel()
+            n = np.bincount(inv, weights=placed.q[wide].astype(np.float64), minlength=len(groups))
+            af = np.bincount(inv, weights=fa[wide], minlength=len(groups))
+            ab = np.bincount(inv, weights=ba[wide], minlength=len(groups))
+            for j, (m, f, s) in enumerate(groups.tolist()):
+                cf, cb = self.comm.times(float(n[j]), s, float(af[j]), float(ab[j]))
+                own_f[m, f:f + s] += cf
+                own_b[m, f:f + s] += cb
         held = tok > 0
         lf = lin_times(self.model.coeffs, tok.ravel(), False)
         lb = lin_times(self.model.coeffs, tok.ravel(), True)
@@ -114,7 +118,8 @@ def connected_blocks(placed: Placed, slots: int, pool: int) -> np.ndarray:
     placed over smaller ones takes them in)."""
     first = np.tile(np.arange(pool, dtype=np.int64), (slots, 1))
     size = np.ones((slots, pool), dtype=np.int64)
-    for k in np.argsort(-placed.size, kind="stable"):
+    wide = np.nonzero(placed.size > 1)[0]  # size 1 joins no block
+    for k in wide[np.argsort(-placed.size[wide], kind="stable")]:
         m, f, s = int(placed.m[k]), int(placed.first[k]), int(placed.size[k])
         if size[m, f] < s:
             first[m, f:f + s] = f
@@ -123,12 +128,11 @@ def connected_blocks(placed: Placed, slots: int, pool: int) -> np.ndarray:
 
 
 def block_max(t: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-    out = t.copy()
-    for m in range(t.shape[0]):
-        for f in np.unique(blocks[m]):
-            members = blocks[m] == f
-            out[m, members] = t[m, members].max()
-    return out
+    """Each (slot, GPU)'s time raised to its connected block's slowest member."""
+    key = (np.arange(t.shape[0])[:, None] * t.shape[1] + blocks).ravel()
+    top = np.full(t.size, -np.inf)
+    np.maximum.at(top, key, t.ravel())
+    return top[key].reshape(t.shape)
 
 
 def placed_of(plan) -> tuple[Placed, int]:

@@ -21,6 +21,7 @@ from packloader.contracts import ParallelConfig, PlanConfig, PlannerState, StepP
 
 
 def cfg(dp=1, cp=2, max_tokens=16384, context=None, micro_batches=None, **kw) -> PlanConfig:
+    kw.setdefault("planner_options", {"dynamic-cp": {"chains": True}})  # off by default (runtime refuses them)
     return PlanConfig(strategy="auto", cp_mode="dynamic", parallel=ParallelConfig(dp=dp, cp=cp, tp=8),
                       max_tokens=max_tokens, context=context or 4 * max_tokens, tokens_per_step=kw.pop("tps", 1 << 20),
                       num_micro_batches=micro_batches, **kw)
@@ -154,10 +155,11 @@ def test_dynamic_cp_chains_not_taken_where_memory_forbids_them():
     assert len(segments_of(roomy)) == 4  # the same step with the H100's memory: chained (test above)
 
 
-def test_dynamic_cp_chains_off_without_slicing_or_by_option():
+def test_dynamic_cp_chains_off_without_slicing_or_by_option_or_by_default():
     lengths = np.array([16384, 16384])
     for config, opts in ((cfg(micro_batches=2, allow_slicing=False), None),
-                         (cfg(micro_batches=2), DynamicCPOptions(chains=False))):
+                         (cfg(micro_batches=2), DynamicCPOptions(chains=False)),
+                         (cfg(micro_batches=2, planner_options={}), None)):
         plan, _ = DynamicCPPlanner(config, opts).plan(Window.from_lengths(lengths), PlannerState(), 0)
         assert all(af == a for _, a, _, _, _, af in segments_of(plan))
 
@@ -192,5 +194,5 @@ def test_dynamic_cp_chains_refused_by_the_per_document_collate_naming_the_slice(
     # plan is refused where a GPU's part is cut, naming the segment and the way out
     plan, _ = make_planner(cfg(micro_batches=2)).plan(Window.from_lengths(np.array([16384, 16384])), PlannerState(), 0)
     mb = plan.ranks[0].micro_batches[1]
-    with pytest.raises(NotImplementedError, match=r"document \d, tokens 8192\.\.16383\).*slice.*allow_slicing=False"):
+    with pytest.raises(NotImplementedError, match=r"document \d, tokens 8192\.\.16383\).*slice.*chains.*False.*allow_slicing=False"):
         plan_dynamic_cp(mb, gpu=0, pool=2)

@@ -106,7 +106,8 @@ def _groups_of(segments: Sequence[Segment], placements: Sequence[CPPlacement], g
         if s.attend_from != s.start:
             raise NotImplementedError(f"{_where(i, s)} is a slice (attend_from {s.attend_from}); per-document CP "
                                       "does not run slices yet (dynamic-cp's slice chains, or a piece longer than "
-                                      "the pool holds): plan with allow_slicing=False")
+                                      "the pool holds): plan with planner_options={'dynamic-cp': {'chains': False}} "
+                                      "(the default) and allow_slicing=False")
         by.setdefault((int(p.size), int(p.first)), []).append(i)
     keys = sorted(by, key=lambda k: group_order(CPPlacement(*k)))
     return [(k, sorted(by[k], key=lambda i: (segments[i].doc, segments[i].start, segments[i].end))) for k in keys]

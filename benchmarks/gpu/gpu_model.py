@@ -1,10 +1,10 @@
-"""A few Llama layers (RMSNorm, rotary GQA attention through packloader's `varlen_attention`, SwiGLU MLP) on any
-device, and the packs the parts time through them: a micro-batch of whole documents, or a slice that attends to
-earlier keys (its prefix keys/values given per layer, as the slice executor hands them over)."""
+"""A few Llama layers (packloader.runtime.llama_layer, the layer calibration times: RMSNorm, rotary GQA attention
+through packloader's `varlen_attention`, SwiGLU MLP) on any device, and the packs the parts time through them: a
+micro-batch of whole documents, or a slice that attends to earlier keys (its prefix keys/values given per layer,
+as the slice executor hands them over)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,56 +13,22 @@ from torch import nn
 
 from packloader.runtime.attention import varlen_attention
 from packloader.runtime.calibrate import LayerShape
-
-
-def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    freq = 1.0 / (10000 ** (torch.arange(half, device=x.device, dtype=torch.float32) / half))
-    ang = pos.float()[:, None] * freq[None, :]
-    cos, sin = ang.cos()[:, None, :].to(x.dtype), ang.sin()[:, None, :].to(x.dtype)
-    a, b = x[..., :half], x[..., half:]
-    return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
-
-
-class Layer(nn.Module):
-    def __init__(self, s: LayerShape) -> None:
-        super().__init__()
-        self.s = s
-        h, qd, kvd = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
-        self.n1, self.n2 = nn.Parameter(torch.ones(h)), nn.Parameter(torch.ones(h))
-        self.qkv = nn.Linear(h, qd + 2 * kvd, bias=False)
-        self.o = nn.Linear(qd, h, bias=False)
-        self.gate_up = nn.Linear(h, 2 * s.ffn, bias=False)
-        self.down = nn.Linear(s.ffn, h, bias=False)
-        for lin in (self.qkv, self.o, self.gate_up, self.down):
-            nn.init.normal_(lin.weight, std=1.0 / math.sqrt(lin.in_features))
-
-    @staticmethod
-    def _rms(x, w):
-        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * w
-
-    def forward(self, x, pos, pack: "Pack", prefix: tuple[torch.Tensor, torch.Tensor] | None):
-        s, T = self.s, x.shape[0]
-        qd, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
-        q, k, v = self.qkv(self._rms(x, self.n1)).split([qd, kvd, kvd], dim=-1)
-        q, k = rope(q.view(T, s.heads, s.head_dim), pos), rope(k.view(T, s.kv_heads, s.head_dim), pos)
-        v = v.reshape(T, s.kv_heads, s.head_dim)
-        if prefix is not None:  # a slice: its document's earlier keys/values come first in the key buffer
-            k, v = pack.keys_with_prefix(k, prefix[0]), pack.keys_with_prefix(v, prefix[1])
-        out = pack.attention(q, k, v)
-        x = x + self.o(out.reshape(T, qd))
-        g, u = self.gate_up(self._rms(x, self.n2)).chunk(2, dim=-1)
-        return x + self.down(nn.functional.silu(g) * u)
+from packloader.runtime.llama_layer import LlamaLayer, rope_cos_sin
 
 
 class Layers(nn.Module):
+    """`n` layers of packloader's Llama layer (the one calibration times), attention through the pack's
+    varlen attention; rope's cos/sin computed once per forward and shared by the layers."""
+
     def __init__(self, shape: LayerShape, n: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Layer(shape) for _ in range(n)])
+        self.head_dim = shape.head_dim
+        self.layers = nn.ModuleList([LlamaLayer.of(shape) for _ in range(n)])
 
     def forward(self, x, pos, pack: "Pack", prefixes=None):
+        rot = rope_cos_sin(pos, self.head_dim, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, pos, pack, None if prefixes is None else prefixes[i])
+            x = layer(x, rot, pack.attention_fn(None if prefixes is None else prefixes[i]))
         return x
 
 
@@ -102,6 +68,12 @@ class Pack:
                 parts.append(prefix[p0:p1])
             parts.append(new[q0:q1])
         return torch.cat(parts)
+
+    def attention_fn(self, prefix: tuple[torch.Tensor, torch.Tensor] | None):
+        """The layer's attention call: a slice's earlier keys/values (`prefix`) go first in its key buffer."""
+        if prefix is None:
+            return self.attention
+        return lambda q, k, v: self.attention(q, self.keys_with_prefix(k, prefix[0]), self.keys_with_prefix(v, prefix[1]))
 
     def attention(self, q, k, v):
         cu_k = self.cu_k if self.has_prefix else self.cu_q

@@ -7,9 +7,12 @@ What is measured (one layer of the given shape, then scaled to a pipeline stage)
   geometrically from 64 tokens to the context length. Each measurement packs `max_len // l` documents of
   length l into one call (what a packed micro-batch does) and divides by their number, so a short document's
   time is its share of a packed call, not a kernel launch;
-* the linear part per micro-batch at several token counts: RMSNorm, Q/K/V/O projections, RMSNorm, SwiGLU MLP
-  and residual adds (attention itself left out), forward and backward (weight and input gradients), plus the LM
-  head's GEMM spread over the pipeline stages when the vocabulary is known.
+* the linear part per micro-batch at several token counts: the Llama layer of `llama_layer` (RMSNorm, fused QKV
+  projection, rope on q and k, O projection, RMSNorm, SwiGLU MLP, residual adds) with its attention call passing
+  the queries through, forward and backward (weight and input gradients), plus the LM head's GEMM spread over
+  the pipeline stages when the vocabulary is known. Attention is timed on its own contiguous q/k/v: what the
+  layer hands it is q and k fresh from rope (contiguous) and v a view of the fused projection, which the CUDA
+  kernels read in place (they need only the last dimension contiguous), so the layout costs nothing there.
 
 Timing: warmup runs, then the median of several repeats; on CUDA with events after `torch.cuda.synchronize`.
 
@@ -26,7 +29,6 @@ next to the in-sample largest relative error (`<part>`, a fraction).
 from __future__ import annotations
 
 import gc
-import math
 import statistics
 import time
 from dataclasses import replace
@@ -38,6 +40,7 @@ import torch
 
 from packloader.balancers.cost.fit import Timings, fit_profile
 from packloader.contracts import CostProfile
+from packloader.runtime.llama_layer import LlamaLayer, rope_cos_sin
 
 PARTS = ("attn_fwd", "attn_bwd", "lin_fwd", "lin_bwd")
 
@@ -177,27 +180,22 @@ def time_attention(shape: LayerShape, lengths: np.ndarray, *, device: torch.devi
 
 
 class LinearPart(torch.nn.Module):
-    """The GEMM and element-wise work of a Llama layer around its attention (attention itself left out: the
-    query projection stands in for its output)."""
+    """A Llama layer (`llama_layer.LlamaLayer`, the one the GPU proof runs) with its attention call replaced by
+    passing the queries through: the layer's GEMM and element-wise work around attention, rope and the fused
+    projection's views included. k and v come out beside the layer's output so their backward runs too."""
 
     def __init__(self, shape: LayerShape) -> None:
         super().__init__()
-        h, qd, kvd, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn
-        init = lambda *s: torch.nn.Parameter(torch.randn(*s) / math.sqrt(s[0]))  # noqa: E731
-        self.norm1, self.norm2 = torch.nn.Parameter(torch.ones(h)), torch.nn.Parameter(torch.ones(h))
-        self.wq, self.wk, self.wv, self.wo = init(h, qd), init(h, kvd), init(h, kvd), init(qd, h)
-        self.wg, self.wu, self.wd = init(h, f), init(h, f), init(f, h)
+        self.layer = LlamaLayer.of(shape)
 
-    @staticmethod
-    def _rms(x, w):
-        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * w
+    def forward(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]):
+        kv: list[torch.Tensor] = []
 
-    def forward(self, x):
-        h = self._rms(x, self.norm1)
-        q, k, v = h @ self.wq, h @ self.wk, h @ self.wv
-        y = x + q @ self.wo
-        h2 = self._rms(y, self.norm2)
-        return y + (torch.nn.functional.silu(h2 @ self.wg) * (h2 @ self.wu)) @ self.wd, k, v
+        def pass_q(q, k, v):
+            kv.extend((k, v))
+            return q
+
+        return self.layer(x, rot, pass_q), kv[0], kv[1]
 
 
 def time_linear(shape: LayerShape, sizes: np.ndarray, *, device: torch.device, dtype: torch.dtype, repeats: int,
@@ -212,12 +210,13 @@ def time_linear(shape: LayerShape, sizes: np.ndarray, *, device: torch.device, d
         n = int(n)
         x = torch.randn(n, shape.hidden, device=device, dtype=dtype, requires_grad=True)
         gy = torch.randn(n, shape.hidden, device=device, dtype=dtype)
-        gk = torch.randn(n, shape.kv_heads * shape.head_dim, device=device, dtype=dtype)
+        gk = torch.randn(n, shape.kv_heads, shape.head_dim, device=device, dtype=dtype)
+        rot = rope_cos_sin(torch.arange(n, device=device), shape.head_dim, dtype)  # once per micro-batch, untimed
 
         def run_layer():
             x.grad = None
             layer.zero_grad(set_to_none=True)
-            y, k, v = layer(x)
+            y, k, v = layer(x, rot)
             return [y, k, v], [gy, gk, gk]
 
         f, b = _time_fwd_bwd(run_layer, device, repeats, warmup)

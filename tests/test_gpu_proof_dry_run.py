@@ -167,3 +167,14 @@ def test_the_h200_runs_balance_plans_replanned_offline_give_its_predictions():
         assert r["shipped"] == pytest.approx(run[r["strategy"]]["step_time_predicted_s"], rel=1e-6)
         assert r["fitted"] == pytest.approx(r["measured"], rel=0.05)
     assert 0.02 < d < 0.04  # about 31 ms per micro-batch per 8-layer stage
+
+
+def test_seconds_replace_the_shares_of_the_named_parts_only(tmp_path):
+    # a short lease gives chosen parts fixed budgets; the others keep their share of --budget-min (4 + 4 of 8 min)
+    proc = _run("--dry-run", "--parts", "calibrate,slices", "--budget-min", "8", "--seconds", "slices=7",
+                "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    parts = json.loads((tmp_path / "gpu-proof.json").read_text())["parts"]
+    assert (parts["calibrate"]["budget_s"], parts["slices"]["budget_s"]) == (240.0, 7.0)
+    bad = _run("--dry-run", "--parts", "calibrate", "--seconds", "slices=7", "--out", str(tmp_path))
+    assert bad.returncode == 2 and "--seconds: each part must be one of --parts (calibrate)" in bad.stderr

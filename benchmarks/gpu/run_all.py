@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD python benchmarks/gpu/run_all.py --out out/gpu-proof                  # on the GPU
     PYTHONPATH=$PWD python benchmarks/gpu/run_all.py --parts slices,accuracy --budget-min 8
     PYTHONPATH=$PWD python benchmarks/gpu/run_all.py --quick --budget-min 4                # a short lease
+    PYTHONPATH=$PWD python benchmarks/gpu/run_all.py --quick --seconds calibrate=45,balance=60  # set parts' budgets
     PYTHONPATH=$PWD python benchmarks/gpu/run_all.py --dry-run --out /tmp/gpu-dry          # CPU, tiny shapes
 
 Parts (each a module beside this one, each with its share of the time budget; a part past its share stops and
@@ -47,6 +48,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, in this order: {','.join(PARTS)}")
     p.add_argument("--budget-min", type=float, default=FULL_MINUTES,
                    help="minutes for the selected parts together, shared in the parts' proportions")
+    p.add_argument("--seconds", default="",
+                   help="per-part budgets that replace the shares of --budget-min, e.g. calibrate=45,balance=60")
     p.add_argument("--out", default="out/gpu-proof", help="folder for gpu-proof.json, gpu-proof.md and tables")
     p.add_argument("--write-docs", default=None, help="also rewrite the gpu-proof section of this markdown file")
     p.add_argument("--dry-run", action="store_true", help="CPU, reference attention, float32, tiny shapes")
@@ -65,6 +68,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.budget_min <= 0:
         p.error(f"--budget-min must be > 0, got {args.budget_min}")
     args.parts = parts
+    try:
+        args.seconds = {k.strip(): float(v) for k, v in (x.split("=") for x in args.seconds.split(",") if x.strip())}
+    except ValueError:
+        p.error(f"--seconds: expected part=seconds pairs separated by commas, got {args.seconds!r}")
+    if any(k not in parts for k in args.seconds) or any(v <= 0 for v in args.seconds.values()):
+        p.error(f"--seconds: each part must be one of --parts ({','.join(parts)}) with seconds > 0, got {args.seconds}")
     return args
 
 
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report["environment"], indent=1), flush=True)
     from gpu_report import render, write
 
-    for name, seconds in budgets(args.parts, args.budget_min).items():
+    for name, seconds in {**budgets(args.parts, args.budget_min), **args.seconds}.items():
         report["parts"][name] = run_part(name, ctx, seconds, out_dir)
         report["total_s"] = round(time.perf_counter() - started, 1)
         (out_dir / "gpu-proof.json").write_text(json.dumps(report, indent=1, default=float))

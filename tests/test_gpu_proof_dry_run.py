@@ -62,7 +62,9 @@ def test_dry_run_runs_every_part(tmp_path):
                                                        "pp2/zb-v/vpp2", "pp4/1f1b", "pp4/zb-h1")
                          for x in ("loss", "grads")}, p["runtime"]
     assert all(v < 1e-4 for v in pipe.values()), pipe  # a NaN fails too
-    assert all(v["send"] > 0 and v["recv"] == v["send"] for v in p["runtime"]["pipeline_staged_p2p"].values())
+    # every tensor that crossed ranks went through the staging: point to point only, no other collective
+    assert all(v["send"] > 0 and v["recv"] == v["send"] and v["other collectives"] == {}
+               for v in p["runtime"]["pipeline_staged_p2p"].values()), p["runtime"]["pipeline_staged_p2p"]
     assert list(p["runtime"]["pipeline_staged_p2p"]) == ["pp2", "pp4"]
     assert p["loader"]["batches"] == 6 and p["loader"]["loader_tokens_per_s"] > 0
     # packloader calibrate --cp under torchrun (2 CPU ranks): a device file with the fitted intra-node CP link

@@ -3,7 +3,8 @@ device, its stage processes emulated on one GPU over gloo, against a float64 CPU
 
 NCCL refuses two ranks on one GPU and gloo's point-to-point calls take CPU tensors, so every tensor that crosses
 ranks is copied through the CPU (`_stage_p2p_through_cpu`: the send/recv calls the engine makes, batched or
-not, the schedule's warm-up vote included); the stages, their receive buffers, the KV carry of the slices, the
+not, its warm-up vote and stage metadata where the torch version has them; any other collective is counted, and
+the dry run expects none); the stages, their receive buffers, the KV carry of the slices, the
 attention kernels and autograd stay on the device. The model is a tiny Llama-like one (embedding, RMSNorm,
 rotary GQA attention through the micro-batch's slice context, an MLP, the LM head), four layers split over the
 stages; the micro-batches are a hand-made sliced plan (a document in three slices over three micro-batches,

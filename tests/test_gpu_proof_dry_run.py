@@ -56,7 +56,7 @@ def test_dry_run_runs_every_part(tmp_path):
     assert {k.split("/")[0] for k in errs} == {"cp", "remap"} and max(errs.values()) < 1e-4
     assert max(p["runtime"]["slice_executor"].values()) < 1e-4
     # the pipeline schedule with its stage processes over gloo, point to point copied through the CPU: every
-    # schedule at PP 2 and PP 4 against the float64 reference (a lost copy-back would make these large)
+    # schedule at PP 2 and PP 4 against the float64 reference (a lost copy-back fails the run or shows here)
     pipe = p["runtime"]["pipeline_max_rel_err"]
     assert set(pipe) == {f"pipeline/{c}/{x}" for c in ("pp2/1f1b", "pp2/interleaved/vpp2", "pp2/zb-h1",
                                                        "pp2/zb-v/vpp2", "pp4/1f1b", "pp4/zb-h1")

@@ -17,7 +17,9 @@ SCRIPT = ROOT / "benchmarks" / "gpu" / "run_all.py"
 PARTS = ("calibrate", "slices", "accuracy", "balance", "runtime", "loader", "cp_link")
 
 
-def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: float = 480) -> subprocess.CompletedProcess:
+    """Every part; 2.5 minutes on the busy 2-core machine, most of it the CP and pipeline checks' three spawns
+    of ranks (2, 2 and 4 processes importing torch)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, str(SCRIPT), "--dry-run", *args], capture_output=True, text=True,
@@ -59,6 +61,17 @@ def test_dry_run_runs_every_part(tmp_path):
     errs = p["runtime"]["distributed_max_rel_err"]
     assert {k.split("/")[0] for k in errs} == {"cp", "remap"} and max(errs.values()) < 1e-4
     assert max(p["runtime"]["slice_executor"].values()) < 1e-4
+    # the pipeline schedule with its stage processes over gloo, point to point copied through the CPU: every
+    # schedule at PP 2 and PP 4 against the float64 reference (a lost copy-back fails the run or shows here)
+    pipe = p["runtime"]["pipeline_max_rel_err"]
+    assert set(pipe) == {f"pipeline/{c}/{x}" for c in ("pp2/1f1b", "pp2/interleaved/vpp2", "pp2/zb-h1",
+                                                       "pp2/zb-v/vpp2", "pp4/1f1b", "pp4/zb-h1")
+                         for x in ("loss", "grads")}, p["runtime"]
+    assert all(v < 1e-4 for v in pipe.values()), pipe  # a NaN fails too
+    # every tensor that crossed ranks went through the staging: point to point only, no other collective
+    assert all(v["send"] > 0 and v["recv"] == v["send"] and v["other collectives"] == {}
+               for v in p["runtime"]["pipeline_staged_p2p"].values()), p["runtime"]["pipeline_staged_p2p"]
+    assert list(p["runtime"]["pipeline_staged_p2p"]) == ["pp2", "pp4"]
     assert p["loader"]["batches"] == 6 and p["loader"]["loader_tokens_per_s"] > 0
     assert p["loader"]["plan_warnings"] == []  # a model that fits the device: no "no candidate plan fits"
     # packloader calibrate --cp under torchrun (2 CPU ranks): a device file with the fitted intra-node CP link
@@ -67,6 +80,7 @@ def test_dry_run_runs_every_part(tmp_path):
     text = docs.read_text()
     assert "kept" in text and "<!-- SECTION:gpu-proof -->" in text and "DRY RUN" in text
     assert (tmp_path / "out" / "gpu-proof.md").read_text().strip() in text
+    assert "| pipeline/pp2/zb-v/vpp2/grads |" in text
 
 
 def _run_all():

@@ -81,6 +81,7 @@ def _runtime(r: dict) -> list[str]:
     out = ["Runtime against the CPU reference (largest relative error):"]
     errs = dict(r.get("distributed_max_rel_err", {}))
     errs.update({f"slice executor {k}": v for k, v in r.get("slice_executor", {}).items()})
+    errs.update(r.get("pipeline_max_rel_err", {}))
     out += _table(["check", "max rel err"], [[k, v] for k, v in errs.items()])
     out.append("\nDispatcher overhead (varlen_attention against the kernel called directly, target < 2 %):")
     out += _table(["docs x len", "backend", "dispatcher ms", "direct ms", "overhead %"],

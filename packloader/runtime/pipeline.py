@@ -74,6 +74,7 @@ sliced document crosses micro-batches on the same stage only, so no extra commun
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -256,6 +257,19 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
         return dp_merge_attention(q, k, v, mb, dp_rank=self.dp_rank, shard=shard, rank_map=self.rank_map,
                                   groups=self.groups, **opts)
 
+    def _run_pre_split(self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs):
+        """The engine's step() on micro-batches already split; on a torch without that, what its step() does
+        around `_step_microbatches` (the GPU machines' torch 2.11)."""
+        if _STEP_TAKES_MICRO_BATCHES:
+            return self.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses,
+                             return_outputs=return_outputs)
+        for st in self._stages:
+            st.has_backward = self._has_backward
+            st.clear_runtime_states()
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs)
+        last = [st for st in self._stages if st.is_last]
+        return self._merge_outputs(last[0].output_chunks) if last and return_outputs else None
+
     def actions(self, rank: int | None = None) -> list[_Action]:
         """The compute actions of the last step on pipeline rank `rank` (default: this one)."""
         return list(self._actions[self.rank if rank is None else rank])
@@ -311,14 +325,17 @@ class PlanPipelineSchedule(_PipelineScheduleRuntime):
             st.size_buffers(tokens)
         self.order.clear()
         self.executed.clear()
-        out = self.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses,
-                        return_outputs=return_outputs)
+        out = self._run_pre_split(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs)
         for st in self._stages:
             if len(st.cache):
                 raise RuntimeError(f"stage {st.stage_index}: {len(st.cache)} KV cache entries left after the step")
         if any(st.is_last for st in self._stages) and losses is not None:
             return losses
         return out
+
+
+# torch 2.14's step() takes pre-split micro-batches; before it, step() splits a whole batch into equal chunks
+_STEP_TAKES_MICRO_BATCHES = "arg_mbs" in inspect.signature(_PipelineScheduleRuntime.step).parameters
 
 
 def check_dp_merge_order(plan: StepPlan, pp: int, *, vpp: int = 1, schedule: str = "1f1b",

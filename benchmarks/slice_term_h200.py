@@ -3,14 +3,17 @@ fit it on part 3's slice table against the calibrated one-layer profile (as part
 four measured slice packs (2 layers: one slice beside 48 documents of 512 tokens) with the profile under the
 rule and with the term. No GPU needed; tests/test_slice_term.py checks the same figures.
 
-    python benchmarks/slice_term_h200.py
+    python benchmarks/slice_term_h200.py            # the first run
+    python benchmarks/slice_term_h200.py run3       # the quick run after the runtime's slice path was adopted
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from packloader.balancers.cost.model import CostModel
@@ -22,11 +25,11 @@ PACKS = ((4096, 28672), (8192, 57344), (144, 65536), (1024, 131072))  # part_acc
 FILL = [512] * 48
 
 
-def main() -> None:
-    prof = load_profile(RESULTS / "profile-llama2-7b.json")
-    term = fit_slice_term(prof, read_slice_csv(RESULTS / "slices.csv"))
+def main(run: str = "") -> None:
+    prof = msgspec.structs.replace(load_profile(RESULTS / run / "profile-llama2-7b.json"), slice_term=None)
+    term = fit_slice_term(prof, read_slice_csv(RESULTS / run / "slices.csv"))
     print(format_slice_term(term))
-    acc = json.loads((RESULTS / "gpu-proof.json").read_text())["parts"]["accuracy"]
+    acc = json.loads((RESULTS / run / "gpu-proof.json").read_text())["parts"]["accuracy"]
     rows = [r for r in acc["rows"] if r["kind"] == "slices"]
     rule, termed = CostModel(prof).scaled(2.0), CostModel(with_slice_term(prof, term)).scaled(2.0)
     print("\n| slice q | after p keys | measured ms | rule ms | rule err | term ms | term err |")
@@ -43,4 +46,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:2])

@@ -103,6 +103,25 @@ def test_the_fitted_term_in_the_profile_prices_the_table_it_came_from():
     assert again.fwd.rule_mape_pct == pytest.approx(term.fwd.rule_mape_pct)
 
 
+def test_slices_timed_under_the_resolution_are_left_out_of_the_fit_and_counted():
+    """A slice's time is a difference of two launches: a small one can come out at the 1 us clamp (as on the
+    H200's second run). Weighted by 1 / time, such a row would pull the whole fit to zero; it is left out."""
+    prof = base_profile()
+    q = np.array([128, 256, 1024, 4096, 16384, 512, 2048, 8192])
+    p = np.array([1024, 4096, 131072, 8192, 65536, 65536, 1024, 131072])
+    x_f, y_f, x_b, y_b = 0.85 * prof.attn_fwd.a, 2.7e-8, 1.03 * prof.attn_bwd.a, 3.5e-8
+    qt = np.ceil(q / 128) * 128
+    fwd = prof.attn_fwd.a * q * q + prof.attn_fwd.b * q + prof.attn_fwd.c + x_f * 2 * qt * p + y_f * p
+    bwd = prof.attn_bwd.a * q * q + prof.attn_bwd.b * q + prof.attn_bwd.c + x_b * 2 * qt * p + y_b * p
+    fwd[0] = 1e-6  # the clamp of a difference that came out <= 0
+    term = fit_slice_term(prof, SliceTimings(q=q.tolist(), p=p.tolist(), fwd=fwd.tolist(), bwd=bwd.tolist()),
+                          tile=128)
+    assert (term.rows, term.dropped) == (7, 1)
+    assert (term.fwd.x, term.fwd.y) == (pytest.approx(x_f, rel=1e-6), pytest.approx(y_f, rel=1e-6))
+    with pytest.raises(ValueError, match="at least 2 rows with p > 0 and both times over"):
+        fit_slice_term(prof, SliceTimings(q=[128, 256], p=[1024, 1024], fwd=[1e-6, 1e-3], bwd=[1e-3, 1e-3]))
+
+
 def test_profile_json_round_trip_and_older_profiles(tmp_path):
     path = tmp_path / "p.json"
     save_profile(profile(), path)

@@ -29,6 +29,8 @@ from packloader.contracts import CostProfile, SliceCoeffs
 
 SLICE_CSV_COLUMNS = ("q", "p", "fwd_ms", "bwd_ms")
 TILES = (1, 16, 32, 64, 128, 256)
+# a slice is timed as the difference of two launches: at or under this, the difference is noise (or the 1 us clamp)
+RESOLUTION_S = 5e-6
 
 
 class SliceTimings(msgspec.Struct, kw_only=True, frozen=True):
@@ -63,6 +65,7 @@ class SliceTerm(msgspec.Struct, kw_only=True, frozen=True):
     fwd: SlicePass
     bwd: SlicePass
     rows: int  # rows with p > 0 the fit used
+    dropped: int = 0  # rows with p > 0 left out: a time at or under the timer's resolution (`RESOLUTION_S`)
 
 
 def read_slice_csv(path: str | os.PathLike) -> SliceTimings:
@@ -118,15 +121,20 @@ def _fit_pass(base: np.ndarray, rule: np.ndarray, meas: np.ndarray, q: np.ndarra
                      rule_mape_pct=float(np.mean(np.abs(rule - meas) / meas) * 100))
 
 
-def fit_slice_term(profile: CostProfile, timings: SliceTimings, *, tile: int | None = None) -> SliceTerm:
+def fit_slice_term(profile: CostProfile, timings: SliceTimings, *, tile: int | None = None,
+                   resolution_s: float = RESOLUTION_S) -> SliceTerm:
     """The slice term of `profile` fitted to `timings` (rows with p > 0; at least 2). The profile prices the
     whole-document part attn(q, 0); its tile is used unless `tile` is given or the profile's is 1, in which
-    case the candidate with the smallest error is chosen."""
+    case the candidate with the smallest error is chosen. A slice's time is the difference of two launches, so
+    a small slice can come out at or under `resolution_s` (noise, or clamped at 1 us): such rows would dominate a
+    fit of relative errors and are left out, and counted."""
     profile = msgspec.structs.replace(profile, slice_term=None)  # the rule, whatever term it carried
     q, p = np.asarray(timings.q, dtype=np.float64), np.asarray(timings.p, dtype=np.float64)
-    rows = p > 0
+    sliced = p > 0
+    rows = sliced & (np.asarray(timings.fwd) > resolution_s) & (np.asarray(timings.bwd) > resolution_s)
     if rows.sum() < 2:
-        raise ValueError(f"the slice fit needs at least 2 rows with p > 0, got {int(rows.sum())}")
+        raise ValueError(f"the slice fit needs at least 2 rows with p > 0 and both times over {resolution_s:g} s, "
+                         f"got {int(rows.sum())} of {int(sliced.sum())}")
     q, p = q[rows], p[rows]
     qi = q.astype(np.int64)
     model = CostModel(profile)
@@ -141,7 +149,7 @@ def fit_slice_term(profile: CostProfile, timings: SliceTimings, *, tile: int | N
         b = _fit_pass(base_b, rule_b, meas_b, q, p, t, ab)
         if best is None or f.mape_pct + b.mape_pct < best[1].mape_pct + best[2].mape_pct - 1e-12:
             best = (t, f, b)
-    return SliceTerm(tile=best[0], fwd=best[1], bwd=best[2], rows=int(rows.sum()))
+    return SliceTerm(tile=best[0], fwd=best[1], bwd=best[2], rows=int(rows.sum()), dropped=int(sliced.sum() - rows.sum()))
 
 
 def slice_coeffs(term: SliceTerm) -> SliceCoeffs:
@@ -176,7 +184,8 @@ def scaled_timings(t: SliceTimings, factor: float) -> SliceTimings:
 
 
 def format_slice_term(term: SliceTerm) -> str:
-    lines = [f"slice term (tile {term.tile}, {term.rows} slices): slice(q, p) = attn(q, 0) + x*2*qt*p + y*p"]
+    left = f"; {term.dropped} under the timer's resolution left out" if term.dropped else ""
+    lines = [f"slice term (tile {term.tile}, {term.rows} slices{left}): slice(q, p) = attn(q, 0) + x*2*qt*p + y*p"]
     for name in ("fwd", "bwd"):
         s = getattr(term, name)
         lines.append(f"  {name}: x={s.x:.4e} ({s.pair_ratio:.3g} x the model's per-pair rate) y={s.y:.4e} per key   "

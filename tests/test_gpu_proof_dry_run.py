@@ -183,6 +183,7 @@ def test_the_h200_runs_balance_plans_replanned_offline_give_its_predictions():
     assert 0.02 < d < 0.04  # about 31 ms per micro-batch per 8-layer stage
 
 
+@pytest.mark.multiprocess
 def test_seconds_replace_the_shares_of_the_named_parts_only(tmp_path):
     # a short lease gives chosen parts fixed budgets; the others keep their share of --budget-min (4 + 4 of 8 min)
     proc = _run("--dry-run", "--parts", "calibrate,slices", "--budget-min", "8", "--seconds", "slices=7",

@@ -23,7 +23,6 @@ from packloader.contracts import CPPlacement, ParallelConfig, PlanConfig, Planne
 
 
 def cfg(dp=1, cp=2, max_tokens=16384, context=None, micro_batches=None, **kw) -> PlanConfig:
-    kw.setdefault("planner_options", {"dynamic-cp": {"chains": True}})  # off by default (runtime refuses them)
     return PlanConfig(strategy="auto", cp_mode="dynamic", parallel=ParallelConfig(dp=dp, cp=cp, tp=8),
                       max_tokens=max_tokens, context=context or 4 * max_tokens, tokens_per_step=kw.pop("tps", 1 << 20),
                       num_micro_batches=micro_batches, **kw)
@@ -157,13 +156,15 @@ def test_dynamic_cp_chains_not_taken_where_memory_forbids_them():
     assert len(segments_of(roomy)) == 4  # the same step with the H100's memory: chained (test above)
 
 
-def test_dynamic_cp_chains_off_without_slicing_or_by_option_or_by_default():
+def test_dynamic_cp_chains_on_by_default_off_without_slicing_or_by_option():
     lengths = np.array([16384, 16384])
-    for config, opts in ((cfg(micro_batches=2, allow_slicing=False), None),
-                         (cfg(micro_batches=2), DynamicCPOptions(chains=False)),
-                         (cfg(micro_batches=2, planner_options={}), None)):
-        plan, _ = DynamicCPPlanner(config, opts).plan(Window.from_lengths(lengths), PlannerState(), 0)
+    for planner in (DynamicCPPlanner(cfg(micro_batches=2, allow_slicing=False)),
+                    DynamicCPPlanner(cfg(micro_batches=2), DynamicCPOptions(chains=False)),
+                    make_planner(cfg(micro_batches=2, planner_options={"dynamic-cp": {"chains": False}}))):
+        plan, _ = planner.plan(Window.from_lengths(lengths), PlannerState(), 0)
         assert all(af == a for _, a, _, _, _, af in segments_of(plan))
+    plan, _ = make_planner(cfg(micro_batches=2)).plan(Window.from_lengths(lengths), PlannerState(), 0)
+    assert DynamicCPOptions().chains and sum(af < a for _, a, _, _, _, af in segments_of(plan)) == 2
 
 
 @pytest.mark.parametrize("seed", range(3))

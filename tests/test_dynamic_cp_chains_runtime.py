@@ -163,8 +163,7 @@ def _e2e_config():
 
     # 32 tokens per GPU a slot; at TP 8 a CP 2 group's traffic crosses nodes, so the planner chains long pieces
     return PlanConfig(strategy="auto", parallel=ParallelConfig(dp=E2E_DP, cp=E2E_CP, tp=8), max_tokens=64,
-                      context=CONTEXT, tokens_per_step=400, allow_slicing=True, cp_mode="dynamic",
-                      planner_options={"dynamic-cp": {"chains": True}})
+                      context=CONTEXT, tokens_per_step=400, allow_slicing=True, cp_mode="dynamic")  # chains: default
 
 
 def _e2e_rank(rank: int, world: int) -> dict:

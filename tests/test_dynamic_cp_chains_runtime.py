@@ -222,6 +222,8 @@ def _e2e_rank(rank: int, world: int) -> dict:
         segs = [b.segments[i] for i in np.repeat(b.cp.run_segment, np.diff(b.cu_seqlens.numpy()))]
         at = [(s.doc, s.attend_from + p) for s, p in zip(segs, b.position_ids.tolist())]
         wrong_ids += sum(int(tokens[d][t] != i) for (d, t), i in zip(at, b.input_ids.tolist()))
+        wrong_ids += sum(int((tokens[d][t + 1] if t + 1 < len(tokens[d]) else -100) != lab)  # next token, in-doc
+                         for (d, t), lab in zip(at, b.labels.tolist()))
         seen += at
         step.append(b)
         if b.index_in_step == b.micro_batches_in_step - 1:

@@ -165,7 +165,7 @@ def dynamic_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shar
     bufs = iter(GatherGroups.apply(tuple(specs), *gathered_rows) if specs else ())
     parts = [next(bufs) if is_g else kv[g.lo:g.hi] for g, is_g in zip(shard.groups, gathered)]
     if chain is not None:
-        whole = torch.cat(parts) if parts else kv[:0]
+        whole = torch.cat(parts) if parts and chain.wanted else kv[:0]
         for seg in sorted(chain.wanted):
             rows = torch.from_numpy(segment_rows(shard, gathered)[seg]).to(q.device)
             own = whole.index_select(0, rows)

@@ -167,8 +167,10 @@ def dynamic_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shar
     if chain is not None:
         whole = torch.cat(parts) if parts and chain.wanted else kv[:0]
         for seg in sorted(chain.wanted):
-            rows = torch.from_numpy(segment_rows(shard, gathered)[seg]).to(q.device)
-            own = whole.index_select(0, rows)
+            key = ("segment_rows", seg, str(q.device))
+            if key not in shard._cache:
+                shard._cache[key] = torch.from_numpy(segment_rows(shard, gathered)[seg]).to(q.device)
+            own = whole.index_select(0, shard._cache[key])
             chain.keep(seg, own[..., :dk], own[..., dk:])
         parts = parts + [torch.cat(chain.prefix(seg, n), dim=-1) for seg, n in slices]
     rows, cu_q, cu_k, uses_gathered = _layout(shard, q.device, gathered)

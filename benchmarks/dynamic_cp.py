@@ -162,18 +162,14 @@ def _priced(plan: StepPlan, model) -> StepPlan:
     return annotate_costs(msgspec.structs.replace(plan), model)
 
 
-def run_dynamic(lengths: np.ndarray, args, hook: Callable | None = None, by_length: bool = False,
-                chains: bool = False) -> Row:
+def run_dynamic(lengths: np.ndarray, args, hook: Callable | None = None, by_length: bool = False) -> Row:
     config = config_for(4, 4, args, cp_mode="dynamic")
     cost = DynamicCPCost.for_config(config)
     if hook is not None:
         hook(np.array([CONTEXT // 4]), config)  # megatron-core imported before the clock starts
     t0 = time.perf_counter()
     if hook is None:
-        name = "per-document CP (packloader dynamic-cp)"
-        if chains:  # planning only: the per-document CP runtime refuses slice chains today
-            config = msgspec.structs.replace(config, planner_options={"dynamic-cp": {"chains": True}})
-            name = "per-document CP with slice chains (planner only: the runtime does not run chains yet)"
+        name = "per-document CP (packloader dynamic-cp, slice chains included)"
         if by_length:  # CP sizes from lengths alone, as megatron-core sizes them; packloader's placement
             config = msgspec.structs.replace(config, planner_options={"dynamic-cp": {"lifts": [0.0], "floors": False,
                                                                                       "chains": False}})
@@ -297,7 +293,6 @@ def main(argv: list[str] | None = None) -> int:
         lengths = lengths[lengths > 0]
         rows = [run_fixed(lengths, dp, cp, args) for dp, cp in FIXED_LAYOUTS]
         rows.append(run_dynamic(lengths, args))
-        rows.append(run_dynamic(lengths, args, chains=True))
         rows.append(run_dynamic(lengths, args, by_length=True))
         rows.append(run_auto(lengths, args))
         rows.append(run_dynamic(lengths, args, hook=megatron_hybrid_cp_plan))

@@ -104,6 +104,7 @@ _EXPORTS: dict[str, str] = {
     "cp_attention": "packloader.runtime.cp_attention",
     "cp_cost": "packloader.runtime.cp_cost",
     "dynamic_cp_attention": "packloader.runtime.cp_dynamic",
+    "DynamicCPExecutor": "packloader.runtime.cp_chains",
     "prepare_cp_pool_groups": "packloader.runtime.groups",
     "require_no_slices": "packloader.runtime.slices",
     "SliceExecutor": "packloader.runtime.slices",

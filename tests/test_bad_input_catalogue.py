@@ -570,12 +570,14 @@ def dynamic_cp_misaligned_group(tmp):
 
 
 def dynamic_cp_chain_slice(tmp):
-    from packloader.collate.cp_dynamic import plan_dynamic_cp
     from packloader.contracts import CPPlacement, MicroBatch, Segment
+    from packloader.loader.pool import localize_step
 
-    # the second slice of a chain as dynamic-cp plans it: tokens 8192.. of document 3 after its first 8192, on GPU 0
-    mb = MicroBatch(segments=[Segment(5, 0, 100, 0), Segment(3, 8192, 16384, 0)], cp=[CPPlacement(1, 0)] * 2)
-    return lambda: plan_dynamic_cp(mb, gpu=0, pool=2)
+    # a chain's second slice (tokens 8192.. of document 3 after its first 8192) on GPU 0 alone, its first slice on
+    # GPUs 0..1: the earlier keys were kept on another CP group
+    mbs = [MicroBatch(segments=[Segment(3, 0, 8192, 0)], cp=[CPPlacement(2, 0)]),
+           MicroBatch(segments=[Segment(5, 0, 100, 0), Segment(3, 8192, 16384, 0)], cp=[CPPlacement(1, 0)] * 2)]
+    return lambda: localize_step([], mbs, 0, 2)
 
 
 def dynamic_cp_without_cp_rank(tmp):
@@ -1024,8 +1026,9 @@ CASES = [
          ("PackedBatch.to_hf(): step 5, micro-batch 2 holds a slice of document 7", "allow_slicing=False")),
     Case("dynamic_cp_misaligned_group", dynamic_cp_misaligned_group, ValueError,
          ("segment 1 (document 9, tokens 4..11): CP group starts at GPU 1, not a multiple of its size 2",)),
-    Case("dynamic_cp_chain_slice", dynamic_cp_chain_slice, NotImplementedError,
-         ("segment 1 (document 3, tokens 8192..16383) is a slice (attend_from 0)", "allow_slicing=False")),
+    Case("dynamic_cp_chain_slice", dynamic_cp_chain_slice, ValueError,
+         ("micro-batch 1 of pool GPU 0: segment 1 (document 3, tokens 8192..16383) is a slice on GPUs 0..0, but "
+          "token 0 of its document", "the same CPPlacement")),
     Case("dynamic_cp_without_cp_rank", dynamic_cp_without_cp_rank, ValueError,
          ("step 0 is planned with per-document context parallelism (cp_mode 'dynamic', cp=2)",
           "PackedLoader(..., cp_rank=...)")),

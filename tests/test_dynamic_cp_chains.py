@@ -1,12 +1,14 @@
 """Per-document CP with slice chains (issue 26): a long document cut into slices that run at a smaller CP size, on one
 subgroup in consecutive slots. Against a brute force over every placement of a tiny step (whole documents and
 chains alike, each priced independently here), a device too small for a chain's activations, exactly-once
-coverage, the checker, and the per-document CP collate's refusal of slices."""
+coverage, the checker, and the per-document CP collate's chain check (tests/test_dynamic_cp_chains_runtime.py runs
+chains over gloo)."""
 
 from __future__ import annotations
 
 import itertools
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -16,12 +18,11 @@ from packloader.balancers.planners.dynamic_cp import DynamicCPOptions, DynamicCP
 from packloader.balancers.planners.registry import Window, make_planner
 from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.verify import verify_plan
-from packloader.collate.cp_dynamic import plan_dynamic_cp
-from packloader.contracts import ParallelConfig, PlanConfig, PlannerState, StepPlan
+from packloader.collate.cp_dynamic import check_chains, plan_dynamic_cp
+from packloader.contracts import CPPlacement, ParallelConfig, PlanConfig, PlannerState, StepPlan
 
 
 def cfg(dp=1, cp=2, max_tokens=16384, context=None, micro_batches=None, **kw) -> PlanConfig:
-    kw.setdefault("planner_options", {"dynamic-cp": {"chains": True}})  # off by default (runtime refuses them)
     return PlanConfig(strategy="auto", cp_mode="dynamic", parallel=ParallelConfig(dp=dp, cp=cp, tp=8),
                       max_tokens=max_tokens, context=context or 4 * max_tokens, tokens_per_step=kw.pop("tps", 1 << 20),
                       num_micro_batches=micro_batches, **kw)
@@ -155,13 +156,15 @@ def test_dynamic_cp_chains_not_taken_where_memory_forbids_them():
     assert len(segments_of(roomy)) == 4  # the same step with the H100's memory: chained (test above)
 
 
-def test_dynamic_cp_chains_off_without_slicing_or_by_option_or_by_default():
+def test_dynamic_cp_chains_on_by_default_off_without_slicing_or_by_option():
     lengths = np.array([16384, 16384])
-    for config, opts in ((cfg(micro_batches=2, allow_slicing=False), None),
-                         (cfg(micro_batches=2), DynamicCPOptions(chains=False)),
-                         (cfg(micro_batches=2, planner_options={}), None)):
-        plan, _ = DynamicCPPlanner(config, opts).plan(Window.from_lengths(lengths), PlannerState(), 0)
+    for planner in (DynamicCPPlanner(cfg(micro_batches=2, allow_slicing=False)),
+                    DynamicCPPlanner(cfg(micro_batches=2), DynamicCPOptions(chains=False)),
+                    make_planner(cfg(micro_batches=2, planner_options={"dynamic-cp": {"chains": False}}))):
+        plan, _ = planner.plan(Window.from_lengths(lengths), PlannerState(), 0)
         assert all(af == a for _, a, _, _, _, af in segments_of(plan))
+    plan, _ = make_planner(cfg(micro_batches=2)).plan(Window.from_lengths(lengths), PlannerState(), 0)
+    assert DynamicCPOptions().chains and sum(af < a for _, a, _, _, _, af in segments_of(plan)) == 2
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -189,10 +192,18 @@ def test_dynamic_cp_chains_cover_every_token_once_in_consecutive_slots(seed):
         assert (c == 1).all(), (d, np.unique(c))
 
 
-def test_dynamic_cp_chains_refused_by_the_per_document_collate_naming_the_slice():
-    # the per-document CP collate and runtime do not carry a slice's keys between micro-batches yet: a chained
-    # plan is refused where a GPU's part is cut, naming the segment and the way out
+def test_dynamic_cp_chains_pass_the_per_document_collate_and_a_moved_chain_is_refused():
+    # a chained plan's slices follow their earlier slices on the same GPU: every GPU's step passes the collate's
+    # chain check and the second slice's runs count its 8192 earlier keys first; the same chain with its second
+    # slice on the other GPU is refused (its earlier keys were kept on GPU 0), naming the segment
     plan, _ = make_planner(cfg(micro_batches=2)).plan(Window.from_lengths(np.array([16384, 16384])), PlannerState(), 0)
-    mb = plan.ranks[0].micro_batches[1]
-    with pytest.raises(NotImplementedError, match=r"document \d, tokens 8192\.\.16383\).*slice.*chains.*False.*allow_slicing=False"):
-        plan_dynamic_cp(mb, gpu=0, pool=2)
+    for g, rank in enumerate(plan.ranks):
+        check_chains(rank.micro_batches, gpu=g, step=0)
+        shard = plan_dynamic_cp(rank.micro_batches[1], gpu=g, pool=2)
+        assert shard.run_prefix.tolist() == [8192] and shard.cu_seqlens_k.tolist() == [0, 16384]
+        assert shard.position_ids.tolist() == list(range(8192, 16384))
+    first, second = plan.ranks[0].micro_batches
+    other = msgspec.structs.replace(second, cp=[CPPlacement(1, 1)])
+    with pytest.raises(ValueError, match=r"step 0, micro-batch 1 of pool GPU 1: segment 0 \(document \d, tokens "
+                                         r"8192\.\.16383\) is a slice on GPUs 1\.\.1, but token 0 .*same CPPlacement"):
+        check_chains([msgspec.structs.replace(first, segments=[], cp=[]), other], gpu=1, step=0)

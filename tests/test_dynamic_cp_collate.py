@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from packloader.collate.collate import collate, loss_tokens_in_plan
-from packloader.collate.cp_dynamic import localize, plan_dynamic_cp
+from packloader.collate.cp_dynamic import check_chains, localize, plan_dynamic_cp
 from packloader.contracts import CPPlacement, MicroBatch, RankPlan, Segment, StepPlan
 
 P = CPPlacement
@@ -74,14 +74,14 @@ def test_dynamic_cp_refuses_placements_naming_the_segment(placement, gpu, messag
         plan_dynamic_cp(mb, gpu=gpu, pool=4)
 
 
-def test_dynamic_cp_refuses_missing_placements_slices_and_padding():
+def test_dynamic_cp_refuses_missing_placements_lone_slices_and_padding():
     seg = Segment(2, 0, 10, 0)
     with pytest.raises(ValueError, match="one CPPlacement per segment: 1 placements for 2 segments"):
         plan_dynamic_cp(MicroBatch(segments=[seg, seg], cp=[P(1, 0)]), gpu=0)
     with pytest.raises(ValueError, match="needs its placements"):
         plan_dynamic_cp(MicroBatch(segments=[seg]), gpu=0)
-    with pytest.raises(NotImplementedError, match="is a slice.*allow_slicing=False"):
-        plan_dynamic_cp(MicroBatch(segments=[Segment(2, 4, 10, 0)], cp=[P(2, 0)]), gpu=0)
+    with pytest.raises(ValueError, match=r"segment 0 \(document 2, tokens 4..9\) is a slice.*token 0 of its document"):
+        check_chains([MicroBatch(segments=[Segment(2, 4, 10, 0)], cp=[P(2, 0)])], gpu=0)  # its earlier keys: nowhere
     mb = MicroBatch(segments=[seg], cp=[P(2, 0)])
     with pytest.raises(ValueError, match="unpadded micro-batch"):
         localize(collate(mb.segments, DOCS, pad_to_multiple=4), mb, gpu=0)

@@ -124,3 +124,18 @@ def test_dynamic_cp_megatron_empty_slot_and_fixed_batches():
     assert len(subs) == 1 and (p.local_cp_size, p.cp_group) == (1, None) and subs[0]["loss_mask"].sum() == 0
     with pytest.raises(ValueError, match="not a per-document CP batch"):
         megatron_dynamic_cp_batches(collate([Segment(1, 0, 4, 0)], {1: np.arange(4)}))
+
+
+def test_dynamic_cp_megatron_refuses_a_chain_slice_naming_it():
+    # megatron-core's hybrid path runs each sub-sample alone: a chain's later slice (tokens 6..11 of document 1,
+    # its first 6 run in the micro-batch before) is refused, naming it and the executor that runs it
+    from packloader.collate.collate import collate
+    from packloader.collate.cp_dynamic import localize
+    from packloader.runtime.slice_check import SlicesNotSupported
+    from packloader_integrations.megatron import megatron_dynamic_cp_batches
+
+    mb = MicroBatch(segments=[Segment(2, 0, 3, 0), Segment(1, 6, 12, 0)], cp=[P(1, 0), P(2, 0)])
+    batch = localize(collate(mb.segments, {1: np.arange(12), 2: np.arange(3)}, step=4, index_in_step=1), mb, gpu=0)
+    with pytest.raises(SlicesNotSupported, match=r"step 4, rank 0, micro-batch 1: document 1 is sliced \(tokens "
+                                                 r"6\.\.11.*chains.*DynamicCPExecutor"):
+        megatron_dynamic_cp_batches(batch)

@@ -16,7 +16,9 @@ this GPU's shard ``g - first``); ``cu_seqlens_q`` counts its query runs, ``cu_se
 the group's gathered keys, and the shard rides on the params as ``packloader_shard`` for ``PackloaderCoreAttention``,
 which all-gathers over ``cp_group`` (``packloader.runtime.cp_attention``). TransformerEngine's own CP attention
 expects its padded two-chunk layout instead. ``max_seqlen_q``/``max_seqlen_kv`` bound the documents' positions, as
-Megatron's RoPE reads them. An empty slot is one padding token at ``local_cp_size`` 1, with no loss.
+Megatron's RoPE reads them. An empty slot is one padding token at ``local_cp_size`` 1, with no loss. A batch with
+slices (dynamic-cp's slice chains) is refused as ``SlicesNotSupported``: the hybrid path keeps no keys between
+sub-samples.
 """
 
 from __future__ import annotations
@@ -41,6 +43,20 @@ def _params(cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, size
                            local_cp_size=int(size), cp_group=group)
 
 
+def _refuse_slices(batch: PackedBatch) -> None:
+    """Megatron's hybrid path runs each sub-sample as its own forward and backward: nothing keeps a chain's earlier
+    slices' keys (and their gradients) for its later slices, as packloader's DynamicCPExecutor does."""
+    from packloader.runtime.slice_check import SlicesNotSupported, find_slices
+
+    found = find_slices([batch], step=batch.step, rank=batch.cp.gpu)
+    if found:
+        raise SlicesNotSupported(
+            f"megatron_dynamic_cp_batches cannot run sliced documents (megatron-core's hybrid CP keeps no keys between "
+            f"sub-samples), but the batch has some: {found[0].describe()}. Plan with planner_options={{'dynamic-cp': "
+            "{'chains': False}} and allow_slicing=False, or run the step through "
+            "packloader.runtime.cp_chains.DynamicCPExecutor")
+
+
 def megatron_dynamic_cp_batches(batch: PackedBatch, *, groups: Any = None, rank_map: Sequence[int] | None = None,
                                 label_pad: int = 0, device: Any = None) -> list[dict[str, Any]]:
     """This pool GPU's sub-samples of one per-document CP micro-batch, one per CP group, in run order (see the
@@ -54,6 +70,7 @@ def megatron_dynamic_cp_batches(batch: PackedBatch, *, groups: Any = None, rank_
     if shard is None:
         raise ValueError(f"step {batch.step}, micro-batch {batch.index_in_step} is not a per-document CP batch "
                          "(PackedBatch.cp is None): use megatron_batch for fixed CP")
+    _refuse_slices(batch)
     ids, lab, pos = flat(batch.input_ids), flat(batch.labels), flat(batch.position_ids)
     subs = []
     for g in shard.groups:

@@ -10,6 +10,12 @@ list holds them in. A GPU's local tokens are its groups' shards one after the ot
 first GPU: the order every GPU runs their collectives in (a global order, so collectives over nested groups
 cannot wait on each other in a cycle).
 
+A slice (attend_from < start: a dynamic-cp chain's later slice, or a slice of a piece longer than the pool) is
+sharded like a document of its own tokens; its positions continue the piece's, and each of its runs sees the
+start - attend_from keys of its earlier slices first (`run_prefix`, counted in `cu_seqlens_k`). Those keys are not
+in the micro-batch: the group's GPUs kept them from earlier micro-batches of the step, where the earlier slices ran
+on the same group (`check_chains`; `runtime.cp_chains` runs it).
+
 ``localize`` turns the collated whole micro-batch (``collate``) into this GPU's batch: its tokens, labels (next
 tokens of the document, -100 at a document's last token: exactly the whole row's labels at those tokens),
 positions (the document offset), ``cu_seqlens`` of its query runs and ``cu_seqlens_k`` of the keys each run sees in
@@ -32,7 +38,7 @@ from packloader.collate.cp_layouts import TileEstimate
 from packloader.collate.cp_shard import CPRankShard, plan_cp_shards
 from packloader.contracts import CPPlacement, MicroBatch, Segment
 
-__all__ = ["DynamicCPGroup", "DynamicCPShard", "check_placement", "plan_dynamic_cp", "localize", "group_order"]
+__all__ = ["DynamicCPGroup", "DynamicCPShard", "check_chains", "check_placement", "plan_dynamic_cp", "localize", "group_order"]
 
 
 @dataclass
@@ -46,6 +52,8 @@ class DynamicCPGroup:
     shard: CPRankShard  # this GPU's shard of the group row (cp_size = size)
     lo: int  # the group's rows in this GPU's local tensors: lo .. hi - 1
     hi: int
+    offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))  # int64: each segment's first token
+    #                                                                          in the group row, and the row's end
 
     @property
     def gpus(self) -> range:
@@ -63,6 +71,7 @@ class DynamicCPShard:
     cu_seqlens_q: np.ndarray  # int32 [R+1]: local query runs, all groups
     cu_seqlens_k: np.ndarray  # int32 [R+1]: keys each run sees in its group's gathered keys (causal)
     run_segment: np.ndarray  # int64 [R]: the micro-batch segment of each run
+    run_prefix: np.ndarray  # int64 [R]: earlier keys of a slice's run (start - attend_from), first in its keys
     max_seqlen_q: int
     max_seqlen_k: int
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -103,14 +112,33 @@ def _groups_of(segments: Sequence[Segment], placements: Sequence[CPPlacement], g
         if not p.first <= gpu < p.first + p.size:
             raise ValueError(f"{_where(i, s)} is placed on GPUs {p.first}..{p.first + p.size - 1}, which do not "
                              f"include pool GPU {gpu}: this micro-batch is not GPU {gpu}'s")
-        if s.attend_from != s.start:
-            raise NotImplementedError(f"{_where(i, s)} is a slice (attend_from {s.attend_from}); per-document CP "
-                                      "does not run slices yet (dynamic-cp's slice chains, or a piece longer than "
-                                      "the pool holds): plan with planner_options={'dynamic-cp': {'chains': False}} "
-                                      "(the default) and allow_slicing=False")
         by.setdefault((int(p.size), int(p.first)), []).append(i)
     keys = sorted(by, key=lambda k: group_order(CPPlacement(*k)))
     return [(k, sorted(by[k], key=lambda i: (segments[i].doc, segments[i].start, segments[i].end))) for k in keys]
+
+
+def check_chains(micro_batches: Sequence[MicroBatch], *, gpu: int, step: int | None = None) -> None:
+    """Every slice of a GPU's step (a dynamic-cp chain's later slice, or a slice of a piece longer than the pool)
+    must find its earlier keys (attend_from .. start - 1) in earlier micro-batches of the step on the same CP group:
+    the group's GPUs kept them when they ran those slices (`runtime.cp_chains`)."""
+    held: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # (doc, size, first) -> token ranges run so far
+    for m, mb in enumerate(micro_batches):
+        for i, (s, p) in enumerate(zip(mb.segments, mb.cp or ())):
+            if s.attend_from >= s.start:
+                continue
+            ranges = sorted(held.get((s.doc, int(p.size), int(p.first)), []))
+            pos = s.attend_from
+            for a, b in ranges:
+                if a <= pos < b:
+                    pos = b
+            if pos < s.start:
+                at = f"step {step}, " if step is not None else ""
+                raise ValueError(f"{at}micro-batch {m} of pool GPU {gpu}: {_where(i, s)} is a slice on GPUs "
+                                 f"{p.first}..{p.first + p.size - 1}, but token {pos} of its document, which it attends "
+                                 "to, ran in no earlier micro-batch on that CP group; expected a chain's slices on "
+                                 "one subgroup (the same CPPlacement) in consecutive micro-batches")
+        for s, p in zip(mb.segments, mb.cp or ()):
+            held.setdefault((s.doc, int(p.size), int(p.first)), []).append((s.start, s.end))
 
 
 def plan_dynamic_cp(segments: Sequence[Segment] | MicroBatch, placements: Sequence[CPPlacement] | None = None, *,
@@ -123,29 +151,35 @@ def plan_dynamic_cp(segments: Sequence[Segment] | MicroBatch, placements: Sequen
         raise ValueError("a dynamic-CP micro-batch needs its placements (MicroBatch.cp)")
     segments = list(segments)
     lengths = np.array([s.end - s.start for s in segments], dtype=np.int64)
+    prefix = np.array([s.start - s.attend_from for s in segments], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if lengths.size else lengths
     groups, idx, pos, cu_q, cu_k, run_seg = [], [], [], [np.zeros(1, np.int64)], [np.zeros(1, np.int64)], []
     at = q_at = k_at = 0
     for (size, first), members in _groups_of(segments, placements, gpu, pool):
         members = np.asarray(members, dtype=np.int64)
-        shard = plan_cp_shards(lengths[members], size, "document", cost=TileEstimate())[gpu - first]
+        shard = plan_cp_shards(lengths[members], size, "document", cost=TileEstimate(),
+                               position_offsets=prefix[members])[gpu - first]
         gstart = np.concatenate([[0], np.cumsum(lengths[members])[:-1]]).astype(np.int64)
         member_of = np.searchsorted(gstart, shard.token_index, side="right") - 1
         idx.append(starts[members][member_of] + shard.token_index - gstart[member_of])
         pos.append(shard.position_ids)
         _, keys, _ = shard.key_layout(causal=True)
+        run_pre = prefix[members[shard.run_segment]]
+        keys = keys.astype(np.int64)
+        keys[1:] += np.cumsum(run_pre)  # a slice's run sees its earlier slices' keys first
         cu_q.append(q_at + shard.cu_seqlens_q[1:].astype(np.int64))
-        cu_k.append(k_at + keys[1:].astype(np.int64))
+        cu_k.append(k_at + keys[1:])
         q_at, k_at = q_at + int(shard.cu_seqlens_q[-1]), k_at + int(keys[-1])
         run_seg.append(members[shard.run_segment])
         groups.append(DynamicCPGroup(size=size, first=first, rank=gpu - first, segments=members, shard=shard,
-                                     lo=at, hi=at + shard.num_tokens))
+                                     lo=at, hi=at + shard.num_tokens,
+                                     offsets=np.append(gstart, gstart[-1] + lengths[members[-1]])))
         at += shard.num_tokens
     cat = (lambda xs: np.concatenate(xs).astype(np.int64)) if groups else (lambda xs: np.zeros(0, np.int64))
     q, k = np.concatenate(cu_q), np.concatenate(cu_k)
     return DynamicCPShard(
         gpu=int(gpu), groups=groups, token_index=cat(idx), position_ids=cat(pos), cu_seqlens_q=q.astype(np.int32),
-        cu_seqlens_k=k.astype(np.int32), run_segment=cat(run_seg),
+        cu_seqlens_k=k.astype(np.int32), run_segment=cat(run_seg), run_prefix=prefix[cat(run_seg)],
         max_seqlen_q=int(np.diff(q).max()) if q.size > 1 else 0,
         max_seqlen_k=int(np.diff(k).max()) if k.size > 1 else 0)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from packloader.collate.batch import PackedBatch
-from packloader.collate.cp_dynamic import localize
+from packloader.collate.cp_dynamic import check_chains, localize
 from packloader.contracts import MicroBatch, ParallelConfig, StepPlan
 
 
@@ -34,5 +34,7 @@ def own_rank(plan: StepPlan, parallel: ParallelConfig, dp_rank: int, cp_rank: in
 
 def localize_step(batches: Sequence[PackedBatch], micro_batches: Sequence[MicroBatch], gpu: int,
                   pool: int) -> list[PackedBatch]:
-    """The pool GPU's part of each of its collated micro-batches."""
+    """The pool GPU's part of each of its collated micro-batches (a chain's slices checked to follow their earlier
+    slices on the same CP group)."""
+    check_chains(micro_batches, gpu=gpu, step=batches[0].step if batches else None)
     return [localize(b, mb, gpu=gpu, pool=pool) for b, mb in zip(batches, micro_batches)]

@@ -19,8 +19,9 @@ nest never wait on each other in a cycle. A GPU that owns no row of a gathered g
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -28,7 +29,7 @@ from packloader.runtime.attention import varlen_attention
 from packloader.runtime.cp_attention import _all_gather, _reduce_scatter
 from packloader.runtime.groups import ProcessGroupCache, cp_pool_group
 
-__all__ = ["GatherGroups", "dynamic_cp_attention"]
+__all__ = ["ChainHooks", "GatherGroups", "dynamic_cp_attention", "prefix_segments", "segment_rows"]
 
 
 class GatherGroups(torch.autograd.Function):
@@ -57,38 +58,101 @@ class GatherGroups(torch.autograd.Function):
 
 
 def _layout(shard, device: torch.device, gathered: Sequence[bool]):
-    """Key rows into the concatenated group buffers (cached per device) and whether any comes from a gathered one."""
+    """Key rows into the concatenated group buffers, then the slices' prefix block (cached per device): each run's
+    earlier-slice keys first (`run_prefix`), then its own; and whether any row comes from a gathered group."""
     key = ("dynamic_layout", str(device))
     hit = shard._cache.get(key)
     if hit is None:
-        rows, at, from_gathered = [], 0, 0
+        rows, cus, at, k_at, from_gathered = [], [np.zeros(1, np.int64)], 0, 0, 0
         for g, is_gathered in zip(shard.groups, gathered):
-            r, _, _ = g.shard.key_layout(causal=True)
-            rows.append(torch.from_numpy(r + at))
+            r, cu, _ = g.shard.key_layout(causal=True)
+            rows.append(r + at)
+            cus.append(k_at + cu[1:].astype(np.int64))
             at += g.size * g.shard.max_local if is_gathered else g.shard.num_tokens
+            k_at += int(cu[-1])
             from_gathered += int(r.size) if is_gathered else 0
-        idx = torch.cat(rows).to(device) if rows else torch.zeros(0, dtype=torch.int64, device=device)
-        hit = (idx, torch.from_numpy(shard.cu_seqlens_q).to(device), torch.from_numpy(shard.cu_seqlens_k).to(device),
-               from_gathered > 0)
+        own, own_cu = (np.concatenate(rows) if rows else np.zeros(0, np.int64)), np.concatenate(cus)
+        idx = _with_prefix(shard, own, own_cu, at)
+        hit = (torch.from_numpy(idx).to(device), torch.from_numpy(shard.cu_seqlens_q).to(device),
+               torch.from_numpy(shard.cu_seqlens_k).to(device), from_gathered > 0)
         shard._cache[key] = hit
     return hit
 
 
+def prefix_segments(shard) -> list[tuple[int, int]]:
+    """(segment, prefix length) of every slice with a run on this GPU, in the order their earlier keys follow the
+    group buffers."""
+    pre = shard.run_prefix
+    return sorted({(int(s), int(p)) for s, p in zip(shard.run_segment[pre > 0], pre[pre > 0])})
+
+
+def _with_prefix(shard, own: np.ndarray, own_cu: np.ndarray, base: int) -> np.ndarray:
+    pre = shard.run_prefix.astype(np.int64)
+    if not pre.any():
+        return own
+    block, at = {}, base
+    for seg, n in prefix_segments(shard):
+        block[seg], at = at, at + n
+    lens = np.diff(own_cu)
+    cu = np.concatenate([[0], np.cumsum(lens + pre)]).astype(np.int64)
+    if not np.array_equal(cu, shard.cu_seqlens_k.astype(np.int64)):
+        raise ValueError(f"pool GPU {shard.gpu}: cu_seqlens_k does not count each run's earlier-slice keys and its "
+                         "own (a shard from another plan_dynamic_cp)")
+    out = np.empty(int(cu[-1]), np.int64)
+    run = np.repeat(np.arange(lens.size), lens)
+    out[cu[run] + pre[run] + np.arange(own.size) - own_cu[run]] = own
+    for b in np.nonzero(pre)[0]:
+        out[cu[b]:cu[b] + pre[b]] = block[int(shard.run_segment[b])] + np.arange(pre[b])
+    return out
+
+
+def segment_rows(shard, gathered: Sequence[bool]) -> dict[int, np.ndarray]:
+    """Rows of each micro-batch segment's tokens, in order, in the concatenated group buffers (what a chain keeps)."""
+    hit = shard._cache.get("segment_rows")
+    if hit is None:
+        hit, at = {}, 0
+        for g, is_gathered in zip(shard.groups, gathered):
+            for j, seg in enumerate(g.segments.tolist()):
+                hit[seg] = at + g.shard.gather_index[g.offsets[j]:g.offsets[j + 1]]
+            at += g.size * g.shard.max_local if is_gathered else g.shard.num_tokens
+        shard._cache["segment_rows"] = hit
+    return hit
+
+
+class ChainHooks(Protocol):
+    """What `dynamic_cp_attention` asks of a chain's context (`runtime.cp_chains.DynamicCPContext`)."""
+
+    wanted: frozenset[int]  # segments whose gathered keys/values `keep` receives
+
+    def prefix(self, seg: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys, values of the n earlier-slice tokens of segment `seg`, in document order."""
+
+    def keep(self, seg: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Segment `seg`'s keys/values (all its tokens, document order, gathered over its group)."""
+
+
 def dynamic_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Any,
                          groups: ProcessGroupCache | None = None, *, rank_map: Sequence[int] | None = None,
-                         softmax_scale: float | None = None, backend: str | None = None) -> torch.Tensor:
+                         softmax_scale: float | None = None, backend: str | None = None,
+                         chain: ChainHooks | None = None) -> torch.Tensor:
     """Causal attention of this pool GPU's rows over its documents' keys on every GPU of their CP groups.
 
     `q [n, Hq, D]`, `k/v [n, Hkv, D]`: the rows of `shard` (a `DynamicCPShard`: `PackedBatch.cp` of a dynamic-CP
     batch, the order of its tokens). `groups`: the pool's process groups (`prepare_cp_pool_groups`, called on every
     rank before the first step; default: the shared cache); `rank_map`: pool GPU -> global rank, as given there.
-    Returns `out [n, Hq, D]`, differentiable in q, k and v."""
+    `chain`: where a shard holds slices, the step's context that keeps and hands back earlier slices' keys
+    (`runtime.cp_chains.DynamicCPExecutor` passes it). Returns `out [n, Hq, D]`, differentiable in q, k and v."""
     n = shard.num_tokens
     if q.shape[0] != n or k.shape[0] != n or v.shape[0] != n:
         raise ValueError(f"q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} rows; pool GPU {shard.gpu}'s part of "
                          f"this micro-batch holds {n} tokens")
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in rows or heads")
+    slices = prefix_segments(shard)
+    if slices and chain is None:
+        raise ValueError(f"pool GPU {shard.gpu}'s micro-batch holds slices (segments {[s for s, _ in slices]}) whose "
+                         "earlier keys ran in earlier micro-batches: run the step with runtime.cp_chains."
+                         "DynamicCPExecutor, which keeps them")
     dk = k.shape[-1]
     kv = torch.cat([k, v], dim=-1)
     specs, gathered_rows = [], []
@@ -100,6 +164,15 @@ def dynamic_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shar
             gathered_rows.append(kv[g.lo:g.hi])
     bufs = iter(GatherGroups.apply(tuple(specs), *gathered_rows) if specs else ())
     parts = [next(bufs) if is_g else kv[g.lo:g.hi] for g, is_g in zip(shard.groups, gathered)]
+    if chain is not None:
+        whole = torch.cat(parts) if parts and chain.wanted else kv[:0]
+        for seg in sorted(chain.wanted):
+            key = ("segment_rows", seg, str(q.device))
+            if key not in shard._cache:
+                shard._cache[key] = torch.from_numpy(segment_rows(shard, gathered)[seg]).to(q.device)
+            own = whole.index_select(0, shard._cache[key])
+            chain.keep(seg, own[..., :dk], own[..., dk:])
+        parts = parts + [torch.cat(chain.prefix(seg, n), dim=-1) for seg, n in slices]
     rows, cu_q, cu_k, uses_gathered = _layout(shard, q.device, gathered)
     sel = torch.cat(parts).index_select(0, rows) if parts else kv[:0]
     k_sel, v_sel = sel[..., :dk], sel[..., dk:]

@@ -304,6 +304,14 @@ class SliceExecutor:
 
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
+    def _recomputed(self, mbs: Sequence[Any], kept: list[frozenset[int]]) -> list[bool]:
+        """Which micro-batches run forward without a graph first and are recomputed in the backward pass: those
+        whose keys later ones read (`cp_chains.DynamicCPExecutor`: in any of the pool's GPUs)."""
+        return [bool(k) for k in kept]
+
+    def _context(self, mb: Any, segs: list[Segment], **kw: Any) -> SliceContext:
+        return SliceContext(segs, self.cache, **kw, **self.opts)
+
     def run(self, micro_batches: Sequence[Any], step_fn: Callable[[Any, SliceContext], torch.Tensor], *,
             step: int | None = None) -> list[torch.Tensor]:
         mbs = list(micro_batches)
@@ -311,29 +319,30 @@ class SliceExecutor:
         if not self.supports_slices:
             require_no_slices(mbs, consumer="this SliceExecutor (supports_slices=False)", step=step, rank=rank)
         kept = analyse_chain(mbs, step=step, rank=rank)
+        recompute = self._recomputed(mbs, kept)
         self.cache.clear()
         losses: list[torch.Tensor | None] = [None] * len(mbs)
         rng: dict[int, Any] = {}
         try:
             for j, mb in enumerate(mbs):
                 segs = segments_of(mb)
-                if kept[j]:  # later micro-batches read its keys: forward without a graph, recompute later
+                if recompute[j]:  # later micro-batches read its keys: forward without a graph, recompute later
                     rng[j] = _rng_state()
-                    ctx = SliceContext(segs, self.cache, store=kept[j], **self.opts)
+                    ctx = self._context(mb, segs, store=kept[j])
                     with torch.no_grad(), ctx.active():
                         losses[j] = step_fn(mb, ctx).detach()
                 else:
-                    ctx = SliceContext(segs, self.cache, track_prefix=True, **self.opts)
+                    ctx = self._context(mb, segs, track_prefix=True)
                     with ctx.active():
                         loss = step_fn(mb, ctx)
                     ctx.backward(loss)
                     losses[j] = loss.detach()
             for j in reversed(range(len(mbs))):
-                if not kept[j]:
+                if not recompute[j]:
                     continue
                 mb = mbs[j]
                 segs = segments_of(mb)
-                ctx = SliceContext(segs, self.cache, inject=kept[j], track_prefix=True, **self.opts)
+                ctx = self._context(mb, segs, inject=kept[j], track_prefix=True)
                 with _restored_rng(rng.pop(j)), ctx.active():
                     loss = step_fn(mb, ctx)
                 ctx.backward(loss)

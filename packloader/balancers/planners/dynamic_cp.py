@@ -53,9 +53,8 @@ class DynamicCPOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # on steps of few documents for the pool (up to SMALL_UNITS per GPU), also every unit at least 2, 4, ... GPUs
     floors: bool = True
     # with allow_slicing and a preset model (the memory check), also long pieces as chains of slices at smaller
-    # CP sizes (dynamic_cp_chains), where their simulated peak fits the device. Off by default: the per-document
-    # CP collate and runtime do not run slice chains yet (they refuse them), so only a planning study turns it on
-    chains: bool = False
+    # CP sizes (dynamic_cp_chains), where their simulated peak fits the device; runtime.cp_chains runs them
+    chains: bool = True
 
 
 def lifted_sizes(units: Units, cost: DynamicCPCost, lift: float, slots: int) -> np.ndarray:

@@ -126,7 +126,11 @@ def test_calibrate_cli_times_and_fits_slices(tmp_path, capsys):
     assert (table.q, table.p) == (qs, ps) and sum(p > 0 for p in ps) >= 2
     assert all(q + p <= 256 for q, p in zip(qs, ps))
     text = capsys.readouterr().out
-    assert "slice term (tile" in text and "the model's rule" in text and f"wrote {csv}" in text
+    assert f"wrote {csv}" in text
+    if "slice term not fitted" in text:  # a busy CPU can time every tiny slice at or under the resolution
+        assert load_profile_of(out).slice_term is None
+        return
+    assert "slice term (tile" in text and "the model's rule" in text
     assert f"wrote {out} with the slice term" in text
     # the saved profile prices slices by the term fitted on the table it wrote (refitted here from the CSV)
     from packloader.balancers.cost.model import CostModel
@@ -139,6 +143,29 @@ def test_calibrate_cli_times_and_fits_slices(tmp_path, capsys):
     q, p = np.array(table.q), np.array(table.p)
     for got, want in zip(CostModel(saved).segment_times(q, p), slice_times(rule, again, q, p)):
         np.testing.assert_allclose(got, want, rtol=1e-3)
+
+
+def load_profile_of(path):
+    from packloader.balancers.cost.profile_io import load_profile
+
+    return load_profile(path)
+
+
+def test_calibrate_cli_keeps_the_calibration_when_no_slice_is_over_the_resolution(tmp_path, capsys, monkeypatch):
+    """Every slice timed at the clamp (a difference of launches that came out <= 0): no term is fitted, the
+    CLI says so and saves the profile pricing slices by the rule, instead of failing the whole calibration."""
+    import packloader.runtime.calibrate_slices as cs
+    from packloader.cli.main import main
+
+    monkeypatch.setattr(cs, "time_slices", lambda shape, qs, ps, **kw: SliceTimings(
+        q=list(qs), p=list(ps), fwd=[cs.MIN_SECONDS] * len(qs), bwd=[cs.MIN_SECONDS] * len(qs)))
+    out, csv = tmp_path / "cpu.json", tmp_path / "slices.csv"
+    code = main(["calibrate", "--device", "cpu", "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--ffn", "32",
+                 "--max-len", "256", "--dtype", "fp32", "--repeats", "1", "--warmup", "0", "--lengths", "4",
+                 "--sizes", "3", "--out", str(out), "--slices", str(csv), "--quiet"])
+    text = capsys.readouterr().out
+    assert code == 0 and "slice term not fitted (the slice fit needs at least 2 rows with p > 0" in text
+    assert load_profile_of(out).slice_term is None and read_slice_csv(csv).q
 
 
 def test_the_slice_launch_attends_to_its_earlier_keys():

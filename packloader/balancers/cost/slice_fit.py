@@ -29,8 +29,9 @@ from packloader.contracts import CostProfile, SliceCoeffs
 
 SLICE_CSV_COLUMNS = ("q", "p", "fwd_ms", "bwd_ms")
 TILES = (1, 16, 32, 64, 128, 256)
-# a slice is timed as the difference of two launches: at or under this, the difference is noise (or the 1 us clamp)
-RESOLUTION_S = 5e-6
+# a slice is timed as the difference of two launches: at or under this (about a CUDA event's resolution; a
+# difference that came out <= 0 is clamped far below it) it is noise
+RESOLUTION_S = 1e-6
 
 
 class SliceTimings(msgspec.Struct, kw_only=True, frozen=True):

@@ -46,8 +46,10 @@ def fixed_with_comm(plan: StepPlan, comm: CPComm, cp: int) -> StepPlan:
 
 def planned_work(plan: StepPlan, cost: DynamicCPCost) -> float:
     """The work a plan trains: each of its segments' attention and linear time on one GPU (no floors, no CP),
-    so a plan that holds pieces back (outlier delay) is not taken as faster for it (as `auto` scores)."""
-    segs = [s for r, rank in enumerate(plan.ranks) for mb in rank.micro_batches for s in owned_segments(mb, r)]
+    so a plan that holds pieces back (outlier delay) is not taken as faster for it (as `auto` scores). A DP-Merge
+    micro-batch, listed by every rank of its dp_group, counts once (on its first rank)."""
+    segs = [s for r, rank in enumerate(plan.ranks) for mb in rank.micro_batches
+            if not mb.dp_group or mb.dp_group[0] == r for s in owned_segments(mb, r)]
     if not segs:
         return 0.0
     q = np.array([s.end - s.start for s in segs], dtype=np.int64)

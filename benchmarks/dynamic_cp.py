@@ -10,7 +10,8 @@ micro-batch (max_tokens 128K over CP 4), so all of them meet the same memory cap
 
 * fixed CP: the `auto` strategy (the simulator's pick among wlb, hydraulis, slimpack, fixed) at DP 4 x CP 4
   (max_tokens 128K), DP 8 x CP 2 (64K, slicing) and DP 16 x CP 1 (32K, slicing); each micro-batch also pays its
-  CP group's K/V all-gather (`dynamic_cp_choice.fixed_with_comm`, the same price per-document CP pays); the best of
+  CP group's K/V all-gather (`dynamic_cp_choice.fixed_with_comm`, the same price per-document CP pays; a SlimPack
+  DP-Merge micro-batch, one piece run as CP over several DP ranks, that of all cp x its group's GPUs); the best of
   those that fit the device's memory (auto's memory check: a sliced 128K document keeps every slice's activations
   on its GPUs until its backward, so CP 2 and CP 1 do not fit at TP 8) is the baseline;
 * per-document CP: `cp_mode="dynamic"` (the dynamic-cp planner, slice chains at smaller CP sizes included where

@@ -13,6 +13,8 @@ the fastest wins (ties: fewer slots, then the earlier candidate). With slicing a
 tried again with every piece on 2, 4, ... or more GPUs run as a chain of as many slices at that fraction of its CP
 size, on one subgroup in consecutive slots (`dynamic_cp_chains`: less CP traffic and per-GPU overhead for the
 same tokens per GPU and slot), kept where faster and where the chain's simulated peak memory fits the device.
+Then each long piece's CP size is tried on its own, down to a chain of the fewest slices that fit a GPU's cap at
+that size, with short pieces beside its slices (`dynamic_cp_mix`, `mixed`), kept on the same terms.
 
 The StepPlan has cp_mode "dynamic": one RankPlan per pool GPU (dp_rank x cp + cp_rank), micro-batch m of every
 GPU in slot m, a unit on s GPUs listed with the same `CPPlacement(s, first)` in micro-batch m of each of them,
@@ -31,6 +33,7 @@ import numpy as np
 from packloader.balancers.cost.memory import memory_model_for
 from packloader.balancers.planners.dynamic_cp_chains import chain_peak
 from packloader.balancers.planners.dynamic_cp_kernels import place_pieces
+from packloader.balancers.planners.dynamic_cp_mix import best_mixed
 from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost, Placed, SlotTimes
 from packloader.balancers.planners.dynamic_cp_units import NAME, Units, chained, units_of
 from packloader.balancers.planners.packing import Pieces
@@ -55,6 +58,9 @@ class DynamicCPOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # with allow_slicing and a preset model (the memory check), also long pieces as chains of slices at smaller
     # CP sizes (dynamic_cp_chains), where their simulated peak fits the device; runtime.cp_chains runs them
     chains: bool = True
+    # with chains, also each long piece's CP size chosen on its own, down to a chain of the fewest slices that fit,
+    # short pieces beside its slices (dynamic_cp_mix)
+    mixed: bool = True
 
 
 def lifted_sizes(units: Units, cost: DynamicCPCost, lift: float, slots: int) -> np.ndarray:
@@ -133,20 +139,29 @@ class DynamicCPPlanner:
                 if best is None or cand.step_time < best.step_time * (1 - 1e-9):
                     best = cand
         assert best is not None
-        return self.best_chained(units, best) if self.memory is not None else best
+        if self.memory is None:
+            return best
+        chained = self.best_chained(units, best)
+        if not self.options.mixed:
+            return chained
+        return best_mixed(self.placed, units, best.placed.size, best.slots, chained, self.fits, self.cost.cap,
+                          self.cost.estimate)
+
+    def fits(self, cand: Candidate) -> bool:
+        """Whether a chained candidate's simulated peak fits the device (`dynamic_cp_chains`)."""
+        par = self.config.parallel
+        peak = chain_peak(cand.units, cand.placed, cand.times, self.memory, par.pp, par.vpp, self.kind)
+        return peak <= self.memory.limit_bytes()  # type: ignore[union-attr]
 
     def best_chained(self, units: Units, best: Candidate) -> Candidate:
         """`best`, or the same sizing with every piece on `split` or more GPUs run as a chain of `split` slices at
         1 / split of its CP size (split 2, 4, ... G), where faster and its simulated peak fits the device."""
-        limit = self.memory.limit_bytes()  # type: ignore[union-attr]
-        par = self.config.parallel
         base = best
         for split in (1 << k for k in range(1, self.cost.pool.bit_length())):
             cand = self.candidate(units, base.slots, base.lift, base.floor, split)
             if cand is None:  # no piece on `split` GPUs, so none on more
                 return best
-            if cand.step_time < best.step_time * (1 - 1e-9) and \
-                    chain_peak(cand.units, cand.placed, cand.times, self.memory, par.pp, par.vpp, self.kind) <= limit:
+            if cand.step_time < best.step_time * (1 - 1e-9) and self.fits(cand):
                 best = cand
         return best
 
@@ -159,6 +174,10 @@ class DynamicCPPlanner:
             if got is None:
                 return None  # type: ignore[return-value]
             units, size = got
+        return self.placed(units, size, slots, lift, floor)
+
+    def placed(self, units: Units, size: np.ndarray, slots: int, lift: float = 0.0, floor: int = 1) -> Candidate:
+        """`units` at CP sizes `size` placed in `slots` slots, grown by one slot until everything fits."""
         cost = self.cost.estimate(units.q, units.p, size)
         need = -(-units.q // size)
         sliced = (units.after >= 0) | (units.rest > 0)

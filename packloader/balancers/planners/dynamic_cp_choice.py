@@ -5,7 +5,8 @@ strategy (fixed CP: every micro-batch sharded over the whole CP group) and with 
 whose slowest GPU's simulated step time per unit of work trained is lower (`planned_work`: what `auto` divides by,
 so holding pieces back is not a speed-up by itself; ties to fixed CP, which every runtime runs);
 at cp 1 it is fixed CP. Both are priced alike: the fixed plan's micro-batches pay their CP group's K/V all-gather
-(`fixed_with_comm`; the cost model's CP scaling alone assumes it free), as the dynamic plan's subgroups do. The
+(`fixed_with_comm`; the cost model's CP scaling alone assumes it free; SlimPack's DP-Merge groups pay theirs too),
+as the dynamic plan's subgroups do. The
 choice is per step, so a run may mix both; StepPlan.cp_mode says which each step is. A step whose fixed-CP plan
 does not fit memory (memory_over > 0) takes the per-document plan, whose GPUs hold max_tokens / cp tokens at once. Not the default under
 strategy "auto": a dynamic plan needs a runtime that runs per-document subgroups, which the user opts into.
@@ -27,14 +28,17 @@ from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 def fixed_with_comm(plan: StepPlan, comm: CPComm, cp: int) -> StepPlan:
     """A fixed-CP plan whose micro-batches also pay the K/V exchange of their CP group (one collective per layer
-    over the micro-batch's tokens); the plan's own costs otherwise (a copy; unpriced plans are returned as is)."""
-    if cp <= 1 or plan.cp_mode != "fixed":
+    over the micro-batch's tokens; a SlimPack DP-Merge micro-batch, one piece run as CP over its dp_group's ranks,
+    over all cp x len(dp_group) GPUs, at CP 1 too: its cost model leaves that traffic out as it leaves out fixed
+    CP's); the plan's own costs otherwise (a copy; unpriced plans are returned as is)."""
+    if plan.cp_mode != "fixed" or (cp <= 1 and not any(mb.dp_group for r in plan.ranks for mb in r.micro_batches)):
         return plan
     ranks = []
     for rank in plan.ranks:
         mbs = []
         for mb in rank.micro_batches:
-            f, b = comm.times(mb.num_tokens, cp) if mb.segments else (0.0, 0.0)
+            g = cp * max(1, len(mb.dp_group or ()))  # a DP-Merge micro-batch: CP over its group's CP groups
+            f, b = comm.times(mb.num_tokens, g) if mb.segments else (0.0, 0.0)
             mbs.append(msgspec.structs.replace(mb, fwd_cost=mb.fwd_cost + f, bwd_cost=mb.bwd_cost + b))
         ranks.append(msgspec.structs.replace(rank, micro_batches=mbs))
     return msgspec.structs.replace(plan, ranks=ranks)
@@ -42,8 +46,10 @@ def fixed_with_comm(plan: StepPlan, comm: CPComm, cp: int) -> StepPlan:
 
 def planned_work(plan: StepPlan, cost: DynamicCPCost) -> float:
     """The work a plan trains: each of its segments' attention and linear time on one GPU (no floors, no CP),
-    so a plan that holds pieces back (outlier delay) is not taken as faster for it (as `auto` scores)."""
-    segs = [s for r, rank in enumerate(plan.ranks) for mb in rank.micro_batches for s in owned_segments(mb, r)]
+    so a plan that holds pieces back (outlier delay) is not taken as faster for it (as `auto` scores). A DP-Merge
+    micro-batch, listed by every rank of its dp_group, counts once (on its first rank)."""
+    segs = [s for r, rank in enumerate(plan.ranks) for mb in rank.micro_batches
+            if not mb.dp_group or mb.dp_group[0] == r for s in owned_segments(mb, r)]
     if not segs:
         return 0.0
     q = np.array([s.end - s.start for s in segs], dtype=np.int64)

@@ -66,25 +66,44 @@ def chained(units: Units, size: np.ndarray, split: int) -> tuple[Units, np.ndarr
     """`units` at CP sizes `size` with every whole unit on at least `split` GPUs cut into `split` equal slices at
     size / split GPUs (a chain, `Units.link`: the same tokens per GPU and slot, on one subgroup in consecutive
     slots), and the new units' sizes; None when no unit is that large."""
+    whole = (units.after < 0) & (units.rest == 0) & (size >= split) & (units.q >= split)
+    return cut(units, size, np.where(whole, split, 1), np.where(whole, size // split, size))
+
+
+def chained_at(units: Units, size: np.ndarray, at: np.ndarray, cap: int) -> tuple[Units, np.ndarray] | None:
+    """`units` at CP sizes `size`, every whole unit with at[k] < size[k] run at CP size at[k] instead: as a chain of
+    the fewest equal slices whose shards fit `cap` tokens (SlimPack's slices of a piece, beside which short units
+    fill the rest of each slot), or whole where one slice holds it; None when no unit changes."""
+    at = np.minimum(np.asarray(at, np.int64), size)
+    whole = (units.after < 0) & (units.rest == 0)
+    change = whole & (at < size)
+    if not change.any():
+        return None
+    k = np.where(change, np.maximum(1, -(-units.q // (at * cap))), 1)
+    return cut(units, size, k, np.where(change, at, size))
+
+
+def cut(units: Units, size: np.ndarray, k: np.ndarray, at: np.ndarray) -> tuple[Units, np.ndarray] | None:
+    """Unit i cut into k[i] equal slices (a chain where k[i] > 1) at CP size at[i]; None when nothing changes."""
     rows: list[tuple[int, ...]] = []
     sizes: list[int] = []
     new_of = np.zeros(len(units.q), np.int64)  # each old unit's last row
-    cut_any = False
-    for k in range(len(units.q)):
-        d, a, b, af = int(units.doc[k]), int(units.start[k]), int(units.end[k]), int(units.af[k])
-        whole = units.after[k] < 0 and units.rest[k] == 0
-        if not whole or size[k] < split or b - a < split:
-            after = int(new_of[units.after[k]]) if units.after[k] >= 0 else -1
-            rows.append((d, a, b, af, after, int(units.rest[k]), 0, int(units.min_size[k])))
-            sizes.append(int(size[k]))
+    changed = False
+    for i in range(len(units.q)):
+        d, a, b, af = int(units.doc[i]), int(units.start[i]), int(units.end[i]), int(units.af[i])
+        n, parts = b - a, int(k[i])
+        changed |= bool(parts > 1 or at[i] != size[i])
+        if parts <= 1:
+            after = int(new_of[units.after[i]]) if units.after[i] >= 0 else -1
+            rows.append((d, a, b, af, after, int(units.rest[i]), 0, int(units.min_size[i])))
+            sizes.append(int(at[i]))
         else:
-            n, cut_any, at = b - a, True, int(size[k]) // split
-            cuts = [a + (n * j) // split for j in range(split + 1)]
-            for j in range(split):
-                rows.append((d, cuts[j], cuts[j + 1], af, len(rows) - 1 if j else -1, split - 1 - j, 1, at))
-                sizes.append(at)
-        new_of[k] = len(rows) - 1
-    if not cut_any:
+            cuts = [a + (n * j) // parts for j in range(parts + 1)]
+            for j in range(parts):
+                rows.append((d, cuts[j], cuts[j + 1], af, len(rows) - 1 if j else -1, parts - 1 - j, 1, int(at[i])))
+                sizes.append(int(at[i]))
+        new_of[i] = len(rows) - 1
+    if not changed:
         return None
     t = np.array(rows, dtype=np.int64).reshape(-1, 8)
     return Units(t[:, 0], t[:, 1], t[:, 2], t[:, 3], t[:, 4], t[:, 5], t[:, 7], t[:, 6]), np.array(sizes, np.int64)

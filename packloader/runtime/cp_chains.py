@@ -63,11 +63,7 @@ class _Hooks:
         if seg in ctx.store:
             ctx.cache.put(self.layer, s.doc, s.start, s.end, k, v)  # type: ignore[union-attr]
         if seg in ctx.inject and ctx.cache is not None:
-            e = ctx.cache.entry(self.layer, s.doc, s.start, s.end)
-            if e is not None and e.gk is not None:
-                ctx._injections.append((k, e.gk))
-            if e is not None and e.gv is not None:
-                ctx._injections.append((v, e.gv))
+            ctx.inject_at(ctx.cache.entry(self.layer, s.doc, s.start, s.end), k, v)
 
 
 class DynamicCPContext(SliceContext):
@@ -97,9 +93,10 @@ class DynamicCPContext(SliceContext):
 
     def backward(self, loss: torch.Tensor) -> None:
         """As `SliceContext.backward`; a GPU with nothing to differentiate (an empty slot) has nothing to run."""
-        if loss.requires_grad or any(t.requires_grad for t, _ in self._injections):
+        inj = self.injections()
+        if loss.requires_grad or any(t.requires_grad for t, _ in inj):
             if not loss.requires_grad:
-                loss = loss + sum(t.sum() for t, _ in self._injections if t.requires_grad) * 0
+                loss = loss + sum(t.sum() for t, _ in inj if t.requires_grad) * 0
             super().backward(loss)
         else:
             self._injections.clear()
@@ -133,7 +130,7 @@ class DynamicCPExecutor(SliceExecutor):
     def _context(self, mb: Any, segs: list[Segment], **kw: Any) -> SliceContext:
         return DynamicCPContext(mb, self.cache, groups=self.groups, rank_map=self.rank_map, **kw, **self.opts)
 
-    def _recomputed(self, mbs: Sequence[Any], kept: list[frozenset[int]]) -> list[bool]:
+    def _deferred(self, mbs: Sequence[Any], kept: list[frozenset[int]]) -> list[bool]:
         if not mbs:
             return []
         gpu = mbs[0].cp.gpu

@@ -21,14 +21,14 @@ P = CPPlacement
 # per pool size: document lengths and micro-batch slots, each a list of (doc, start, end, attend_from, placement)
 LENGTHS = {1: 45, 2: 19, 3: 8, 4: 5, 5: 30, 6: 2, 7: 11, 8: 4, 9: 24, 10: 3, 11: 6}
 STEPS = {
-    4: [
+    "4": [
         # document 1 as a 2-slice chain on CP 2 (GPUs 0, 1); document 9 on all four GPUs beside its first slice, so
         # GPUs 2 and 3 share a group with the chain's GPUs in the slot they recompute; CP 1 documents around it
         [(1, 0, 20, 0, P(2, 0)), (9, 0, 24, 0, P(4, 0)), (3, 0, 8, 0, P(1, 2)), (4, 0, 5, 0, P(1, 3))],
         [(1, 20, 45, 0, P(2, 0)), (5, 0, 30, 0, P(2, 2)), (6, 0, 2, 0, P(1, 0))],
         [(7, 0, 11, 0, P(2, 2)), (8, 0, 4, 0, P(1, 1))],  # GPU 0: an empty slot
     ],
-    8: [
+    "8": [
         # document 1 as a 3-slice chain on CP 4 (GPUs 4..7), document 2 as a 2-slice chain on CP 2 (GPUs 0, 1)
         [(1, 0, 15, 0, P(4, 4)), (2, 0, 10, 0, P(2, 0)), (3, 0, 8, 0, P(2, 2)), (4, 0, 5, 0, P(1, 0)),
          (10, 0, 3, 0, P(1, 1))],
@@ -36,12 +36,20 @@ STEPS = {
         [(1, 33, 45, 0, P(4, 4)), (6, 0, 2, 0, P(4, 4)), (7, 0, 11, 0, P(2, 2)), (8, 0, 4, 0, P(1, 6)),
          (11, 0, 6, 0, P(1, 1))],  # GPUs 5..7 own no token of document 6
     ],
+    "4-nested": [
+        # as "4", but slot 1 too holds a document on all four GPUs: GPUs 2 and 3 keep nothing in slot 0, so unless
+        # the pool agrees to defer slot 0's backward, their backward's reduce-scatter over the four GPUs would meet
+        # the chain's GPUs' slot-1 all-gather
+        [(1, 0, 20, 0, P(2, 0)), (9, 0, 24, 0, P(4, 0)), (3, 0, 8, 0, P(1, 2)), (4, 0, 5, 0, P(1, 3))],
+        [(1, 20, 45, 0, P(2, 0)), (5, 0, 30, 0, P(4, 0)), (6, 0, 2, 0, P(1, 2))],
+        [(7, 0, 11, 0, P(2, 2)), (8, 0, 4, 0, P(1, 1))],
+    ],
 }
 
 
-def _micro_batches(world: int, gpu: int) -> list[MicroBatch]:
+def _micro_batches(case: str, gpu: int) -> list[MicroBatch]:
     out = []
-    for slot in STEPS[world]:
+    for slot in STEPS[case]:
         mine = [x for x in slot if x[4].first <= gpu < x[4].first + x[4].size]
         if gpu % 2:
             mine.reverse()  # members list a group's segments in different orders
@@ -54,7 +62,7 @@ def _doc_tensors(doc: int):
     return tuple(torch.randn(LENGTHS[doc], h, D, generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ))
 
 
-def _rank(rank: int, world: int) -> dict:
+def _rank(rank: int, world: int, case: str, recompute: bool) -> dict:
     from types import SimpleNamespace
 
     from packloader.collate.cp_dynamic import plan_dynamic_cp
@@ -64,7 +72,7 @@ def _rank(rank: int, world: int) -> dict:
     cache = ProcessGroupCache()
     prepare_cp_pool_groups(world, groups=cache)
     batches, rows = [], []
-    for m, mb in enumerate(_micro_batches(world, rank)):
+    for m, mb in enumerate(_micro_batches(case, rank)):
         shard = plan_dynamic_cp(mb, gpu=rank, pool=world)
         segs = [mb.segments[s] for s in np.repeat(shard.run_segment, np.diff(shard.cu_seqlens_q))]
         at = [(s.doc, s.attend_from + p) for s, p in zip(segs, shard.position_ids.tolist())]
@@ -82,7 +90,7 @@ def _rank(rank: int, world: int) -> dict:
         outs[b.index_in_step] = out.detach()
         return (out * w).sum()
 
-    DynamicCPExecutor(pool=world, groups=cache, backend="reference").run(batches, step_fn)
+    DynamicCPExecutor(pool=world, groups=cache, backend="reference", recompute=recompute).run(batches, step_fn)
     ref = {d: dense_causal_reference(*_doc_tensors(d), D ** -0.5) for d in LENGTHS}
     err, seen = 0.0, []
     for m, (at, qkv, _) in enumerate(rows):
@@ -95,15 +103,19 @@ def _rank(rank: int, world: int) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("pool", [4, 8])
-def test_dynamic_cp_chains_run_over_gloo_and_match_the_whole_documents_reference(pool):
-    res = run_ranks(_rank, pool, timeout=240)
+@pytest.mark.parametrize(("case", "recompute"), [("4", True), ("8", True), ("8", False), ("4-nested", False)])
+def test_dynamic_cp_chains_run_over_gloo_and_match_the_whole_documents_reference(case, recompute):
+    pool = int(case.split("-")[0])
+    res = run_ranks(_rank, pool, case, recompute, timeout=240)
     assert max(r["err"] for r in res) < 1e-10
     seen = sorted(x for r in res for x in r["seen"])
-    docs = {x[0] for slot in STEPS[pool] for x in slot}
+    docs = {x[0] for slot in STEPS[case] for x in slot}
     assert seen == sorted((d, a) for d in docs for a in range(LENGTHS[d]))  # every token once over the pool
-    # the slots a chain continues from are recomputed on every GPU of the pool (collectives line up), others not
-    want = {4: [2, 1, 1], 8: [2, 2, 1]}[pool]  # slot 0 (G = 4), slots 0 and 1 (G = 8): forward, then recomputed
+    if recompute:
+        # the slots a chain continues from are recomputed on every GPU of the pool (collectives line up), others not
+        want = {"4": [2, 1, 1], "8": [2, 2, 1]}[case]  # slot 0 (G = 4), slots 0 and 1 (G = 8): forward, recomputed
+    else:
+        want = [1] * len(STEPS[case])  # one forward per micro-batch: the kept ones keep their graphs
     assert all(r["calls"] == want for r in res)
 
 

@@ -119,12 +119,13 @@ def _sliced(model, xs, ws, chain, **kw):
     return outs, {d: l.grad for d, l in leaves.items()}, {n: p.grad.clone() for n, p in model.named_parameters()}, losses
 
 
+@pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("chain", sorted(CHAINS))
-def test_sliced_chain_matches_whole_documents(chain):
+def test_sliced_chain_matches_whole_documents(chain, recompute):
     model, xs, ws = _setup()
     ref_out, ref_gx, ref_gw = _reference(model, xs, ws)
     model.zero_grad()
-    out, gx, gw, losses = _sliced(model, xs, ws, CHAINS[chain])
+    out, gx, gw, losses = _sliced(model, xs, ws, CHAINS[chain], recompute=recompute)
     for d in LENGTHS:
         torch.testing.assert_close(out[d], ref_out[d], rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(gx[d], ref_gx[d], rtol=1e-10, atol=1e-10)
@@ -135,13 +136,14 @@ def test_sliced_chain_matches_whole_documents(chain):
     assert sum(float(l) for l in losses) == pytest.approx(total, rel=1e-10)
 
 
-def test_gradients_accumulate_like_a_plain_loop():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_gradients_accumulate_like_a_plain_loop(recompute):
     # two runs without zero_grad: .grad holds twice the reference, as two plain backward passes would
     model, xs, ws = _setup()
     _, _, ref_gw = _reference(model, xs, ws)
     model.zero_grad()
-    _sliced(model, xs, ws, CHAINS["three-slices-mixed"])
-    _, _, gw, _ = _sliced(model, xs, ws, CHAINS["three-slices-mixed"])
+    _sliced(model, xs, ws, CHAINS["three-slices-mixed"], recompute=recompute)
+    _, _, gw, _ = _sliced(model, xs, ws, CHAINS["three-slices-mixed"], recompute=recompute)
     for name in gw:
         torch.testing.assert_close(gw[name], 2 * ref_gw[name], rtol=1e-10, atol=1e-10)
 
@@ -165,9 +167,28 @@ def test_recomputation_replays_dropout():
     assert len(first) == 2 and first == again
 
 
-def test_cache_holds_only_what_later_slices_read_and_is_freed():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_forward_calls_per_micro_batch(recompute):
+    # "three-slices-mixed": later micro-batches read keys of micro-batches 0 and 1, none read micro-batch 2's
     model, xs, ws = _setup()
-    ex = SliceExecutor()
+    chain = CHAINS["three-slices-mixed"]
+    calls = []
+
+    def step_fn(segs, ctx):
+        calls.append((chain.index(segs), torch.is_grad_enabled()))
+        return model(torch.cat([xs[s.doc][s.start : s.end] for s in segs]), ctx.attention).sum()
+
+    SliceExecutor(recompute=recompute).run(chain, step_fn)
+    if recompute:  # 0 and 1 forward without a graph, 2 with one; then 1 and 0 recomputed with one
+        assert calls == [(0, False), (1, False), (2, True), (1, True), (0, True)]
+    else:  # one forward each, all with their graphs
+        assert calls == [(0, True), (1, True), (2, True)]
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_cache_holds_only_what_later_slices_read_and_is_freed(recompute):
+    model, xs, ws = _setup()
+    ex = SliceExecutor(recompute=recompute)
     sizes = []
 
     def step_fn(segs, ctx):
@@ -257,7 +278,8 @@ class RopeModel(Model):
         return x
 
 
-def test_slices_with_collate_positions_match_whole_pieces_under_rope():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_slices_with_collate_positions_match_whole_pieces_under_rope(recompute):
     """Document 0 (50 tokens) at context 30 is two independent pieces, [0, 30) and [30, 50), each sliced over
     micro-batches; the collate's positions (a piece from 0, its slices continuing it) with RoPE and an absolute
     position term give what each piece run whole from position 0 gives (the reference: dense attention, explicit
@@ -302,7 +324,7 @@ def test_slices_with_collate_positions_match_whole_pieces_under_rope():
             o += s.end - s.start
         return (y * torch.cat([ws[s.doc][s.start : s.end] for s in segs])).sum()
 
-    SliceExecutor().run(chain, step_fn)
+    SliceExecutor(recompute=recompute).run(chain, step_fn)
     for d, a, b in pieces:
         torch.testing.assert_close(outs[d][a:b], ref_out[(d, a)], rtol=1e-10, atol=1e-10)
     for n, p in model.named_parameters():

@@ -2,17 +2,24 @@
 one CP subgroup in consecutive micro-batches, each attending to the earlier slices' keys.
 
 The fixed-CP slice executor's mechanism, run per pool GPU: `DynamicCPExecutor` is a `SliceExecutor` whose contexts
-(`DynamicCPContext`) run `dynamic_cp_attention`. A micro-batch whose slices later ones read runs forward without a
-graph first and keeps, per layer, those slices' keys and values as its group all-gathered them (every GPU of the
-group holds the whole slice, in document order) in the `SliceKVCache`; a later slice's runs read them as their
-first keys (`DynamicCPShard.run_prefix`), as leaves whose gradients add up in the cache entry on each GPU. In the
-backward pass (reverse order) the earlier micro-batch is recomputed and every GPU injects its accumulated
-gradient at the gathered rows; the gather's reduce-scatter sums the GPUs' parts into the rows' owners, so each
-owner gets the whole gradient of its keys.
+(`DynamicCPContext`) run `dynamic_cp_attention`. A micro-batch whose slices later ones read keeps, per layer, those
+slices' keys and values as its group all-gathered them (every GPU of the group holds the whole slice, in document
+order) in the `SliceKVCache`; a later slice's runs read them as their first keys (`DynamicCPShard.run_prefix`), as
+leaves whose gradients add up in the cache entry on each GPU. In the backward pass (reverse order) the earlier
+micro-batch's backward runs with every GPU's accumulated gradient injected at the gathered rows; the gather's
+reduce-scatter sums the GPUs' parts into the rows' owners, so each owner gets the whole gradient of its keys.
 
-Collectives must line up across the pool: a micro-batch recomputed on one GPU runs its gathers twice, so the GPUs
-that share another group with it in that slot must do the same. Which slots are recomputed is therefore agreed
-over the pool (one all-reduce of a flag per micro-batch at the start of each step).
+By default (`recompute=False`) the earlier micro-batch runs forward once and keeps its graph until then: what the
+dynamic-cp planner's memory check charges a chain (its kept activations) and its simulated times assume (no extra
+forward). `recompute=True` runs it forward without a graph first and recomputes it in the backward pass
+(`SliceExecutor`'s default: one extra forward, activations of one micro-batch at a time).
+
+Collectives must line up across the pool: a micro-batch deferred on one GPU runs its gathers' reduce-scatters in the
+reverse pass (and, recomputed, its gathers twice), so the GPUs that share another group with it in that slot must
+defer it too, whether or not they keep anything of it. Which slots are deferred is therefore agreed over the pool
+(one all-reduce of a flag per micro-batch at the start of each step), in both modes: without it, a GPU that keeps
+nothing in a slot would run that slot's backward at once and its reduce-scatter would meet its partners' next
+gathers (the "4-nested" case of the tests hangs without the agreement).
 """
 
 from __future__ import annotations
@@ -63,11 +70,7 @@ class _Hooks:
         if seg in ctx.store:
             ctx.cache.put(self.layer, s.doc, s.start, s.end, k, v)  # type: ignore[union-attr]
         if seg in ctx.inject and ctx.cache is not None:
-            e = ctx.cache.entry(self.layer, s.doc, s.start, s.end)
-            if e is not None and e.gk is not None:
-                ctx._injections.append((k, e.gk))
-            if e is not None and e.gv is not None:
-                ctx._injections.append((v, e.gv))
+            ctx.inject_at(ctx.cache.entry(self.layer, s.doc, s.start, s.end), k, v)
 
 
 class DynamicCPContext(SliceContext):
@@ -97,9 +100,10 @@ class DynamicCPContext(SliceContext):
 
     def backward(self, loss: torch.Tensor) -> None:
         """As `SliceContext.backward`; a GPU with nothing to differentiate (an empty slot) has nothing to run."""
-        if loss.requires_grad or any(t.requires_grad for t, _ in self._injections):
+        inj = self.injections()
+        if loss.requires_grad or any(t.requires_grad for t, _ in inj):
             if not loss.requires_grad:
-                loss = loss + sum(t.sum() for t, _ in self._injections if t.requires_grad) * 0
+                loss = loss + sum(t.sum() for t, _ in inj if t.requires_grad) * 0
             super().backward(loss)
         else:
             self._injections.clear()
@@ -122,18 +126,19 @@ class DynamicCPExecutor(SliceExecutor):
     `run(batches, step_fn)` as `SliceExecutor.run`: `batches` are this GPU's micro-batches of the step in order
     (`PackedLoader(..., cp_rank=...)`'s, each with `.cp`), every GPU of the pool calls it for the same step; the
     model's attention calls `ctx.attention(q, k, v, layer)` on its local rows. `pool`: the GPUs of the DP x CP pool;
-    `groups`/`rank_map` as `dynamic_cp_attention`."""
+    `groups`/`rank_map` as `dynamic_cp_attention`; `recompute` as `SliceExecutor` but False by default (module
+    docstring)."""
 
     def __init__(self, *, pool: int, groups: ProcessGroupCache | None = None, rank_map: Sequence[int] | None = None,
-                 softmax_scale: float | None = None, backend: str | None = None) -> None:
-        super().__init__(softmax_scale=softmax_scale, backend=backend)
+                 softmax_scale: float | None = None, backend: str | None = None, recompute: bool = False) -> None:
+        super().__init__(softmax_scale=softmax_scale, backend=backend, recompute=recompute)
         self.opts = dict(softmax_scale=softmax_scale, backend=backend)
         self.pool, self.groups, self.rank_map = int(pool), groups, rank_map
 
     def _context(self, mb: Any, segs: list[Segment], **kw: Any) -> SliceContext:
         return DynamicCPContext(mb, self.cache, groups=self.groups, rank_map=self.rank_map, **kw, **self.opts)
 
-    def _recomputed(self, mbs: Sequence[Any], kept: list[frozenset[int]]) -> list[bool]:
+    def _deferred(self, mbs: Sequence[Any], kept: list[frozenset[int]]) -> list[bool]:
         if not mbs:
             return []
         gpu = mbs[0].cp.gpu

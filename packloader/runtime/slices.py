@@ -11,12 +11,13 @@ slices, computed by earlier micro-batches of the same step on the same rank. Thr
   it prepends each slice's cached prefix keys/values, runs `varlen_attention` with `cu_seqlens_k` counting the
   prefix (bottom-right causal alignment gives the right mask), and stores or receives what the executor asks.
 * `SliceExecutor`: for trainers without a pipeline engine, runs a step's micro-batches (a chain of slices, mixed
-  with whole documents) forward in order and backward in reverse, recomputing activations, and accumulates the
-  gradients into the parameters' `.grad` exactly as if each sliced document had run whole.
+  with whole documents) forward in order and backward in reverse (recomputing activations, or keeping them with
+  `recompute=False`), and accumulates the gradients into the parameters' `.grad` exactly as if each sliced
+  document had run whole.
   `require_no_slices(plan)` is the check for consumers that cannot run slices.
 
 How the executor runs a step (micro-batches 0..n-1; micro-batch j is *kept* when a later micro-batch attends to
-keys of one of its segments):
+keys of one of its segments), with `recompute=True` (the default):
 
 1. forward in order: a kept micro-batch runs under `torch.no_grad()` (its RNG state saved) and stores its kept
    segments' keys/values (detached copies) in the cache; a micro-batch that no later one needs runs forward with
@@ -37,8 +38,17 @@ kept micro-batch. The micro-batches' inputs (token ids) are the caller's. So pea
 by the largest micro-batch, not by the whole document. The price is one extra forward of each kept micro-batch
 (like full activation checkpointing of that micro-batch).
 
-Gradients are exact up to floating-point summation order, given a deterministic forward (the recomputation must
-reproduce the first forward: dropout is handled by restoring the RNG state; nondeterministic kernels are not).
+With `recompute=False` a kept micro-batch runs forward once, with autograd, storing its keys/values in the cache
+as above and holding on to its loss and the key/value row tensors it stored; the reverse pass calls
+`torch.autograd.backward([loss, k_rows..., v_rows...], [1, gk..., gv...])` on those, without a second forward.
+Same gradients (up to summation order), one forward per micro-batch, but memory is no longer bounded by one
+micro-batch: every kept micro-batch's activations (its whole autograd graph) stay alive from its forward until
+its backward in the reverse pass, on top of the cache, e.g. all but the last slice of a chain at once. That is
+what a planner whose memory check charges a chain's kept activations assumes (dynamic-cp's does).
+
+Gradients are exact up to floating-point summation order, given (with recomputation) a deterministic forward
+(the recomputation must reproduce the first forward: dropout is handled by restoring the RNG state;
+nondeterministic kernels are not).
 """
 
 from __future__ import annotations
@@ -101,7 +111,7 @@ class SliceContext:
         self._max_q = int(q_len.max()) if len(q_len) else 0
         self._calls = 0
         self._leaves: dict[int, tuple[CacheEntry, torch.Tensor, torch.Tensor]] = {}
-        self._injections: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._injections: list[tuple[torch.Tensor, torch.Tensor, CacheEntry]] = []
         self._cu: dict[tuple, torch.Tensor] = {}
 
     @property
@@ -199,20 +209,30 @@ class SliceContext:
                     raise RuntimeError("SliceContext(store=...) needs a cache")
                 self.cache.put(layer, s.doc, s.start, s.end, k[lo:hi], v[lo:hi])
             if i in self.inject and self.cache is not None:
-                e = self.cache.entry(layer, s.doc, s.start, s.end)
-                if e is not None and e.gk is not None:
-                    self._injections.append((k[lo:hi], e.gk))
-                if e is not None and e.gv is not None:
-                    self._injections.append((v[lo:hi], e.gv))
+                self.inject_at(self.cache.entry(layer, s.doc, s.start, s.end), k[lo:hi], v[lo:hi])
         return out
 
     __call__ = attention
 
+    def inject_at(self, e: CacheEntry | None, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Let `backward` inject cache entry `e`'s accumulated gradients at the rows `k`/`v` that produced its keys
+        (read when `backward` runs: without recomputation the later micro-batches have not run theirs yet)."""
+        if e is not None:
+            self._injections.append((k, v, e))
+
+    def injections(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(rows, gradient) pairs to inject now: each kept key/value row block with its accumulated gradient."""
+        out = []
+        for k, v, e in self._injections:
+            out += [(t, g) for t, g in ((k, e.gk), (v, e.gv)) if g is not None]
+        return out
+
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate `loss` plus the injected key/value gradients, then hand the prefix leaves' gradients to
         the cache."""
-        tensors = [loss] + [t for t, _ in self._injections]
-        grads = [torch.ones_like(loss)] + [g.to(t.dtype) for t, g in self._injections]
+        inj = self.injections()
+        tensors = [loss] + [t for t, _ in inj]
+        grads = [torch.ones_like(loss)] + [g.to(t.dtype) for t, g in inj]
         torch.autograd.backward(tensors, grads)
         self._injections.clear()
         self.collect_prefix_grads()
@@ -286,15 +306,21 @@ class SliceExecutor:
     `current_slice_context()`). Parameter gradients accumulate into `.grad` as with a plain loop of
     `loss.backward()`; call the optimizer after `run`. Returns the detached losses in micro-batch order.
 
+    `recompute` (module docstring): True recomputes each kept micro-batch in the backward pass (one extra forward,
+    activations of one micro-batch at a time); False keeps its graph until then (one forward, every kept
+    micro-batch's activations alive until its backward).
+
     With `supports_slices=False` the executor is a plain loop that refuses sliced micro-batches with the step,
     rank and document named (for trainers that want the check without the machinery).
     """
 
     def __init__(self, *, supports_slices: bool = True, causal: bool = True, window: tuple[int, int] = (-1, -1),
-                 softmax_scale: float | None = None, backend: str | None = None, rank: int | None = None) -> None:
+                 softmax_scale: float | None = None, backend: str | None = None, rank: int | None = None,
+                 recompute: bool = True) -> None:
         self.supports_slices = supports_slices
         self.opts = dict(causal=causal, window=window, softmax_scale=softmax_scale, backend=backend)
         self.rank = rank
+        self.recompute = recompute
         self.cache = SliceKVCache()
 
     def _rank(self) -> int | None:
@@ -304,8 +330,8 @@ class SliceExecutor:
 
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
-    def _recomputed(self, mbs: Sequence[Any], kept: list[frozenset[int]]) -> list[bool]:
-        """Which micro-batches run forward without a graph first and are recomputed in the backward pass: those
+    def _deferred(self, mbs: Sequence[Any], kept: list[frozenset[int]]) -> list[bool]:
+        """Which micro-batches run their backward in the reverse pass (recomputed first, with `recompute`): those
         whose keys later ones read (`cp_chains.DynamicCPExecutor`: in any of the pool's GPUs)."""
         return [bool(k) for k in kept]
 
@@ -319,35 +345,48 @@ class SliceExecutor:
         if not self.supports_slices:
             require_no_slices(mbs, consumer="this SliceExecutor (supports_slices=False)", step=step, rank=rank)
         kept = analyse_chain(mbs, step=step, rank=rank)
-        recompute = self._recomputed(mbs, kept)
+        deferred = self._deferred(mbs, kept)
         self.cache.clear()
         losses: list[torch.Tensor | None] = [None] * len(mbs)
-        rng: dict[int, Any] = {}
+        held: dict[int, Any] = {}  # deferred micro-batch -> its RNG state (recompute) or (context, loss) (kept graph)
         try:
             for j, mb in enumerate(mbs):
-                segs = segments_of(mb)
-                if recompute[j]:  # later micro-batches read its keys: forward without a graph, recompute later
-                    rng[j] = _rng_state()
-                    ctx = self._context(mb, segs, store=kept[j])
-                    with torch.no_grad(), ctx.active():
-                        losses[j] = step_fn(mb, ctx).detach()
-                else:
-                    ctx = self._context(mb, segs, track_prefix=True)
-                    with ctx.active():
-                        loss = step_fn(mb, ctx)
-                    ctx.backward(loss)
-                    losses[j] = loss.detach()
+                losses[j] = self._forward(j, mb, kept[j], deferred[j], step_fn, held)
             for j in reversed(range(len(mbs))):
-                if not recompute[j]:
-                    continue
-                mb = mbs[j]
-                segs = segments_of(mb)
-                ctx = self._context(mb, segs, inject=kept[j], track_prefix=True)
-                with _restored_rng(rng.pop(j)), ctx.active():
-                    loss = step_fn(mb, ctx)
-                ctx.backward(loss)
-                for i in kept[j]:  # every reader of these keys has run its backward
-                    self.cache.drop(segs[i].doc, segs[i].start, segs[i].end)
+                if deferred[j]:
+                    self._backward(j, mbs[j], kept[j], step_fn, held.pop(j))
         finally:
             self.cache.clear()
         return losses  # type: ignore[return-value]
+
+    def _forward(self, j: int, mb: Any, kept: frozenset[int], deferred: bool, step_fn: Callable, held: dict) -> torch.Tensor:
+        segs = segments_of(mb)
+        if deferred and self.recompute:  # later micro-batches read its keys: forward without a graph, recompute later
+            held[j] = _rng_state()
+            ctx = self._context(mb, segs, store=kept)
+            with torch.no_grad(), ctx.active():
+                return step_fn(mb, ctx).detach()
+        # with its graph: backward now, or (kept, recompute=False) in the reverse pass with its keys' gradients
+        keep = kept if deferred else frozenset()
+        ctx = self._context(mb, segs, store=keep, inject=keep, track_prefix=True)
+        with ctx.active():
+            loss = step_fn(mb, ctx)
+        if deferred:
+            held[j] = (ctx, loss)
+        else:
+            ctx.backward(loss)
+        return loss.detach()
+
+    def _backward(self, j: int, mb: Any, kept: frozenset[int], step_fn: Callable, held: Any) -> None:
+        """Micro-batch j's backward, every later reader of its keys having run its own (the accumulators are
+        complete); then its cache entries are freed."""
+        segs = segments_of(mb)
+        if self.recompute:
+            ctx = self._context(mb, segs, inject=kept, track_prefix=True)
+            with _restored_rng(held), ctx.active():
+                loss = step_fn(mb, ctx)
+        else:
+            ctx, loss = held
+        ctx.backward(loss)
+        for i in kept:
+            self.cache.drop(segs[i].doc, segs[i].start, segs[i].end)

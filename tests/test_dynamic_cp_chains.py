@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
-from helpers.dynamic_cp_brute import brute_force, cfg, segments_of
+from helpers.dynamic_cp_brute import brute_force, cfg, check_tokens_once_and_chains, segments_of
 
 from packloader.balancers.cost.memory import GiB, memory_model_for
 from packloader.balancers.offline import plan_run
@@ -81,21 +81,7 @@ def test_dynamic_cp_chains_cover_every_token_once_in_consecutive_slots(seed):
     config = cfg(dp=2, cp=4, max_tokens=16384, context=65536, tps=50000)  # 8 GPUs of 4096 tokens a slot
     run = plan_run(lengths, config, steps=None)
     verify_plan(run.plans, run.windows, final_state=run.final_state)
-    count = {d: np.zeros(n, np.int64) for d, n in enumerate(lengths)}
-    chains = 0
-    for plan in run.plans:
-        segs = segments_of(plan)
-        for d, a, m, f, s, af in segs:
-            end = next(seg.end for seg in plan.ranks[f].micro_batches[m].segments if (seg.doc, seg.start) == (d, a))
-            count[d][a:end] += 1
-            if af < a:  # a slice: its previous one ends at its start, one slot earlier, on the same GPUs
-                prev = [x for x in segs if x[0] == d and x[5] == af and x[1] < a]
-                pm, pf, ps = max(prev)[2:5]
-                chains += 1
-                assert (pm, pf, ps) == (m - 1, f, s)
-    assert chains > 0
-    for d, c in count.items():
-        assert (c == 1).all(), (d, np.unique(c))
+    assert check_tokens_once_and_chains(run.plans, lengths) > 0
 
 
 def test_dynamic_cp_chains_pass_the_per_document_collate_and_a_moved_chain_is_refused():

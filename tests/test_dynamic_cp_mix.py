@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.dynamic_cp_brute import brute_force, cfg, price, segments_of
+from helpers.dynamic_cp_brute import brute_force, cfg, check_tokens_once_and_chains, price, segments_of
 
 from packloader.balancers.cost.memory import GiB, memory_model_for
 from packloader.balancers.offline import plan_run
@@ -84,14 +84,4 @@ def test_dynamic_cp_mix_covers_every_token_once_over_small_steps(seed):
     times = [score_plan(p, model, config.parallel).step_time for p in run.plans]
     before = [score_plan(p, model, config.parallel).step_time for p in old.plans]
     assert all(t <= b * (1 + 1e-9) for t, b in zip(times, before)) and sum(times) < sum(before) * (1 - 1e-6)
-    count = {d: np.zeros(n, np.int64) for d, n in enumerate(lengths)}
-    for plan in run.plans:
-        segs = segments_of(plan)
-        for d, a, m, f, s, af in segs:
-            end = next(seg.end for seg in plan.ranks[f].micro_batches[m].segments if (seg.doc, seg.start) == (d, a))
-            count[d][a:end] += 1
-            if af < a:  # a slice: its previous one ends at its start, one slot earlier, on the same GPUs
-                prev = max(x for x in segs if x[0] == d and x[5] == af and x[1] < a)
-                assert prev[2:5] == (m - 1, f, s)
-    for d, c in count.items():
-        assert (c == 1).all(), (d, np.unique(c))
+    check_tokens_once_and_chains(run.plans, lengths)

@@ -132,20 +132,6 @@ def documents(d: Dims, seed: int = 1) -> dict[int, torch.Tensor]:
     return {doc: torch.randint(0, d.vocab, (n,), generator=g) for doc, n in LENGTHS.items()}
 
 
-def inputs(mb: MicroBatch, docs: dict[int, torch.Tensor]):
-    """(token ids, position ids, labels) of a micro-batch in packed order; a document's last token has no label."""
-    ids, pos, lab = [], [], []
-    for s in mb.segments:
-        doc = docs[s.doc]
-        ids.append(doc[s.start:s.end])
-        pos.append(torch.arange(s.start, s.end))
-        nxt = torch.full((s.end - s.start,), -100, dtype=torch.long)
-        hi = min(s.end, len(doc) - 1)
-        nxt[: max(0, hi - s.start)] = doc[s.start + 1: hi + 1]
-        lab.append(nxt)
-    return torch.cat(ids), torch.cat(pos), torch.cat(lab)
-
-
 def loss_tokens(docs) -> int:
     return sum(len(t) - 1 for t in docs.values())
 
@@ -276,6 +262,7 @@ def _pp_rank(rank, world, device, dtype, backend, cases, dims):
     """This pipeline rank's stages of each case: one step of PLAN; its parameters' gradients and, on the last
     stage, the step's loss (numpy, so nothing crosses the process boundary as shared memory)."""
     import torch.distributed as dist
+    from helpers.pipeline_model import micro_batch_inputs  # tests/ is on the path (part_runtime), in ranks too
 
     from packloader.runtime.pipeline import PlanPipelineSchedule, SlicedPipelineStage
     from packloader.runtime.pipeline_actions import rank_stages
@@ -286,7 +273,7 @@ def _pp_rank(rank, world, device, dtype, backend, cases, dims):
         dev = torch.device("cuda", torch.cuda.current_device())
     p, docs = params(dims), documents(dims)
     n_loss = loss_tokens(docs)
-    mbs = [inputs(mb, docs) for mb in PLAN.micro_batches]
+    mbs = [micro_batch_inputs(mb, docs) for mb in PLAN.micro_batches]
     out = []
     for pp, schedule, vpp in cases:
         n = pp * vpp

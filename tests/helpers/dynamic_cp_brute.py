@@ -100,3 +100,22 @@ def segments_of(plan: StepPlan) -> list[tuple[int, int, int, int, int, int]]:
                 if c.first == g:
                     out.append((s.doc, s.start, m, c.first, c.size, s.attend_from))
     return sorted(out)
+
+
+def check_tokens_once_and_chains(plans, lengths) -> int:
+    """Asserts that every token of every document is planned exactly once and that each slice's previous slice
+    ends at its start one slot earlier on the same GPUs (a chain stays on its subgroup); returns the slices."""
+    count = {d: np.zeros(n, np.int64) for d, n in enumerate(lengths)}
+    slices = 0
+    for plan in plans:
+        segs = segments_of(plan)
+        for d, a, m, f, s, af in segs:
+            end = next(seg.end for seg in plan.ranks[f].micro_batches[m].segments if (seg.doc, seg.start) == (d, a))
+            count[d][a:end] += 1
+            if af < a:
+                prev = max(x for x in segs if x[0] == d and x[5] == af and x[1] < a)
+                assert prev[2:5] == (m - 1, f, s), (d, a, prev)
+                slices += 1
+    for d, c in count.items():
+        assert (c == 1).all(), (d, np.unique(c))
+    return slices

@@ -245,7 +245,8 @@ def _torch(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale, return_lse)
         # torch >= 2.11: causal is window_size=(-1, 0). Its is_causal path may go to cuDNN, whose causal mask is
         # top-left aligned on some versions; a left bound >= every key length is the same bottom-right causal
         # mask on the flash path and keeps cuDNN out of it, so use that unless q and k share cu_seqlens (then
-        # top-left and bottom-right agree).
+        # top-left and bottom-right agree). It costs nothing: ATen's mha_varlen_fwd/bwd turn a left window of at
+        # least max_seqlen_k into -1, so the flash path runs its plain causal kernel.
         if causal and window[0] < 0 and cu_q is not cu_k:
             window = (max(max_k, 1), 0)
         kwargs["window_size"] = tuple(window)

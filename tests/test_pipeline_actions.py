@@ -13,22 +13,8 @@ import numpy as np
 import pytest
 import torch
 from helpers.distributed import run_ranks
-from helpers.pipeline_model import (
-    HAND,
-    HAND_LENGTHS,
-    HD,
-    HKV,
-    VOCAB,
-    H,
-    Llama,
-    StageModule,
-    documents,
-    loss_fn,
-    loss_tokens,
-    micro_batch_inputs,
-    reference,
-    stage_layers,
-)
+from helpers.pipeline_model import HAND, HAND_LENGTHS, HD, HKV, Llama, documents, loss_fn, reference, stage_layers
+from helpers.pipeline_run import assert_grads_close, grads_of, plan_inputs, run_dp_merge_rank, sliced_stage
 
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.sim.actions import step_actions
@@ -128,23 +114,6 @@ def test_split_backwards_become_input_and_weight_actions():
 # ------------------------------------------------------------------------------ runs over gloo
 
 
-def _stage(model, si, num_stages, dtype=torch.float64, group=None):
-    from packloader.runtime.pipeline import SlicedPipelineStage
-
-    first, last = si == 0, si == num_stages - 1
-    lo, hi = stage_layers(LAYERS, num_stages)[si]
-    return SlicedPipelineStage(
-        StageModule(model, lo, hi, first, last), si, num_stages, "cpu", group=group,
-        input_example=torch.zeros(1, dtype=torch.long) if first else torch.zeros(1, H, dtype=dtype),
-        output_example=torch.zeros(1, VOCAB if last else H, dtype=dtype))
-
-
-def _inputs(mbs, docs):
-    inputs = [micro_batch_inputs(mb, docs) for mb in mbs]
-    return dict(arg_mbs=[(i,) for i, _, _ in inputs], kwarg_mbs=[{"positions": p} for _, p, _ in inputs],
-                target_mbs=[(lab, loss_tokens(docs)) for _, _, lab in inputs])
-
-
 def _run_cases(rank, world, cases):
     """Each (plan, lengths, lists) run on this pipeline rank, with the schedule told "1f1b" whatever the lists."""
     import torch.distributed as dist
@@ -155,11 +124,12 @@ def _run_cases(rank, world, cases):
     out = []
     for rank_plan, lengths, lists in cases:
         model = Llama(LAYERS)
-        stage = _stage(model, rank, world)
+        stage = sliced_stage(model, LAYERS, rank, world)
         sched = PlanPipelineSchedule([stage], loss_fn)
         losses: list = []
-        sched.step_plan(rank_plan, actions=lists, losses=losses, **_inputs(rank_plan.micro_batches, documents(lengths)))
-        out.append(dict(grads={k: p.grad.numpy().copy() for k, p in model.named_parameters() if p.grad is not None},
+        sched.step_plan(rank_plan, actions=lists, losses=losses,
+                        **plan_inputs(rank_plan.micro_batches, documents(lengths)))
+        out.append(dict(grads=grads_of(model),
                         loss=sum(float(x.detach()) for x in losses) if stage.is_last else None,
                         executed=[list(a) for a in sched.executed], left=len(stage.cache),
                         grad_bytes=[s.grad_bytes for s in stage.kv_trace]))
@@ -167,47 +137,9 @@ def _run_cases(rank, world, cases):
     return out
 
 
-def _run_dp(rank, world, plan, lengths, plan_actions, pp):
-    import torch.distributed as dist
-
-    from packloader.runtime.groups import ProcessGroupCache, dp_merge_shard, prepare_dp_merge_groups
-    from packloader.runtime.pipeline import PlanPipelineSchedule
-
-    torch.set_num_threads(1)
-    dp = world // pp
-    dp_rank, s = divmod(rank, pp)
-    pipes = [dist.new_group([d * pp + t for t in range(pp)]) for d in range(dp)]
-    maps = [[d * pp + t for d in range(dp)] for t in range(pp)]
-    groups = prepare_dp_merge_groups(dp, [plan], rank_maps=maps, groups=ProcessGroupCache())
-    model = Llama(LAYERS)
-    docs = documents(lengths)
-    stage = _stage(model, s, pp, group=pipes[dp_rank])
-    sched = PlanPipelineSchedule([stage], loss_fn, dp_rank=dp_rank, rank_map=maps[s], groups=groups)
-    rp = plan.ranks[dp_rank]
-    ids, pos, labs = [], [], []
-    for mb in rp.micro_batches:
-        i, p, lab = micro_batch_inputs(mb, docs)
-        if mb.dp_group:
-            idx = torch.from_numpy(dp_merge_shard(mb, dp_rank=dp_rank, rank_map=maps[s]).token_index)
-            i, p, lab = i[idx], p[idx], lab[idx]
-        ids.append((i,))
-        pos.append({"positions": p})
-        labs.append((lab, loss_tokens(docs)))
-    losses: list = []
-    sched.step_plan(rp, step_plan=plan, plan_actions=plan_actions, arg_mbs=ids, kwarg_mbs=pos, target_mbs=labs,
-                    losses=losses)
-    return dict(grads={k: p.grad.numpy().copy() for k, p in model.named_parameters() if p.grad is not None},
-                loss=sum(float(x.detach()) for x in losses) if stage.is_last else None,
-                executed=[list(a) for a in sched.executed], left=len(stage.cache),
-                grad_bytes=[x.grad_bytes for x in stage.kv_trace])
-
-
 def _assert_grads(got, lengths, what):
     ref_loss, ref = reference(Llama(LAYERS), documents(lengths))
-    assert set(got) == set(ref), what
-    for k in ref:
-        torch.testing.assert_close(torch.from_numpy(got[k]), ref[k], rtol=RTOL, atol=RTOL * float(ref[k].abs().max()),
-                                   msg=lambda m, k=k: f"{what} {k}: {m}")
+    assert_grads_close(got, ref, RTOL, what)
     return ref_loss
 
 
@@ -263,7 +195,7 @@ def test_two_stages_run_the_written_lists():
 
 def _four(rank, world, cases, plan, lengths, plan_actions):
     return _run_cases(rank, world, [(p, lens, lists) for p, lens, _, lists in cases]), \
-        [_run_dp(rank, world, plan, lengths, acts, 2) for acts in plan_actions]
+        [run_dp_merge_rank(rank, world, plan, lengths, 2, LAYERS, acts) for acts in plan_actions]
 
 
 @pytest.mark.multiprocess

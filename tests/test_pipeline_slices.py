@@ -8,22 +8,8 @@ import numpy as np
 import pytest
 import torch
 from helpers.distributed import run_ranks
-from helpers.pipeline_model import (
-    HAND,
-    HAND_LENGTHS,
-    HD,
-    HKV,
-    VOCAB,
-    H,
-    Llama,
-    StageModule,
-    documents,
-    loss_fn,
-    loss_tokens,
-    micro_batch_inputs,
-    reference,
-    stage_layers,
-)
+from helpers.pipeline_model import HAND, HAND_LENGTHS, HD, HKV, Llama, documents, loss_fn, reference
+from helpers.pipeline_run import assert_grads_close, grads_of, plan_inputs, run_dp_merge_rank, sliced_stage
 
 from packloader.balancers.sim.simulator import simulate_rank
 from packloader.contracts import MicroBatch, ParallelConfig, RankPlan, Segment
@@ -57,39 +43,25 @@ def _run_rank(rank, world, cases, dtype=torch.float64):
     """Each case's plan run for two steps on this rank's stages, with the model and activations in `dtype`."""
     import torch.distributed as dist
 
-    from packloader.runtime.pipeline import PlanPipelineSchedule, SlicedPipelineStage
+    from packloader.runtime.pipeline import PlanPipelineSchedule
 
     torch.set_num_threads(1)
     pp = world
     out = []
     for rank_plan, lengths, vpp, schedule in cases:
         model = Llama(LAYERS).to(dtype)
-        docs = documents(lengths)
-        n_loss = loss_tokens(docs)
-        cuts = stage_layers(LAYERS, pp * vpp)
-        stages = []
-        for c in range(vpp):
-            si = c * pp + rank
-            first, last = si == 0, si == pp * vpp - 1
-            mod = StageModule(model, *cuts[si], first, last)
-            stages.append(SlicedPipelineStage(
-                mod, si, pp * vpp, "cpu",
-                input_example=torch.zeros(1, dtype=torch.long) if first else torch.zeros(1, H, dtype=dtype),
-                output_example=torch.zeros(1, VOCAB if last else H, dtype=dtype)))
+        stages = [sliced_stage(model, LAYERS, c * pp + rank, pp * vpp, dtype) for c in range(vpp)]
         sched = PlanPipelineSchedule(stages, loss_fn, schedule=schedule)
-        inputs = [micro_batch_inputs(mb, docs) for mb in rank_plan.micro_batches]
+        inputs = plan_inputs(rank_plan.micro_batches, documents(lengths))
         losses: list = []
         peak = 0
         results = []
         for _ in range(2):  # two steps: buffers and caches are reset per step, gradients accumulate
-            sched.step_plan(rank_plan, arg_mbs=[(i,) for i, _, _ in inputs],
-                            kwarg_mbs=[{"positions": p} for _, p, _ in inputs],
-                            target_mbs=[(lab, n_loss) for _, _, lab in inputs], losses=losses)
+            sched.step_plan(rank_plan, losses=losses, **inputs)
             results.append((sum(float(l.detach()) for l in losses), list(sched.order)))
             peak = max(peak, max((s.kv_bytes + s.grad_bytes for st in stages for s in st.kv_trace), default=0))
-        # numpy, not tensors: a tensor would cross the process boundary as shared memory the child frees
-        grads = {k: p.grad.double().numpy().copy() for k, p in model.named_parameters() if p.grad is not None}
-        out.append(dict(grads=grads, loss=results[0][0] if stages[-1].is_last else None, orders=[r[1] for r in results],
+        out.append(dict(grads=grads_of(model), loss=results[0][0] if stages[-1].is_last else None,
+                        orders=[r[1] for r in results],
                         kv_left=[len(st.cache) for st in stages], peak=peak,
                         trace=[[(s.action, s.kv_bytes, s.grad_bytes) for s in st.kv_trace] for st in stages]))
         dist.barrier()
@@ -162,23 +134,15 @@ def _cases(pp):
 def _run_varying(rank, world):
     """One schedule and its stages over two steps of 4 then 8 micro-batches (buffers re-sized, count changed);
     the gradients of the second step alone."""
-    from packloader.runtime.pipeline import PlanPipelineSchedule, SlicedPipelineStage
+    from packloader.runtime.pipeline import PlanPipelineSchedule
 
     model = Llama(LAYERS)
-    lo, hi = stage_layers(LAYERS, world)[rank]
-    first, last = rank == 0, rank == world - 1
-    stage = SlicedPipelineStage(
-        StageModule(model, lo, hi, first, last), rank, world, "cpu",
-        input_example=torch.zeros(1, dtype=torch.long) if first else torch.zeros(1, H, dtype=torch.float64),
-        output_example=torch.zeros(1, VOCAB if last else H, dtype=torch.float64))
-    sched = PlanPipelineSchedule([stage], loss_fn)
+    sched = PlanPipelineSchedule([sliced_stage(model, LAYERS, rank, world)], loss_fn)
     docs = documents(HAND_LENGTHS)
     for plan in (RankPlan(micro_batches=HAND.micro_batches[:4]), HAND):
         model.zero_grad()
-        inputs = [micro_batch_inputs(mb, docs) for mb in plan.micro_batches]
-        sched.step_plan(plan, arg_mbs=[(i,) for i, _, _ in inputs], kwarg_mbs=[{"positions": p} for _, p, _ in inputs],
-                        target_mbs=[(lab, loss_tokens(docs)) for _, _, lab in inputs], losses=[])
-    return {k: p.grad.numpy().copy() for k, p in model.named_parameters() if p.grad is not None}
+        sched.step_plan(plan, losses=[], **plan_inputs(plan.micro_batches, docs))
+    return grads_of(model)
 
 
 def _run_two(rank, world, cases):
@@ -194,15 +158,12 @@ def test_two_stages_match_whole_documents():
     assert all(results[r][0]["peak"] > 0 for r in range(2))  # the carried KV held something, and none was left
     # a schedule whose micro-batch count changes between steps
     _, ref_grads = _reference(HAND_LENGTHS)
-    got = {k: torch.from_numpy(g) for b in both for k, g in b[1].items()}
-    assert set(got) == set(ref_grads)
-    for k in ref_grads:
-        torch.testing.assert_close(got[k], ref_grads[k], rtol=RTOL, atol=RTOL * float(ref_grads[k].abs().max()))
+    assert_grads_close({k: g for b in both for k, g in b[1].items()}, ref_grads, RTOL)
 
 
 def _run_four(rank, world, cases, plan, lengths):
     # one set of 4 processes for both 4-process layouts (process start-up is most of these tests' time)
-    return _run_rank(rank, world, cases), _run_dp_rank(rank, world, plan, lengths, 2)
+    return _run_rank(rank, world, cases), run_dp_merge_rank(rank, world, plan, lengths, 2, LAYERS)
 
 
 @pytest.mark.multiprocess
@@ -231,48 +192,6 @@ def dp_plan():
     ])
 
 
-def _run_dp_rank(rank, world, plan, lengths, pp):
-    import torch.distributed as dist
-
-    from packloader.runtime.groups import ProcessGroupCache, prepare_dp_merge_groups
-    from packloader.runtime.pipeline import PlanPipelineSchedule, SlicedPipelineStage
-
-    torch.set_num_threads(1)
-    dp = world // pp
-    dp_rank, s = divmod(rank, pp)
-    pipes = [dist.new_group([d * pp + t for t in range(pp)]) for d in range(dp)]
-    maps = [[d * pp + t for d in range(dp)] for t in range(pp)]
-    groups = prepare_dp_merge_groups(dp, [plan], rank_maps=maps, groups=ProcessGroupCache())
-    model = Llama(LAYERS)
-    docs = documents(lengths)
-    n_loss = loss_tokens(docs)
-    lo, hi = stage_layers(LAYERS, pp)[s]
-    first, last = s == 0, s == pp - 1
-    stage = SlicedPipelineStage(
-        StageModule(model, lo, hi, first, last), s, pp, "cpu", group=pipes[dp_rank],
-        input_example=torch.zeros(1, dtype=torch.long) if first else torch.zeros(1, H, dtype=torch.float64),
-        output_example=torch.zeros(1, VOCAB if last else H, dtype=torch.float64))
-    sched = PlanPipelineSchedule([stage], loss_fn, dp_rank=dp_rank, rank_map=maps[s], groups=groups)
-    rp = plan.ranks[dp_rank]
-    from packloader.runtime.groups import dp_merge_shard
-
-    inputs = []
-    for mb in rp.micro_batches:
-        ids, pos, lab = micro_batch_inputs(mb, docs)
-        if mb.dp_group:
-            sh = dp_merge_shard(mb, dp_rank=dp_rank, rank_map=maps[s])
-            idx = torch.from_numpy(sh.token_index)
-            assert torch.equal(pos[idx], torch.from_numpy(sh.position_ids))
-            ids, pos, lab = ids[idx], pos[idx], lab[idx]
-        inputs.append((ids, pos, lab))
-    losses: list = []
-    sched.step_plan(rp, step_plan=plan, arg_mbs=[(i,) for i, _, _ in inputs],
-                    kwarg_mbs=[{"positions": p} for _, p, _ in inputs],
-                    target_mbs=[(lab, n_loss) for _, _, lab in inputs], losses=losses)
-    grads = {k: p.grad.numpy().copy() for k, p in model.named_parameters() if p.grad is not None}
-    return dict(grads=grads, loss=sum(float(l.detach()) for l in losses) if last else None, left=len(stage.cache))
-
-
 def _check_dp_merge(results, pp):
     ref_loss, ref_grads = _reference(DP_PLAN_LENGTHS)
     got: dict = {}
@@ -280,10 +199,7 @@ def _check_dp_merge(results, pp):
         assert res["left"] == 0
         for k, g in res["grads"].items():
             got[k] = got.get(k, 0) + torch.from_numpy(g)
-    assert set(got) == set(ref_grads)
-    for k in ref_grads:
-        torch.testing.assert_close(got[k], ref_grads[k], rtol=RTOL, atol=RTOL * float(ref_grads[k].abs().max()),
-                                   msg=lambda m, k=k: f"DP-Merge plan {k}: {m}")
+    assert_grads_close(got, ref_grads, RTOL, "DP-Merge plan")
     total = sum(results[d * pp + pp - 1]["loss"] for d in range(2))
     assert total == pytest.approx(ref_loss, rel=RTOL)
 

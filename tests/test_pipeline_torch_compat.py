@@ -7,20 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.distributed import run_ranks
-from helpers.pipeline_model import (
-    HAND,
-    HAND_LENGTHS,
-    VOCAB,
-    H,
-    Llama,
-    StageModule,
-    documents,
-    loss_fn,
-    loss_tokens,
-    micro_batch_inputs,
-    reference,
-    stage_layers,
-)
+from helpers.pipeline_model import HAND, HAND_LENGTHS, Llama, documents, loss_fn, reference
+from helpers.pipeline_run import assert_grads_close, grads_of, plan_inputs, sliced_stage
 
 LAYERS = 4
 RTOL = 1e-9
@@ -28,7 +16,7 @@ RTOL = 1e-9
 
 def _old_torch_rank(rank, world, schedule):
     import packloader.runtime.pipeline as pipeline
-    from packloader.runtime.pipeline import PlanPipelineSchedule, SlicedPipelineStage
+    from packloader.runtime.pipeline import PlanPipelineSchedule
 
     torch.set_num_threads(1)
     pipeline._STEP_TAKES_MICRO_BATCHES = False  # as on torch < 2.14
@@ -38,20 +26,12 @@ def _old_torch_rank(rank, world, schedule):
 
     PlanPipelineSchedule.step = refuse
     model = Llama(LAYERS)
-    lo, hi = stage_layers(LAYERS, world)[rank]
-    first, last = rank == 0, rank == world - 1
-    stage = SlicedPipelineStage(
-        StageModule(model, lo, hi, first, last), rank, world, "cpu",
-        input_example=torch.zeros(1, dtype=torch.long) if first else torch.zeros(1, H, dtype=torch.float64),
-        output_example=torch.zeros(1, VOCAB if last else H, dtype=torch.float64))
+    stage = sliced_stage(model, LAYERS, rank, world)
     sched = PlanPipelineSchedule([stage], loss_fn, schedule=schedule)
-    docs = documents(HAND_LENGTHS)
-    inputs = [micro_batch_inputs(mb, docs) for mb in HAND.micro_batches]
     losses: list = []
-    out = sched.step_plan(HAND, arg_mbs=[(i,) for i, _, _ in inputs], kwarg_mbs=[{"positions": p} for _, p, _ in inputs],
-                          target_mbs=[(lab, loss_tokens(docs)) for _, _, lab in inputs], losses=losses)
-    return {"grads": {k: p.grad.numpy().copy() for k, p in model.named_parameters() if p.grad is not None},
-            "loss": sum(float(x.detach()) for x in out) if last else None, "kv_left": len(stage.cache)}
+    out = sched.step_plan(HAND, losses=losses, **plan_inputs(HAND.micro_batches, documents(HAND_LENGTHS)))
+    return {"grads": grads_of(model), "loss": sum(float(x.detach()) for x in out) if stage.is_last else None,
+            "kv_left": len(stage.cache)}
 
 
 @pytest.mark.multiprocess
@@ -60,9 +40,6 @@ def test_step_plan_without_pre_split_step_matches_whole_documents(schedule):
     results = run_ranks(_old_torch_rank, 2, schedule)
     torch.set_num_threads(1)
     ref_loss, ref_grads = reference(Llama(LAYERS), documents(HAND_LENGTHS))
-    got = {k: torch.from_numpy(g) for r in results for k, g in r["grads"].items()}
-    assert set(got) == set(ref_grads)
-    for k, g in ref_grads.items():
-        torch.testing.assert_close(got[k], g, rtol=RTOL, atol=RTOL * float(g.abs().max()), msg=lambda m, k=k: f"{k}: {m}")
+    assert_grads_close({k: g for r in results for k, g in r["grads"].items()}, ref_grads, RTOL)
     assert results[1]["loss"] == pytest.approx(ref_loss, rel=RTOL)
     assert [r["kv_left"] for r in results] == [0, 0]

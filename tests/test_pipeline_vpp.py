@@ -15,22 +15,8 @@ import numpy as np
 import pytest
 import torch
 from helpers.distributed import run_ranks
-from helpers.pipeline_model import (
-    HAND,
-    HAND_LENGTHS,
-    HD,
-    HKV,
-    VOCAB,
-    H,
-    Llama,
-    StageModule,
-    documents,
-    loss_fn,
-    loss_tokens,
-    micro_batch_inputs,
-    reference,
-    stage_layers,
-)
+from helpers.pipeline_model import HAND, HAND_LENGTHS, HD, HKV, Llama, documents, loss_fn, reference, stage_layers
+from helpers.pipeline_run import assert_grads_close, grads_of, plan_inputs, sliced_stage
 from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
@@ -238,19 +224,9 @@ def _written(rank_plan: RankPlan, pp: int, schedule: str) -> list:
 
 
 def _stages_of(model, rank, pp, schedule, layers):
-    from packloader.runtime.pipeline import SlicedPipelineStage
-
     n = 2 * pp
     held = sorted({rank, n - 1 - rank}) if schedule == "zb-v" else [rank, rank + pp]
-    cuts = stage_layers(layers, n)
-    out = []
-    for si in held:
-        first, last = si == 0, si == n - 1
-        out.append(SlicedPipelineStage(
-            StageModule(model, *cuts[si], first, last), si, n, "cpu",
-            input_example=torch.zeros(1, dtype=torch.long) if first else torch.zeros(1, H, dtype=torch.float64),
-            output_example=torch.zeros(1, VOCAB if last else H, dtype=torch.float64)))
-    return out
+    return [sliced_stage(model, layers, si, n) for si in held]
 
 
 def _run(rank, world, cases, layers):
@@ -264,12 +240,9 @@ def _run(rank, world, cases, layers):
         model = Llama(layers)
         stages = _stages_of(model, rank, world, schedule, layers)
         sched = PlanPipelineSchedule(stages, loss_fn, schedule=schedule)
-        docs = documents(lengths)
-        inputs = [micro_batch_inputs(mb, docs) for mb in rank_plan.micro_batches]
         losses: list = []
-        sched.step_plan(rank_plan, actions=lists, losses=losses, arg_mbs=[(i,) for i, _, _ in inputs],
-                        kwarg_mbs=[{"positions": p} for _, p, _ in inputs],
-                        target_mbs=[(lab, loss_tokens(docs)) for _, _, lab in inputs])
+        sched.step_plan(rank_plan, actions=lists, losses=losses,
+                        **plan_inputs(rank_plan.micro_batches, documents(lengths)))
         # the rank's accumulator bytes after each action: the acting stage's sample plus the other's last
         last = {st.stage_index: 0 for st in stages}
         it = {st.stage_index: iter(st.kv_trace) for st in stages}
@@ -277,7 +250,7 @@ def _run(rank, world, cases, layers):
         for _, _, si in sched.executed:
             last[si] = next(it[si]).grad_bytes
             grad_bytes.append(sum(last.values()))
-        out.append(dict(grads={k: p.grad.numpy().copy() for k, p in model.named_parameters() if p.grad is not None},
+        out.append(dict(grads=grads_of(model),
                         loss=sum(float(x.detach()) for x in losses) if any(st.is_last for st in stages) else None,
                         executed=[list(a) for a in sched.executed], left=sum(len(st.cache) for st in stages),
                         grad_bytes=grad_bytes))
@@ -311,10 +284,7 @@ def _check(res, rank_plan, lengths, schedule, lists, pp, layers, what):
             assert k not in got, (what, k)
             got[k] = g
     ref_loss, ref = reference(Llama(layers), documents(lengths))
-    assert set(got) == set(ref), what
-    for k in ref:
-        torch.testing.assert_close(torch.from_numpy(got[k]), ref[k], rtol=RTOL, atol=RTOL * float(ref[k].abs().max()),
-                                   msg=lambda msg, k=k: f"{what} {k}: {msg}")
+    assert_grads_close(got, ref, RTOL, what)
     losses = [r["loss"] for r in res if r["loss"] is not None]  # the last stage's rank: 0 under ZB-V, else pp-1
     assert len(losses) == 1 and losses[0] == pytest.approx(ref_loss, rel=RTOL)
     return max(max(r["grad_bytes"]) for r in res)

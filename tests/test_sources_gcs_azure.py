@@ -5,7 +5,6 @@ use. Expected documents are the ones the test wrote (an independent reference)."
 from __future__ import annotations
 
 import gzip
-import itertools
 import json
 import os
 import pickle
@@ -19,11 +18,10 @@ from helpers.cloud_emulators import (
     azurite_connection_string,
     find_azurite,
     find_gcs_emulator,
-    server_or_skip,
     start_azurite,
     start_gcs_emulator,
 )
-from helpers.s3_fixtures import parquet_bytes, read_all, token_docs
+from helpers.s3_fixtures import bucket_name, fast_retry, parquet_bytes, read_all, server_fixture, token_docs
 from helpers.s3_server import FaultProxy
 from helpers.source_resume import check_exact_resume, check_exactly_once, check_replaced_shard_refused, small_config
 
@@ -31,26 +29,14 @@ from packloader import PackedLoader
 from packloader.sources import storage as storage_mod
 from packloader.sources.identity import ShardChanged
 from packloader.sources.open import open_source
-from packloader.sources.remote import AccessDenied, ObjectMissing, RemoteError, RetryPolicy
+from packloader.sources.remote import AccessDenied, ObjectMissing, RemoteError
 from packloader.sources.storage import Storage
 
 pytestmark = pytest.mark.multiprocess  # starts the emulators
 
-FAST = RetryPolicy(attempts=6, base_delay_s=0.01, max_delay_s=0.1, deadline_s=30, connect_timeout_s=2,
-                   read_timeout_s=5)
-_NAMES = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def gcs_server():
-    with server_or_skip(find_gcs_emulator(), start_gcs_emulator, GCS_MISSING, "gcp-storage-emulator") as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def azurite_server():
-    with server_or_skip(find_azurite(), start_azurite, AZURITE_MISSING, "Azurite") as server:
-        yield server
+FAST = fast_retry(read_timeout_s=5)
+gcs_server = server_fixture("gcs_server", find_gcs_emulator, start_gcs_emulator, GCS_MISSING, "gcp-storage-emulator")
+azurite_server = server_fixture("azurite_server", find_azurite, start_azurite, AZURITE_MISSING, "Azurite")
 
 
 class Bucket:
@@ -58,7 +44,7 @@ class Bucket:
 
     def __init__(self, scheme: str, server, monkeypatch) -> None:
         self.scheme, self.server, self.mp = scheme, server, monkeypatch
-        self.name = f"bkt-{os.getpid()}-{next(_NAMES)}"
+        self.name = bucket_name()
         self.point(server.endpoint)
         if scheme == "gs":
             from google.cloud import storage

@@ -169,26 +169,31 @@ def test_a_parquet_shard_replaced_while_open_is_an_error_naming_it(tmp_path):
     first = list(src.read(0, np.arange(5)))
     assert all(np.array_equal(a, b) for a, b in zip(first, docs[:5]))
     _stale(path, docs, seed=9)
+    _assert_refused_as_changed(src, "tok-000.parquet")
+
+
+def _open_jsonl(tmp_path, n: int, seed: int):
+    """n texts written to a.jsonl, and a JsonlSource that has it open."""
+    texts = text_docs(n, seed=seed)
+    path = _jsonl(tmp_path / "a.jsonl", texts)
+    return texts, path, JsonlSource(path)
+
+
+def _assert_refused_as_changed(src, name: str) -> None:
     with pytest.raises(ShardChanged) as info:
         _read_all(src)
-    assert "tok-000.parquet: the file changed since the source opened it" in str(info.value)
+    assert f"{name}: the file changed since the source opened it" in str(info.value)
 
 
 def test_a_jsonl_shard_rewritten_while_open_is_an_error_naming_it(tmp_path):
-    texts = text_docs(60, seed=1)
-    path = _jsonl(tmp_path / "a.jsonl", texts)
-    src = JsonlSource(path)
+    texts, path, src = _open_jsonl(tmp_path, 60, seed=1)
     assert list(src.read(0, np.arange(3))) == texts[:3]
     _jsonl(path, [t.upper() for t in texts])  # in place, same size
-    with pytest.raises(ShardChanged) as info:
-        _read_all(src)
-    assert "a.jsonl: the file changed since the source opened it" in str(info.value)
+    _assert_refused_as_changed(src, "a.jsonl")
 
 
 def test_touching_a_shard_is_not_a_change(tmp_path):
-    texts = text_docs(30, seed=2)
-    path = _jsonl(tmp_path / "a.jsonl", texts)
-    src = JsonlSource(path)
+    texts, path, src = _open_jsonl(tmp_path, 30, seed=2)
     os.utime(path, ns=(1, 1))
     assert _read_all(src) == texts
 

@@ -18,15 +18,37 @@ from helpers.s3_server import MOTO_MISSING, MotoServer, find_moto_server
 from packloader.sources import storage as storage_mod
 from packloader.sources.remote import RetryPolicy
 
-FAST = RetryPolicy(attempts=6, base_delay_s=0.01, max_delay_s=0.1, deadline_s=30, connect_timeout_s=2,
-                   read_timeout_s=2)
 _NAMES = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def moto():
-    with server_or_skip(find_moto_server(), MotoServer, MOTO_MISSING, "moto_server") as server:
-        yield server
+def fast_retry(read_timeout_s: float = 2) -> RetryPolicy:
+    """Retries and timeouts short enough for a loopback server (a test of a fault waits milliseconds, not the
+    production back-off)."""
+    return RetryPolicy(attempts=6, base_delay_s=0.01, max_delay_s=0.1, deadline_s=30, connect_timeout_s=2,
+                       read_timeout_s=read_timeout_s)
+
+
+FAST = fast_retry()
+
+
+def bucket_name() -> str:
+    """A bucket (or container) name no other test uses, in this process or another."""
+    return f"bkt-{os.getpid()}-{next(_NAMES)}"
+
+
+def server_fixture(name: str, find, start, missing: str, what: str):
+    """A module-scoped fixture `name`: the server `start(find())` for the module's tests, which are skipped with
+    `missing` where `find()` finds none, or naming `what` where it cannot start (cloud_emulators.server_or_skip)."""
+
+    @pytest.fixture(scope="module", name=name)
+    def server():
+        with server_or_skip(find(), start, missing, what) as running:
+            yield running
+
+    return server
+
+
+moto = server_fixture("moto", find_moto_server, MotoServer, MOTO_MISSING, "moto_server")
 
 
 @pytest.fixture()
@@ -38,7 +60,7 @@ def s3(moto, monkeypatch):
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     monkeypatch.setattr(storage_mod, "_DEFAULT", {})
     client = boto3.client("s3", endpoint_url=moto.endpoint)
-    bucket = f"bkt-{os.getpid()}-{next(_NAMES)}"
+    bucket = bucket_name()
     client.create_bucket(Bucket=bucket)
     return client, bucket
 

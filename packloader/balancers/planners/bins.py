@@ -71,39 +71,11 @@ def _heap_pop(key, idx, size):
 
 
 @njit(cache=True)
-def _sift_down(key, idx, pos, size, j):
-    """Restore the heap in key[:size], idx[:size] after the entry at position j grew its key (keys here only
-    grow): the entry moves down; pos[item] tracks each item's position, so a bin whose key grew anywhere in the
-    heap is found without a search (and without the stale entries of lazy deletion)."""
-    k = key[j]
-    i = idx[j]
-    while True:
-        c = 2 * j + 1
-        if c >= size:
-            break
-        if c + 1 < size:  # the smaller child, without a branch (which child is a coin toss for the predictor)
-            k1 = key[c + 1]
-            k0 = key[c]
-            c += (k1 < k0) | ((k1 == k0) & (idx[c + 1] < idx[c]))
-        kc = key[c]
-        if k < kc or (k == kc and i < idx[c]):
-            break
-        key[j] = kc
-        idx[j] = idx[c]
-        pos[idx[j]] = j
-        j = c
-    key[j] = k
-    idx[j] = i
-    pos[i] = j
-
-
-@njit(cache=True)
-def _sift_top(key, idx, size, k, i):
-    """The heap in key[:size], idx[:size] with its top replaced by (k, i), which is not below the old top (a
-    least loaded bin or rank that took a piece): `_sift_down` from the root without item positions (for heaps
-    that are only ever changed at the top, pushed or popped), its smaller child chosen without a branch. The
-    same heap as `_sift_down`, ~20 % faster at a thousand ranks."""
-    j = 0
+def _sift(key, idx, pos, size, j, k, i):
+    """Put (k, i) at position j of the heap in key[:size], idx[:size], where it is not below what was there (keys
+    here only grow), and move it down; its smaller child chosen without a branch (which child is a coin toss for
+    the predictor). pos[item] tracks each item's position when `pos` is an array; with pos=None numba compiles
+    the loop without those stores (the `is None` branches are pruned at compile time)."""
     while True:
         c = 2 * j + 1
         if c >= size:
@@ -117,9 +89,29 @@ def _sift_top(key, idx, size, k, i):
             break
         key[j] = kc
         idx[j] = idx[c]
+        if pos is not None:
+            pos[idx[j]] = j
         j = c
     key[j] = k
     idx[j] = i
+    if pos is not None:
+        pos[i] = j
+
+
+@njit(cache=True)
+def _sift_down(key, idx, pos, size, j):
+    """Restore the heap in key[:size], idx[:size] after the entry at position j grew its key: the entry moves
+    down; pos[item] tracks each item's position, so a bin whose key grew anywhere in the heap is found without a
+    search (and without the stale entries of lazy deletion)."""
+    _sift(key, idx, pos, size, j, key[j], idx[j])
+
+
+@njit(cache=True)
+def _sift_top(key, idx, size, k, i):
+    """The heap in key[:size], idx[:size] with its top replaced by (k, i), which is not below the old top (a
+    least loaded bin or rank that took a piece): `_sift_down` from the root without item positions (for heaps
+    that are only ever changed at the top, pushed or popped), ~20 % faster at a thousand ranks."""
+    _sift(key, idx, None, size, 0, k, i)
 
 
 # ------------------------------------------------------------------------------------------------ orders

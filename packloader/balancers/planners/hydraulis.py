@@ -60,6 +60,23 @@ UTIL_THRESHOLD = 0.85  # Appendix C: the efficiency at which a micro-batch count
 MAX_V_CANDIDATES = 24
 
 
+def _piece_times(coeffs: np.ndarray, prof: np.ndarray, length: np.ndarray, times) -> np.ndarray:
+    """Forward + backward time of each piece under its rank's profile (`prof[i]`, a row of `coeffs`), by
+    `times(coeffs row, lengths)` -> (forward, backward): one call per profile rather than per piece."""
+    out = np.empty(len(length), np.float64)
+    for k in range(len(coeffs)):
+        at = prof == k
+        if at.any():
+            f, b = times(coeffs[k], np.ascontiguousarray(length[at]))
+            out[at] = f + b
+    return out
+
+
+def _whole_attention(c: np.ndarray, q: np.ndarray):
+    """The attention part alone of whole documents of lengths q (no prefix)."""
+    return segment_times_kernel(c, q, np.zeros_like(q))
+
+
 def util_len(model: CostModel, threshold: float = UTIL_THRESHOLD) -> int:
     """Tokens at which lin(n) / n is within `threshold` of its slope: slope*n / (slope*n + floor) >= threshold."""
     c = model.coeffs
@@ -174,13 +191,7 @@ class HydraulisPlanner(PackingPlanner):
         if (c[:, LIN_FWD] < 0).any() or (c[:, LIN_BWD] < 0).any() or (c[:, LIN_KNOTS] > 0).any():
             return None
         dp, pp = self.config.parallel.dp, self.config.parallel.pp
-        work = np.empty(len(pieces), np.float64)
-        prof = ra.rank_profile[rank]
-        for k in range(len(c)):
-            at = prof == k
-            if at.any():
-                f, b = doc_time_split(c[k], np.ascontiguousarray(pieces.length[at]))
-                work[at] = f + b
+        work = _piece_times(c, ra.rank_profile[rank], pieces.length, doc_time_split)
         tot = np.bincount(rank, weights=work, minlength=dp)
         big = np.zeros(dp, np.float64)
         np.maximum.at(big, rank, work)
@@ -200,14 +211,8 @@ class HydraulisPlanner(PackingPlanner):
         cost as long as the rest of the packing."""
         c = ra.coeffs
         dp, pp = self.config.parallel.dp, self.config.parallel.pp
-        attn = np.empty(len(pieces), np.float64)
         prof = ra.rank_profile[rank]
-        for k in range(len(c)):
-            at = prof == k
-            if at.any():
-                q = np.ascontiguousarray(pieces.length[at])
-                f, b = segment_times_kernel(c[k], q, np.zeros_like(q))
-                attn[at] = f + b
+        attn = _piece_times(c, prof, pieces.length, _whole_attention)
         tot = np.bincount(rank, weights=attn, minlength=dp)
         if (c[:, [ATTN_FWD, ATTN_FWD + 1, ATTN_BWD, ATTN_BWD + 1]] >= 0).all():
             # attention grows with the length, as does the least linear time of a micro-batch holding it

@@ -105,11 +105,12 @@ def _launch(q_all, k_all, v_all, g, lay: ShardLayout | None, device, backend):
 def time_cp_shards(shape: LayerShape, lengths: Sequence[int], sizes: Sequence[int], *, device: torch.device,
                    dtype: torch.dtype, backend: str | None = None, repeats: int = 5, warmup: int = 2,
                    progress: Callable[[str], None] | None = None, stop: Callable[[], bool] | None = None) -> list[ShardRow]:
-    """One `ShardRow` per (length, size) with size < length, longest documents last; `stop()` ends the sweep
-    early (a time budget) with the rows measured so far."""
+    """One `ShardRow` per (length, size) with 2 x size <= length, in the order of `lengths` (longest first keeps
+    what matters most when a budget cuts the sweep); `stop()` ends the sweep early (a time budget) with the rows
+    measured so far."""
     out: list[ShardRow] = []
     gen = torch.Generator(device=device).manual_seed(0)
-    for length in sorted(int(x) for x in lengths):
+    for length in (int(x) for x in lengths):
         if stop is not None and stop():
             break
         q_all = torch.randn(length, shape.heads, shape.head_dim, generator=gen, device=device, dtype=dtype)

@@ -16,10 +16,14 @@ from gpu_common import Budget, BudgetExceeded, Ctx
 
 from packloader.balancers.cost.devices import load_device
 from packloader.runtime.calibrate_cp import write_device
-from packloader.runtime.calibrate_cp_shards import device_with_cp_shard, fit_overhead, time_cp_shards
+from packloader.runtime.calibrate_cp_shards import (
+    GPU_LENGTHS,
+    GPU_SIZES,
+    device_with_cp_shard,
+    fit_overhead,
+    time_cp_shards,
+)
 
-GPU_LENGTHS = (131072, 65536, 32768, 16384)
-GPU_SIZES = (2, 4, 8, 16)
 DRY_LENGTHS = (128, 64)
 DRY_SIZES = (2, 4)
 

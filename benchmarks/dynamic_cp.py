@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/dynamic_cp.py --write docs/benchmarks.md
     .venv/bin/python benchmarks/dynamic_cp.py --quick            # smoke run: one data set, two steps
+    .venv/bin/python benchmarks/dynamic_cp.py --cp-shard-factor 1.2 --cp-link-scale 2   # what if shards/links are slower
 
 Layout: 16 GPUs as DP 4 x CP 4, TP 8, PP 1, 128K-token context, `--model` (default llama3-8b) priced with the
 measured H100 profile (`--cost measured`) and the h100 device file's CP links (NVLink inside a node, InfiniBand
@@ -43,6 +44,7 @@ import datetime as _dt
 import platform
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -93,7 +95,31 @@ def megatron_step_time(plan: StepPlan) -> float:
 def config_for(dp: int, cp: int, args, cp_mode: str = "fixed") -> PlanConfig:
     return PlanConfig(strategy="auto", parallel=ParallelConfig(dp=dp, cp=cp, tp=args.tp), max_tokens=CONTEXT * cp // 4,
                       context=CONTEXT, tokens_per_step=args.tokens_per_step, model=args.model, cost=args.cost,
-                      cp_mode=cp_mode)  # type: ignore[arg-type]
+                      cp_mode=cp_mode, device=getattr(args, "device", "h100"))  # type: ignore[arg-type]
+
+
+def what_if_device(shard_factor: float | None, link_scale: float | None, folder: Path, base: str = "h100") -> str:
+    """The name of a device file written to `folder` and registered: `base` with every CP shard (sizes 2-16)
+    `shard_factor` times slower than 1/s of its document (`Device.cp_shard`) and its CP link bandwidths divided
+    by `link_scale`; `base` itself when neither is given. Fixed and per-document CP are both priced with it."""
+    from packloader.balancers.cost.cp_shard import uniform_overhead
+    from packloader.balancers.cost.devices import load_device, register_device
+    from packloader.runtime.calibrate_cp import write_device
+
+    if shard_factor is None and link_scale is None:
+        return base
+    dev = load_device(base)
+    name = f"{base}-shard{shard_factor or 1:g}-link{link_scale or 1:g}".replace(".", "p")
+    link = dev.cp_link if link_scale is None else msgspec.structs.replace(
+        dev.cp_link, intra_node_gbps=dev.cp_link.intra_node_gbps / link_scale,
+        inter_node_gbps=dev.cp_link.inter_node_gbps / link_scale)
+    shard = dev.cp_shard if shard_factor is None else uniform_overhead(shard_factor)
+    path = folder / f"{name}.json"
+    write_device(msgspec.structs.replace(dev, name=name, cp_link=link, cp_shard=shard,
+                                         description=f"{base}, what-if: {shard.source if shard else 'ideal shards'}, "
+                                                     f"CP links / {link_scale or 1:g}"), path)
+    register_device(path)
+    return name
 
 
 class Row(msgspec.Struct):
@@ -273,6 +299,12 @@ def table(results: dict[str, list[Row]]) -> str:
     return "\n".join(lines)
 
 
+def what_if_note(args) -> str:
+    parts = ([f"every CP shard priced {args.cp_shard_factor:g}x 1/s of its document"] if args.cp_shard_factor else []) + \
+        ([f"CP link bandwidths / {args.cp_link_scale:g}"] if args.cp_link_scale else [])
+    return f"; what-if: {', '.join(parts)}" if parts else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=8)
@@ -284,7 +316,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--write", type=Path, default=None, help="write the table into this docs/benchmarks.md")
     p.add_argument("--section", default="dynamic_cp", help="the docs/benchmarks.md section it writes (default dynamic_cp)")
+    p.add_argument("--cp-shard-factor", type=float, default=None, metavar="F", help="price every CP shard (sizes 2-16) "
+                   "F times 1/s of its document's attention, fixed and per-document CP alike (a what-if device file "
+                   "from h100 with cp_shard set; `packloader calibrate --cp-shards` measures it)")
+    p.add_argument("--cp-link-scale", type=float, default=None, metavar="X", help="divide the h100 file's CP link "
+                   "bandwidths by X (`packloader calibrate --cp` measures them)")
     args = p.parse_args(argv)
+    for name in ("cp_shard_factor", "cp_link_scale"):
+        if getattr(args, name) is not None and getattr(args, name) < 1.0:
+            p.error(f"--{name.replace('_', '-')} must be >= 1 (a shard no faster than 1/s, a link no faster), got "
+                    f"{getattr(args, name)}")
+    args.device = what_if_device(args.cp_shard_factor, args.cp_link_scale, Path(tempfile.mkdtemp(prefix="dynamic-cp-")))
     datasets = DATASETS[:1] if args.quick else DATASETS
     if args.quick:
         args.steps, args.docs = 2, 6000
@@ -306,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         body = (f"Command: `{cmd.strip()}` ({_dt.date.today()}, {platform.machine()}, Python "
                 f"{platform.python_version()}; simulated times, so the machine does not change them).\n\n"
                 f"{args.steps} steps of {args.tokens_per_step:,} tokens, context {CONTEXT:,}, {args.model} at TP "
-                f"{args.tp}, {args.cost} H100 profile, 16 GPUs, at most 32K tokens per GPU per micro-batch.\n\n{text}")
+                f"{args.tp}, {args.cost} H100 profile, 16 GPUs, at most 32K tokens per GPU per micro-batch"
+                f"{what_if_note(args)}.\n\n{text}")
         write_section(args.write, args.section, "Per-document context parallelism (issue 26)", body)
     return 0
 

@@ -501,6 +501,18 @@ def device_file_misnamed(tmp):
     spec = json.loads((DEVICES_DIR / "h200.json").read_text())
     (tmp / "b200.json").write_text(json.dumps(dict(spec, name="h200")))
     return lambda: register_device(tmp / "b200.json")
+
+
+def device_cp_shard_size_missing(tmp):
+    from packloader.balancers.cost.devices import DEVICES_DIR, register_device
+    from packloader.balancers.cost.resolve import load_cost_model
+
+    spec = json.loads((DEVICES_DIR / "h200.json").read_text())
+    (tmp / "b200.json").write_text(json.dumps(dict(spec, name="b200", cp_shard={"fwd": {"2": 1.2}, "bwd": {"2": 1.3}})))
+    register_device(tmp / "b200.json")
+    return lambda: load_cost_model("llama3-8b", ParallelConfig(cp=4, tp=8), device="b200")
+
+
 def cli_context_beyond_max_tokens_unsliced(tmp):
     np.save(tmp / "ok.npy", np.array([10, 20, 30]))
     return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--strategy", "fixed", "--max-tokens", "1024",
@@ -1011,6 +1023,8 @@ CASES = [
          ("exit 2", "invalid configuration (--device): PlanConfig.device='b200': unknown device 'b200'; known devices: h100, h200", "PACKLOADER_DEVICE_PATH")),
     Case("device_file_misnamed", device_file_misnamed, ValueError,
          ("b200.json: its name field is 'h200'; expected the file's name 'b200'",)),
+    Case("device_cp_shard_size_missing", device_cp_shard_size_missing, ValueError,
+         ("b200.json: cp_shard.fwd has no factor for CP size 4 (it lists [2])", "packloader calibrate --cp-shards")),
     Case("cli_context_beyond_max_tokens_unsliced", cli_context_beyond_max_tokens_unsliced, CliExit,
          ("exit 2", "(--context, --max-tokens, --no-slicing, --strategy)",
           "PlanConfig.context=2048 exceeds max_tokens=1024 with strategy='fixed', which does not slice")),

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu" / "run_all.py"
-PARTS = ("calibrate", "slices", "accuracy", "balance", "runtime", "loader", "cp_link")
+PARTS = ("calibrate", "slices", "accuracy", "balance", "runtime", "loader", "cp_link", "cp_shards")
 
 
 def _run(*args: str, timeout: float = 480) -> subprocess.CompletedProcess:
@@ -77,6 +77,11 @@ def test_dry_run_runs_every_part(tmp_path):
     # packloader calibrate --cp under torchrun (2 CPU ranks): a device file with the fitted intra-node CP link
     assert p["cp_link"]["exit"] == 0, p["cp_link"]["output"]
     assert p["cp_link"]["cp_link"]["intra_node_gbps"] > 0 and (tmp_path / "out" / "device-cp.json").exists()
+    # one device's CP shards of each document against 1/s of it: a device file with cp_shard at every size timed
+    from packloader.balancers.cost.devices import read_device
+
+    assert {(r["length"], r["size"]) for r in p["cp_shards"]["rows"]} == {(128, 2), (128, 4), (64, 2), (64, 4)}
+    assert set(read_device(tmp_path / "out" / "device-cp-shards.json").cp_shard.fwd) == {2, 4}
     text = docs.read_text()
     assert "kept" in text and "<!-- SECTION:gpu-proof -->" in text and "DRY RUN" in text
     assert (tmp_path / "out" / "gpu-proof.md").read_text().strip() in text
@@ -103,6 +108,14 @@ def test_a_spent_budget_stops_parts_and_keeps_the_run(tmp_path):
     md = render({"command": "x", "dry_run": True, "started": "now", "parts": parts,
                  "environment": {"device": "cpu", "torch": "t", "dtype": "float32", "attention_backend": "reference"}})
     assert "Stopped: time budget" in md and "**slices** (done" in md
+
+
+def test_dynamic_cp_shards_part_with_its_budget_spent_stops(tmp_path):
+    run_all = _run_all()
+    ctx = run_all.make_ctx(run_all.parse(["--dry-run", "--parts", "cp_shards"]))
+    res = run_all.run_part("cp_shards", ctx, 0.0, tmp_path)
+    assert res["status"] == "budget" and "before the first shard" in res["stopped"]
+    assert not (tmp_path / "device-cp-shards.json").exists()
 
 
 def test_parts_and_budgets_are_checked(capsys):

@@ -110,8 +110,20 @@ def _cp_link(r: dict) -> list[str]:
     return [head, "", "```", r["output"].strip(), "```", ""]
 
 
+def _cp_shards(r: dict) -> list[str]:
+    head = (f"CP shards ({r['shape']}, one layer's attention): the slowest rank's zigzag shard over 1/s of the whole "
+            f"document, token-weighted over the lengths (written to {r['device_file']} as cp_shard, each at least 1):")
+    out = [head, "", "| CP size | forward | backward | mean rank forward | mean rank backward |", "| ---: | ---: | ---: | ---: | ---: |"]
+    out += [f"| {s} | {f['fwd']:.3f}x | {f['bwd']:.3f}x | {f['mean_fwd']:.3f}x | {f['mean_bwd']:.3f}x |"
+            for s, f in r["factors"].items()]
+    out += ["", "| length | CP size | whole fwd ms | whole bwd ms | slowest fwd | slowest bwd |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out += [f"| {x['length']:,} | {x['size']} | {x['whole_fwd_ms']:.3f} | {x['whole_bwd_ms']:.3f} | {x['fwd']:.3f}x | "
+            f"{x['bwd']:.3f}x |" for x in r["rows"]]
+    return out + [""]
+
+
 RENDER = {"calibrate": _calibrate, "slices": _slices, "accuracy": _accuracy, "balance": _balance,
-          "runtime": _runtime, "loader": _loader, "cp_link": _cp_link}
+          "runtime": _runtime, "loader": _loader, "cp_link": _cp_link, "cp_shards": _cp_shards}
 
 
 def render(report: dict) -> str:

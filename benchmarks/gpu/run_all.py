@@ -9,7 +9,8 @@
 Parts (each a module beside this one, each with its share of the time budget; a part past its share stops and
 reports what it measured): calibrate (part_calibrate), slices (part_slices), accuracy (part_accuracy), balance
 (part_balance), runtime (part_runtime), loader (part_loader), cp_link (part_cp_link: `packloader calibrate --cp`
-over the node's GPUs, a device file with the measured CP link). The environment (torch, CUDA, driver, GPU) is
+over the node's GPUs, a device file with the measured CP link), cp_shards (part_cp_shards: one GPU's CP shards of
+16K-128K documents against 1/s of the whole, a device file with the measured cp_shard). The environment (torch, CUDA, driver, GPU) is
 always recorded. Writes OUT/gpu-proof.json after every part (a run cut short keeps what it finished), the
 measured tables (calibrated profiles, slices.csv) and OUT/gpu-proof.md, the docs/benchmarks.md section;
 `--write-docs docs/benchmarks.md` also puts it between the `gpu-proof` markers there.
@@ -39,7 +40,7 @@ from gpu_env import environment  # noqa: E402
 # part -> (module, minutes of a 25-minute run)
 PARTS = {"calibrate": ("part_calibrate", 4.0), "slices": ("part_slices", 4.0), "accuracy": ("part_accuracy", 3.0),
          "balance": ("part_balance", 7.0), "runtime": ("part_runtime", 3.0), "loader": ("part_loader", 2.5),
-         "cp_link": ("part_cp_link", 1.0)}
+         "cp_link": ("part_cp_link", 1.0), "cp_shards": ("part_cp_shards", 1.5)}
 FULL_MINUTES = 25.0
 
 

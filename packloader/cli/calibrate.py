@@ -6,6 +6,8 @@
 
     torchrun --nproc-per-node 8 -m packloader.cli.main calibrate --cp intra --out h100-ours.json
                                                         # a device file with this node's measured CP link
+    packloader calibrate --cp-shards --model llama2-7b --out h100-shards.json
+                                                        # one GPU: a device file with the measured CP-shard overhead
 
 The profile is per pipeline stage (`--layers` layers, default the preset's layers / `--pp`, or 1 for an explicit
 shape); the balancers load it with `--model profile.json` / `load_cost_model(path)`.
@@ -63,7 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "all-gather over groups of 2, 4, ... of the torchrun processes (one per GPU, inside one node: intra; "
                    "one per node: inter), fit bandwidth and latency and write --out as a device file with that half "
                    "of --base-device's cp_link replaced")
-    p.add_argument("--base-device", default="h100", help="with --cp: the device (name or file) the new file copies")
+    p.add_argument("--cp-shards", action="store_true", help="instead of the kernels: time one layer's attention on "
+                   "whole documents of --max-len / 8, / 4, / 2 and --max-len tokens (default max-len 131072 on cuda, "
+                   "256 on cpu) and on every rank's zigzag CP shard of them at --cp-sizes, fit the slowest shard's "
+                   "overhead over 1/s per size and write --out as a device file with --base-device's fields and "
+                   "cp_shard set (one GPU)")
+    p.add_argument("--cp-sizes", default=None, help="with --cp-shards: CP sizes (default 2,4,8,16 on cuda, 2,4,8 on cpu)")
+    p.add_argument("--base-device", default="h100", help="with --cp or --cp-shards: the device (name or file) the new "
+                   "file copies")
     p.add_argument("--gpus-per-node", type=int, default=None, help="with --cp: also set cp_link.gpus_per_node")
 
 
@@ -71,27 +80,18 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from packloader.balancers.cost.profile_io import save_profile
-    from packloader.runtime.calibrate import LayerShape, calibrate, fit_warnings, format_fit, shape_from_preset
+    from packloader.runtime.calibrate import calibrate, fit_warnings, format_fit
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.cp:
         return _cp_link(args, device)
     dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if device == "cuda" else "fp32")])
+    if args.cp_shards:
+        return _cp_shards(args, device, dtype)
     if device == "cpu":
         found = "" if args.device else "no GPU found (torch.cuda.is_available() is False): calibrating on the CPU; "
         log.warning("%s%s", found, CPU_NOTE.format(dtype=str(dtype).removeprefix("torch.")))
-    if args.model:
-        shape = shape_from_preset(args.model)
-        if args.vocab:
-            shape = msgspec.structs.replace(shape, vocab=args.vocab)
-    else:
-        missing = [f"--{n}" for n in ("hidden", "heads", "ffn") if getattr(args, n) is None]
-        if missing:
-            raise SystemExit(f"packloader calibrate: give --model PRESET or the shape ({', '.join(missing)} missing)")
-        head_dim = args.head_dim or args.hidden // args.heads
-        shape = LayerShape(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads or args.heads,
-                           head_dim=head_dim, ffn=args.ffn, vocab=args.vocab)
-    shape = shape.sharded(args.tp)
+    shape = _shape(args)
     layers = args.layers if args.layers is not None else (shape.layers / args.pp if shape.layers else 1.0)
     max_len = args.max_len or (8192 if device == "cuda" else 1024)
     say = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
@@ -112,6 +112,68 @@ def run(args: argparse.Namespace) -> int:
         log.warning("the fit is far from the measurements on lengths it did not see (%s): plans priced with %s are "
                     "balanced against times that far off. More --repeats and --warmup on an otherwise idle device "
                     "usually help%s", "; ".join(bad), args.out, "; on a CPU they often do not" if device == "cpu" else "")
+    return 0
+
+
+def _shape(args: argparse.Namespace):
+    """The layer shape from --model or --hidden/--heads/..., divided by --tp."""
+    from packloader.runtime.calibrate import LayerShape, shape_from_preset
+
+    if args.model:
+        shape = shape_from_preset(args.model)
+        if args.vocab:
+            shape = msgspec.structs.replace(shape, vocab=args.vocab)
+    else:
+        missing = [f"--{n}" for n in ("hidden", "heads", "ffn") if getattr(args, n) is None]
+        if missing:
+            raise SystemExit(f"packloader calibrate: give --model PRESET or the shape ({', '.join(missing)} missing)")
+        head_dim = args.head_dim or args.hidden // args.heads
+        shape = LayerShape(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads or args.heads,
+                           head_dim=head_dim, ffn=args.ffn, vocab=args.vocab)
+    return shape.sharded(args.tp)
+
+
+def _cp_shards(args: argparse.Namespace, device: str, dtype) -> int:
+    """Time whole documents and their CP shards on this device and write a device file with the fitted cp_shard."""
+    from pathlib import Path
+
+    import torch
+
+    from packloader.balancers.cost.devices import load_device, read_device
+    from packloader.runtime.calibrate_cp import write_device
+    from packloader.runtime.calibrate_cp_shards import (
+        CPU_SIZES,
+        GPU_SIZES,
+        device_with_cp_shard,
+        fit_overhead,
+        time_cp_shards,
+    )
+
+    base = read_device(args.base_device) if Path(args.base_device).suffix == ".json" else load_device(args.base_device)
+    shape = _shape(args)
+    max_len = args.max_len or (131072 if device == "cuda" else 256)
+    lengths = sorted({max(2, max_len // d) for d in (8, 4, 2, 1)})
+    try:
+        sizes = [int(s) for s in args.cp_sizes.split(",")] if args.cp_sizes else list(GPU_SIZES if device == "cuda" else CPU_SIZES)
+    except ValueError:
+        raise SystemExit(f"packloader calibrate: --cp-sizes expects CP sizes separated by commas, got {args.cp_sizes!r}") from None
+    bad = [s for s in sizes if s < 2 or s & (s - 1)]
+    if bad:
+        raise SystemExit(f"packloader calibrate: --cp-sizes must be powers of two >= 2, got {bad}")
+    say = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
+    rows = time_cp_shards(shape, lengths, sizes, device=torch.device(device), dtype=dtype, backend=args.backend,
+                          repeats=args.repeats, warmup=args.warmup, progress=say)
+    where = torch.cuda.get_device_name() if device == "cuda" else "cpu (a dry run, not a GPU's kernels)"
+    source = (f"packloader calibrate --cp-shards on {where}, {str(dtype).removeprefix('torch.')}, {shape.heads} heads "
+              f"({shape.kv_heads} kv) x {shape.head_dim}, documents of {', '.join(map(str, lengths))} tokens")
+    overhead, raw = fit_overhead(rows, source)
+    out = Path(args.out)
+    write_device(device_with_cp_shard(base, overhead, name=out.stem), out)
+    for size, f in raw.items():
+        print(f"CP {size:>2d}: slowest shard x{f['fwd']:.3f} fwd, x{f['bwd']:.3f} bwd of 1/{size} of the document "
+              f"(mean rank x{f['mean_fwd']:.3f}, x{f['mean_bwd']:.3f}; token-weighted over the lengths)")
+    print(f"wrote {out} (cp_shard; factors below 1 recorded as 1). Load it with register_device or "
+          f"PACKLOADER_DEVICE_PATH, then PlanConfig.device={out.stem!r}")
     return 0
 
 

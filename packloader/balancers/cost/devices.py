@@ -63,6 +63,29 @@ class CPLink(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     gpus_per_node: Annotated[int, msgspec.Meta(ge=1)] = 8
 
 
+Factor = Annotated[float, msgspec.Meta(ge=1.0)]
+
+
+class CPShardOverhead(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How much slower one GPU's CP shard of a document runs than 1/s of the whole document's attention, per CP
+    size s (2, 4, 8, 16: JSON keys "2", ...), forward and backward: the slowest rank's zigzag shard (two chunks of
+    L/(2s) queries against their prefix keys) times s over the whole document's time, as `packloader calibrate
+    --cp-shards` measures it on one GPU. Fixed and per-document CP both price a shard by it
+    (`cost.cp_shard.shard_attention`); no `cp_shard` in a device file prices a shard at exactly 1/s."""
+
+    fwd: dict[int, Factor]
+    bwd: dict[int, Factor]
+    mean_fwd: dict[int, Factor] = {}  # the mean rank's factor (information: CP ranks wait for the slowest)
+    mean_bwd: dict[int, Factor] = {}
+    source: str = ""  # where and how it was measured
+
+    def __post_init__(self) -> None:
+        for name in ("fwd", "bwd", "mean_fwd", "mean_bwd"):
+            bad = [s for s in getattr(self, name) if s < 2 or s & (s - 1)]
+            if bad:
+                raise ValueError(f"cp_shard.{name}: CP sizes must be powers of two >= 2, got {sorted(bad)}")
+
+
 class Device(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """One GPU as its profile file describes it."""
 
@@ -74,6 +97,7 @@ class Device(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     rates: DeviceSpec
     measured: MeasuredKernels | None = None
     cp_link: CPLink = CPLink()  # context-parallel links (per-document CP prices its K/V exchange with them)
+    cp_shard: CPShardOverhead | None = None  # measured CP-shard attention overhead (None: a shard costs 1/s)
     file: str = ""  # where it was read from (set on loading, not in the file)
 
     def measured_profile_path(self) -> Path | None:

@@ -16,7 +16,8 @@ A device profile file names its measured one-layer profile and the preset whose 
 (`devices.MeasuredKernels`; h100.json names this one). `measured_profile` scales a device's to a preset's
 pipeline stage: attention by heads x head_dim over 32 x 128 and the
 layers per stage, the (query, key) and per-token terms by TP x CP (each CP rank holds 1/cp of every document),
-the per-document term by TP only (every CP rank still runs every document); the linear table's times by the
+the per-document term by TP only (every CP rank still runs every document), the first two times the device's
+measured CP-shard factor where its file has one (`cp_shard.shard_attention`); the linear table's times by the
 layer's GEMM weights over Llama-7B's (FLOPs per token, and the weight reads the small-batch floor is made of)
 divided by TP, its token counts by CP; plus, per token, what the measurement left out: the norms, rotary and
 residual adds at HBM bandwidth (as `presets.analytic_profile` prices them) and the LM head's GEMM spread over
@@ -34,6 +35,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost import presets
+from packloader.balancers.cost.cp_shard import cp_shard_factors, factor_note, scaled_slice_term, shard_attention
 from packloader.balancers.cost.devices import DEFAULT_DEVICE, Device, load_device
 from packloader.balancers.cost.fit import Timings, choose_tile, profile_from_table
 from packloader.balancers.cost.model import CostModel
@@ -139,8 +141,10 @@ def measured_profile(
     tp, cp = parallel.tp, parallel.cp
     fa = shape.heads * shape.head_dim / (ref.heads * ref.head_dim) * L / tp
 
-    def attn(p: Poly) -> Poly:
-        return Poly(p.a * fa / cp, p.b * fa / cp, p.c * fa)
+    ff, fb = cp_shard_factors(device, cp)  # 1, 1 without the device's measured CP-shard overhead
+
+    def attn(p: Poly, f: float) -> Poly:  # (query, key) and per-token terms shared by the CP ranks, c on each
+        return Poly(shard_attention(p.a * fa, 0.0, cp, f), shard_attention(p.b * fa, 0.0, cp, f), p.c * fa)
 
     fl = shape.linear_params_per_layer() / ref.linear_params_per_layer() * L / tp
     # per token of this rank (n / cp of a micro-batch of n): element-wise kernels the GEMM timing left out, and
@@ -164,11 +168,12 @@ def measured_profile(
                          bwd=[fl * x + extra_b * n for n, x in zip(t.tokens, t.bwd)])
     par = f"tp{tp}-cp{cp}-pp{parallel.pp}"
     return CostProfile(
-        name=f"{shape.name}@{device.name}-measured/{par}", tile=base.tile, attn_fwd=attn(base.attn_fwd), attn_bwd=attn(base.attn_bwd),
+        name=f"{shape.name}@{device.name}-measured/{par}", tile=base.tile, attn_fwd=attn(base.attn_fwd, ff), attn_bwd=attn(base.attn_bwd, fb),
         lin_fwd=lin(base.lin_fwd, extra_f), lin_bwd=lin(base.lin_bwd, extra_b), device=base.device, memory_cap=memory_cap,
         fit_error=dict(base.fit_error), lin_table=table,
-        slice_term=None if base.slice_term is None else base.slice_term.scaled(fa / cp),
-        source=f"measured ({base.source}); scaled to {shape.name} {par}: attention x{fa:.4g}, linear x{fl:.4g}",
+        slice_term=None if base.slice_term is None else scaled_slice_term(base.slice_term.scaled(fa / cp), ff, fb),
+        source=f"measured ({base.source}); scaled to {shape.name} {par}: attention x{fa:.4g}, linear x{fl:.4g}"
+               + (f"; {factor_note(cp, ff, fb)}" if factor_note(cp, ff, fb) else ""),
     )
 
 

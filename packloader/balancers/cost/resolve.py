@@ -11,6 +11,7 @@ from typing import Literal, Sequence
 import msgspec
 
 from packloader.balancers.cost import presets
+from packloader.balancers.cost.cp_shard import with_cp_shard
 from packloader.balancers.cost.devices import DEFAULT_DEVICE, load_device
 from packloader.balancers.cost.measured import measured_profile
 from packloader.balancers.cost.memory import max_tokens_for_memory
@@ -71,7 +72,8 @@ def load_cost_model(
             )
     if cost == "measured" and dev.measured is not None:
         return CostModel(measured_profile(shape, parallel, memory_cap=cap, device=dev))
-    prof = presets.analytic_profile(shape, parallel, dev.rates, memory_cap=cap)
+    prof = with_cp_shard(presets.analytic_profile(shape, parallel, dev.rates, memory_cap=cap), dev,
+                         (parallel or ParallelConfig()).cp)
     if cost == "measured":
         prof = msgspec.structs.replace(
             prof, source=f"analytic: no measured {dev.name.upper()} profile ships; calibrate one with `packloader calibrate` "

@@ -1,8 +1,9 @@
 """Prices of a per-document CP plan: what each GPU of the DP x CP pool spends on each micro-batch slot.
 
 A segment of q query tokens (p earlier keys) on a subgroup of s GPUs costs each of them its share of the attention,
-(attn(q, p) - c) / s + c (the per-document term c is paid by every GPU that runs the document, as the measured
-profile's CP scaling has it), and q / s tokens of the linear part; a GPU's micro-batch costs lin(its tokens) once
+(attn(q, p) - c) / s x factor + c (the per-document term c is paid by every GPU that runs the document, as the
+measured profile's CP scaling has it; factor: the device file's measured CP-shard overhead at size s, 1 without
+one, `cost.cp_shard`), and q / s tokens of the linear part; a GPU's micro-batch costs lin(its tokens) once
 (the floor with it), plus, per subgroup it is part of in that slot, the subgroup's K/V exchange (`cost.cp_comm`,
 one collective per layer for all that subgroup's documents). GPUs that share a document wait for each other at
 every layer, so a micro-batch ends when the slowest GPU of its connected subgroups ends (`synced`): the pool's
@@ -18,6 +19,8 @@ import numpy as np
 
 from packloader.balancers.cost.coeffs import LIN_BWD, LIN_FWD, lin_times
 from packloader.balancers.cost.cp_comm import CPComm, cp_comm_for
+from packloader.balancers.cost.cp_shard import shard_attention, size_factors
+from packloader.balancers.cost.devices import Device, load_device
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.registry import cost_model_for
 from packloader.contracts import PlanConfig
@@ -56,19 +59,24 @@ class DynamicCPCost:
     comm: CPComm
     cap: int
     pool: int
+    device: Device | None = None  # its cp_shard prices shards (None, or none in the file: exactly 1/s)
 
     @classmethod
     def for_config(cls, config: PlanConfig, exchange: str = "allgather") -> "DynamicCPCost":
         par = config.parallel
         one = msgspec.structs.replace(config, parallel=msgspec.structs.replace(par, cp=1))
         comm = cp_comm_for(config.model, par, device=config.device, exchange=exchange)  # type: ignore[arg-type]
-        return cls(cost_model_for(one), comm, -(-config.max_tokens // par.cp), par.dp * par.cp)
+        device = load_device(config.device)
+        pool = par.dp * par.cp
+        size_factors(device, 1 << np.arange(1, pool.bit_length()))  # a size its cp_shard lacks fails here, not mid-plan
+        return cls(cost_model_for(one), comm, -(-config.max_tokens // par.cp), pool, device)
 
     def attention_share(self, q: np.ndarray, p: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Forward and backward attention of each segment on one GPU of its subgroup."""
         fa, ba = self.model.segment_times(q, p)
         cf, cb = float(self.model.profile.attn_fwd.c), float(self.model.profile.attn_bwd.c)
-        return (fa - cf) / s + cf, (ba - cb) / s + cb
+        ff, fb = size_factors(self.device, s)
+        return shard_attention(fa, cf, s, ff), shard_attention(ba, cb, s, fb)
 
     def estimate(self, q: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
         """Forward + backward seconds a segment adds to each GPU of its subgroup (the planner's balancing weight:

@@ -18,7 +18,8 @@ from packloader.contracts import PlanConfig
 DEMO = dict(dp=4, pp=2, cp=1, tp=2, max_tokens=32768, context=32768, tokens_per_step=4 * 4 * 32768, model="llama3-8b")
 DEMO_STEPS = 8
 # The report's own derived default when --tokens-per-step is not given: dp x max-tokens x max(4, 2 pp), enough
-# micro-batches per rank for a pipeline's fill and drain to show.
+# micro-batches per rank for a pipeline's fill and drain to show (`_config`; the help says so, not PlanConfig's).
+DERIVED_TOKENS_PER_STEP = "dp x max-tokens x max(4, 2 pp)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-shuffle", action="store_true", help="read the source in file order instead of the loader's shuffled epoch order")
     g = p.add_argument_group("layout and model (the same flags and defaults as `packloader plan`; demo: " +
                              ", ".join(f"{k} {v}" for k, v in DEMO.items()) + ")")
-    add_layout_arguments(g, defaults=DEMO, mode="demo")
+    add_layout_arguments(g, defaults=DEMO, mode="demo", default_texts={"tokens_per_step": DERIVED_TOKENS_PER_STEP})
     g.add_argument("--global-batch", type=numbers.tokens, default=None,
                    help="instead of --tokens-per-step: sequences of --max-tokens tokens per step (Megatron's global batch size)")
     g.add_argument("--steps", type=numbers.steps, default=None, help=f"optimizer steps to draw and plan (default {DEMO_STEPS})")

@@ -34,7 +34,8 @@ output: one JSON line per step (the whole file by default; --steps N for the fir
             model chunk in model order, 0..pp*vpp-1: pipeline rank s holds s, s + pp, ..., or s and 2*pp-1-s
             under zb-v; packloader.balancers.sim.actions),
    and, when present: "dp_groups" [[rank, position, [ranks]]] (micro-batches run by several DP ranks
-   together), "backward_order" (per rank), "delayed" (documents held back for a later step);
+   together), "backward_order" (per rank), "delayed" (documents held back for a later step), "schedule" (the
+   one --schedule auto chose for the step: "1f1b", "zb-h1", "interleaved", ...);
    with --cp-mode dynamic (or auto, on the steps it plans so): "cp_mode": "dynamic", "ranks" and "costs" per GPU
    of the DP x CP pool (index dp_rank x cp + cp_rank), and "cp": [[[size, first] per segment] per micro-batch]
    per GPU, each segment run by GPUs first .. first + size - 1 (size a power of two, first a multiple of it),

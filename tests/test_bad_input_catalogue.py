@@ -372,6 +372,19 @@ def config_file_misspelt_key_no_layout(tmp):
     return lambda: cli("tokenize", str(tmp / "in.jsonl"), "--out", str(tmp / "out"), "--config", str(tmp / "tok.toml"))
 
 
+def report_out_not_creatable(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    (tmp / "f.txt").write_text("")
+    return lambda: cli("report", "--lengths", str(tmp / "ok.npy"), "--out", str(tmp / "f.txt" / "r"), "--no-progress")
+
+
+def tokenize_out_already_holds_shards(tmp):
+    jsonl(tmp / "in.jsonl", ['{"text": "a b"}'])
+    argv = ("tokenize", str(tmp / "in.jsonl"), "--tokenizer", "bytes", "--out", str(tmp / "out"), "--no-progress")
+    cli(*argv)
+    return lambda: cli(*argv)
+
+
 def model_shape_incomplete(tmp):
     from packloader.balancers.cost.resolve import load_cost_model
 
@@ -983,6 +996,10 @@ CASES = [
           "did you mean 'max_tokens'?")),
     Case("config_file_misspelt_key_no_layout", config_file_misspelt_key_no_layout, CliExit,
          ("exit 2", "tok.toml: unknown key 'tokenizr' for this command; expected one of:", "did you mean 'tokenizer'?")),
+    Case("report_out_not_creatable", report_out_not_creatable, CliExit,
+         ("exit 1", "--out ", "f.txt/r: cannot create the directory")),
+    Case("tokenize_out_already_holds_shards", tokenize_out_already_holds_shards, CliExit,
+         ("exit 1", "out already holds token shards (part-00000.parquet, ...)", "(--overwrite on the command line)")),
     Case("model_shape_incomplete", model_shape_incomplete, KeyError,
          ("shape:mine:hidden=4096,layers=32", "missing: heads, kv_heads, head_dim, ffn, vocab, gated_mlp")),
     Case("worker_state_at_another_worker_count", worker_state_at_another_worker_count, ValueError,

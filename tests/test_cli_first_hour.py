@@ -84,3 +84,40 @@ def test_a_missing_text_column_names_the_flag(tmp_path, capsys):
     code, _, err = run(["tokenize", str(tmp_path / "b.parquet"), "--column", "body", "--tokenizer", "bytes",
                         "--out", str(tmp_path / "o"), "--no-progress"], capsys)
     assert code == 0, err
+
+
+def test_report_out_that_cannot_be_made_is_named_before_reading(tmp_path, capsys):
+    """--out under a regular file: refused naming --out before the data are read (the lengths file named here
+    does not exist, so an error about it would mean the data came first)."""
+    (tmp_path / "f.txt").write_text("")
+    code, _, err = run(["report", "--lengths", str(tmp_path / "absent.npy"), "--out", str(tmp_path / "f.txt" / "r"),
+                        "--no-progress"], capsys)
+    assert code == 1
+    assert f"--out {tmp_path / 'f.txt' / 'r'}: cannot create the directory" in err, err
+
+
+def test_report_reads_one_kind_of_a_mixed_directory_with_pattern(tmp_path, capsys):
+    """The mixed-directory error offers --pattern; the report takes it. Parquet documents of 99 bytes (100 bytes
+    tokens with EOS) beside JSONL ones of 49: a step of 256 tokens draws three 100-token documents, 300 tokens."""
+    d = tmp_path / "mix"
+    d.mkdir()
+    pq.write_table(pa.table({"text": ["p" * 99] * 20}), d / "a.parquet")
+    (d / "b.jsonl").write_text('{"text": "%s"}\n' % ("j" * 49) * 20)
+    base = ["report", str(d), "--tokenizer", "bytes", "--max-tokens", "256", "--tokens-per-step", "256", "--steps",
+            "1", "--strategies", "fixed", "--model", "tiny", "--no-shuffle", "--no-advice", "--no-plots",
+            "--no-progress", "--out", str(tmp_path / "o")]
+    code, _, err = run(base, capsys)
+    assert code == 1 and "mixes file formats" in err and "--pattern" in err, err
+    code, out, err = run([*base, "--pattern", "*.parquet"], capsys)
+    assert code == 0, err
+    assert "documents: 3 drawn (300 tokens), median 100," in out, out
+
+
+def test_tokenize_into_shards_names_overwrite(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text('{"text": "one two"}\n')
+    argv = ["tokenize", str(tmp_path / "in.jsonl"), "--tokenizer", "bytes", "--out", str(tmp_path / "o"),
+            "--no-progress"]
+    assert run(argv, capsys)[0] == 0
+    code, _, err = run(argv, capsys)
+    assert code == 1 and "already holds token shards" in err and "--overwrite" in err, err
+    assert run([*argv, "--overwrite"], capsys)[0] == 0

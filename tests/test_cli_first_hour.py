@@ -31,6 +31,7 @@ def test_report_help_states_the_tokens_per_step_it_derives(tmp_path, capsys):
     entry = text[text.index("--tokens-per-step N global"):][:200]
     assert "default dp x max-tokens x max(4, 2 pp); demo 524288" in entry, entry
     assert "65536" not in entry, entry
+    assert "the same flags and defaults as `packloader plan` but --tokens-per-step's" in text
     np.save(tmp_path / "l.npy", np.full(200, 500, np.int64))
     code, out, err = run(["report", "--lengths", str(tmp_path / "l.npy"), "--dp", "2", "--pp", "3", "--max-tokens",
                           "1024", "--model", "tiny", "--steps", "1", "--strategies", "fixed", "--no-advice",

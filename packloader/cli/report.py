@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pattern", default="**/*", help="glob of the files to read in a directory; it also decides the format (default **/*)")
     p.add_argument("--tokenizer", default="tekken", help="tekken (default), cl100k, bytes or hf:PATH/tokenizer.json")
     p.add_argument("--no-shuffle", action="store_true", help="read the source in file order instead of the loader's shuffled epoch order")
-    g = p.add_argument_group("layout and model (the same flags and defaults as `packloader plan`; demo: " +
+    g = p.add_argument_group("layout and model (the same flags and defaults as `packloader plan` but "
+                             "--tokens-per-step's; demo: " +
                              ", ".join(f"{k} {v}" for k, v in DEMO.items()) + ")")
     add_layout_arguments(g, defaults=DEMO, mode="demo", default_texts={"tokens_per_step": DERIVED_TOKENS_PER_STEP})
     g.add_argument("--global-batch", type=numbers.tokens, default=None,

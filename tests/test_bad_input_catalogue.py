@@ -366,6 +366,25 @@ def config_file_unknown_key(tmp):
     return lambda: cli("plan", "--config", str(tmp / "run.json"))
 
 
+def config_file_misspelt_key_no_layout(tmp):
+    jsonl(tmp / "in.jsonl", ['{"text": "a b"}'])
+    (tmp / "tok.toml").write_text('tokenizr = "bytes"\n')
+    return lambda: cli("tokenize", str(tmp / "in.jsonl"), "--out", str(tmp / "out"), "--config", str(tmp / "tok.toml"))
+
+
+def report_out_not_creatable(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    (tmp / "f.txt").write_text("")
+    return lambda: cli("report", "--lengths", str(tmp / "ok.npy"), "--out", str(tmp / "f.txt" / "r"), "--no-progress")
+
+
+def tokenize_out_already_holds_shards(tmp):
+    jsonl(tmp / "in.jsonl", ['{"text": "a b"}'])
+    argv = ("tokenize", str(tmp / "in.jsonl"), "--tokenizer", "bytes", "--out", str(tmp / "out"), "--no-progress")
+    cli(*argv)
+    return lambda: cli(*argv)
+
+
 def model_shape_incomplete(tmp):
     from packloader.balancers.cost.resolve import load_cost_model
 
@@ -931,7 +950,7 @@ CASES = [
            ("corrupt.parquet", "row group 0 (rows 0..", "column 'tokens'", "CRC checksum")) for s in (1, 2, 3, 4)),
     Case("truncated_parquet", truncated_parquet, SourceError, ("cut.parquet", "not a readable Parquet file")),
     Case("parquet_wrong_column", parquet_wrong_column, SourceError,
-         ("cols.parquet", "no text or token column found among ['body']")),
+         ("cols.parquet", "no text or token column found among ['body']", "(--column on the command line)")),
     Case("parquet_wrong_type", parquet_wrong_type, SourceError, ("floats.parquet", "column 'text'", "type double")),
     Case("parquet_negative_token", parquet_negative_token, SourceError,
          ("neg.parquet", "row 1", "column 'tokens'", "token id -7 at position 1", "expected an id >= 0")),
@@ -959,7 +978,8 @@ CASES = [
     Case("truncated_jsonl_zst", truncated_jsonl_zst, SourceError,
          ("cut.jsonl.zst", "cannot be read as zstd JSONL (truncated: the file ends inside a zstd frame)")),
     Case("jsonl_bad_line", jsonl_bad_line, SourceError, ("mid.jsonl", "line 3", "not valid JSON")),
-    Case("jsonl_wrong_field", jsonl_wrong_field, SourceError, ("field.jsonl", "line 1", "no text or token field")),
+    Case("jsonl_wrong_field", jsonl_wrong_field, SourceError,
+         ("field.jsonl", "line 1", "no text or token field", "--column on the command line")),
     Case("jsonl_wrong_type", jsonl_wrong_type, SourceError, ("type.jsonl", "line 2", "field 'text'", "Expected `str`")),
     Case("jsonl_negative_token", jsonl_negative_token, SourceError,
          ("ids.jsonl", "line 2", "field 'tokens'", "Expected `int` >= 0")),
@@ -984,7 +1004,14 @@ CASES = [
     Case("state_from_another_config_not_strict", state_from_another_config_not_strict, ValueError,
          ("differently configured loader", "so it is refused")),
     Case("config_file_unknown_key", config_file_unknown_key, CliExit,
-         ("exit 2", "run.json: unknown key 'max_tokenz' for this command; expected one of:", "max_tokens")),
+         ("exit 2", "run.json: unknown key 'max_tokenz' for this command; expected one of:", "max_tokens",
+          "did you mean 'max_tokens'?")),
+    Case("config_file_misspelt_key_no_layout", config_file_misspelt_key_no_layout, CliExit,
+         ("exit 2", "tok.toml: unknown key 'tokenizr' for this command; expected one of:", "did you mean 'tokenizer'?")),
+    Case("report_out_not_creatable", report_out_not_creatable, CliExit,
+         ("exit 1", "--out ", "f.txt/r: cannot create the directory")),
+    Case("tokenize_out_already_holds_shards", tokenize_out_already_holds_shards, CliExit,
+         ("exit 1", "out already holds token shards (part-00000.parquet, ...)", "(--overwrite on the command line)")),
     Case("model_shape_incomplete", model_shape_incomplete, KeyError,
          ("shape:mine:hidden=4096,layers=32", "missing: heads, kv_heads, head_dim, ffn, vocab, gated_mlp")),
     Case("worker_state_at_another_worker_count", worker_state_at_another_worker_count, ValueError,

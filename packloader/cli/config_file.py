@@ -9,6 +9,7 @@ tomllib (tomli on Python 3.10)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,17 @@ def _one(action: argparse.Action, where: str, value: Any) -> Any:
     return value
 
 
+def _unknown_key(key: str, path: str, by_dest: dict[str, argparse.Action]) -> str:
+    """The message for a key the command has no option for: the keys it has (the `parallel` table only where
+    the command takes the layout flags) and the closest one, since the usual cause is a misspelling."""
+    known = sorted(d.removeprefix("layout_") for d in by_dest if d != "layout_given")
+    close = difflib.get_close_matches(key.replace("-", "_"), known, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    layout = any(d.startswith("layout_") and d != "layout_given" for d in by_dest)
+    table = f" (or 'parallel': a table of {_names(ParallelConfig)})" if layout else ""
+    return f"--config {path}: unknown key '{key}' for this command; expected one of: {', '.join(known)}{table}{hint}"
+
+
 def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
     """Make the file's values the parser's defaults (so flags given on the command line win), and required
     options it gives optional. Layout keys count as given (a command's mode defaults do not replace them)."""
@@ -123,9 +135,7 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
         dest = key.replace("-", "_")
         action = by_dest.get("layout_" + dest) or by_dest.get(dest)
         if action is None or dest == "layout_given":
-            known = sorted(d.removeprefix("layout_") for d in by_dest if d != "layout_given")
-            raise ConfigFileError(f"--config {path}: unknown key '{key}' for this command; expected one of: "
-                                  + ", ".join(known) + " (or 'parallel': a table of " + _names(ParallelConfig) + ")")
+            raise ConfigFileError(_unknown_key(key, path, by_dest))
         defaults[action.dest] = _value(action, key, value, path)
         action.required = False
         if action.dest.startswith("layout_"):

@@ -142,10 +142,14 @@ class _Given(argparse.Action):
 
 
 def add_layout_arguments(p: argparse.ArgumentParser | Any, *, skip: tuple[str, ...] = (),
-                         defaults: dict[str, Any] | None = None, mode: str = "") -> None:
+                         defaults: dict[str, Any] | None = None, mode: str = "",
+                         default_texts: dict[str, str] | None = None) -> None:
     """Add one flag per PlanConfig/ParallelConfig field (except `skip`). `defaults` are a command mode's own
-    defaults (named `mode` in the help); the argparse default stays the Struct's."""
+    defaults (named `mode` in the help); the argparse default stays the Struct's. `default_texts`: what the help
+    says is the default of a field the command derives itself (the report's tokens per step), instead of the
+    Struct's value, which that command never uses."""
     defaults = defaults or {}
+    default_texts = default_texts or {}
     p.set_defaults(layout_given=set())
     for f in _fields():
         if f.name in skip:
@@ -158,6 +162,7 @@ def add_layout_arguments(p: argparse.ArgumentParser | Any, *, skip: tuple[str, .
         default_text = NONE_MEANS.get(f.name, "none") if f.default is None else f.default
         if f.name in DERIVED:
             default_text = "--" + DERIVED[f.name].replace("_", "-")
+        default_text = default_texts.get(f.name, default_text)
         extra = f"; {mode} {defaults[f.name]}" if f.name in defaults else ""
         kw: dict[str, Any] = dict(dest=f.dest, default=f.default, action=_Given)
         if isinstance(t, mi.BoolType):

@@ -17,7 +17,7 @@ EXIT_BAD_INPUT = 2
 EXIT_MEMORY = 3  # --require-fit and a step that does not fit in memory
 
 FORMAT = """example:
-  packloader plan --lengths LENGTHS.npy --dp 8 --pp 4 --max-tokens 65536 --context 65536 \\
+  packloader plan --lengths LENGTHS.npy --dp 8 --pp 4 --tp 4 --max-tokens 65536 --context 65536 \\
       --tokens-per-step 4194304 --strategy auto --out plan.jsonl
 
 output: one JSON line per step (the whole file by default; --steps N for the first N):
@@ -25,7 +25,8 @@ output: one JSON line per step (the whole file by default; --steps N for the fir
    "ranks": [[micro-batch, ...] per DP rank], a micro-batch being a list of [doc, start, end, attend_from]
             (doc = the document's index in the lengths file; start, end: token offsets within it; attend_from <
             start marks a slice that attends to its document's earlier tokens),
-   "costs": [[[fwd, bwd] seconds per micro-batch] per DP rank], predicted by the cost model (--model),
+   "costs": [[[fwd, bwd] seconds per micro-batch] per DP rank], predicted by the cost model (--model; 0 under
+            --strategy fixed, which packs by token counts alone: the summary prices its plans all the same),
    "memory_over": the simulated peak memory of one GPU over the device's usable memory (> 1) when no
             candidate plan fits, else 0 (auto checks memory; the other strategies write 0),
    "actions": [per DP rank: [per pipeline rank: [[op, micro_batch, stage], ...]]] in the order the simulator
@@ -33,7 +34,8 @@ output: one JSON line per step (the whole file by default; --steps N for the fir
             model chunk in model order, 0..pp*vpp-1: pipeline rank s holds s, s + pp, ..., or s and 2*pp-1-s
             under zb-v; packloader.balancers.sim.actions),
    and, when present: "dp_groups" [[rank, position, [ranks]]] (micro-batches run by several DP ranks
-   together), "backward_order" (per rank), "delayed" (documents held back for a later step);
+   together), "backward_order" (per rank), "delayed" (documents held back for a later step), "schedule" (the
+   one --schedule auto chose for the step: "1f1b", "zb-h1", "interleaved", ...);
    with --cp-mode dynamic (or auto, on the steps it plans so): "cp_mode": "dynamic", "ranks" and "costs" per GPU
    of the DP x CP pool (index dp_rank x cp + cp_rank), and "cp": [[[size, first] per segment] per micro-batch]
    per GPU, each segment run by GPUs first .. first + size - 1 (size a power of two, first a multiple of it),
@@ -132,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
             drawn=drawn_steps(result.windows), pieces=result.windows, final_state=result.final_state,
         )
         s = run_scores
-        docs = sum(len(set(w.doc.tolist())) for w in result.windows)
+        # each document once, though its pieces may run in several steps' windows
+        docs = len(set().union(*(w.doc.tolist() for w in result.windows)))
         print(
             f"packloader plan: {s.steps} steps, {docs} documents, {s.tokens} tokens, strategy {config.strategy}, "
             f"priced by {model.name}; "

@@ -18,7 +18,8 @@ from packloader.contracts import PlanConfig
 DEMO = dict(dp=4, pp=2, cp=1, tp=2, max_tokens=32768, context=32768, tokens_per_step=4 * 4 * 32768, model="llama3-8b")
 DEMO_STEPS = 8
 # The report's own derived default when --tokens-per-step is not given: dp x max-tokens x max(4, 2 pp), enough
-# micro-batches per rank for a pipeline's fill and drain to show.
+# micro-batches per rank for a pipeline's fill and drain to show (`_config`; the help says so, not PlanConfig's).
+DERIVED_TOKENS_PER_STEP = "dp x max-tokens x max(4, 2 pp)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,11 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths-column", default=None, help="the Parquet column of --lengths (default length, or tokens' list sizes)")
     p.add_argument("--column", default=None, help="text/tokens column or JSONL field of the input (default: auto)")
     p.add_argument("--format", default=None, choices=["parquet", "jsonl", "mds", "directory"], help="input format (default: detected)")
+    p.add_argument("--pattern", default="**/*", help="glob of the files to read in a directory; it also decides the format (default **/*)")
     p.add_argument("--tokenizer", default="tekken", help="tekken (default), cl100k, bytes or hf:PATH/tokenizer.json")
     p.add_argument("--no-shuffle", action="store_true", help="read the source in file order instead of the loader's shuffled epoch order")
-    g = p.add_argument_group("layout and model (the same flags and defaults as `packloader plan`; demo: " +
+    g = p.add_argument_group("layout and model (the same flags and defaults as `packloader plan` but "
+                             "--tokens-per-step's; demo: " +
                              ", ".join(f"{k} {v}" for k, v in DEMO.items()) + ")")
-    add_layout_arguments(g, defaults=DEMO, mode="demo")
+    add_layout_arguments(g, defaults=DEMO, mode="demo", default_texts={"tokens_per_step": DERIVED_TOKENS_PER_STEP})
     g.add_argument("--global-batch", type=numbers.tokens, default=None,
                    help="instead of --tokens-per-step: sequences of --max-tokens tokens per step (Megatron's global batch size)")
     g.add_argument("--steps", type=numbers.steps, default=None, help=f"optimizer steps to draw and plan (default {DEMO_STEPS})")
@@ -81,6 +84,19 @@ def _config(args: argparse.Namespace):
     return config_from_args(args, strategy=placeholder, defaults=defaults, strategy_rules=False, tokens_per_step=tps)
 
 
+def _check_out(out: str) -> None:
+    """--out is made (or found writable) before any data is read, so a bad one fails at once, named."""
+    import os
+    from pathlib import Path
+
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot create the directory ({e.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise ValueError(f"--out {out}: the directory is not writable")
+
+
 def _run(args: argparse.Namespace) -> int:
     from packloader.balancers.planners.registry import report_strategies
     from packloader.report.build import ReportOptions, build_report
@@ -94,6 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     if sum(given) != 1:
         raise ValueError("give exactly one of: INPUT paths, --lengths FILE, or --demo")
     config = _config(args)
+    _check_out(args.out)
     steps = args.steps or DEMO_STEPS
     device = config.device
     from packloader.balancers.cost.resolve import load_cost_model
@@ -120,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
         else:
             from packloader.sources.open import open_source
 
-            source = open_source(args.inputs, column=args.column, format=args.format)
+            source = open_source(args.inputs, column=args.column, format=args.format, pattern=args.pattern)
         stream = DocumentStream(source, args.tokenizer, seed=config.seed, shuffle=not args.no_shuffle)
         tokenizer = None if stream.pretokenized else args.tokenizer
         lengths = source_lengths(stream, StepCounter(config.tokens_per_step, steps, config.context), progress=progress)

@@ -214,7 +214,8 @@ class JsonlSource(ShardedSource):
             if not found:
                 raise SourceError(
                     f"{path}, line {number}: no text or token field among {sorted(obj)}; expected one of "
-                    f"{list(DEFAULT_FIELDS)} or pass field=..."
+                    f"{list(DEFAULT_FIELDS)} or pass field=... (column= in open_source and PackedLoader, --column on "
+                    "the command line)"
                 )
             text = [f for f in found if isinstance(obj[f], str)]
             tokens = [f for f in found if isinstance(obj[f], list)]

@@ -187,7 +187,7 @@ class ParquetSource(ShardedSource):
             if not found:
                 raise SourceError(
                     f"{path}: no text or token column found among {names}; expected one of {list(DEFAULT_COLUMNS)} "
-                    "or pass column=..."
+                    "or pass column=... (--column on the command line)"
                 )
             text = [c for c in found if _is_text(schema.field(c).type)]
             tokens = [c for c in found if _is_token_list(schema.field(c).type)]

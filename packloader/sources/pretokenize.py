@@ -214,7 +214,8 @@ def tokenize_to_parquet(
     existing = sorted(out.glob("part-*.parquet"))
     if existing:
         if not overwrite:
-            raise FileExistsError(f"{out} already holds token shards ({existing[0].name}, ...); pass overwrite=True")
+            raise FileExistsError(f"{out} already holds token shards ({existing[0].name}, ...); pass overwrite=True "
+                                  "(--overwrite on the command line)")
         for p in existing:
             p.unlink()
             Path(index_name(str(p))).unlink(missing_ok=True)

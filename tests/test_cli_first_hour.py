@@ -1,0 +1,124 @@
+"""What a new user meets in the first hour with the CLIs: help text that states the defaults the commands use,
+summaries that count what they say they count, and errors that name the flag to change. Each check compares
+with a value worked out here by hand, not with what the code under test printed elsewhere."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from packloader.cli.main import main
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_report_help_states_the_tokens_per_step_it_derives(tmp_path, capsys):
+    """The report's --tokens-per-step defaults to dp x max-tokens x max(4, 2 pp), not PlanConfig's 65536: the
+    help says so, and a run without the flag draws that many (dp 2, pp 3, cap 1024: 2 x 1024 x 6 = 12,288)."""
+    assert main(["report", "--help"]) == 0
+    text = flat(capsys.readouterr().out)
+    entry = text[text.index("--tokens-per-step N global"):][:200]
+    assert "default dp x max-tokens x max(4, 2 pp); demo 524288" in entry, entry
+    assert "65536" not in entry, entry
+    assert "the same flags and defaults as `packloader plan` but --tokens-per-step's" in text
+    np.save(tmp_path / "l.npy", np.full(200, 500, np.int64))
+    code, out, err = run(["report", "--lengths", str(tmp_path / "l.npy"), "--dp", "2", "--pp", "3", "--max-tokens",
+                          "1024", "--model", "tiny", "--steps", "1", "--strategies", "fixed", "--no-advice",
+                          "--no-plots", "--no-progress", "--out", str(tmp_path / "o")], capsys)
+    assert code == 0, err
+    assert "12,288 tokens per step" in out, out
+
+
+def test_plan_summary_counts_each_document_once(tmp_path, capsys):
+    """A document cut at --context into pieces that run in different steps is still one document: lengths 300,
+    50 and 120 at context and step 100 make 5 pieces over 5 steps, of 3 documents (was: 6, once per step)."""
+    (tmp_path / "l.txt").write_text("300\n50\n120\n")
+    code, out, err = run(["plan", "--lengths", str(tmp_path / "l.txt"), "--max-tokens", "100", "--context", "100",
+                          "--tokens-per-step", "100", "--strategy", "fixed", "--out", str(tmp_path / "p.jsonl")], capsys)
+    assert code == 0, err
+    summary = re.search(r"packloader plan: (\d+) steps, (\d+) documents, (\d+) tokens", err)
+    assert summary, err
+    steps = len((tmp_path / "p.jsonl").read_text().splitlines())
+    assert summary.groups() == (str(steps), "3", "470"), err
+
+
+def test_config_file_misspelling_gets_the_close_key(tmp_path, capsys):
+    """A misspelt key is named with the key it was probably meant to be; `parallel` is offered only to commands
+    with the layout flags."""
+    (tmp_path / "run.json").write_text('{"max_tokenz": 4096}')
+    np.save(tmp_path / "l.npy", np.array([10, 20]))
+    code, _, err = run(["plan", "--lengths", str(tmp_path / "l.npy"), "--config", str(tmp_path / "run.json")], capsys)
+    assert code == 2
+    assert "unknown key 'max_tokenz'" in err and "did you mean 'max_tokens'?" in err, err
+    assert "'parallel': a table of dp, pp, cp, tp, vpp" in err, err
+    (tmp_path / "tok.toml").write_text('tokenizr = "bytes"\n')
+    (tmp_path / "in.jsonl").write_text('{"text": "a b"}\n')
+    code, _, err = run(["tokenize", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "o"), "--config",
+                        str(tmp_path / "tok.toml")], capsys)
+    assert code == 2
+    assert "unknown key 'tokenizr'" in err and "did you mean 'tokenizer'?" in err, err
+    assert "parallel" not in err, err  # tokenize has no layout: a `parallel` table would be refused too
+    (tmp_path / "far.json").write_text('{"zzz": 1}')
+    code, _, err = run(["plan", "--lengths", str(tmp_path / "l.npy"), "--config", str(tmp_path / "far.json")], capsys)
+    assert code == 2 and "unknown key 'zzz'" in err and "did you mean" not in err, err
+
+
+def test_a_missing_text_column_names_the_flag(tmp_path, capsys):
+    """On the command line the way out is --column, not the library's column=."""
+    pq.write_table(pa.table({"body": ["one two", "three"]}), tmp_path / "b.parquet")
+    (tmp_path / "b.jsonl").write_text('{"body": "one two"}\n')
+    for path in ("b.parquet", "b.jsonl"):
+        code, _, err = run(["tokenize", str(tmp_path / path), "--out", str(tmp_path / "o"), "--no-progress"], capsys)
+        assert code == 1
+        assert f"{path}" in err and "['body']" in err and "--column on the command line" in err, err
+    code, _, err = run(["tokenize", str(tmp_path / "b.parquet"), "--column", "body", "--tokenizer", "bytes",
+                        "--out", str(tmp_path / "o"), "--no-progress"], capsys)
+    assert code == 0, err
+
+
+def test_report_out_that_cannot_be_made_is_named_before_reading(tmp_path, capsys):
+    """--out under a regular file: refused naming --out before the data are read (the lengths file named here
+    does not exist, so an error about it would mean the data came first)."""
+    (tmp_path / "f.txt").write_text("")
+    code, _, err = run(["report", "--lengths", str(tmp_path / "absent.npy"), "--out", str(tmp_path / "f.txt" / "r"),
+                        "--no-progress"], capsys)
+    assert code == 1
+    assert f"--out {tmp_path / 'f.txt' / 'r'}: cannot create the directory" in err, err
+
+
+def test_report_reads_one_kind_of_a_mixed_directory_with_pattern(tmp_path, capsys):
+    """The mixed-directory error offers --pattern; the report takes it. Parquet documents of 99 bytes (100 bytes
+    tokens with EOS) beside JSONL ones of 49: a step of 256 tokens draws three 100-token documents, 300 tokens."""
+    d = tmp_path / "mix"
+    d.mkdir()
+    pq.write_table(pa.table({"text": ["p" * 99] * 20}), d / "a.parquet")
+    (d / "b.jsonl").write_text('{"text": "%s"}\n' % ("j" * 49) * 20)
+    base = ["report", str(d), "--tokenizer", "bytes", "--max-tokens", "256", "--tokens-per-step", "256", "--steps",
+            "1", "--strategies", "fixed", "--model", "tiny", "--no-shuffle", "--no-advice", "--no-plots",
+            "--no-progress", "--out", str(tmp_path / "o")]
+    code, _, err = run(base, capsys)
+    assert code == 1 and "mixes file formats" in err and "--pattern" in err, err
+    code, out, err = run([*base, "--pattern", "*.parquet"], capsys)
+    assert code == 0, err
+    assert "documents: 3 drawn (300 tokens), median 100," in out, out
+
+
+def test_tokenize_into_shards_names_overwrite(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text('{"text": "one two"}\n')
+    argv = ["tokenize", str(tmp_path / "in.jsonl"), "--tokenizer", "bytes", "--out", str(tmp_path / "o"),
+            "--no-progress"]
+    assert run(argv, capsys)[0] == 0
+    code, _, err = run(argv, capsys)
+    assert code == 1 and "already holds token shards" in err and "--overwrite" in err, err
+    assert run([*argv, "--overwrite"], capsys)[0] == 0

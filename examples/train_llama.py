@@ -763,9 +763,13 @@ def main(argv=None) -> dict:
                   f"{s['seconds']:.0f}s", file=sys.stderr)
         for name, c in result["comparison"].items():
             if not name.startswith("_"):
-                extra = (f"; vs fixed {c['diff_mean']:+.4f} (std {c['diff_std']:.4f}, t {c['t']:.2f}, within noise: "
-                         f"{c['within_noise']})") if "diff_mean" in c else ""
-                print(f"{name:>10}: held-out {c['mean']:.4f} +- {c['std']:.4f} over {c['seeds']} seeds{extra}",
+                one = c["seeds"] < 2  # one seed: no spread to show (the std and t would print as nan)
+                extra = "" if "diff_mean" not in c else (
+                    f"; vs fixed {c['diff_mean']:+.4f}" + (" (one seed: no noise estimate)" if one else
+                                                           f" (std {c['diff_std']:.4f}, t {c['t']:.2f}, within noise: "
+                                                           f"{c['within_noise']})"))
+                spread = "" if one else f" +- {c['std']:.4f}"
+                print(f"{name:>10}: held-out {c['mean']:.4f}{spread} over {c['seeds']} seed{'' if one else 's'}{extra}",
                       file=sys.stderr)
     return result
 

@@ -43,7 +43,8 @@ def load_cost_model(
     ``parallel.cp > 1`` it is scaled to one CP rank's share on `device` (`cp_shard.scale_profile_to_cp`, as a
     preset's measured profile is), its memory cap, if it has one, times cp. With `memory_cap`, a
     preset's profile carries the memory model's token cap (Hydraulis MaxLen) for `parallel` on `device` (see
-    memory.py); by default presets carry no cap and the planner's `max_tokens` is the only cap.
+    memory.py); by default presets carry no cap and the planner's `max_tokens` is the only cap. A CostProfile or
+    CostModel passed in is used as given, whatever `parallel` (`scale_profile_to_cp` scales a CP-1 one).
     """
     if isinstance(spec, CostModel):
         return spec

@@ -92,6 +92,7 @@ _EXPORTS: dict[str, str] = {
     "model_spec": "packloader.balancers.cost.from_config",
     "shape_from_config": "packloader.balancers.cost.from_config",
     "measured_profile": "packloader.balancers.cost.measured",
+    "scale_profile_to_cp": "packloader.balancers.cost.cp_shard",
     "Device": "packloader.balancers.cost.devices",
     "register_device": "packloader.balancers.cost.devices",
     "load_device": "packloader.balancers.cost.devices",

@@ -1,5 +1,6 @@
-"""The attention one GPU spends on its CP shard of a document, for fixed CP (`measured.measured_profile`, the
-analytic profile in `resolve`) and per-document CP (`DynamicCPCost.attention_share`) alike.
+"""The attention one GPU spends on its CP shard of a document, for fixed CP (`scale_profile_to_cp`, which prices
+measured presets and calibrated profile JSONs; the analytic profile in `resolve`) and per-document CP
+(`DynamicCPCost.attention_share`) alike.
 
 A document sharded over s GPUs costs each of them (attn - c) / s x factor + c: its (query, key) and per-token
 terms divided by s, the per-document term c paid in full by every GPU that runs the document, and `factor` (>= 1)
@@ -14,7 +15,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.devices import CPShardOverhead, Device
-from packloader.contracts import CostProfile, Poly, SliceCoeffs
+from packloader.contracts import CostProfile, LinTable, Poly, SliceCoeffs
 
 
 def cp_shard_factors(device: Device | None, s: int) -> tuple[float, float]:
@@ -49,6 +50,38 @@ def size_factors(device: Device | None, sizes: np.ndarray) -> tuple[np.ndarray, 
         k = sizes == s
         f[k], b[k] = cp_shard_factors(device, s)
     return f, b
+
+
+def scale_profile_to_cp(profile: CostProfile, cp: int, device: Device | None = None) -> CostProfile:
+    """One GPU's stage profile at fixed CP size `cp` from `profile`, one GPU's stage at CP 1 (a calibrated JSON, or
+    `measured_profile`'s before CP): a micro-batch of n tokens puts n / cp of every document on each CP rank.
+
+    Attention a, b (and the slice term) are shared by the CP ranks, times the device's shard factor at `cp`; c is
+    paid in full by every rank (`shard_attention`); the linear part runs on n / cp tokens, lin(n / cp): a / cp^2,
+    b / cp, c as is, `lin_table` token counts times cp; a memory cap (tokens one GPU holds) times cp, the tokens
+    a CP micro-batch may hold. At cp 1 the profile comes back unchanged."""
+    cp = int(cp)
+    if cp < 1:
+        raise ValueError(f"CP size must be >= 1, got {cp}")
+    if cp == 1:
+        return profile
+    ff, fb = cp_shard_factors(device, cp)
+
+    def attn(p: Poly, f: float) -> Poly:
+        return Poly(shard_attention(p.a, 0.0, cp, f), shard_attention(p.b, 0.0, cp, f), p.c)
+
+    def lin(p: Poly) -> Poly:
+        return Poly(p.a / (cp * cp), p.b / cp, p.c)
+
+    t = profile.lin_table
+    table = None if t is None else LinTable(tokens=[n * cp for n in t.tokens], fwd=list(t.fwd), bwd=list(t.bwd))
+    term = None if profile.slice_term is None else scaled_slice_term(profile.slice_term.scaled(1.0 / cp), ff, fb)
+    note = factor_note(cp, ff, fb)
+    return msgspec.structs.replace(
+        profile, attn_fwd=attn(profile.attn_fwd, ff), attn_bwd=attn(profile.attn_bwd, fb), lin_fwd=lin(profile.lin_fwd),
+        lin_bwd=lin(profile.lin_bwd), lin_table=table, slice_term=term,
+        memory_cap=None if profile.memory_cap is None else profile.memory_cap * cp,
+        source=(profile.source + f"; scaled to CP {cp} per GPU" + (f" ({note})" if note else "")).lstrip("; "))
 
 
 def with_cp_shard(profile: CostProfile, device: Device | None, cp: int) -> CostProfile:

@@ -21,7 +21,8 @@ measured CP-shard factor where its file has one (`cp_shard.shard_attention`); th
 layer's GEMM weights over Llama-7B's (FLOPs per token, and the weight reads the small-batch floor is made of)
 divided by TP, its token counts by CP; plus, per token, what the measurement left out: the norms, rotary and
 residual adds at HBM bandwidth (as `presets.analytic_profile` prices them) and the LM head's GEMM spread over
-the stages at the measured GEMM rate.
+the stages at the measured GEMM rate. It builds the stage at CP 1 first and hands it to
+`cp_shard.scale_profile_to_cp`, the same CP scaling a calibrated profile JSON gets in `resolve.load_cost_model`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost import presets
-from packloader.balancers.cost.cp_shard import cp_shard_factors, factor_note, scaled_slice_term, shard_attention
+from packloader.balancers.cost.cp_shard import cp_shard_factors, factor_note, scale_profile_to_cp
 from packloader.balancers.cost.devices import DEFAULT_DEVICE, Device, load_device
 from packloader.balancers.cost.fit import Timings, choose_tile, profile_from_table
 from packloader.balancers.cost.model import CostModel
@@ -141,14 +142,8 @@ def measured_profile(
     tp, cp = parallel.tp, parallel.cp
     fa = shape.heads * shape.head_dim / (ref.heads * ref.head_dim) * L / tp
 
-    ff, fb = cp_shard_factors(device, cp)  # 1, 1 without the device's measured CP-shard overhead
-
-    def attn(p: Poly, f: float) -> Poly:  # (query, key) and per-token terms shared by the CP ranks, c on each
-        return Poly(shard_attention(p.a * fa, 0.0, cp, f), shard_attention(p.b * fa, 0.0, cp, f), p.c * fa)
-
     fl = shape.linear_params_per_layer() / ref.linear_params_per_layer() * L / tp
-    # per token of this rank (n / cp of a micro-batch of n): element-wise kernels the GEMM timing left out, and
-    # the LM head at the measured GEMM rate per weight
+    # per token: element-wise kernels the GEMM timing left out, and the LM head at the measured GEMM rate per weight
     dev = device.rates
     swiglu = (3 if shape.gated_mlp else 2) * shape.ffn * 2
     ew = (shape.elementwise_bytes_per_token_per_layer() - swiglu) * L / tp / (dev.hbm_tbps * 1e12)
@@ -158,20 +153,26 @@ def measured_profile(
     extra_f = ew + head_params * rate_f
     extra_b = 2.0 * ew + head_params * rate_b
 
+    def attn(p: Poly) -> Poly:
+        return Poly(p.a * fa, p.b * fa, p.c * fa)
+
     def lin(p: Poly, extra: float) -> Poly:
-        return Poly(p.a * fl / (cp * cp), (p.b * fl + extra) / cp, p.c * fl)
+        return Poly(p.a * fl, p.b * fl + extra, p.c * fl)
 
     table = None
     if base.lin_table is not None:
         t = base.lin_table
-        table = LinTable(tokens=[n * cp for n in t.tokens], fwd=[fl * x + extra_f * n for n, x in zip(t.tokens, t.fwd)],
+        table = LinTable(tokens=list(t.tokens), fwd=[fl * x + extra_f * n for n, x in zip(t.tokens, t.fwd)],
                          bwd=[fl * x + extra_b * n for n, x in zip(t.tokens, t.bwd)])
-    par = f"tp{tp}-cp{cp}-pp{parallel.pp}"
-    return CostProfile(
-        name=f"{shape.name}@{device.name}-measured/{par}", tile=base.tile, attn_fwd=attn(base.attn_fwd, ff), attn_bwd=attn(base.attn_bwd, fb),
-        lin_fwd=lin(base.lin_fwd, extra_f), lin_bwd=lin(base.lin_bwd, extra_b), device=base.device, memory_cap=memory_cap,
+    one_gpu = CostProfile(  # the stage on one GPU (CP 1), then each CP rank's share of it
+        name=base.name, tile=base.tile, attn_fwd=attn(base.attn_fwd), attn_bwd=attn(base.attn_bwd),
+        lin_fwd=lin(base.lin_fwd, extra_f), lin_bwd=lin(base.lin_bwd, extra_b), device=base.device,
         fit_error=dict(base.fit_error), lin_table=table,
-        slice_term=None if base.slice_term is None else scaled_slice_term(base.slice_term.scaled(fa / cp), ff, fb),
+        slice_term=None if base.slice_term is None else base.slice_term.scaled(fa))
+    ff, fb = cp_shard_factors(device, cp)  # 1, 1 without the device's measured CP-shard overhead
+    par = f"tp{tp}-cp{cp}-pp{parallel.pp}"
+    return msgspec.structs.replace(
+        scale_profile_to_cp(one_gpu, cp, device), name=f"{shape.name}@{device.name}-measured/{par}", memory_cap=memory_cap,
         source=f"measured ({base.source}); scaled to {shape.name} {par}: attention x{fa:.4g}, linear x{fl:.4g}"
                + (f"; {factor_note(cp, ff, fb)}" if factor_note(cp, ff, fb) else ""),
     )

@@ -11,7 +11,7 @@ from typing import Literal, Sequence
 import msgspec
 
 from packloader.balancers.cost import presets
-from packloader.balancers.cost.cp_shard import with_cp_shard
+from packloader.balancers.cost.cp_shard import scale_profile_to_cp, with_cp_shard
 from packloader.balancers.cost.devices import DEFAULT_DEVICE, load_device
 from packloader.balancers.cost.measured import measured_profile
 from packloader.balancers.cost.memory import max_tokens_for_memory
@@ -38,10 +38,13 @@ def load_cost_model(
     (the shipped h100), by that measured profile scaled to the preset's shape and `parallel`
     (`measured.measured_profile`); on a device without measurements (the shipped h200), and with
     ``cost="analytic"``, by the analytic model with the device's rates (`presets.analytic_profile`); the
-    profile's `source` says which. A JSON profile is taken as measured (it is already per stage for the
-    configuration it was measured on; `parallel`, `device` and `cost` do not change it). With `memory_cap`, a
+    profile's `source` says which. A JSON profile (`packloader calibrate`'s) is taken as measured: one GPU's
+    stage at CP 1 (its TP and layers are those it was measured at; `cost` does not change it); at
+    ``parallel.cp > 1`` it is scaled to one CP rank's share on `device` (`cp_shard.scale_profile_to_cp`, as a
+    preset's measured profile is), its memory cap, if it has one, times cp. With `memory_cap`, a
     preset's profile carries the memory model's token cap (Hydraulis MaxLen) for `parallel` on `device` (see
-    memory.py); by default presets carry no cap and the planner's `max_tokens` is the only cap.
+    memory.py); by default presets carry no cap and the planner's `max_tokens` is the only cap. A CostProfile or
+    CostModel passed in is used as given, whatever `parallel` (`scale_profile_to_cp` scales a CP-1 one).
     """
     if isinstance(spec, CostModel):
         return spec
@@ -50,15 +53,16 @@ def load_cost_model(
     if cost not in ("measured", "analytic"):
         raise ValueError(f"unknown cost model {cost!r}; expected 'measured' or 'analytic'")
     dev = load_device(device)
+    cp = (parallel or ParallelConfig()).cp
     text = os.fspath(spec)
     path = Path(text)
     if path.suffix == ".json" or path.exists():
         if not path.exists():
             raise FileNotFoundError(f"cost profile {text!r} does not exist")
-        return CostModel(load_profile(path))
+        return CostModel(scale_profile_to_cp(load_profile(path), cp, dev))
     bundled = PROFILES_DIR / f"{text}.json"
     if bundled.exists():
-        return CostModel(load_profile(bundled))
+        return CostModel(scale_profile_to_cp(load_profile(bundled), cp, dev))
     shape = presets.get_shape(text)
     tile = dev.rates.tile
     cap = None
@@ -72,8 +76,7 @@ def load_cost_model(
             )
     if cost == "measured" and dev.measured is not None:
         return CostModel(measured_profile(shape, parallel, memory_cap=cap, device=dev))
-    prof = with_cp_shard(presets.analytic_profile(shape, parallel, dev.rates, memory_cap=cap), dev,
-                         (parallel or ParallelConfig()).cp)
+    prof = with_cp_shard(presets.analytic_profile(shape, parallel, dev.rates, memory_cap=cap), dev, cp)
     if cost == "measured":
         prof = msgspec.structs.replace(
             prof, source=f"analytic: no measured {dev.name.upper()} profile ships; calibrate one with `packloader calibrate` "

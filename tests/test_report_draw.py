@@ -178,6 +178,23 @@ def test_merged_model_is_a_g_way_split_with_the_floor_kept():
         assert merged_model(measured, g).microbatch_times(mb) == pytest.approx(measured_cp.microbatch_times(mb), rel=1e-9)
 
 
+def test_merged_model_runs_the_linear_part_on_n_over_g_tokens():
+    """A quadratic linear term (lin a != 0): each of g GPUs runs lin(n / g) = a n^2 / g^2 + b n / g + c, by hand."""
+    from packloader.balancers.cost.model import CostModel
+    from packloader.contracts import CostProfile, Poly
+
+    pr = CostProfile(name="hand", tile=1, attn_fwd=Poly(2e-9, 3e-7, 1e-5), attn_bwd=Poly(4e-9, 6e-7, 2e-5),
+                     lin_fwd=Poly(1e-10, 5e-6, 3e-4), lin_bwd=Poly(2e-10, 1e-5, 6e-4))
+    mb = MicroBatch(segments=[Segment(0, 0, 1000, 0), Segment(1, 0, 600, 0)])
+    for g in (2, 4):
+        f, b = merged_model(CostModel(pr), g).microbatch_times(mb)
+        n = 1600 / g
+        assert f == pytest.approx(sum(2e-9 * q * q / g + 3e-7 * q / g + 1e-5 for q in (1000, 600))
+                                  + 1e-10 * n * n + 5e-6 * n + 3e-4, rel=1e-12)
+        assert b == pytest.approx(sum(4e-9 * q * q / g + 6e-7 * q / g + 2e-5 for q in (1000, 600))
+                                  + 2e-10 * n * n + 1e-5 * n + 6e-4, rel=1e-12)
+
+
 def test_read_lengths_can_reject_empty_documents(tmp_path):
     (tmp_path / "z.txt").write_text("5\n0\n7\n")
     assert read_lengths(tmp_path / "z.txt").lengths.tolist() == [5, 7]

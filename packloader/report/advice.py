@@ -21,13 +21,14 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from packloader.balancers.cost.cp_shard import scale_profile_to_cp
 from packloader.balancers.cost.memory import memory_limit_bytes
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.resolve import RankCosts
 from packloader.balancers.planners.registry import rank_costs_planner
 from packloader.balancers.sim.metrics import score_plans
 from packloader.balancers.sim.simulator import simulate_step
-from packloader.contracts import ParallelConfig, PlanConfig, Poly
+from packloader.contracts import ParallelConfig, PlanConfig
 from packloader.report.draw import Draw
 from packloader.report.figures import Advice, CapCandidate, GiB, GroupingCandidate, RankGroup, StrategyFigures
 from packloader.report.run import run_planner, run_strategy
@@ -39,23 +40,13 @@ def fits(fig: StrategyFigures, memory) -> bool:
 
 
 def merged_model(model: CostModel, g: int) -> CostModel:
-    """The cost of one of g GPUs running a micro-batch together as context parallelism: attention and linear
-    slopes divided by g, floors kept (what presets.analytic_profile does for cp x g)."""
+    """The cost of one of g GPUs running a micro-batch together as context parallelism: one GPU's share of it
+    (`cost.cp_shard.scale_profile_to_cp`: attention slopes and the linear part's tokens divided by g, floors and
+    the per-document term kept), as fixed CP at cp x g prices it."""
     if g == 1:
         return model
-    pr = model.profile
-
-    def s(p: Poly) -> Poly:
-        return Poly(p.a / g, p.b / g, p.c)
-
-    t = pr.lin_table  # a measured linear table: each member runs n/g tokens of it
-    table = None if t is None else msgspec.structs.replace(t, tokens=[n * g for n in t.tokens])
-    return CostModel(msgspec.structs.replace(
-        pr, name=f"{pr.name}/cpx{g}", attn_fwd=s(pr.attn_fwd), attn_bwd=s(pr.attn_bwd),
-        lin_fwd=s(pr.lin_fwd), lin_bwd=s(pr.lin_bwd), lin_table=table,
-        memory_cap=pr.memory_cap * g if pr.memory_cap else None,
-        slice_term=None if pr.slice_term is None else pr.slice_term.scaled(1.0 / g),
-    ))
+    pr = scale_profile_to_cp(model.profile, g)
+    return CostModel(msgspec.structs.replace(pr, name=f"{model.profile.name}/cpx{g}"))
 
 
 @dataclass

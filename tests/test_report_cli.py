@@ -401,6 +401,8 @@ def test_failing_strategy_is_skipped_with_a_note(tmp_path, capsys):
     assert code == 0, err
     assert "skipped broken_for_test: RuntimeError: this planner always fails" in out
     assert "skipped not_a_strategy: ValueError: unknown planner strategy" in out
+    assert "warning: --strategies: no planner is named 'not_a_strategy'" in err  # said at once, before the run
+    assert "named 'broken_for_test'" not in err and "named 'fixed'" not in err  # registered names: no warning
     rep = json.loads((tmp_path / "o" / "report.json").read_text())
     assert [f["status"] for f in rep["strategies"]] == ["ok", "skipped", "skipped"]
 

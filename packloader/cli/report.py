@@ -97,6 +97,22 @@ def _check_out(out: str) -> None:
         raise ValueError(f"--out {out}: the directory is not writable")
 
 
+def _warn_unknown(strategies: tuple[str, ...]) -> None:
+    """Say at once which --strategies names no planner has (a misspelling), with the closest known name: the
+    report still runs the rest and lists those as skipped, but only after reading and planning everything."""
+    import difflib
+
+    from packloader.balancers.planners.registry import available_strategies
+
+    known = available_strategies()
+    for name in strategies:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            print(f"packloader report: warning: --strategies: no planner is named '{name}'{hint}; it will be listed as "
+                  f"skipped (known: {', '.join(known)})", file=sys.stderr)
+
+
 def _run(args: argparse.Namespace) -> int:
     from packloader.balancers.planners.registry import report_strategies
     from packloader.report.build import ReportOptions, build_report
@@ -119,6 +135,7 @@ def _run(args: argparse.Namespace) -> int:
     strategies = tuple(x.strip() for x in args.strategies.split(",") if x.strip()) if args.strategies else report_strategies()
     if not strategies:
         raise ValueError("--strategies names no strategy")
+    _warn_unknown(strategies)
     progress = not args.no_progress
     tokenizer = None
     notes: list[str] = []

@@ -186,11 +186,12 @@ def test_grouping_advice_plans_with_the_registrys_rank_costs_planner(probe):
     """The report's grouping advice asks the registry which planner plans heterogeneous ranks: a plugin that says
     it does (and comes first) gets every grouping, with a cost model and cap per rank, and plans what
     HydraulisPlanner(models=, caps=) plans directly (the advice's code before the registry knew)."""
+    from packloader.balancers.cost.cp_comm import cp_comm_for
     from packloader.balancers.cost.resolve import RankCosts, load_cost_model
     from packloader.balancers.planners.hydraulis import HydraulisPlanner
     from packloader.balancers.planners.registry import rank_costs_planner
     from packloader.balancers.sim.metrics import score_plans
-    from packloader.report.advice import grouping_candidates, merged_model
+    from packloader.report.advice import grouping_candidates, merged_model, with_group_traffic
     from packloader.report.draw import draw_steps
     from packloader.report.run import run_planner
 
@@ -200,6 +201,7 @@ def test_grouping_advice_plans_with_the_registrys_rank_costs_planner(probe):
     rng = np.random.default_rng(5)
     draw = draw_steps(np.clip(rng.lognormal(7, 1.2, 400), 16, cap).astype(np.int64), cfg.tokens_per_step, cap, 2)
     model = load_cost_model("tiny", cfg.parallel)
+    comm = cp_comm_for("tiny", cfg.parallel, device=cfg.device)
     assert rank_costs_planner().name == PROBE
     cands = grouping_candidates(cfg, draw, model, None, None)
     # dp 4 by hand: groups of 2 (one, with 2 plain ranks; two) and one group of 4
@@ -213,8 +215,10 @@ def test_grouping_advice_plans_with_the_registrys_rank_costs_planner(probe):
         sub = msgspec.structs.replace(cfg, strategy="hydraulis", parallel=ParallelConfig(dp=k + plain))
         direct = run_planner(lambda: HydraulisPlanner(sub, models=models, caps=caps), "hydraulis", sub, draw, warmup=False)
         assert direct.ok
-        _, agg = score_plans(direct.plans, models, sub.parallel, max_tokens=cap, schedule=cfg.schedule,
-                             drawn=draw.doc_step)
+        # each merged micro-batch also pays its CP group's K/V all-gather (cp 1 x g GPUs)
+        plans = [with_group_traffic(p, models, k, comm, g) for p in direct.plans]
+        _, agg = score_plans(plans, models, sub.parallel, max_tokens=cap, schedule=cfg.schedule,
+                             drawn=draw.doc_step, use_plan_costs=True)
         assert cand.step_time_total == pytest.approx(agg.step_time_total, rel=1e-12)
     # without a planner of heterogeneous ranks there is no grouping advice
     saved = dict(_REGISTRY)

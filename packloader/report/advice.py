@@ -11,7 +11,10 @@ heterogeneous grouping of data-parallel ranks, each backed by a simulation over 
   per-GPU work (ideal sharding; the per-micro-batch and per-segment floors do not shrink). k such groups plus
   the remaining plain ranks keep the GPU count. The registry's planner of heterogeneous ranks (`rank_costs`,
   Hydraulis' dispatch among the shipped ones) plans the step's pieces on this mix with one cost model and cap per
-  rank; the gain is its simulated time against the same planner on the homogeneous layout.
+  rank. Each micro-batch of a merged group then pays its CP group's K/V all-gather (cp x g GPUs, priced from the
+  device's `cp_link` as `fixed_with_comm` prices fixed CP's; plain ranks pay nothing new, as the fixed-CP rows),
+  and the gain is that simulated time against the same planner on the homogeneous layout; a grouping is advised
+  only where it is faster.
 """
 
 from __future__ import annotations
@@ -21,14 +24,17 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from packloader.balancers.cost import presets
+from packloader.balancers.cost.cp_comm import CPComm, cp_comm_for
 from packloader.balancers.cost.cp_shard import scale_profile_to_cp
 from packloader.balancers.cost.memory import memory_limit_bytes
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.resolve import RankCosts
+from packloader.balancers.planners.dynamic_cp_choice import fixed_with_comm
 from packloader.balancers.planners.registry import rank_costs_planner
 from packloader.balancers.sim.metrics import score_plans
 from packloader.balancers.sim.simulator import simulate_step
-from packloader.contracts import ParallelConfig, PlanConfig
+from packloader.contracts import ParallelConfig, PlanConfig, StepPlan
 from packloader.report.draw import Draw
 from packloader.report.figures import Advice, CapCandidate, GiB, GroupingCandidate, RankGroup, StrategyFigures
 from packloader.report.run import run_planner, run_strategy
@@ -47,6 +53,29 @@ def merged_model(model: CostModel, g: int) -> CostModel:
         return model
     pr = scale_profile_to_cp(model.profile, g)
     return CostModel(msgspec.structs.replace(pr, name=f"{model.profile.name}/cpx{g}"))
+
+
+def with_group_traffic(plan: StepPlan, models: list[CostModel], k: int, comm: CPComm, size: int) -> StepPlan:
+    """A copy of a grouping's plan priced by its ranks' models, whose first k ranks (the merged groups) also pay
+    the K/V all-gather of a CP group of `size` GPUs on every micro-batch (`fixed_with_comm`)."""
+    ranks = [msgspec.structs.replace(rank, micro_batches=[
+        msgspec.structs.replace(mb, fwd_cost=f, bwd_cost=b)
+        for mb, (f, b) in ((mb, models[r].microbatch_times(mb)) for mb in rank.micro_batches)])
+        for r, rank in enumerate(plan.ranks)]
+    merged = fixed_with_comm(msgspec.structs.replace(plan, ranks=ranks[:k]), comm, size)  # a fixed-CP plan
+    return msgspec.structs.replace(plan, ranks=merged.ranks + ranks[k:])
+
+
+def traffic_note(config: PlanConfig) -> str:
+    """What the grouping's CP traffic is priced from (a profile JSON has no model shape: llama3-8b's)."""
+    try:
+        presets.get_shape(config.model)
+        shape = config.model
+    except (KeyError, ValueError):
+        shape = f"llama3-8b's shape ({config.model} carries none)"
+    return (f"groupings pay their CP traffic (each merged micro-batch's K/V all-gather over its cp x g GPUs, "
+            f"{shape}) at the {config.device} device's cp_link rates: estimated unless measured by "
+            f"`packloader calibrate --cp`")
 
 
 @dataclass
@@ -149,12 +178,16 @@ def confirm_candidate(cand: CapCandidate, figs: list[StrategyFigures], config: P
 
 
 def grouping_candidates(config: PlanConfig, draw: Draw, model: CostModel, baseline_tps: float | None,
-                        homogeneous_time: float | None, max_candidates: int = 6, tick=None) -> list[GroupingCandidate]:
+                        homogeneous_time: float | None, max_candidates: int = 6, tick=None,
+                        comm: CPComm | None = None) -> list[GroupingCandidate]:
     """Heterogeneous groupings (k groups of g merged DP ranks + plain ranks), each planned by the registry's
-    planner of heterogeneous ranks with per-rank cost models and caps over all drawn steps (none without one)."""
+    planner of heterogeneous ranks with per-rank cost models and caps over all drawn steps (none without one),
+    scored with the merged groups' CP traffic (`with_group_traffic`; `comm`: its price, default the config's
+    model on its device)."""
     spec = rank_costs_planner()
     if spec is None:
         return []
+    comm = comm or cp_comm_for(config.model, config.parallel, device=config.device)
     dp, cp, cap = config.parallel.dp, config.parallel.cp, config.max_tokens
     shapes = [(g, k) for g in (2, 4, 8) if g <= dp for k in range(1, dp // g + 1)]
     shapes = shapes[:max_candidates]
@@ -182,7 +215,9 @@ def grouping_candidates(config: PlanConfig, draw: Draw, model: CostModel, baseli
             out.append(cand)
             continue
         try:
-            _, agg = score_plans(run.plans, models, par, max_tokens=cap, schedule=config.schedule, drawn=draw.doc_step)
+            plans = [with_group_traffic(p, models, k, comm, cp * g) for p in run.plans]
+            _, agg = score_plans(plans, models, par, max_tokens=cap, schedule=config.schedule, drawn=draw.doc_step,
+                                 use_plan_costs=True)
         except Exception as e:
             cand.note = f"{type(e).__name__}: {e}"[:300]
             out.append(cand)
@@ -194,6 +229,25 @@ def grouping_candidates(config: PlanConfig, draw: Draw, model: CostModel, baseli
             cand.gain_vs_baseline = agg.tokens / agg.step_time_total / baseline_tps
         out.append(cand)
     return out
+
+
+def advise_grouping(cands: list[GroupingCandidate], homogeneous_time: float | None) -> tuple[GroupingCandidate | None, list[str]]:
+    """The fastest grouping with plain ranks left, and notes; with its CP traffic priced, a grouping is advised
+    only where it beats the homogeneous layout (any that runs when that layout cannot)."""
+    faster = [c for c in cands if c.step_time_total > 0 and (not homogeneous_time or c.step_time_total < homogeneous_time)]
+    mixed = [c for c in faster if len(c.groups) > 1]
+    merged = [c for c in faster if len(c.groups) == 1]
+    pick = min(mixed, key=lambda c: c.step_time_total) if mixed else None
+    notes = []
+    if merged:
+        top = min(merged, key=lambda c: c.step_time_total)
+        if pick is None or top.step_time_total < pick.step_time_total:
+            vs = (f"{top.gain_vs_homogeneous:.2f}x {top.homogeneous()}" if top.gain_vs_homogeneous
+                  else f"{top.gain_vs_baseline:.2f}x the fastest baseline")
+            notes.append(f"merging every rank ({top.description}) simulates faster still: {vs}")
+    if cands and not faster:
+        notes.append("no grouping simulates faster than the homogeneous layout once its CP traffic is priced")
+    return pick, notes
 
 
 def recommend(figs: list[StrategyFigures], config: PlanConfig, draw: Draw, model: CostModel, memory,
@@ -266,17 +320,8 @@ def _recommend(figs, config, draw, model, memory, grid_steps, grouping, tick, co
         cands = grouping_candidates(config, draw, model, base.tokens_per_second if base else None,
                                     homo.step_time_total if homo else None, tick=tick)
         advice.grouping_candidates = cands
-        mixed = [c for c in cands if c.step_time_total > 0 and len(c.groups) > 1]
-        merged = [c for c in cands if c.step_time_total > 0 and len(c.groups) == 1]
-        if mixed:
-            advice.grouping = min(mixed, key=lambda c: c.step_time_total)
-        if merged:
-            top = min(merged, key=lambda c: c.step_time_total)
-            if advice.grouping is None or top.step_time_total < advice.grouping.step_time_total:
-                vs = (f"{top.gain_vs_homogeneous:.2f}x {top.homogeneous()}" if top.gain_vs_homogeneous
-                      else f"{top.gain_vs_baseline:.2f}x the fastest baseline")
-                notes.append(f"merging every rank ({top.description}) simulates faster still: {vs}")
+        advice.grouping, more = advise_grouping(cands, homo.step_time_total if homo else None)
+        notes += more
         if cands:
-            notes.append("groupings assume ideal context-parallel scaling (no attention communication cost); "
-                         "measure CP overhead before adopting one")
+            notes.append(traffic_note(config))
     return advice

@@ -89,5 +89,6 @@ def test_a_grouping_whose_traffic_exceeds_its_gain_is_not_advised(long_tail):
 def test_the_note_says_what_prices_the_traffic():
     cfg = PlanConfig(parallel=ParallelConfig(dp=4), model="llama3-8b")
     assert "cp_link" in traffic_note(cfg) and "packloader calibrate --cp" in traffic_note(cfg)
-    assert "llama3-8b's shape (profile.json carries none)" in traffic_note(PlanConfig(parallel=ParallelConfig(dp=4),
-                                                                                      model="profile.json"))
+    assert "(llama3-8b's K/V)" in traffic_note(cfg)
+    assert "(llama3-8b's K/V: profile.json carries no model shape)" in traffic_note(
+        PlanConfig(parallel=ParallelConfig(dp=4), model="profile.json"))

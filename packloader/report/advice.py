@@ -70,12 +70,11 @@ def traffic_note(config: PlanConfig) -> str:
     """What the grouping's CP traffic is priced from (a profile JSON has no model shape: llama3-8b's)."""
     try:
         presets.get_shape(config.model)
-        shape = config.model
+        shape = f"{config.model}'s K/V"
     except (KeyError, ValueError):
-        shape = f"llama3-8b's shape ({config.model} carries none)"
-    return (f"groupings pay their CP traffic (each merged micro-batch's K/V all-gather over its cp x g GPUs, "
-            f"{shape}) at the {config.device} device's cp_link rates: estimated unless measured by "
-            f"`packloader calibrate --cp`")
+        shape = f"llama3-8b's K/V: {config.model} carries no model shape"
+    return (f"groupings pay their CP traffic: each merged micro-batch's K/V all-gather over its cp x g GPUs ({shape}), "
+            f"priced from the {config.device} device's cp_link (estimated unless measured by `packloader calibrate --cp`)")
 
 
 @dataclass

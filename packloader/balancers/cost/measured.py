@@ -169,12 +169,12 @@ def measured_profile(
         lin_fwd=lin(base.lin_fwd, extra_f), lin_bwd=lin(base.lin_bwd, extra_b), device=base.device,
         fit_error=dict(base.fit_error), lin_table=table,
         slice_term=None if base.slice_term is None else base.slice_term.scaled(fa))
-    ff, fb = cp_shard_factors(device, cp)  # 1, 1 without the device's measured CP-shard overhead
+    note = factor_note(cp, *cp_shard_factors(device, cp))  # "" without the device's measured CP-shard overhead
     par = f"tp{tp}-cp{cp}-pp{parallel.pp}"
     return msgspec.structs.replace(
         scale_profile_to_cp(one_gpu, cp, device), name=f"{shape.name}@{device.name}-measured/{par}", memory_cap=memory_cap,
         source=f"measured ({base.source}); scaled to {shape.name} {par}: attention x{fa:.4g}, linear x{fl:.4g}"
-               + (f"; {factor_note(cp, ff, fb)}" if factor_note(cp, ff, fb) else ""),
+               + (f"; {note}" if note else ""),
     )
 
 

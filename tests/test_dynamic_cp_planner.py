@@ -9,6 +9,7 @@ import itertools
 import msgspec
 import numpy as np
 import pytest
+from helpers.dynamic_cp_brute import price
 
 from packloader.balancers.cost.cp_comm import cp_comm_for
 from packloader.balancers.offline import plan_record, plan_run
@@ -30,44 +31,10 @@ def cfg(dp=2, cp=2, max_tokens=4096, context=None, micro_batches=None, **kw) -> 
 
 
 def reference_step_time(placements, q, planner: DynamicCPPlanner, slots: int) -> float:
-    """Slowest GPU's time of (slot, first, size) per whole document q: each GPU's attention share, lin of its
-    tokens, one K/V exchange per (slot, subgroup); GPUs sharing a document wait for the slowest of them (a
-    union-find over shared documents, slot by slot)."""
-    cost, G = planner.cost, planner.cost.pool
-    model = cost.model
-    own = np.zeros((slots, G))
-    tok = np.zeros((slots, G))
-    group_tokens: dict = {}
-    for (m, f, s), n in zip(placements, q):
-        fa, ba = model.segment_times(np.array([n]), np.array([0]))
-        cf, cb = model.profile.attn_fwd.c, model.profile.attn_bwd.c
-        for g in range(f, f + s):
-            own[m, g] += (fa[0] - cf) / s + cf + (ba[0] - cb) / s + cb
-            tok[m, g] += n / s
-        if s > 1:
-            group_tokens[(m, f, s)] = group_tokens.get((m, f, s), 0) + n
-    for (m, f, s), n in group_tokens.items():
-        own[m, f:f + s] += sum(cost.comm.times(n, s))
-    for m in range(slots):
-        for g in range(G):
-            if tok[m, g] > 0:
-                own[m, g] += model.lin_time(tok[m, g]) + model.lin_time(tok[m, g], bwd=True)
-    total = np.zeros(G)
-    for m in range(slots):
-        parent = list(range(G))
-
-        def root(x):
-            while parent[x] != x:
-                x = parent[x]
-            return x
-
-        for (mm, f, s) in placements:
-            if mm == m:
-                for g in range(f + 1, f + s):
-                    parent[root(g)] = root(f)
-        for g in range(G):
-            total[g] += max(own[m, h] for h in range(G) if root(h) == root(g))
-    return float(total.max())
+    """Slowest GPU's time of (slot, first, size) per whole document q: the dynamic-cp tests' independent price
+    (`helpers.dynamic_cp_brute.price`: each GPU's attention share, lin of its tokens, one K/V exchange per (slot,
+    subgroup); GPUs sharing a document wait for the slowest of them), every document whole (p = 0)."""
+    return price([(m, f, s, int(n), 0) for (m, f, s), n in zip(placements, q)], planner, slots)
 
 
 def brute_force(q, planner: DynamicCPPlanner, slots: int) -> float:

@@ -206,7 +206,7 @@ class JsonlSource(ShardedSource):
         try:
             obj = msgspec.json.decode(line)
         except (msgspec.DecodeError, UnicodeDecodeError) as e:
-            raise SourceError(f"{path}, line {number}: not valid JSON ({e})") from e
+            raise _undecodable(f"{path}, line {number}", line, e) from e
         if not isinstance(obj, dict):
             raise SourceError(f"{path}, line {number}: expected a JSON object, got {_json_type(obj)}")
         if self.field is None:
@@ -300,12 +300,10 @@ class JsonlSource(ShardedSource):
     def _decode(self, shard: int, raw_row: int, line: bytes) -> RawDocument:
         try:
             value = self._decoder.decode(line).value
-        except UnicodeDecodeError as e:
-            raise NonUtf8Error(f"{self._location(shard, raw_row)}: text is not valid UTF-8 ({e})") from e
         except msgspec.ValidationError as e:
             raise SourceError(f"{self._location(shard, raw_row)}, field {self.field!r}: {e}") from e
-        except msgspec.DecodeError as e:
-            raise SourceError(f"{self._location(shard, raw_row)}: not valid JSON ({e})") from e
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:
+            raise _undecodable(self._location(shard, raw_row), line, e) from e
         if self._pretokenized:
             return np.array(value, dtype=np.int32)
         return value
@@ -319,3 +317,13 @@ class JsonlSource(ShardedSource):
         rows = list(range(len(self._index[shard][0])))
         lines = self._lines(shard, self._buffer(shard), rows)
         return np.array([len(self._decode(shard, r, line)) == 0 for r, line in zip(rows, lines)], dtype=bool)
+
+
+def _undecodable(where: str, line: bytes, e: Exception) -> SourceError:
+    """Non-UTF-8 bytes are told apart by decoding the line ourselves: which exception msgspec raises for them, and
+    its text, changed between releases (0.23 raises DecodeError where 0.22 let UnicodeDecodeError through)."""
+    try:
+        bytes(line).decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return NonUtf8Error(f"{where}: text is not valid UTF-8 ({bad})")
+    return SourceError(f"{where}: not valid JSON ({e})")

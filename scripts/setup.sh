@@ -1,22 +1,51 @@
 #!/usr/bin/env bash
-# Creates .venv and installs packloader into it. `scripts/setup.sh` for the library and CLI; `scripts/setup.sh dev`
-# adds the test tools and every optional integration (MDS, cl100k, transformers, megatron-core, deepspeed).
+# Creates .venv and installs packloader into it with the exact versions its test suite passed with.
+#   scripts/setup.sh       the library and CLI             (requirements/base.lock)
+#   scripts/setup.sh dev   + test tools and every optional integration: MDS, cl100k, transformers, megatron-core,
+#                          deepspeed, the object-storage emulators, and headless Chromium for the report's browser
+#                          test                             (requirements/dev.lock)
+# The locks hold hashes and are for CPython 3.11 on x86-64 Linux, the machine CI runs on. Elsewhere the ranges in
+# pyproject.toml are installed instead, and setup says so. Why a lock and how it moves: docs/install.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-# torch and torchvision are pinned as a pair: mosaicml-streaming imports torchvision, which must match torch.
-.venv/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
-if [ "${1:-}" = "dev" ]; then
-  .venv/bin/python -m pip install -q -e ".[dev]"
-  # Azurite, the Azure Blob Storage emulator of tests/test_sources_gcs_azure.py (npm; node from Debian if missing)
+mode=${1:-base}
+case "$mode" in base | dev) ;; *) echo "usage: scripts/setup.sh [dev]" >&2; exit 2 ;; esac
+t0=$SECONDS
+step() { printf 'setup [%3d s] %s\n' $((SECONDS - t0)) "$*"; }
+pipq() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
+
+if [ ! -x .venv/bin/python ]; then
+  step "creating .venv with $("$PY" --version 2>&1)"
+  "$PY" -m venv .venv
+fi
+lock=requirements/$mode.lock
+platform=$(.venv/bin/python -c 'import platform, sys; print(f"{sys.implementation.name}{sys.version_info[0]}.{sys.version_info[1]}-{platform.system()}-{platform.machine()}")')
+if [ "$platform" = "cpython3.11-Linux-x86_64" ]; then
+  n=$(grep -c '^[A-Za-z0-9]' "$lock")
+  step "installing the $n locked packages of $lock (torch 2.14.1 is several GB: about 1.5 min with pip's cache warm, a few minutes more on a first download)"
+  pipq --require-hashes --no-deps -r "$lock"
+  step "installing packloader itself (editable)"
+  pipq --no-deps -e .
+else
+  step "no lock for $platform (the locks are for cpython3.11-Linux-x86_64): installing pyproject.toml's ranges, an untested combination"
+  pipq "torch==2.14.1" "torchvision==0.29.1"
+  if [ "$mode" = dev ]; then pipq -e ".[dev]"; else pipq -e .; fi
+fi
+
+if [ "$mode" = dev ]; then
+  # Azurite, the Azure Blob Storage emulator of tests/test_sources_gcs_azure.py (npm, locked in requirements/azurite)
   if ! command -v npm >/dev/null; then
+    step "installing node and npm from Debian's packages (for Azurite)"
     { apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null; } || echo "setup: no npm; the Azure tests skip"
   fi
   if command -v npm >/dev/null && [ ! -x .tools/azurite/node_modules/.bin/azurite-blob ]; then
-    npm install -s --prefix .tools/azurite --no-audit --no-fund azurite@3 || echo "setup: azurite not installed"
+    step "installing Azurite 3.35.0 with npm ci (about 20 s)"
+    mkdir -p .tools/azurite && cp requirements/azurite/package.json requirements/azurite/package-lock.json .tools/azurite/
+    (cd .tools/azurite && npm ci -s --no-audit --no-fund) || echo "setup: azurite not installed"
   fi
-else
-  .venv/bin/python -m pip install -q -e .
+  [ ! -f scripts/setup_browser.sh ] || bash scripts/setup_browser.sh
 fi
+step "compiling packloader's numba kernels once, so the first plan does not wait for them (about 40 s of CPU)"
+.venv/bin/python -m packloader.balancers.warm_up
+step "done"

@@ -216,8 +216,8 @@ class LinTable(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     """
 
     tokens: list[float]
-    fwd: list[float]
-    bwd: list[float]
+    fwd: list[NonNegFloat]
+    bwd: list[NonNegFloat]
 
     def __post_init__(self) -> None:
         k = len(self.tokens)

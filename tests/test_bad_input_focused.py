@@ -201,3 +201,13 @@ def test_a_null_token_id_is_named_and_rows_around_it_read_exactly(list_type):
     assert [d.tolist() for d in src.read(0, np.array([3, 0, 1]))] == [rows[3], rows[0], rows[1]]
     with pytest.raises(SourceError, match=r"row 2, column 'input_ids': a null token id at position 1"):
         list(src.read(0, np.array([3, 2])))
+
+
+def test_an_attention_backend_from_the_environment_names_the_variable(monkeypatch):
+    from packloader.runtime import attention as A
+
+    monkeypatch.setenv(A.ENV_BACKEND, "flahs")
+    with pytest.raises(A.BackendUnavailable, match=r"PACKLOADER_ATTN_BACKEND='flahs': unknown attention backend"):
+        A.select_backend("cpu")
+    with pytest.raises(A.BackendUnavailable, match=r"^unknown attention backend 'flahs'"):
+        A.select_backend("cpu", "flahs")  # passed in code: no variable to name

@@ -10,8 +10,10 @@ block read later must match: a dataset that does not resume to the same rows thr
 shuffle buffer, whose content datasets does not save; a generator that yields other rows) is an error naming the
 block, never other documents trained silently.
 
-The source reads from where iterating the dataset given would start (its start, or a state loaded into it), and
-works on a copy of it, so the caller's dataset is never moved.
+The source reads from where iterating the dataset given would start (its start, or a state loaded into it), also
+after the caller iterated it (whose `state_dict` then stands at the end of that pass, not at the next one's
+start: block 0 is read by iterating a copy, never by restoring that state), and works on copies of it, so the
+caller's dataset is never moved.
 
 Columns: the rule of `arrow_table.choose_column` (text or tokens; both is an error asking for `column=`), from
 the dataset's features, or its first row's values when it has none.

@@ -211,3 +211,10 @@ def test_an_attention_backend_from_the_environment_names_the_variable(monkeypatc
         A.select_backend("cpu")
     with pytest.raises(A.BackendUnavailable, match=r"^unknown attention backend 'flahs'"):
         A.select_backend("cpu", "flahs")  # passed in code: no variable to name
+
+
+def test_storage_directories_must_be_paths(tmp_path):
+    for kw in ({"cache_dir": 5, "cache_bytes": 1 << 30}, {"index_dir": 0}):
+        with pytest.raises(ValueError, match=r"Storage\((cache|index)_dir=\d\): expected a directory path"):
+            Storage(**kw)
+    assert Storage(cache_dir=tmp_path, cache_bytes=1 << 30, index_dir=tmp_path).cache is not None

@@ -53,7 +53,7 @@ class Storage:
                  fetch_threads: int = 8, read_ahead_bytes: int = 64 << 20,
                  merge_gap_bytes: int = MERGE_GAP_BYTES) -> None:
         self.filesystem = filesystem
-        check_storage_options(block_size=block_size, cache_dir=cache_dir, cache_bytes=cache_bytes)
+        check_storage_options(block_size=block_size, cache_dir=cache_dir, cache_bytes=cache_bytes, index_dir=index_dir)
         if int(merge_gap_bytes) < 0:
             raise ValueError(f"merge_gap_bytes must be >= 0, got {merge_gap_bytes}")
         self.merge_gap_bytes = int(merge_gap_bytes)

@@ -63,8 +63,14 @@ def _whole(value) -> int | None:
         return None
 
 
-def check_storage_options(*, block_size: int, cache_dir: str | None, cache_bytes: int) -> None:
-    """Refuse a block size that cannot work, and a disk cache that would hold nothing."""
+def check_storage_options(*, block_size: int, cache_dir: str | None, cache_bytes: int,
+                          index_dir: str | None = None) -> None:
+    """Refuse a block size that cannot work, a disk cache that would hold nothing, and directories that are not
+    paths."""
+    for name, value in (("cache_dir", cache_dir), ("index_dir", index_dir)):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise ValueError(f"Storage({name}={value!r}): expected a directory path (str or os.PathLike), got "
+                             f"{type(value).__name__}")
     block, cache = _whole(block_size), _whole(cache_bytes)
     if block is None or block < 0 or 0 < block < MIN_BLOCK_SIZE:
         raise ValueError(f"block_size={block_size!r}: expected 0 (exact ranges) or a whole number of bytes >= "

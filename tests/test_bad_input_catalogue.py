@@ -1065,7 +1065,7 @@ def merge_states_of_a_merged_state(tmp):
 
 
 def env_cache_bytes_not_a_size(tmp):
-    """`PACKLOADER_CACHE_BYTES=lots` (units such as 1G or 512Mi are read: tests/test_storage_options.py)."""
+    """`PACKLOADER_CACHE_BYTES=lots` (units such as 1G or 512Mi are read: tests/test_bad_input_focused.py)."""
     from packloader.sources.storage import default_storage
 
     os.environ["PACKLOADER_CACHE_DIR"] = str(tmp / "cache")

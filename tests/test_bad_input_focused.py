@@ -218,3 +218,18 @@ def test_storage_directories_must_be_paths(tmp_path):
         with pytest.raises(ValueError, match=r"Storage\((cache|index)_dir=\d\): expected a directory path"):
             Storage(**kw)
     assert Storage(cache_dir=tmp_path, cache_bytes=1 << 30, index_dir=tmp_path).cache is not None
+
+
+def test_a_null_token_id_in_python_lists_and_iterable_datasets_is_named():
+    from packloader.sources.hf_iterable import IterableDatasetSource
+
+    with pytest.raises(SourceError, match=r"row 1: a null token id at position 2, expected an id in \[0, 2\^31\)"):
+        open_source([[1, 2], [3, 4, None, 5]])
+    ids = datasets.IterableDataset.from_generator(_token_rows)
+    with pytest.raises(SourceError, match=r"row 1, column 'input_ids': a null token id at position 0"):
+        IterableDatasetSource(ids, block_rows=4)
+
+
+def _token_rows():
+    yield {"input_ids": [1, 2, 3]}
+    yield {"input_ids": [None, 7]}

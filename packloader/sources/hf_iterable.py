@@ -42,6 +42,9 @@ def _value(example: dict, column: str, pretokenized: bool, where: str):
         if v is None or isinstance(v, (str, bytes)):
             raise SourceError(f"{where}: {type(v).__name__}, expected a list of token ids")
         a = np.asarray(v)
+        if a.ndim == 1 and a.dtype == object and any(x is None for x in a):
+            raise SourceError(f"{where}: a null token id at position {next(k for k, x in enumerate(a) if x is None)}, "
+                              "expected an id in [0, 2^31)")
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
             raise SourceError(f"{where}: {a.dtype} array of shape {a.shape}, expected a list of token ids")
         if a.size and (a.min() < 0 or a.max() > np.iinfo(np.int32).max):

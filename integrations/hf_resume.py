@@ -26,6 +26,7 @@ import msgspec
 import torch
 
 from ._lazy import require
+from .state_file import read_state_file
 
 STATE_FILE = "packloader_state-rank{rank}.pt"
 LOG_PREFIX = "packloader/"
@@ -59,7 +60,7 @@ def load_loader_state(loader: Any, checkpoint_dir: str, rank: int) -> None:
             f"checkpoint {checkpoint_dir} holds no packloader loader state for process {rank} (expected {path}; "
             f"found {found or 'none'}): it was not written by PackedTrainer, or by a run with another number of "
             "processes. Resuming without it would replay or skip data")
-    loader.load_state_dict(torch.load(path, weights_only=True))
+    loader.load_state_dict(read_state_file(path))
 
 
 def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:

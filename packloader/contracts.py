@@ -7,6 +7,7 @@ Tensors never live here: the collated batch is in `packloader.collate.batch`.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -193,11 +194,16 @@ def check_plan_config(config: PlanConfig) -> None:
 
 
 class Poly(msgspec.Struct, frozen=True, array_like=True):
-    """time = a*x^2 + b*x + c, in seconds."""
+    """time = a*x^2 + b*x + c, in seconds. Each coefficient >= 0 and finite: a negative one prices some token
+    counts below zero, which the planners take for free work and the simulator for a deadlock."""
 
-    a: float = 0.0
-    b: float = 0.0
-    c: float = 0.0
+    a: NonNegFloat = 0.0
+    b: NonNegFloat = 0.0
+    c: NonNegFloat = 0.0
+
+    def __post_init__(self) -> None:
+        if not all(map(math.isfinite, (self.a, self.b, self.c))):
+            raise ValueError(f"expected finite coefficients, got [{self.a}, {self.b}, {self.c}]")
 
 
 class LinTable(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -210,8 +216,8 @@ class LinTable(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     """
 
     tokens: list[float]
-    fwd: list[float]
-    bwd: list[float]
+    fwd: list[NonNegFloat]
+    bwd: list[NonNegFloat]
 
     def __post_init__(self) -> None:
         k = len(self.tokens)
@@ -220,8 +226,8 @@ class LinTable(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
                              f"{k}, {len(self.fwd)}, {len(self.bwd)}")
         if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])) or self.tokens[0] <= 0:
             raise ValueError(f"lin_table.tokens must be positive and strictly increasing, got {self.tokens}")
-        if min(self.fwd) < 0 or min(self.bwd) < 0:
-            raise ValueError("lin_table times must be >= 0")
+        if not all(0 <= t < math.inf for t in (*self.fwd, *self.bwd)):
+            raise ValueError(f"lin_table times must be >= 0 and finite, got fwd {self.fwd}, bwd {self.bwd}")
 
 
 MAX_LIN_KNOTS = 16
@@ -269,7 +275,7 @@ class CostProfile(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     device: str = "analytic"
     # Most tokens a micro-batch may hold on one rank given memory (Hydraulis MaxLen); None = no memory cap known.
     # Named memory_cap in code; the JSON key stays "max_tokens" so profiles written before still load.
-    memory_cap: int | None = msgspec.field(default=None, name="max_tokens")
+    memory_cap: PosInt | None = msgspec.field(default=None, name="max_tokens")
     fit_error: dict[str, float] = {}
     lin_table: LinTable | None = None
     # Where the numbers come from (measurement, scaling applied), for reports.

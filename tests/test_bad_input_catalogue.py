@@ -907,6 +907,207 @@ def profile_slice_term_negative(tmp):
     return lambda: load_profile(path)
 
 
+def _profile_file(tmp, name: str, edit) -> Path:
+    """The shipped measured profile written to `name` with `edit(data)` applied (a hand-edited profile)."""
+    from packloader.balancers.cost.measured import base_profile
+    from packloader.balancers.cost.profile_io import save_profile
+
+    path = tmp / name
+    save_profile(base_profile(), path)
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def profile_lin_floor_negative(tmp):
+    """A profile whose forward per-micro-batch floor is negative: was a schedule deadlock in the loader and a
+    `wgt:` error in `plan`, neither naming the file."""
+    path = _profile_file(tmp, "floor.json", lambda d: d["lin_fwd"].__setitem__(2, -0.01))
+    np.save(tmp / "ok.npy", np.full(200, 1500))
+    return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--model", str(path), "--max-tokens", "4096",
+                       "--steps", "1", "--quiet")
+
+
+def profile_attention_negative(tmp):
+    """A negative attention coefficient (was accepted, planned with exit 0), through the loader."""
+    path = _profile_file(tmp, "attn.json", lambda d: d["attn_bwd"].__setitem__(0, -1e-9))
+    docs = [np.arange(1, 60, dtype=np.int32)] * 8
+    return lambda: PackedLoader(IterableSource(docs), config=_config(model=str(path)), num_threads=0)
+
+
+def hf_iterable_iterated_before(tmp):
+    """An IterableDataset iterated once (to look at it) before it is handed over: its state_dict then stands at the
+    end of that pass, which is not where the next pass starts (was refused, blaming a shuffle buffer)."""
+    import datasets
+
+    from packloader.sources.hf_iterable import IterableDatasetSource
+
+    ids = datasets.Dataset.from_dict({"text": [f"doc {i}" for i in range(25)]}).to_iterable_dataset()
+    expected = [x["text"] for x in ids]  # the look: a whole pass, the reference for what the source must read
+    src = IterableDatasetSource(ids, block_rows=10)
+    blocks = {s: list(src.read(s, np.arange(src.shards[s].num_rows))) for s in (2, 0, 1)}  # block 0 last read
+    same = all(blocks[s] == expected[10 * s : 10 * s + 10] for s in blocks)
+    return lambda: f"{sum(map(len, blocks.values()))} rows in 3 blocks, {'each' if same else 'not'} as the pass read them"
+
+
+def config_file_path_not_a_string(tmp):
+    (tmp / "run.json").write_text(json.dumps({"lengths": 0}))
+    return lambda: cli("plan", "--config", str(tmp / "run.json"), "--quiet")
+
+
+def config_file_out_not_a_string(tmp):
+    """`"out": 2` was open(2): the plan written into stderr."""
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    (tmp / "run.yaml").write_text(f"lengths: {tmp / 'ok.npy'}\nout: 2\n")
+    return lambda: cli("plan", "--config", str(tmp / "run.yaml"), "--quiet")
+
+
+def config_file_number_is_boolean(tmp):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    (tmp / "run.toml").write_text(f'lengths = "{tmp / "ok.npy"}"\nsteps = true\n')
+    return lambda: cli("plan", "--config", str(tmp / "run.toml"), "--quiet")
+
+
+def config_file_plugin_string(tmp):
+    """`plugin` as one module name (was imported letter by letter: `--plugin n: cannot import it`)."""
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    (tmp / "run.json").write_text(json.dumps({"lengths": str(tmp / "ok.npy"), "plugin": "no_such_planners"}))
+    return lambda: cli("plan", "--config", str(tmp / "run.json"), "--quiet")
+
+
+def config_file_plugin_list(tmp):
+    """`plugin` as a list (was refused): the first imports and registers its planner, the second is named."""
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    (tmp / "one.toml").write_text(f'lengths = "{tmp / "ok.npy"}"\nplugin = ["plugins.round_robin"]\n')
+    assert main(["plan", "--config", str(tmp / "one.toml"), "--strategy", "round_robin_test", "--out",
+                 str(tmp / "p.jsonl"), "--quiet"]) == 0  # a list of one works
+    (tmp / "run.toml").write_text(f'lengths = "{tmp / "ok.npy"}"\nplugin = ["plugins.round_robin", "no_such_planners"]\n')
+    return lambda: cli("plan", "--config", str(tmp / "run.toml"), "--quiet")
+
+
+def _plugin_module(tmp, name: str, body: str) -> None:
+    import sys
+
+    (tmp / f"{name}.py").write_text(body)
+    sys.path.insert(0, str(tmp))  # in the forked child only
+
+
+def plugin_raises_at_import(tmp):
+    _plugin_module(tmp, "broken_planners", "raise RuntimeError('no GPU found')\n")
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--plugin", "broken_planners", "--quiet")
+
+
+def plugin_syntax_error(tmp):
+    _plugin_module(tmp, "typo_planners", "def planner(:\n    pass\n")
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--plugin", "typo_planners", "--quiet")
+
+
+def _hf_hub(endpoint: str | None = None, offline: bool = False):
+    """huggingface_hub pointed at a dead endpoint or in offline mode, in this (forked) process only; the default
+    storage retries quickly."""
+    import huggingface_hub.constants
+    from huggingface_hub import HfFileSystem
+
+    from packloader.sources import storage as storage_mod
+    from packloader.sources.remote import RetryPolicy
+
+    if endpoint is not None:
+        huggingface_hub.constants.ENDPOINT = endpoint
+    huggingface_hub.constants.HF_HUB_OFFLINE = offline
+    HfFileSystem.clear_instance_cache()
+    storage_mod._DEFAULT[os.getpid()] = storage_mod.Storage(retry=RetryPolicy(attempts=2, base_delay_s=0.01))
+
+
+def hf_glob_hub_offline(tmp):
+    _hf_hub(offline=True)
+    return lambda: open_source("hf://datasets/org/name/data/*.parquet")
+
+
+def hf_folder_hub_unreachable(tmp):
+    _hf_hub(endpoint="http://127.0.0.1:9")  # nothing listens there
+    return lambda: open_source("hf://datasets/org/name/data/")
+
+
+def _trainer_state(tmp, damage) -> tuple:
+    """A checkpoint folder whose loader state file (as PackedTrainer writes it) is then damaged by `damage(bytes)`."""
+    from packloader_integrations.hf_resume import load_loader_state, save_loader_state
+
+    a = PackedLoader(IterableSource([np.arange(1, 9, dtype=np.int32)] * 4), config=_config(), num_threads=0)
+    path = Path(save_loader_state(a, str(tmp / "checkpoint-2"), 0))
+    path.write_bytes(damage(path.read_bytes()))
+    return lambda: load_loader_state(a, str(tmp / "checkpoint-2"), 0)
+
+
+def trainer_state_file_truncated(tmp):
+    return _trainer_state(tmp, lambda b: b[: len(b) // 2])
+
+
+def trainer_state_file_garbage(tmp):
+    return _trainer_state(tmp, lambda b: bytes(random.Random(3).randrange(256) for _ in range(len(b))))
+
+
+def merge_states_of_a_merged_state(tmp):
+    """merge_states([merged, rank 0, rank 1]): a merged state passed again among the ranks' states."""
+    from packloader.loader.elastic import merge_states
+
+    docs = [np.arange(1, 1 + n, dtype=np.int32) for n in (5, 70, 30, 200, 12) * 10]
+    states = []
+    for rank in (0, 1):
+        a = PackedLoader(IterableSource(docs), config=_config(parallel=ParallelConfig(dp=2)), dp_rank=rank,
+                         num_threads=0)
+        next(iter(a))
+        states.append(a.state_dict())
+    merged = merge_states(states)
+    return lambda: merge_states([merged, *states])
+
+
+def env_cache_bytes_not_a_size(tmp):
+    """`PACKLOADER_CACHE_BYTES=lots` (units such as 1G or 512Mi are read: tests/test_bad_input_focused.py)."""
+    from packloader.sources.storage import default_storage
+
+    os.environ["PACKLOADER_CACHE_DIR"] = str(tmp / "cache")
+    os.environ["PACKLOADER_CACHE_BYTES"] = "lots"
+    return default_storage
+
+
+def env_cache_dir_without_bytes(tmp):
+    from packloader.sources.storage import default_storage
+
+    os.environ["PACKLOADER_CACHE_DIR"] = str(tmp / "cache")
+    os.environ.pop("PACKLOADER_CACHE_BYTES", None)
+    return default_storage
+
+
+def arrow_null_token_id(tmp):
+    """A null inside a token row of a pyarrow table (was read as token id -2147483648)."""
+    table = pa.table({"input_ids": pa.array([[1, 2, 3], [4, None, 6]], pa.list_(pa.int64()))})
+    return lambda: read_all(open_source(table))
+
+
+def hf_dataset_null_token_id(tmp):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5, None, 6]]})
+    return lambda: read_all(open_source(ds))
+
+
+def storage_cache_dir_without_bytes(tmp):
+    """A disk cache without its bound (was accepted, and nothing was ever cached)."""
+    from packloader.sources.storage import Storage
+
+    return lambda: Storage(cache_dir=str(tmp / "cache"))
+
+
+def storage_block_size_too_small(tmp):
+    """`block_size=1`: a request per byte (a 275 KB JSONL was still being read after 10 minutes)."""
+    from packloader.sources.storage import Storage
+
+    return lambda: Storage(block_size=1)
+
+
 def action_list_slice_order(tmp):
     """Written action lists (a `packloader plan` record) whose stage 0 runs the backward of micro-batch 0 before
     that of micro-batch 1, which holds the next slice of micro-batch 0's document."""
@@ -1075,6 +1276,50 @@ CASES = [
           "PackedLoader(..., cp_rank=...)")),
     Case("profile_slice_term_negative", profile_slice_term_negative, ValueError,
          ("termed.json: not a cost profile: Expected `float` >= 0.0 - at `$.slice_term.x_fwd`",)),
+    Case("profile_lin_floor_negative", profile_lin_floor_negative, CliExit,
+         ("exit 2", "floor.json: not a cost profile: Expected `float` >= 0.0 - at `$.lin_fwd[2]`")),
+    Case("profile_attention_negative", profile_attention_negative, ValueError,
+         ("attn.json: not a cost profile: Expected `float` >= 0.0 - at `$.attn_bwd[0]`",)),
+    Case("hf_iterable_iterated_before", hf_iterable_iterated_before, None,
+         ("25 rows in 3 blocks, each as the pass read them",)),
+    Case("config_file_path_not_a_string", config_file_path_not_a_string, CliExit,
+         ("exit 2", "run.json: key 'lengths' (--lengths): expected a string (a path or name, as the flag takes it), "
+                    "got int 0")),
+    Case("config_file_out_not_a_string", config_file_out_not_a_string, CliExit,
+         ("exit 2", "run.yaml: key 'out' (--out): expected a string", "got int 2")),
+    Case("config_file_number_is_boolean", config_file_number_is_boolean, CliExit,
+         ("exit 2", "run.toml: key 'steps' (--steps): expected a value as --steps takes it, got true")),
+    Case("config_file_plugin_string", config_file_plugin_string, CliExit,
+         ("exit 2", "--plugin no_such_planners: cannot import it (No module named 'no_such_planners')")),
+    Case("config_file_plugin_list", config_file_plugin_list, CliExit,
+         ("exit 2", "--plugin no_such_planners: cannot import it")),
+    Case("plugin_raises_at_import", plugin_raises_at_import, CliExit,
+         ("exit 2", "--plugin broken_planners: importing it raised RuntimeError: no GPU found")),
+    Case("plugin_syntax_error", plugin_syntax_error, CliExit,
+         ("exit 2", "--plugin typo_planners: importing it raised SyntaxError: ", "(typo_planners.py, line 1)")),
+    Case("hf_glob_hub_offline", hf_glob_hub_offline, RemoteError,
+         ("hf://datasets/org/name/data/*.parquet: list failed (OfflineModeIsEnabled: ", "HF_HUB_OFFLINE")),
+    Case("hf_folder_hub_unreachable", hf_folder_hub_unreachable, RemoteError,
+         ("hf://datasets/org/name/data/: list failed after 2 attempts", "HF_ENDPOINT")),
+    Case("trainer_state_file_truncated", trainer_state_file_truncated, ValueError,
+         ("checkpoint-2/packloader_state-rank0.pt: not a readable packloader loader state (RuntimeError: ",
+          "truncated or damaged")),
+    Case("trainer_state_file_garbage", trainer_state_file_garbage, ValueError,
+         ("checkpoint-2/packloader_state-rank0.pt: not a readable packloader loader state (UnpicklingError: ",)),
+    Case("merge_states_of_a_merged_state", merge_states_of_a_merged_state, ValueError,
+         ("merge_states: states[0] is a merged state already", "expected the state_dict() of each DP rank")),
+    Case("env_cache_bytes_not_a_size", env_cache_bytes_not_a_size, ValueError,
+         ("PACKLOADER_CACHE_BYTES='lots': expected a whole number of bytes, or a number with a unit: 1G",)),
+    Case("env_cache_dir_without_bytes", env_cache_dir_without_bytes, ValueError,
+         ("without PACKLOADER_CACHE_BYTES (or with 0): the cache would hold nothing",)),
+    Case("arrow_null_token_id", arrow_null_token_id, SourceError,
+         ("row 1, column 'input_ids': a null token id at position 1, expected an id in [0, 2^31)",)),
+    Case("hf_dataset_null_token_id", hf_dataset_null_token_id, SourceError,
+         ("datasets.Dataset(", "row 1, column 'input_ids': a null token id at position 2")),
+    Case("storage_cache_dir_without_bytes", storage_cache_dir_without_bytes, ValueError,
+         ("without cache_bytes: the disk cache would hold nothing",)),
+    Case("storage_block_size_too_small", storage_block_size_too_small, ValueError,
+         ("block_size=1: expected 0 (exact ranges) or a whole number of bytes >= 4,096",)),
     Case("action_list_slice_order", action_list_slice_order, ValueError,
          ("action lists: pipeline rank 0, stage 0: backward of micro-batch 0 before that of micro-batch 1, which reads "
           "its keys",)),

@@ -94,6 +94,10 @@ def _value(action: argparse.Action, key: str, value: Any, path: str) -> Any:
         if action.dest.startswith("layout_"):
             return value
         return action.const if value else action.default
+    if isinstance(action, argparse._AppendAction):  # a repeatable flag (--plugin): one value or a list of them
+        return [_one(action, where, v) for v in (value if isinstance(value, list) else [value])]
+    if isinstance(value, dict) and action.metavar == "JSON":  # a dict field (planner_options): a table in the file
+        value = json.dumps(value)
     if isinstance(value, (dict, list)) and action.nargs not in ("*", "+"):
         raise ConfigFileError(f"{where}: expected a single value, got {value!r}")
     if action.nargs in ("*", "+"):
@@ -103,7 +107,15 @@ def _value(action: argparse.Action, key: str, value: Any, path: str) -> Any:
 
 
 def _one(action: argparse.Action, where: str, value: Any) -> Any:
-    if action.type is not None and not isinstance(value, bool):
+    """A number, a word or a path, as the flag's type reads it. Options without a type (paths, names) take a
+    string only: a number or a boolean there is a mistake (`"out": 2` would name file descriptor 2, stderr)."""
+    if action.type in (None, str) and not isinstance(value, str):
+        raise ConfigFileError(f"{where}: expected a string (a path or name, as the flag takes it), got "
+                              f"{type(value).__name__} {json.dumps(value)}")
+    if isinstance(value, bool):  # not a number: true would read as 1
+        raise ConfigFileError(f"{where}: expected a value as {action.option_strings[0]} takes it, got "
+                              f"{json.dumps(value)} (true and false are for switches)")
+    if action.type is not None:
         try:
             value = action.type(str(value))
         except (argparse.ArgumentTypeError, ValueError, TypeError) as e:

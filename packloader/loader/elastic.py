@@ -59,8 +59,13 @@ def merge_states(states: list[dict]) -> dict:
     if not states:
         raise ValueError("merge_states needs the state_dict() of every rank of one save, got none")
     states = [upgraded(st) for st in states]
-    for st in states:
+    for i, st in enumerate(states):
         check_state_shape(st)
+        if st["fingerprint"].get("dp_rank") is None or "ranks" in st:
+            raise ValueError(
+                f"merge_states: states[{i}] is a merged state already (merge_states' result: no dp_rank, every "
+                "rank's position in 'ranks'); expected the state_dict() of each DP rank of one save. A merged state "
+                "is loaded as it is (load_state_dict), never merged again")
     first = states[0]["fingerprint"]
     base = {k: v for k, v in first.items() if k != "dp_rank"}
     for st in states[1:]:

@@ -132,12 +132,13 @@ def select_backend(device: torch.device | str, forced: str | None = None, dtype:
     reference that can run. The choice is logged once per (device type, dtype, backend).
     """
     device = torch.device(device)
+    from_env = forced is None and bool(os.environ.get(ENV_BACKEND))
     forced = forced if forced is not None else (os.environ.get(ENV_BACKEND) or None)
     if forced is not None:
         forced = forced.strip().lower()
         reason = _why_not(forced, device, dtype)
         if reason is not None:
-            raise BackendUnavailable(reason)
+            raise BackendUnavailable(f"{ENV_BACKEND}={os.environ[ENV_BACKEND]!r}: {reason}" if from_env else reason)
         choice = forced
     else:
         choice = next(b for b in BACKENDS if _why_not(b, device, dtype) is None)

@@ -98,6 +98,12 @@ class ArrowTableSource(ShardedSource):
         bad = int(raw_rows[np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0]])
         return SourceError(f"{self._location(shard, bad)}: null, expected {'tokens' if self.pretokenized else 'text'}")
 
+    def _null_id_error(self, shard: int, raw_rows: np.ndarray, offsets: np.ndarray, ids: pa.Array) -> SourceError:
+        at = int(np.flatnonzero(ids.is_null().to_numpy(zero_copy_only=False))[0])
+        k = int(np.searchsorted(offsets, at, side="right")) - 1
+        return SourceError(f"{self._location(shard, int(raw_rows[k]))}: a null token id at position "
+                           f"{at - int(offsets[k])}, expected an id in [0, 2^31)")
+
     def _read_raw(self, shard: int, raw_rows: np.ndarray) -> Iterator[RawDocument]:
         if not len(raw_rows):
             return
@@ -108,12 +114,19 @@ class ArrowTableSource(ShardedSource):
             yield from values.to_pylist()
             return
         if pa.types.is_fixed_size_list(values.type):
-            flat = values.flatten().to_numpy(zero_copy_only=False)
+            flat_ids = values.flatten()
             width = values.type.list_size
             offsets = np.arange(len(values) + 1, dtype=np.int64) * width
+            if flat_ids.null_count:
+                raise self._null_id_error(shard, raw_rows, offsets, flat_ids)
+            flat = flat_ids.to_numpy(zero_copy_only=False)
         else:
             offsets = values.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
-            flat = values.values.to_numpy(zero_copy_only=False)
+            flat_ids = values.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+            offsets -= offsets[0]
+            if flat_ids.null_count:  # a null inside a row: its value slot holds anything (0 or -2^31 once cast)
+                raise self._null_id_error(shard, raw_rows, offsets, flat_ids)
+            flat = flat_ids.to_numpy(zero_copy_only=False)
         for k, r in enumerate(raw_rows.tolist()):
             doc = flat[offsets[k] : offsets[k + 1]]
             if doc.size and (doc.min() < 0 or doc.max() > _I32):

@@ -10,8 +10,10 @@ block read later must match: a dataset that does not resume to the same rows thr
 shuffle buffer, whose content datasets does not save; a generator that yields other rows) is an error naming the
 block, never other documents trained silently.
 
-The source reads from where iterating the dataset given would start (its start, or a state loaded into it), and
-works on a copy of it, so the caller's dataset is never moved.
+The source reads from where iterating the dataset given would start (its start, or a state loaded into it), also
+after the caller iterated it (whose `state_dict` then stands at the end of that pass, not at the next one's
+start: block 0 is read by iterating a copy, never by restoring that state), and works on copies of it, so the
+caller's dataset is never moved.
 
 Columns: the rule of `arrow_table.choose_column` (text or tokens; both is an error asking for `column=`), from
 the dataset's features, or its first row's values when it has none.
@@ -40,6 +42,9 @@ def _value(example: dict, column: str, pretokenized: bool, where: str):
         if v is None or isinstance(v, (str, bytes)):
             raise SourceError(f"{where}: {type(v).__name__}, expected a list of token ids")
         a = np.asarray(v)
+        if a.ndim == 1 and a.dtype == object and any(x is None for x in a):
+            raise SourceError(f"{where}: a null token id at position {next(k for k, x in enumerate(a) if x is None)}, "
+                              "expected an id in [0, 2^31)")
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
             raise SourceError(f"{where}: {a.dtype} array of shape {a.shape}, expected a list of token ids")
         if a.size and (a.min() < 0 or a.max() > np.iinfo(np.int32).max):
@@ -65,14 +70,17 @@ class IterableDatasetSource(ShardedSource):
         super().__init__(empty=empty)
         if block_rows < 1:
             raise ValueError(f"block_rows must be >= 1, got {block_rows}")
-        # a copy: restoring block states must not move the caller's dataset (nor a second source built on it)
+        # copies: restoring block states must not move the caller's dataset (nor a second source built on it).
+        # `_first` is never restored: iterated, it starts where the dataset given starts (block 0), even when the
+        # caller iterated it before, which leaves its state_dict at the end of that pass, not where the next starts
         self._ds, self.block_rows, self.cache_blocks = copy.deepcopy(ds), int(block_rows), int(cache_blocks)
+        self._first = copy.deepcopy(ds)
         info_name = getattr(getattr(ds, "info", None), "dataset_name", None)
         self.label = name or (f"datasets.IterableDataset({info_name})" if info_name else "datasets.IterableDataset")
         self.vocab_size = None
         self._lock = threading.Lock()
         self.column, self._pretokenized = None, False
-        self._starts: list[dict] = []  # state_dict at each block's first row
+        self._starts: list[dict | None] = []  # state_dict at each block's first row (block 0: None)
         self._digests: list[str] = []
         self._lengths: list[np.ndarray] = []
         self._scan(column)
@@ -88,7 +96,7 @@ class IterableDatasetSource(ShardedSource):
 
     def _scan(self, column: str | None) -> None:
         ds = self._ds
-        start = copy.deepcopy(ds.state_dict())
+        start = None  # block 0: iterate `_first` from where it starts (see __init__)
         h, lengths = None, []
         for i, ex in enumerate(ds):
             if i == 0:
@@ -127,10 +135,13 @@ class IterableDatasetSource(ShardedSource):
         if rows is not None:
             return rows
         with self._lock:  # one dataset object: restore and iterate one block at a time
-            self._ds.load_state_dict(copy.deepcopy(self._starts[shard]))
+            ds = self._first
+            if self._starts[shard] is not None:
+                ds = self._ds
+                ds.load_state_dict(copy.deepcopy(self._starts[shard]))
             n, first = len(self._lengths[shard]), shard * self.block_rows
             rows = [_value(ex, self.column, self._pretokenized, self._where(first + k))
-                    for k, ex in enumerate(islice(iter(self._ds), n))]
+                    for k, ex in enumerate(islice(iter(ds), n))]
         h = hashlib.blake2b(digest_size=12)
         for v in rows:
             _digest_update(h, v)

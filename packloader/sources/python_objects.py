@@ -88,6 +88,9 @@ def python_source(items: list, *, column: str | None = None, empty: str = "error
 def _token_arrays(items: list, label: str) -> IterableSource:
     for i, x in enumerate(items):
         a = np.asarray(x)
+        if a.ndim == 1 and a.dtype == object and any(v is None for v in a):
+            raise SourceError(f"{label}, row {i}: a null token id at position "
+                              f"{next(k for k, v in enumerate(a) if v is None)}, expected an id in [0, 2^31)")
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
             raise SourceError(f"{label}, row {i}: {a.dtype} values of shape {a.shape}, expected texts, dicts or "
                               "1-D integer token arrays")

@@ -120,6 +120,8 @@ def classify(e: BaseException) -> str:
             "RefreshError") or (type(e).__module__.startswith("google.auth")  # a 401 the credentials cannot renew
                                 and type(e).__name__ != "TransportError"):
         return "denied"
+    if name == "OfflineModeIsEnabled":  # huggingface_hub's, a ConnectionError that no retry can end
+        return "other"
     if code in _TRANSIENT_CODES or (code.isdigit() and code.startswith("5")):
         return "transient"
     names = {c.__name__ for c in type(e).__mro__}
@@ -326,6 +328,11 @@ class FsStore:
         return data
 
     def listing(self, url: str) -> list[str]:
+        """The files under a folder or matching a glob; a store that cannot be reached is an error naming `url`
+        (retried as a stat is), not the filesystem's own exception."""
+        return with_retries(lambda: self._listing(url), url, self.policy, "list")
+
+    def _listing(self, url: str) -> list[str]:
         if self._arrow:
             import pyarrow.fs as pafs
 

@@ -25,6 +25,7 @@ from packloader.sources.remote import FsStore, ObjectInfo, RemoteFile, RetryPoli
 from packloader.sources.remote_cache import BlockCache, MemoryBlocks
 from packloader.sources.remote_cloud import AZURE_SCHEMES, GCS_SCHEMES, AzureStore, GcsStore
 from packloader.sources.remote_http import HTTP_SCHEMES, HttpStore
+from packloader.sources.storage_options import cache_from_env, check_storage_options
 from packloader.sources.unsupported import UnsupportedSourceError, url_scheme
 
 S3_SCHEMES = ("s3", "s3a")
@@ -52,6 +53,7 @@ class Storage:
                  fetch_threads: int = 8, read_ahead_bytes: int = 64 << 20,
                  merge_gap_bytes: int = MERGE_GAP_BYTES) -> None:
         self.filesystem = filesystem
+        check_storage_options(block_size=block_size, cache_dir=cache_dir, cache_bytes=cache_bytes, index_dir=index_dir)
         if int(merge_gap_bytes) < 0:
             raise ValueError(f"merge_gap_bytes must be >= 0, got {merge_gap_bytes}")
         self.merge_gap_bytes = int(merge_gap_bytes)
@@ -127,8 +129,8 @@ def default_storage() -> Storage:
     """The process's storage for URLs given without one (the AWS settings; cache from the environment)."""
     pid = os.getpid()
     if pid not in _DEFAULT:
-        _DEFAULT[pid] = Storage(cache_dir=os.environ.get("PACKLOADER_CACHE_DIR"),
-                                cache_bytes=int(os.environ.get("PACKLOADER_CACHE_BYTES", "0") or 0))
+        cache_dir, cache_bytes = cache_from_env()
+        _DEFAULT[pid] = Storage(cache_dir=cache_dir, cache_bytes=cache_bytes)
     return _DEFAULT[pid]
 
 

@@ -23,5 +23,14 @@ def load_profile(path: str | os.PathLike) -> CostProfile:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
 
 
+def check_profile(profile: CostProfile) -> CostProfile:
+    """A CostProfile built in code, held to the rules a file is (msgspec checks constraints only when decoding):
+    every coefficient >= 0 and finite; a ValueError naming the profile and the field otherwise."""
+    try:
+        return msgspec.convert(msgspec.to_builtins(profile), CostProfile)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"cost profile {profile.name!r}: {e}") from None
+
+
 def save_profile(profile: CostProfile, path: str | os.PathLike) -> None:
     Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(profile), indent=2) + b"\n")

@@ -16,7 +16,7 @@ from packloader.balancers.cost.devices import DEFAULT_DEVICE, load_device
 from packloader.balancers.cost.measured import measured_profile
 from packloader.balancers.cost.memory import max_tokens_for_memory
 from packloader.balancers.cost.model import CostModel
-from packloader.balancers.cost.profile_io import PROFILES_DIR, load_profile
+from packloader.balancers.cost.profile_io import PROFILES_DIR, check_profile, load_profile
 from packloader.contracts import CostProfile, ParallelConfig
 
 Cost = Literal["measured", "analytic"]
@@ -49,7 +49,7 @@ def load_cost_model(
     if isinstance(spec, CostModel):
         return spec
     if isinstance(spec, CostProfile):
-        return CostModel(spec)
+        return CostModel(check_profile(spec))
     if cost not in ("measured", "analytic"):
         raise ValueError(f"unknown cost model {cost!r}; expected 'measured' or 'analytic'")
     dev = load_device(device)

@@ -164,6 +164,10 @@ def load_plugins(modules: list[str] | tuple[str, ...]) -> None:
         except ImportError as e:
             raise ValueError(f"--plugin {module}: cannot import it ({e}); expected an importable module name "
                              f"(on PYTHONPATH) that calls register_planner") from None
+        except Exception as e:  # noqa: BLE001 - the plugin's own code failed (SyntaxError included): name it
+            raise ValueError(f"--plugin {module}: importing it raised {type(e).__name__}: {e}; the module "
+                             "(or one it imports) fails before it can register a planner: fix it or leave "
+                             "--plugin out") from e
 
 
 def _load_builtins() -> None:

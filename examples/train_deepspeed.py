@@ -107,8 +107,8 @@ def main(argv=None) -> int:
     from packloader_integrations.deepspeed import disable_shm_comm_op
 
     disable_shm_comm_op()
-    args.out.mkdir(parents=True, exist_ok=True)
     ckpt = args.out / "checkpoint"
+    ckpt.mkdir(parents=True, exist_ok=True)  # every rank writes its loader state beside DeepSpeed's files
 
     say("run 1: the whole epoch, checkpoint after step", args.resume_at)
     first = train(args, make_engine(args, args.seed), make_loader(args), stop_after=args.resume_at, ckpt=ckpt)

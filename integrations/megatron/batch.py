@@ -338,7 +338,7 @@ def check_megatron_config(config: Any, *, pipeline_parallel_size: int | None = N
                          f"variable_seq_lengths=True{ALLTOALL} (or PackedLoader(pad_to_tokens=...) for one fixed "
                          "size)")
     dispatcher = getattr(config, "moe_token_dispatcher_type", None)
-    if (variable or getattr(config, "variable_seq_lengths", False)) and dispatcher not in (None, "alltoall", "flex"):
+    if (variable or getattr(config, "variable_seq_lengths", False)) and dispatcher == "allgather":
         raise ValueError(f"variable_seq_lengths=True with moe_token_dispatcher_type={dispatcher!r}: megatron-core's "
                          f"TransformerConfig refuses that pair{ALLTOALL}")
 

@@ -94,7 +94,9 @@ def train(args, engine, loader, *, stop_after: int | None = None, ckpt: Path | N
         if n == stop_after:
             engine.save_checkpoint(str(ckpt), tag="resume")
             torch.save(loader.state_dict(), ckpt / f"loader-rank{torch.distributed.get_rank()}.pt")
-    return {"losses": losses, "pieces": pieces}
+    # DP replicas whose gradients DeepSpeed averaged stay identical: the same sum on both ranks
+    checksum = float(sum(p.detach().double().sum() for p in engine.module.parameters()))
+    return {"losses": losses, "pieces": pieces, "checksum": checksum}
 
 
 def main(argv=None) -> int:

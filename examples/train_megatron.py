@@ -151,6 +151,10 @@ def steps_of(args, loader):
             group = []
 
 
+def param_checksum(model) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
 def train(args, model, optimizer, loader, *, stop_after=None, ckpt=None) -> dict:
     losses, pieces = {}, {}
     rank = torch.distributed.get_rank()
@@ -163,7 +167,8 @@ def train(args, model, optimizer, loader, *, stop_after=None, ckpt=None) -> dict
         if n == stop_after:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "loader": loader.state_dict()}, ckpt / f"rank{rank}.pt")
-    return {"losses": losses, "pieces": pieces}
+    # DP replicas that reduced their gradients stay identical: the same sum on every DP rank of a stage
+    return {"losses": losses, "pieces": pieces, "checksum": param_checksum(model)}
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,8 @@
 """examples/train_deepspeed.py and examples/train_megatron.py (PP 1 and PP 2), each on 2 gloo ranks through
-torchrun as a user runs them: the process exits 0 without "terminate called" (the DeepSpeed one leaves its loaders
-to the exit, without destroy_process_group), every step's line is printed once (rank 0), the resumed run repeats
-the uninterrupted run's steps (same pieces, same loss), and the epoch trains every byte of the corpus files once:
+torchrun as a user runs them: the process exits 0 without "terminate called" (the DeepSpeed one without
+destroy_process_group), every step's line is printed once (rank 0), the resumed run repeats
+the uninterrupted run's steps (same pieces, same loss), the DP replicas end with equal parameters (their gradients
+were reduced), and the epoch trains every byte of the corpus files once:
 each document's pieces tile [0, its length) and the lengths are the files' own sizes plus the EOS token, read
 here from the files."""
 
@@ -70,6 +71,8 @@ def check_run(res: subprocess.CompletedProcess, out: Path, stages: int = 1) -> d
         assert {s: second[r]["pieces"][s] for s in resumed} == {s: first[r]["pieces"][s] for s in resumed}
     for s in resumed:  # same model, optimizer and data from the checkpoint on: the same losses
         assert second[0]["losses"][s] == pytest.approx(first[0]["losses"][s], rel=1e-6, abs=0)
+    if stages == 1:  # the DP gradient reduction ran: both replicas hold the same parameters after every run
+        assert first[0]["checksum"] == first[1]["checksum"] and second[0]["checksum"] == second[1]["checksum"]
     losses = [first[0]["losses"][s] for s in steps]
     assert losses[-1] < losses[0] - 0.5  # it trains
     lines = re.findall(r"^step (\d+): loss ", res.stdout, flags=re.M)

@@ -15,6 +15,7 @@ import os
 import shutil
 import struct
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -107,16 +108,18 @@ def test_report_renders_in_chromium_every_figure_loads_and_the_console_stays_emp
     pngs = sorted(report_dir.glob("*.png"))
     assert html.exists() and len(pngs) >= 3, sorted(p.name for p in report_dir.iterdir())
     profile = tmp_path / "profile"  # a fresh user-data-dir: no state from another run
-    proc = subprocess.Popen([exe, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "chromium.log"  # a file, not a pipe nobody reads while it runs
+    with open(log, "w") as err:
+        proc = subprocess.Popen([exe, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+                                stdout=subprocess.DEVNULL, stderr=err)
     try:
         active = profile / "DevToolsActivePort"  # Chromium writes its port here once it listens
-        for _ in range(600):
+        for _ in range(600):  # a bound for a browser that never starts, not a timing assertion
             if active.exists() and active.read_text().strip():
                 break
             if proc.poll() is not None:
-                pytest.fail(f"chromium exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            asyncio.run(asyncio.sleep(0.2))
+                pytest.fail(f"chromium exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
         port = int(active.read_text().split()[0])
         images, shot, noise = asyncio.run(render(html.resolve().as_uri(), port))
     finally:

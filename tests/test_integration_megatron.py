@@ -197,6 +197,27 @@ def test_iterator_provider_and_config_checks(corpus):
                                                  variable_seq_lengths=True))
 
 
+def test_variable_seq_lengths_needs_the_alltoall_dispatcher_and_the_check_says_so():
+    """megatron-core's own TransformerConfig refuses variable_seq_lengths with its default dispatcher, in a model
+    without MoE; check_megatron_config names the dispatcher in its PP message and refuses a config that reached it
+    with 'allgather' (a field set after construction escapes megatron's own check)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    common = dict(num_layers=2, hidden_size=16, num_attention_heads=2, pipeline_model_parallel_size=2,
+                  pipeline_dtype=torch.float32, calculate_per_token_loss=True)
+    with pytest.raises(ValueError, match="allgather does not support variable sequence length"):
+        TransformerConfig(variable_seq_lengths=True, **common)
+    ok = TransformerConfig(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall", **common)
+    pm.check_megatron_config(ok)
+    without = TransformerConfig(**common)
+    with pytest.raises(ValueError, match="variable_seq_lengths=True and, in a TransformerConfig, "
+                                         "moe_token_dispatcher_type='alltoall'"):
+        pm.check_megatron_config(without)
+    without.variable_seq_lengths = True  # set after __post_init__: megatron's check never ran
+    with pytest.raises(ValueError, match="moe_token_dispatcher_type='allgather'.*'alltoall'"):
+        pm.check_megatron_config(without)
+
+
 @pytest.mark.multiprocess
 def test_adapters_import_lazily_and_name_the_extra():
     code = (

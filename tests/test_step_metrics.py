@@ -121,6 +121,32 @@ def test_megatron_iterator_logs_each_step_once(docs, caplog):
         assert line.startswith(f"step {s} ") and "predicted" in line and "tokens" in line
 
 
+def _log_from_two_ranks(rank, world, docs):
+    """Each gloo rank's MegatronDataIterator log lines (the default: global rank 0 logs, the others do not)."""
+    from packloader_integrations import megatron as pm
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("packloader.megatron")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    loader = PackedLoader(IterableSource(docs), config=config("fixed", dp=world), dp_rank=rank, num_threads=0,
+                          append_eos=False)
+    steps = {d["step_metrics"].step for d in pm.MegatronDataIterator(loader)}
+    return len(steps), [r.getMessage() for r in records]
+
+
+@pytest.mark.multiprocess
+def test_megatron_iterator_logs_each_step_once_over_two_ranks(docs):
+    pytest.importorskip("megatron.core")
+    from helpers.distributed import run_ranks
+
+    (steps0, lines0), (steps1, lines1) = run_ranks(_log_from_two_ranks, 2, docs)
+    assert steps0 == steps1 > 1
+    assert len(lines0) == steps0 and lines1 == []
+
+
 def test_package_logger_is_quiet_by_default():
     logger = logging.getLogger("packloader")
     assert any(isinstance(h, logging.NullHandler) for h in logger.handlers)

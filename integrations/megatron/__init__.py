@@ -1,6 +1,7 @@
 """Megatron-core adapter: packloader micro-batches as the batches of Megatron's GPT training step (THD format).
 
-What a Megatron pretraining script needs, in its own terms::
+What a Megatron-LM pretraining script needs, in its own terms (``pretrain`` is Megatron-LM's; megatron-core alone
+has no training loop: ``examples/train_megatron.py`` is one, with DDP and ``finalize_model_grads``)::
 
     from packloader_integrations.megatron import make_datasets_provider, forward_step
 
@@ -11,7 +12,8 @@ What a Megatron pretraining script needs, in its own terms::
 
 and in the model config ``calculate_per_token_loss=True`` (the loss is a sum over tokens, normalised by the
 number of loss tokens of the whole global step, micro-batches, DP and CP ranks together) and, with pipeline
-parallelism, ``variable_seq_lengths=True`` (see ``check_megatron_config``).
+parallelism, ``variable_seq_lengths=True`` with ``moe_token_dispatcher_type="alltoall"`` (megatron-core refuses the
+default "allgather" with it, MoE or not; see ``check_megatron_config``).
 
 Each batch is a dict (``megatron_batch``): ``tokens``, ``labels``, ``position_ids`` (int64 ``[1, n]``),
 ``loss_mask`` (float32 ``[1, n]``), ``attention_mask`` None (THD attention masks by ``cu_seqlens``) and a real

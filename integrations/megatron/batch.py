@@ -169,13 +169,15 @@ def gpt_sample(ids, lab, pos, params, label_pad: int, device: Any) -> dict[str, 
 class MegatronDataIterator:
     """This rank's packloader micro-batches as Megatron batch dicts; an iterator, as Megatron's
     ``--dataloader-type external`` expects. ``num_microbatches``: Megatron's micro-batches per step (checked against
-    every packloader step). ``state_dict``/``load_state_dict`` pass through to the loader (exact resume)."""
+    every packloader step). ``state_dict``/``load_state_dict`` pass through to the loader (exact resume).
+    ``log_metrics``: log each step's StepMetrics line (default: on global rank 0 only, so 2 ranks log it once)."""
 
     def __init__(self, loader: Iterable[PackedBatch], *, num_microbatches: int | None = None, cp_size: int = 1,
                  cp_rank: int = 0, cp_layout: str = "packloader", cp_mode: str = "document", cost_model: Any = None,
                  label_pad: int = 0, device: Any = None, slices: bool = False,
-                 pipeline_parallel_size: int | None = None) -> None:
+                 pipeline_parallel_size: int | None = None, log_metrics: bool | None = None) -> None:
         self.loader = loader
+        self.log_metrics = _global_rank() == 0 if log_metrics is None else bool(log_metrics)
         self.num_microbatches = num_microbatches
         self.pipeline_parallel_size = _pp_size() if pipeline_parallel_size is None else int(pipeline_parallel_size)
         self.slices = slices
@@ -191,7 +193,8 @@ class MegatronDataIterator:
             self._it = iter(self.loader)
         batch = next(self._it)
         check_micro_batches(batch.step, batch.micro_batches_in_step, self.num_microbatches, "Megatron's schedule")
-        if batch.index_in_step == 0 and batch.step_metrics is not None:  # once per step, at its first micro-batch
+        if self.log_metrics and batch.index_in_step == 0 and batch.step_metrics is not None:
+            # once per step, at its first micro-batch, on global rank 0 only: the record is the step's, every rank's same
             log.info("%s", format_step_metrics(batch.step_metrics))
         if any(s.attend_from < s.start for s in batch.segments):
             if self.pipeline_parallel_size > 1 and not self.slices:
@@ -242,6 +245,12 @@ def forward_step(data_iterator, model):
     tokens, labels, loss_mask, attention_mask, position_ids, params = get_batch(data_iterator)
     output = model(tokens, position_ids, attention_mask, labels=labels, packed_seq_params=params)
     return output, partial(loss_func, loss_mask)
+
+
+def _global_rank() -> int:
+    """torch.distributed's rank where it is initialised, else 0."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _pp_size() -> int:
@@ -306,18 +315,30 @@ def make_datasets_provider(
     return provider
 
 
+# megatron-core's TransformerConfig raises "Token dispatcher type: allgather does not support variable sequence
+# length" for its default dispatcher, even in a model without MoE layers
+ALLTOALL = (" and, in a TransformerConfig, moe_token_dispatcher_type='alltoall' (megatron-core refuses "
+            "variable_seq_lengths with its default 'allgather' dispatcher, even without MoE)")
+
+
 def check_megatron_config(config: Any, *, pipeline_parallel_size: int | None = None,
                           fixed_token_count: bool = False) -> None:
     """Refuse a Megatron ``TransformerConfig``/``ModelParallelConfig`` that would mis-handle packloader batches:
     per-token loss needs ``calculate_per_token_loss=True``; pipeline parallelism with micro-batches of different
-    token counts needs ``variable_seq_lengths=True`` (unless every micro-batch is padded to one size)."""
+    token counts needs ``variable_seq_lengths=True`` (unless every micro-batch is padded to one size), which
+    megatron-core (0.16) accepts only with ``moe_token_dispatcher_type="alltoall"``, MoE or not."""
     if hasattr(config, "calculate_per_token_loss") and not config.calculate_per_token_loss:
         raise ValueError("set calculate_per_token_loss=True: packloader's micro-batches hold different numbers of "
                          "loss tokens, and averaging per micro-batch would weight tokens unequally")
     pp = pipeline_parallel_size if pipeline_parallel_size is not None else getattr(
         config, "pipeline_model_parallel_size", 1)
-    if pp > 1 and not fixed_token_count and not getattr(config, "variable_seq_lengths", False):
+    variable = pp > 1 and not fixed_token_count
+    if variable and not getattr(config, "variable_seq_lengths", False):
         raise ValueError(f"pipeline_model_parallel_size={pp} with packed micro-batches of varying token counts needs "
-                         "variable_seq_lengths=True (or PackedLoader(pad_to_tokens=...) for one fixed size)")
-
+                         f"variable_seq_lengths=True{ALLTOALL} (or PackedLoader(pad_to_tokens=...) for one fixed "
+                         "size)")
+    dispatcher = getattr(config, "moe_token_dispatcher_type", None)
+    if (variable or getattr(config, "variable_seq_lengths", False)) and dispatcher == "allgather":
+        raise ValueError(f"variable_seq_lengths=True with moe_token_dispatcher_type={dispatcher!r}: megatron-core's "
+                         f"TransformerConfig refuses that pair{ALLTOALL}")
 

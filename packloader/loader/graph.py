@@ -14,6 +14,7 @@ from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
 from packloader.loader.chunks import ChunkLoader, ChunkNode
 from packloader.loader.distributed import RankExchange, resolve_dp_rank
+from packloader.loader.graph_threads import stop, watch
 from packloader.loader.nodes import StepCollator, StepNode, StepReader, StepWork
 from packloader.loader.state import LoaderOptions, validate_config, validate_options
 from packloader.sources.stream import DocumentStream
@@ -42,23 +43,6 @@ def _unwrap(e: BaseException) -> BaseException:
     except Exception:  # noqa: BLE001 - an exception type that needs other arguments
         clean = RuntimeError(text)
     return clean
-
-
-def _shutdown(node, seen=None) -> None:
-    """Stop the threads of a torchdata node graph (best effort; they are daemon threads anyway)."""
-    seen = set() if seen is None else seen
-    if node is None or id(node) in seen:
-        return
-    seen.add(id(node))
-    if hasattr(node, "_shutdown"):
-        try:
-            node._shutdown()
-        except Exception:  # noqa: BLE001 - cleanup only
-            pass
-    for attr in ("_it", "source", "chunks", "root"):
-        child = getattr(node, attr, None)
-        if child is not None and not isinstance(child, (int, str)):
-            _shutdown(child, seen)
 
 
 class LoaderPipeline:
@@ -186,9 +170,11 @@ class StepGraph:
     def __init__(self, root, steps: StepNode) -> None:
         self.root, self.steps = root, steps
         self.started = False
+        self._watch = None  # stops the threads if the graph is dropped unclosed, or at exit (graph_threads)
 
     def next(self) -> ReadyStep:
         if not self.started:
+            self._watch = watch(self, self.root, self.steps)
             self.root.reset()
             self.started = True
         try:
@@ -199,8 +185,10 @@ class StepGraph:
                 raise
             raise clean from e
 
-    def close(self) -> None:
-        self.steps.close()
-        _shutdown(self.root)
+    def close(self, *, final: bool = False, wait: float = 0.0) -> None:
+        """`final`: the loader is done with its rank exchange too; `wait`: seconds to wait for the threads."""
+        if self._watch is not None:
+            self._watch.detach()
+        stop(self.root, self.steps, final=final, wait=wait)
 
 

@@ -30,7 +30,8 @@ ALLOWED = {
     "packloader": None,  # the package's lazy re-exports
 }
 # Inside balancers/: which wing may import which.
-WINGS = {"cost": set(), "sim": {"cost"}, "planners": {"cost", "sim"}, "offline": {"planners", "cost", "draw"}, "draw": {"planners"}}
+WINGS = {"cost": set(), "sim": {"cost"}, "planners": {"cost", "sim"}, "offline": {"planners", "cost", "draw"}, "draw": {"planners"},
+         "warm_up": {"offline", "planners"}}
 
 
 def _layer(module: str) -> str:

@@ -14,6 +14,7 @@ Two kinds, both offline:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Any, Protocol, Sequence
@@ -73,7 +74,7 @@ class HFChat:
         return list(self.tok(text=text)["input_ids"])
 
     def __reduce__(self):
-        return HFChat, (self.tok, self.template)
+        return functools.partial(HFChat, chat_template=self.template), (self.tok,)
 
 
 class MistralChat:

@@ -39,9 +39,8 @@ import torch
 
 from packloader.collate.batch import IGNORE_INDEX, PackedBatch
 from packloader.collate.fill import fill_segments, layout_segments
-from packloader.collate.loss_mask import apply_loss_masks
+from packloader.collate.loss_mask import apply_loss_masks, loss_mask_of, segment_targets
 from packloader.contracts import Segment, StepPlan
-from packloader.sources.loss_mask import loss_mask_of, segment_targets
 
 LAYOUTS = ("flat", "hf")
 
@@ -77,7 +76,8 @@ def loss_tokens_in_plan(plan: StepPlan, doc_lengths: Mapping[int, int],
                 if key in seen:
                     continue
                 seen.add(key)
-                total += segment_loss_tokens(s, int(doc_lengths[s.doc]), None if tokens is None else tokens.get(s.doc))
+                doc = None if tokens is None else tokens.get(s.doc)
+                total += segment_loss_tokens(s, int(doc_lengths[s.doc]), doc)
     return total
 
 

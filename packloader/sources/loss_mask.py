@@ -6,8 +6,9 @@ token array keeps every stage between source and collate unchanged: they pass do
 and a plain array means "every token trains", as before. A document's first token is never a target, whatever its
 mask says.
 
-`dropped`: why a source turned a row into an empty document (the loader skips and counts empty documents); the
-loader's stats count each reason (`LoaderStats.sft_dropped`).
+`dropped`: why a source turned a row into an empty document ("no_loss", "too_long"); the loader skips empty
+documents and counts each reason (`LoaderStats.dropped_no_loss`, `dropped_too_long`). Collate reads the mask by
+its attribute name (`collate.loss_mask`).
 """
 
 from __future__ import annotations
@@ -72,17 +73,3 @@ def as_int32(tokens):
     if tokens.dtype == np.int32:
         return tokens
     return MaskedTokens(np.asarray(tokens).view(np.ndarray).astype(np.int32), mask, tokens.dropped)
-
-
-def segment_targets(tokens, start: int, end: int) -> int:
-    """Loss targets of tokens start..end-1 of a document: token t's target is token t + 1 of the same document,
-    counted when the mask lets t + 1 train (a piece's last token predicts the next piece's first)."""
-    n = len(tokens)
-    hi = min(end + 1, n)
-    lo = start + 1
-    if hi <= lo:
-        return 0
-    mask = loss_mask_of(tokens)
-    if mask is None:
-        return hi - lo
-    return int(np.count_nonzero(mask[lo:hi]))

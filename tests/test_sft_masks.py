@@ -10,13 +10,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from helpers.distributed import run_ranks
 
 from packloader import PackedLoader
 from packloader.collate.collate import collate_step, loss_tokens_in_plan
 from packloader.contracts import MicroBatch, ParallelConfig, PlanConfig, RankPlan, Segment, StepPlan
 from packloader.sources.loss_mask import MaskedTokens
 from packloader.sources.sft import SftSource
-from tests.helpers.distributed import run_ranks
 
 
 def _masked_docs(n: int, seed: int, lo: int = 2, hi: int = 90) -> list[MaskedTokens]:

@@ -13,12 +13,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers.sft_data import CONVERSATIONS, PLAIN_PAIRS, TOKENIZER_DIR
 
 from packloader import PackedLoader
 from packloader.contracts import PlanConfig
 from packloader.sources.errors import SourceError
 from packloader.sources.sft import SftSource
-from tests.helpers.sft_data import CONVERSATIONS, PLAIN_PAIRS, TOKENIZER_DIR
 
 ROWS = [{"messages": c} for c in CONVERSATIONS]
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.sft_data import CHAT_PAIRS, CONVERSATIONS, PLAIN_PAIRS, TOKENIZER_DIR
 
 from packloader.collate.collate import collate
 from packloader.contracts import Segment
 from packloader.sources.sft import SftSource
-from tests.helpers.sft_data import CHAT_PAIRS, CONVERSATIONS, PLAIN_PAIRS, TOKENIZER_DIR
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "sft_trl_1.16.0.json"
 

@@ -174,7 +174,7 @@ def collate_step(
     if len(start):
         fill_segments(buf, base, start, end, attend, length, out_at, out_end, int(pad_id), all_ids, all_labels,
                       all_pos)
-        apply_loss_masks(get, doc, start, end, out_at, mb_ptr, all_labels, n_loss)
+        apply_loss_masks(get, doc, start, end, base, out_at, mb_ptr, all_labels, n_loss)
     return CollatedStep(StepArrays(
         segments=micro_batches, ptr=mb_ptr, at=mb_at.tolist(), ids=all_ids, labels=all_labels, pos=all_pos,
         doc=doc, cu=cu, cu_k=cu_k, cu_p=cu_p if padded else None, loss=n_loss.tolist(), max_q=max_q.tolist(),

@@ -153,3 +153,23 @@ def test_ranks_share_the_masked_normaliser_and_train_each_target_once(lengths):
     assert set(got.values()) == {1}
     want = sum(sum(r["loss_mask"][1:]) for r in rows)
     assert len(got) == want
+
+
+def test_the_cost_model_prices_masked_tokens_too():
+    """The same rows with their masks and with every token trained plan alike (segments and predicted costs): a
+    mask changes the labels and the normaliser, never the packing."""
+    rows = _rows(40, seed=2)
+    cfg = PlanConfig(strategy="wlb", max_tokens=128, context=128, tokens_per_step=512)
+    plans = []
+    for loss_on in (None, "all"):
+        loader = PackedLoader(SftSource(rows, loss_on=loss_on), tokenizer=None, config=cfg, num_threads=1)
+        batches = list(loader)
+        loader.close()
+        plans.append([(b.step, [(s.doc, s.start, s.end) for s in b.segments], b.plan.ranks[0].micro_batches[0].fwd_cost)
+                      for b in batches])
+        losses = sum(b.num_loss_tokens for b in batches)
+        if loss_on is None:
+            assert losses == sum(sum(r["loss_mask"][1:]) for r in rows)
+        else:
+            assert losses == sum(len(r["input_ids"]) - 1 for r in rows)
+    assert plans[0] == plans[1]

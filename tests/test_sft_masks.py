@@ -173,3 +173,26 @@ def test_the_cost_model_prices_masked_tokens_too():
         else:
             assert losses == sum(len(r["input_ids"]) - 1 for r in rows)
     assert plans[0] == plans[1]
+
+
+def test_a_state_saved_before_the_sft_counts_existed_resumes():
+    """LoaderStats gained dropped_no_loss, dropped_too_long and no_loss_documents: a state without them (saved by
+    the version before) resumes, with them at 0, to the same batches."""
+    from packloader.sources.base import IterableSource
+
+    docs = [np.arange(1, n + 2, dtype=np.int32) for n in range(60)]
+    cfg = PlanConfig(strategy="fixed", max_tokens=128, context=128, tokens_per_step=256)
+    a = PackedLoader(IterableSource(docs), config=cfg, tokenizer=None, append_eos=False, num_threads=1)
+    it = iter(a)
+    for _ in range(3):
+        next(it)
+    state = a.state_dict()
+    rest = [b.input_ids.tolist() for b in it]
+    a.close()
+    for name in ("dropped_no_loss", "dropped_too_long", "no_loss_documents"):
+        state["stats"].pop(name)
+        state["loader"]["step_state"]["stats"].pop(name)
+    b = PackedLoader(IterableSource(docs), config=cfg, tokenizer=None, append_eos=False, num_threads=1)
+    b.load_state_dict(state)
+    assert [x.input_ids.tolist() for x in b] == rest
+    b.close()

@@ -120,10 +120,10 @@ class SftSource:
         if fmt == "messages":
             if "messages" not in row:
                 raise SourceError(f"{where}: no field 'messages' (fields {sorted(row)})")
-            ids, amask = self._chat(_messages(row["messages"], where, "messages"), where, on == "assistant")
             if on == "completion":
                 raise SourceError(f"{where}: loss_on='completion' needs prompt/completion rows; a 'messages' row "
                                   "trains on 'assistant' or 'all'")
+            ids, amask = self._chat(_messages(row["messages"], where, "messages"), where, on == "assistant")
             return ids, amask if on == "assistant" else [1] * len(ids)
         if fmt == "prompt-completion":
             return self._pair(row, where)
@@ -133,7 +133,7 @@ class SftSource:
         try:
             return self.chat.render(messages, add_generation_prompt=add_generation_prompt,
                                     assistant_mask=assistant_mask)
-        except (ValueError, TypeError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - templates and mistral-common raise many kinds; name the row
             raise SourceError(f"{where}: the chat template refused the conversation ({type(e).__name__}: {e})") from e
 
     def _pair(self, row: dict, where: str) -> tuple[list[int], list[int]]:

@@ -170,3 +170,18 @@ def test_no_loss_rows_and_long_rows_outcomes_are_counted():
         _stats(rows, on_no_loss="keep", on_too_long="error", context=64)
     with pytest.raises(ValueError, match="needs context="):
         SftSource(rows, on_too_long="drop")
+
+
+def test_mistral_conversational_pairs_train_the_completion():
+    """A conversational pair through Tekken's instruct format: the prompt ends in [/INST], so the completion's
+    tokens (what `loss_on="completion"` trains) are the last assistant message's content and </s>."""
+    from mistral_common.protocol.instruct.validator import ValidationMode
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    pairs = [{"prompt": c[:-1], "completion": c[-1:]} for c in CONVERSATIONS]
+    src = SftSource(pairs, "mistral")
+    inner = MistralTokenizer.from_file(src.chat.path, mode=ValidationMode.finetuning).instruct_tokenizer.tokenizer
+    for (ids, mask), pair in zip(_docs(src), pairs):
+        want = inner.encode(pair["completion"][0]["content"], bos=False, eos=False) + [inner.eos_id]
+        assert [t for t, m in zip(ids, mask) if m] == want
+        assert mask == [0] * (len(ids) - len(want)) + [1] * len(want)

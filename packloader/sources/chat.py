@@ -9,7 +9,8 @@ Two kinds, both offline:
 - `MistralChat`: Mistral's Tekken through mistral-common's instruct tokenizer (`MistralTokenizer.from_file` on the
   Tekken file mistral-common ships, or a path). The tokens are `encode_chat_completion`'s; the assistant's are
   those its assistant-message encoder produced (the content and its `</s>`), found by recording each message
-  encoder's output during that same call, and checked to add up to the request's tokens.
+  encoder's output during that same call, and checked to add up to the request's tokens. Conversations are
+  validated as for fine-tuning (they end with the assistant's turn); a pair's prompt alone, as for inference.
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ class MistralChat:
     def render(self, messages, *, add_generation_prompt=False, assistant_mask=True):
         from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
-        # add_generation_prompt needs nothing: a conversation that ends with the user's turn ends in [/INST]
+        if add_generation_prompt:  # a prompt alone, ending in the user's turn ([/INST]): validated as a request
+            tokens = self._requests().encode_chat_completion(ChatCompletionRequest(messages=messages)).tokens
+            return list(tokens), [0] * len(tokens)
         self._record.log = []
         try:
             tokens = self.mt.encode_chat_completion(ChatCompletionRequest(messages=messages)).tokens
@@ -128,6 +131,15 @@ class MistralChat:
                 mask[at : at + n] = [1] * n
             at += n
         return list(tokens), mask
+
+    def _requests(self):
+        """The same tokenizer validating as for inference (a conversation may end with the user's turn)."""
+        if getattr(self, "_test_mt", None) is None:
+            from mistral_common.protocol.instruct.validator import ValidationMode
+            from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+            self._test_mt = MistralTokenizer.from_file(self.path, mode=ValidationMode.test)
+        return self._test_mt
 
     def encode_text(self, text, *, end=False):
         inner = self.mt.instruct_tokenizer.tokenizer

@@ -123,9 +123,10 @@ class MistralChat:
         finally:
             self._record.log = None
         mask = [0] * len(tokens)
-        at = len(tokens) - sum(n for _, n in log)
-        if at < 0:
-            raise RuntimeError(f"{self.name}: the message encoders gave more tokens than the request holds")
+        at = len(self.mt.instruct_tokenizer.start())  # <s>, then each message's tokens in order
+        if at + sum(n for _, n in log) != len(tokens):
+            raise RuntimeError(f"{self.name}: the message encoders gave {sum(n for _, n in log)} tokens after {at} "
+                               f"start tokens, the request holds {len(tokens)}: the assistant's cannot be located")
         for kind, n in log:
             if kind == "assistant":
                 mask[at : at + n] = [1] * n

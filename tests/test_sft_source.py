@@ -185,3 +185,16 @@ def test_mistral_conversational_pairs_train_the_completion():
         want = inner.encode(pair["completion"][0]["content"], bos=False, eos=False) + [inner.eos_id]
         assert [t for t, m in zip(ids, mask) if m] == want
         assert mask == [0] * (len(ids) - len(want)) + [1] * len(want)
+
+
+def test_jsonl_rows_name_bad_lines(tmp_path):
+    from packloader.sources.errors import NonUtf8Error
+
+    p = tmp_path / "rows.jsonl"
+    p.write_bytes(b'{"input_ids": [1, 2], "loss_mask": [0, 1]}\n{"input_ids": [1, "caf\xe9"]}\n{"input_ids": [1,\n')
+    src = SftSource(str(p))
+    with pytest.raises(NonUtf8Error, match=r"rows\.jsonl, line 2: text is not valid UTF-8"):
+        list(src.read(0, np.array([1])))
+    with pytest.raises(SourceError, match=r"rows\.jsonl, line 3: not valid JSON"):
+        list(src.read(0, np.array([2])))
+    assert [d.tolist() for d in src.read(0, np.array([0]))] == [[1, 2]]

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from packloader.sources.base import ShardInfo
-from packloader.sources.errors import SourceError
+from packloader.sources.errors import NonUtf8Error, SourceError
 from packloader.sources.formats import format_of
 
 
@@ -127,9 +127,14 @@ class JsonlRows(RowReader):
         out = []
         for r in rows:
             r = int(r)
+            line = self._data[shard][int(starts[r]) : int(ends[r])]
             try:
-                obj = msgspec.json.decode(self._data[shard][int(starts[r]) : int(ends[r])])
-            except (msgspec.DecodeError, UnicodeDecodeError) as e:
+                line.decode("utf-8")  # told apart from bad JSON here: msgspec reports both as DecodeError
+            except UnicodeDecodeError as e:
+                raise NonUtf8Error(f"{self.location(shard, r)}: text is not valid UTF-8 ({e})") from e
+            try:
+                obj = msgspec.json.decode(line)
+            except msgspec.DecodeError as e:
                 raise SourceError(f"{self.location(shard, r)}: not valid JSON ({e})") from e
             if not isinstance(obj, dict):
                 raise SourceError(f"{self.location(shard, r)}: {type(obj).__name__}, expected a JSON object (a row)")

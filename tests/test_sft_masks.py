@@ -196,3 +196,30 @@ def test_a_state_saved_before_the_sft_counts_existed_resumes():
     b.load_state_dict(state)
     assert [x.input_ids.tolist() for x in b] == rest
     b.close()
+
+
+@pytest.mark.multiprocess
+def test_dataloader_workers_keep_the_masks(tmp_path):
+    """PackedDataset under two spawned DataLoader workers: the source (a JSONL of conversations with a transformers
+    tokenizer folder) is pickled into each worker, and every trained target arrives exactly once per epoch, as the
+    source renders it in this process."""
+    import json
+
+    from helpers.sft_data import CONVERSATIONS, TOKENIZER_DIR
+    from torch.utils.data import DataLoader
+
+    from packloader.loader.dataset import PackedDataset
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS * 6))
+    source = SftSource(str(path), str(TOKENIZER_DIR))
+    cfg = PlanConfig(strategy="fixed", max_tokens=64, context=64, tokens_per_step=256)
+    ds = PackedDataset(source, tokenizer=None, config=cfg, epochs=1)
+    steps = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn"))
+    got = _targets([b for mbs in steps for b in mbs])
+    assert set(got.values()) == {1}
+    stream = ds._p.stream
+    want = set()
+    for doc_id, tokens in zip(range(stream.num_docs), stream.read(np.arange(stream.num_docs))):
+        want |= {(doc_id, t) for t in range(1, len(tokens)) if tokens.loss_mask[t]}
+    assert set(got) == want and len(want) > 0

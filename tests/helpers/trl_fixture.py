@@ -6,9 +6,14 @@ completion_only_loss=...), train_dataset=...)` prepares (tokenizes, masks) the d
 collator (`DataCollatorForLanguageModeling` with `padding_free=True`) collates all rows into one packed row. The
 record holds, per case, each row's input_ids and the collated row's input_ids, position_ids and labels.
 
-Regenerate (TRL in its own environment; it reads the committed tokenizer folder tests/data/sft_tokenizer):
-    python3 -m venv /work/venvs/trl && /work/venvs/trl/bin/pip install trl==1.16.0 transformers==4.57.6 torch
-    PYTHONPATH=. /work/venvs/trl/bin/python tests/helpers/trl_fixture.py tests/data/sft_trl_1.16.0.json
+Regenerate, with TRL in an environment of its own (it reads the committed tokenizer folder tests/data/sft_tokenizer;
+TRL 1.16.0 accepts the project's transformers 4.57.6, torch and datasets, so the record was made with the project's
+own versions of those, seen from the TRL environment through a .pth file naming the project's site-packages):
+    python3 -m venv .venv-trl
+    .venv/bin/python -c "import site; print(site.getsitepackages()[0])" > \
+        "$(.venv-trl/bin/python -c 'import site; print(site.getsitepackages()[0])')/project.pth"
+    .venv-trl/bin/pip install trl==1.16.0
+    PYTHONPATH=. .venv-trl/bin/python tests/helpers/trl_fixture.py tests/data/sft_trl_1.16.0.json
 """
 
 from __future__ import annotations

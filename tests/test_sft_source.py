@@ -114,6 +114,9 @@ def test_pretokenized_mask_columns():
         assert got == (ids, [0, 0, 1, 1, 0]), col
     assert _docs(SftSource([{"input_ids": ids, "loss_mask": [0] * 5}], loss_on="all", on_no_loss="drop")) == \
         [(ids, [1] * 5)]
+    both = [{"input_ids": ids, "assistant_masks": [0, 1, 1, 1, 1], "completion_mask": [0, 0, 0, 1, 1]}]
+    assert _docs(SftSource(both, loss_on="assistant")) == [(ids, [0, 1, 1, 1, 1])]
+    assert _docs(SftSource(both, loss_on="completion")) == [(ids, [0, 0, 0, 1, 1])]
 
 
 @pytest.mark.parametrize("row,options,message", [

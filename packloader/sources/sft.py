@@ -5,8 +5,9 @@ Formats (`SftOptions.format`, "auto" decides from the first row's fields):
 - "prompt-completion": `{"prompt", "completion"}`, both text (tokenized as `tokenizer(text)` does, the completion
   ending in EOS) or both messages (the prompt rendered with the generation prompt, then prompt + completion). The
   completion starts where the two token sequences part, as in TRL;
-- "tokens": pre-tokenized `input_ids` with one mask column: `assistant_masks`, `loss_mask` or `completion_mask`
-  (1 = trains), or `labels` (-100 = does not train; any other label must equal the token).
+- "tokens": pre-tokenized `input_ids` with a mask column: `assistant_masks`, `loss_mask` or `completion_mask`
+  (1 = trains), or `labels` (-100 = does not train; any other label must equal the token). With several, the one
+  `loss_on` names (`assistant_masks` for "assistant", `completion_mask` for "completion") wins, then that order.
 
 `loss_on`: "assistant" (the tokens the assistant wrote, by the chat template's `{% generation %}` marks or
 Mistral's assistant messages), "completion" (the completion of a prompt/completion pair), "all" (every token), or
@@ -171,7 +172,8 @@ class SftSource:
                                   f"[0, {self.vocab_size}) (the tokenizer's vocabulary)")
         if self.loss_on == "all":
             return ids, [1] * len(ids)
-        col = next((c for c in MASK_COLUMNS if row.get(c) is not None), None)
+        prefer = {"assistant": "assistant_masks", "completion": "completion_mask"}[self.loss_on]
+        col = next((c for c in (prefer, *MASK_COLUMNS) if row.get(c) is not None), None)
         if col is None:
             raise SourceError(f"{where}: no mask column among {list(MASK_COLUMNS)} (fields {sorted(row)}); "
                               "pass loss_on='all' to train every token")

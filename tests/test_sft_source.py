@@ -65,6 +65,9 @@ def test_every_input_kind_gives_the_same_documents(tmp_path):
     }
     for kind, data in inputs.items():
         assert _docs(SftSource(data, str(TOKENIZER_DIR))) == want, kind
+    # an IterableDataset and a generator: read once, kept in memory
+    assert _docs(SftSource(ds.to_iterable_dataset(), str(TOKENIZER_DIR))) == want
+    assert _docs(SftSource((r for r in ROWS), str(TOKENIZER_DIR))) == want
     # a shuffled Dataset reads through its index mapping
     shuffled = ds.shuffle(seed=1)
     order = [CONVERSATIONS.index(r["messages"]) for r in shuffled]

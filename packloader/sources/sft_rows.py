@@ -3,16 +3,18 @@
 Conversations and prompt/completion pairs are structured rows, not one text or token column, so the SFT source
 reads rows whole: JSONL files (1-based line numbers in errors, compressed files too), Parquet files (0-based
 rows, one row group decoded at a time), Arrow files, `datasets` `Dataset`s and `save_to_disk` folders, a
-`pyarrow.Table`, and Python lists of dicts. Paths may be files, directories or globs (`open.py`'s rules for which
-files). Every reader gives shards with random access by row, as `base.Source` does, so order, resume and sharding
-stay the loader's.
+`pyarrow.Table`, and Python lists of dicts. A `datasets.IterableDataset` or a generator of dicts is read to its
+end once, when the source opens, and kept in memory (the loader needs the epoch's length and random access for
+exact resume), as packloader's other sources do with generators. Paths may be files, directories or globs
+(`open.py`'s rules for which files). Every reader gives shards with random access by row, as `base.Source` does,
+so order, resume and sharding stay the loader's.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import msgspec
 import numpy as np
@@ -169,12 +171,17 @@ def open_rows(data, *, name: str | None = None) -> RowReader:
             if len(data) != 1:
                 raise SourceError(f"a DatasetDict with splits {list(data)}: pass one split, e.g. dd[{list(data)[0]!r}]")
             data = data[list(data)[0]]
+        if isinstance(data, datasets.IterableDataset):  # read to its end once, kept in memory (as generators)
+            rows = list(data)
+            return ListRows(rows, name or f"<datasets.IterableDataset of {len(rows)} rows>")
         if not isinstance(data, datasets.Dataset):
-            raise SourceError(f"{type(data).__name__}: the SFT source reads a datasets.Dataset (map-style, random "
-                              "access for exact resume); materialise an IterableDataset with Dataset.from_generator")
+            raise SourceError(f"{type(data).__name__}: expected a datasets.Dataset, IterableDataset or DatasetDict")
         idx = data._indices
         mapping = None if idx is None else np.asarray(idx.column(0).to_numpy(), dtype=np.int64)
         return TableRows([(name or dataset_name(data), data.data.table, mapping)])
+    if isinstance(data, Iterator):  # a generator of rows: read to its end once, kept in memory
+        data = list(data)
+        name = name or f"<generator of {len(data)} rows>"
     if isinstance(data, (list, tuple)) and data and all(isinstance(r, dict) for r in data):
         return ListRows(data, name or f"<list of {len(data)} rows>")
     if isinstance(data, (str, os.PathLike)) and is_disk_folder(str(data)):

@@ -327,6 +327,12 @@ class LoaderStats(msgspec.Struct, kw_only=True):
     delayed_pieces: int = 0
     rank_micro_batches: int = 0  # this rank's micro-batches
     rank_tokens: int = 0  # tokens in this rank's micro-batches
+    # SFT sources (`sources.sft`), counted when a document is first drawn: rows their policy emptied (also counted
+    # in empty_documents) because they had no loss token or were longer than the context, and documents that
+    # train with no loss token (on_no_loss="keep": priced and run, adding nothing to the loss)
+    dropped_no_loss: int = 0
+    dropped_too_long: int = 0
+    no_loss_documents: int = 0
 
     def copy(self) -> "LoaderStats":
         return msgspec.structs.replace(self)

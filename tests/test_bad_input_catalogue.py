@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers.forked import ChildFailed, qualified, run_forked
+from helpers.sft_bad_input import SFT_CASES
 
 from packloader.cli.main import main
 from packloader.collate.batch import SlicesNotSupported
@@ -1386,6 +1387,7 @@ CASES = [
          ("cut.jsonl: the file changed since the source opened it",)),
     Case("parquet_truncated_while_read", parquet_truncated_while_read, ShardChanged,
          ("cut.parquet: the file changed since the source opened it",)),
+    *(Case(*entry) for entry in SFT_CASES),  # the SFT source's (tests/helpers/sft_bad_input.py)
 ]
 
 CASE_TIMEOUT = 120  # seconds: a case that hangs is killed and fails, naming itself

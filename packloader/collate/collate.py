@@ -39,6 +39,7 @@ import torch
 
 from packloader.collate.batch import IGNORE_INDEX, PackedBatch
 from packloader.collate.fill import fill_segments, layout_segments
+from packloader.collate.loss_mask import apply_loss_masks, loss_mask_of, segment_targets
 from packloader.contracts import Segment, StepPlan
 
 LAYOUTS = ("flat", "hf")
@@ -51,16 +52,20 @@ def _check_segment(seg: Segment, length: int) -> None:
         )
 
 
-def segment_loss_tokens(seg: Segment, doc_length: int) -> int:
+def segment_loss_tokens(seg: Segment, doc_length: int, tokens=None) -> int:
     """Tokens of a segment that carry a loss target: all but the document's last token (a piece's last token
-    predicts the next piece's first)."""
+    predicts the next piece's first), and with a loss mask on `tokens` (SFT) only those whose target trains."""
+    if tokens is not None and loss_mask_of(tokens) is not None:
+        return segment_targets(tokens, seg.start, seg.end)
     return (seg.end - seg.start) - (1 if seg.end >= doc_length else 0)
 
 
-def loss_tokens_in_plan(plan: StepPlan, doc_lengths: Mapping[int, int]) -> int:
+def loss_tokens_in_plan(plan: StepPlan, doc_lengths: Mapping[int, int],
+                        tokens: Mapping[int, np.ndarray] | None = None) -> int:
     """Tokens with a loss target in a whole step (all ranks, all micro-batches): the per-token loss normaliser.
 
-    A segment that several ranks hold (a DP-Merge micro-batch) counts once.
+    A segment that several ranks hold (a DP-Merge micro-batch) counts once. `tokens`: documents whose arrays
+    carry a loss mask (SFT) count their trained targets only; the others count by length.
     """
     seen: set[tuple[int, int, int]] = set()
     total = 0
@@ -71,7 +76,8 @@ def loss_tokens_in_plan(plan: StepPlan, doc_lengths: Mapping[int, int]) -> int:
                 if key in seen:
                     continue
                 seen.add(key)
-                total += segment_loss_tokens(s, int(doc_lengths[s.doc]))
+                doc = None if tokens is None else tokens.get(s.doc)
+                total += segment_loss_tokens(s, int(doc_lengths[s.doc]), doc)
     return total
 
 
@@ -168,6 +174,7 @@ def collate_step(
     if len(start):
         fill_segments(buf, base, start, end, attend, length, out_at, out_end, int(pad_id), all_ids, all_labels,
                       all_pos)
+        apply_loss_masks(get, doc, start, end, base, out_at, mb_ptr, all_labels, n_loss)
     return CollatedStep(StepArrays(
         segments=micro_batches, ptr=mb_ptr, at=mb_at.tolist(), ids=all_ids, labels=all_labels, pos=all_pos,
         doc=doc, cu=cu, cu_k=cu_k, cu_p=cu_p if padded else None, loss=n_loss.tolist(), max_q=max_q.tolist(),

@@ -48,6 +48,7 @@ from packloader.collate.collate import collate_step, loss_tokens_in_plan
 from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerState, StepMetrics, StepPlan
 from packloader.loader.chunks import Chunk, ChunkNode
 from packloader.loader.distributed import RankExchange, digest
+from packloader.loader.loss_masks import StepMasks
 from packloader.loader.micro_batch_count import check_micro_batch_count
 from packloader.loader.pool import localize_step, own_rank, ranks_expected
 from packloader.loader.state import StepState, step_state
@@ -112,7 +113,7 @@ class StepNode(BaseNode[StepWork]):
         # One lock for every StepNode of a pipeline: the planner object is shared, and a thread of a graph that was
         # replaced (torchdata joins its threads with a timeout) may still be planning when the new graph starts.
         self._lock = lock if lock is not None else threading.Lock()
-        self._closed = False
+        self._closed, self._masks = False, StepMasks(stream)
 
     def close(self) -> None:
         """Make any later next() stop: a thread left over from a replaced graph must not draw another step."""
@@ -273,6 +274,7 @@ class StepNode(BaseNode[StepWork]):
             first = starts == 0  # documents whose first token is drawn now (the others were counted before)
             self.stats.documents += int(first.sum())
             self.stats.tokens += int((stops - starts).sum())
+            self._masks.drawn(self._tokens, ids, starts, self.stats)  # SFT sources: their drop counts
             empty = lens == 0
             if empty.any():
                 self.stats.empty_documents += int(empty.sum())
@@ -287,7 +289,7 @@ class StepNode(BaseNode[StepWork]):
         state_in = self.pstate  # the flush travels in StepLayout (`_plan`), never in the state
         drawn = draw_steps(state_in, self.first_drawn)
         plan, new_state = self._plan(window, state_in, step, done)
-        loss_tokens = loss_tokens_in_plan(plan, doc_len)
+        loss_tokens = loss_tokens_in_plan(plan, doc_len, self._masks.plan_tokens(self._tokens, plan))
         plan = msgspec.structs.replace(plan, loss_tokens=loss_tokens)
         mbs, lengths, tokens = self._own_part(plan, window, doc_len)
         # carry the queue; forget what is planned
@@ -383,8 +385,7 @@ class StepNode(BaseNode[StepWork]):
         self.epoch += 1
         self.pos = self.span(self.epoch)[0]
         self._last_seen = False
-        self._buf_ids = np.zeros(0, np.int64)
-        self._buf_len = np.zeros(0, np.int64)
+        self._buf_ids, self._buf_len = np.zeros(0, np.int64), np.zeros(0, np.int64)
         self._buf_at = 0
 
 

@@ -223,6 +223,6 @@ def source_lengths(stream) -> Callable[[np.ndarray], Sequence[int]]:
 
 
 def _non_negative(stats: dict, at: str) -> None:
-    for name in LoaderStats.__struct_fields__:
-        if stats[name] < 0:
+    for name in LoaderStats.__struct_fields__:  # a count added after the state was saved is absent: 0
+        if stats.get(name, 0) < 0:
             refuse(f"{at}.{name}", stats[name], "a count >= 0")

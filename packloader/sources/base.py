@@ -23,6 +23,9 @@ class DocKey(msgspec.Struct, frozen=True, array_like=True, order=True):
 class Document:
     key: DocKey
     tokens: np.ndarray  # int32, EOS already appended when the tokenizer is configured to
+    # SFT: True where a token is a loss target (the assistant's or the completion's); None: every token trains.
+    # In the loader it rides on the token array (`sources.loss_mask.MaskedTokens`).
+    loss_mask: np.ndarray | None = None
 
 
 class ShardInfo(msgspec.Struct, frozen=True):

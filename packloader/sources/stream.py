@@ -28,6 +28,7 @@ import numpy as np
 
 from packloader.sources.base import DocKey, Source
 from packloader.sources.errors import SourceError
+from packloader.sources.loss_mask import append_token, as_int32
 from packloader.sources.order import EpochOrder
 
 
@@ -227,14 +228,8 @@ class DocumentStream:
             raw = self.tokenizer.encode_batch(raw)
         eos = self._eos_id if self.eos_appended else None
         if eos is None:
-            return [np.asarray(d, dtype=np.int32) for d in raw]
-        out = []
-        for d in raw:
-            a = np.empty(len(d) + 1, dtype=np.int32)
-            a[:-1] = d
-            a[-1] = eos
-            out.append(a)
-        return out
+            return [as_int32(d) for d in raw]
+        return [append_token(d, eos) for d in raw]  # a masked document's EOS trains
 
     def documents(self, start: Cursor | None = None, stop_epoch: int | None = None,
                   batch: int = 256) -> Iterator[tuple[Cursor, int, np.ndarray]]:

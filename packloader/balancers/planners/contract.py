@@ -59,7 +59,7 @@ def check_step_plan(plan: StepPlan, window: Window, state_in: PlannerState, stat
     fixed-CP GPU is given)."""
     layout = StepLayout.of(layout)
     name = planner or config.strategy
-    who = f"planner {name!r}" + (f" (its candidate {plan.planner!r})" if plan.planner and plan.planner != name else "")
+    who = f"planner {name!r}" + (f" (its plan names {plan.planner!r})" if plan.planner and plan.planner != name else "")
     cap = max(caps) if caps else config.max_tokens
     if plan.cp_mode == "dynamic":
         cap = -(-cap // config.parallel.cp)

@@ -17,7 +17,7 @@ import numpy as np
 import zstandard
 
 from packloader.sources.errors import SourceError
-from packloader.sources.parquet_pages import DATA_PAGE, ColumnLayout, PageError, _decompress
+from packloader.sources.parquet_pages import DATA_PAGE, ColumnLayout, PageError, _decompress, _hybrid, _rows, rows_agree
 
 _LOCAL = threading.local()
 _INT32_LIMIT = 2**31
@@ -38,14 +38,19 @@ def decodable(bodies: np.ndarray | None, lay: ColumnLayout) -> bool:
     return bodies is not None and lay.width == 4 and bool((bodies[:, 3] == DATA_PAGE).all())
 
 
-def chunk_ids(buf, pages: np.ndarray, bodies: np.ndarray, lay: ColumnLayout) -> np.ndarray:
+def chunk_ids(buf, pages: np.ndarray, bodies: np.ndarray, lay: ColumnLayout, lengths: np.ndarray,
+              first_row: int) -> np.ndarray:
     """Every token id of one row group's column chunk, in order. `buf` holds the file's bytes from the first
-    page's offset to the last page's end; `pages` and `bodies` are the index's tables of that row group."""
+    page's offset to the last page's end; `pages` and `bodies` are the index's tables of that row group,
+    `lengths` its rows' lengths (rows from `first_row`), which each page's rows must agree with (`rows_agree`, the
+    rule of the ranged reader too)."""
     view, start = memoryview(buf), int(pages[0, 0])
     out = np.empty(int(pages[:, 2].sum()), dtype="<i4")
     dest, at = memoryview(out).cast("B"), 0
     decompress = _decompressor(lay.codec)
-    for (off, size, ids, _), (head, raw, crc, _) in zip(pages.tolist(), bodies.tolist()):
+    row_starts = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    firsts = np.append(pages[:, 3] - first_row, len(lengths))
+    for p, ((off, size, ids, _), (head, raw, crc, _)) in enumerate(zip(pages.tolist(), bodies.tolist())):
         a = off - start
         if a + size > len(view):
             raise PageError(f"the page at byte {off} ends past the bytes read (the file is truncated)")
@@ -62,9 +67,29 @@ def chunk_ids(buf, pages: np.ndarray, bodies: np.ndarray, lay: ColumnLayout) -> 
         values = 8 + rep + (struct.unpack_from("<I", data, 4 + rep)[0] if 8 + rep <= raw else raw)
         if raw - values != 4 * ids:
             raise PageError(f"the page at byte {off} holds {raw - values} value bytes, the index says {ids} ids")
+        a, b = int(firsts[p]), int(firsts[p + 1])
+        ok = 0 <= a <= b <= len(lengths)
+        _check_rows(data, rep, values, lay, ids, lengths[a:b] if ok else None, row_starts[a] - at // 4 if ok else -1, off)
         dest[at:at + raw - values] = memoryview(data)[values:]
         at += raw - values
     return out
+
+
+def _check_rows(data, rep: int, values: int, lay: ColumnLayout, ids: int, want: np.ndarray | None, want_head: int,
+                off: int) -> None:
+    """A page's rows, from its levels (one level per id, one per empty row the index names), against the index's
+    `want` (None: the index's rows do not fit its own row group)."""
+    try:
+        if want is None:
+            raise PageError("no rows")
+        count = ids + int((want == 0).sum())
+        levels = _hybrid(data, 4, 4 + rep, 1, count), _hybrid(data, 8 + rep, values, lay.max_def.bit_length(), count)
+        head, rows = _rows(*levels, lay.max_def)
+    except PageError:
+        head, rows = -1, np.zeros(0, np.int64)
+    if want is None or not rows_agree(head, rows, want, int(want_head)):
+        raise PageError(f"the page at byte {off}: its ids and rows disagree with the length index; the index is not "
+                        "this shard's")
 
 
 def check_range(path: str, column: str, start: int, offsets: np.ndarray, tokens: np.ndarray,
@@ -96,7 +121,7 @@ def indexed_block(path: str, index, group: int, start: int) -> tuple[np.ndarray,
             buf = os.pread(fd, b - a, a)
         finally:
             os.close(fd)
-        ids = chunk_ids(buf, pages, bodies, lay)
+        ids = chunk_ids(buf, pages, bodies, lay, lengths, start)
         if len(ids) != offsets[-1]:
             raise PageError(f"its pages hold {len(ids)} ids, the length index's rows {int(offsets[-1])}")
     except (OSError, PageError) as e:

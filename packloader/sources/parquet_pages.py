@@ -113,6 +113,14 @@ def _rows(rep: np.ndarray, dfn: np.ndarray, max_def: int) -> tuple[int, np.ndarr
     return int(cum[edges[0]]), np.diff(cum[edges])
 
 
+def rows_agree(head: int, rows: np.ndarray, want: np.ndarray, want_head: int) -> bool:
+    """The rule every reader of an indexed shard holds a decoded page to: the ids before its first row and each
+    row starting in it are what the length index says (`want`: the index's lengths of the rows starting in the
+    page, `want_head`: its ids before the first of them); the last row may go on in the next page."""
+    return head == want_head and len(rows) == len(want) and (
+        len(rows) == 0 or (np.array_equal(rows[:-1], want[:-1]) and int(rows[-1]) <= int(want[-1])))
+
+
 def page_size(buf: bytes) -> tuple[dict, int, int]:
     """(header, header bytes, page bytes with its header) of the page at the start of `buf`."""
     try:

@@ -1,6 +1,7 @@
 """A local disk cache of object blocks, bounded in bytes: later epochs and restarts read the blocks they already
-fetched from disk. Blocks are keyed by URL, ETag, size and offset, so a replaced object never serves stale bytes
-as its new self. Least recently used blocks are evicted first; writes are atomic (a temporary file renamed), so
+fetched from disk. Blocks are keyed by URL, ETag, size and byte range (first and end byte, so a restart with
+another block size never takes an old block for a new one), so a replaced object never serves stale bytes as its
+new self. Least recently used blocks are evicted first; writes are atomic (a temporary file renamed), so
 processes sharing the directory never see half a block."""
 
 from __future__ import annotations

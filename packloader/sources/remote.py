@@ -379,11 +379,12 @@ class RemoteFile(io.RawIOBase):
 
     def _fetch(self, a: int, b: int, where: str) -> bytes:
         key = f"{self.info.url}\0{self.info.etag}\0{self.info.size}\0{where}"
-        data = self.cache.get(key) if self.cache is not None else None
+        disk = bool(self.info.etag)  # an object without a version: its name and size could key another's bytes
+        data = self.cache.get(key, disk) if self.cache is not None else None
         if data is None or len(data) != b - a:  # a cached copy of other bytes is refetched, never served
             data = self.store.get_range(self.info, a, b)
             if self.cache is not None:
-                self.cache.put(key, data)
+                self.cache.put(key, data, disk)
         return data
 
     def pread(self, n: int, offset: int) -> bytes:

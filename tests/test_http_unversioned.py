@@ -8,52 +8,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
-from email.utils import formatdate
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+from helpers.plain_http import serve, write_docs
 
 from packloader import PackedLoader
 from packloader.contracts import PlanConfig
 from packloader.sources.identity import ShardChanged
 from packloader.sources.open import open_source
 from packloader.sources.storage import Storage
-
-
-def serve(directory, last_modified: bool):
-    """A file server answering ranged GETs (206, Content-Range), without ETag; Last-Modified from the file's mtime
-    when asked."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            path = os.path.join(directory, self.path.lstrip("/"))
-            data = open(path, "rb").read()
-            a, b = (int(x) for x in re.match(r"bytes=(\d+)-(\d+)", self.headers["Range"]).groups())
-            body = data[a:b + 1]
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {a}-{a + len(body) - 1}/{len(data)}")
-            self.send_header("Content-Length", str(len(body)))
-            if last_modified:
-                self.send_header("Last-Modified", formatdate(os.stat(path).st_mtime, usegmt=True))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
-
-
-def write_docs(path, seed: int, n: int = 80):
-    """JSONL token rows; every seed the same byte count (ids of 3 digits)."""
-    rng = np.random.default_rng(seed)
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"tokens": rng.integers(100, 1000, size=20 + i % 7).tolist()}) + "\n")
 
 
 @pytest.fixture

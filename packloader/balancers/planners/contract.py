@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from packloader.balancers.planners.registry import StepLayout, Window
-from packloader.balancers.sim.verify import PlanError, verify_plan
+from packloader.balancers.sim.verify import PlanError, _unique_micro_batches, coverage, owned_segments, verify_plan
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 
@@ -31,6 +31,31 @@ def _given(window: Window, state_in: PlannerState) -> np.ndarray:
     q = np.asarray([(p.doc, p.offset, p.length) for p in state_in.queued], dtype=np.int64).reshape(-1, 3)
     w = np.stack([np.asarray(window.doc), np.asarray(window.offset), np.asarray(window.length)], axis=1)
     return np.concatenate([q, w.astype(np.int64).reshape(-1, 3)])
+
+
+def _union(rows: np.ndarray) -> tuple[np.ndarray, bool]:
+    """(doc, start, end) rows as their union of maximal intervals (touching ones joined), sorted, and whether the
+    rows were disjoint and none empty (each token once)."""
+    if not len(rows):
+        return rows.reshape(0, 3), True
+    r = rows[np.lexsort((rows[:, 1], rows[:, 0]))]
+    same = r[1:, 0] == r[:-1, 0]
+    once = bool((r[:, 2] > r[:, 1]).all() and not (same & (r[1:, 1] < r[:-1, 2])).any())
+    new = np.ones(len(r), bool)
+    new[1:] = ~same | (r[1:, 1] != r[:-1, 2])
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], len(r)) - 1
+    return np.stack([r[starts, 0], r[starts, 1], r[ends, 2]], axis=1), once
+
+
+def _covered_once(plan: StepPlan, given: np.ndarray, state_out: PlannerState) -> bool:
+    """Whether the plan's segments and the outgoing queue hold every token of `given` exactly once: vectorized, the
+    fast path; a plan that fails it is checked again by `sim.verify.coverage` for the message."""
+    rows = [(s.doc, s.start, s.end) for r, _, mb in _unique_micro_batches(plan) for s in owned_segments(mb, r)]
+    rows += [(q.doc, q.offset, q.offset + q.length) for q in state_out.queued]
+    got, once = _union(np.asarray(rows, dtype=np.int64).reshape(-1, 3))
+    want, _ = _union(np.stack([given[:, 0], given[:, 1], given[:, 1] + given[:, 2]], axis=1))
+    return once and got.shape == want.shape and bool((got == want).all())
 
 
 def rank_caps(planner) -> list[int] | None:
@@ -67,8 +92,12 @@ def check_step_plan(plan: StepPlan, window: Window, state_in: PlannerState, stat
     try:
         if plan.step != layout.step:
             raise PlanError(f"the plan is numbered step {plan.step}, asked for step {layout.step}")
-        verify_plan(plan, _given(window, state_in), cap, allow_slicing=config.allow_slicing, final_state=state_out,
-                    dp=ranks)
+        given = _given(window, state_in)
+        verify_plan(plan, given, cap, allow_slicing=config.allow_slicing, final_state=state_out, dp=ranks,
+                    check_coverage=False)
+        if not _covered_once(plan, given, state_out):
+            cov = coverage(plan, given, state_out)
+            raise PlanError(f"token coverage broken: {'; '.join(cov.first_problems) or 'a token planned twice'}")
         if caps and plan.cp_mode != "dynamic":
             _check_rank_caps(plan, caps)
     except PlanError as e:

@@ -68,3 +68,20 @@ def test_moved_boundaries_are_refused_on_every_path(tmp_path, rows_per_page, len
     assert "its ids and rows disagree with the length index; the index is not this shard's" in str(local.value)
     with pytest.raises(SourceError, match="disagree with the length index; the index is not this shard's"):
         read_through_filesystem(p, tmp_path)
+
+
+@pytest.mark.parametrize("rows_per_page", [1, 3])
+def test_empty_rows_take_the_level_by_level_path(tmp_path, rows_per_page):
+    """Pages with an empty row (no value, a definition level below the maximum) are checked level by level: read
+    with empty="skip" as pyarrow reads the non-empty rows; a moved boundary next to them is still refused."""
+    rows = [[1, 2, 3], [], [4, 5], [6], [], [7, 8, 9, 10]]
+    p = tmp_path / "e.parquet"
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.int32()))}), p, max_rows_per_page=rows_per_page,
+                   use_dictionary=False, compression="zstd", write_page_checksum=True)
+    write_index(str(p))
+    src = ParquetSource(p, empty="skip")
+    assert [d.tolist() for d in src.read(0, np.arange(src.shards[0].num_rows))] == [r for r in rows if r]
+    tamper(p, [2, 0, 3, 1, 0, 4])
+    with pytest.raises(SourceError, match="its ids and rows disagree with the length index"):
+        src = ParquetSource(p, empty="skip")
+        list(src.read(0, np.arange(src.shards[0].num_rows)))

@@ -75,6 +75,55 @@ def chunk_ids(buf, pages: np.ndarray, bodies: np.ndarray, lay: ColumnLayout, len
     return out
 
 
+def _varint(data, pos: int) -> tuple[int, int]:
+    head = shift = 0
+    while True:
+        b = data[pos]
+        pos += 1
+        head |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return head, pos
+
+
+def _row_starts(data, pos: int, end: int, count: int) -> list[int]:
+    """Where the first `count` 1-bit repetition levels at data[pos:end] are 0 (a row starts), read run by run: a
+    page of one document is a bit-packed group and one RLE run."""
+    out, n = [], 0
+    while n < count:
+        if pos >= end:
+            raise PageError(f"the levels end after {n} of {count} entries")
+        head, pos = _varint(data, pos)
+        if head & 1:  # bit-packed groups of 8 levels, one byte each at width 1
+            groups = head >> 1
+            take = min(groups * 8, count - n)
+            raw = bytes(data[pos:pos + groups])
+            if groups > 16:
+                bits = np.unpackbits(np.frombuffer(raw, np.uint8), bitorder="little")[:take]
+                out += (n + np.flatnonzero(bits == 0)).tolist()
+            else:
+                out += [n + 8 * j + k for j, b in enumerate(raw) if b != 0xFF for k in range(8)
+                        if not (b >> k) & 1 and 8 * j + k < take]
+            pos += groups
+        else:  # an RLE run: one byte of value at width 1
+            take = min(head >> 1, count - n)
+            if data[pos] == 0:
+                out += range(n, n + take)
+            pos += 1
+        n += take
+    return out
+
+
+def _all_present(data, pos: int, end: int, count: int, max_def: int) -> bool:
+    """Whether the definition levels open with one RLE run of max_def covering `count` levels (no null, no empty
+    row): what a page of whole token lists holds."""
+    if pos >= end:
+        return False
+    head, pos = _varint(data, pos)
+    width = (max_def.bit_length() + 7) // 8
+    return not head & 1 and head >> 1 >= count and int.from_bytes(bytes(data[pos:pos + width]), "little") == max_def
+
+
 def _check_rows(data, rep: int, values: int, lay: ColumnLayout, ids: int, want: np.ndarray | None, want_head: int,
                 off: int) -> None:
     """A page's rows, from its levels (one level per id, one per empty row the index names), against the index's
@@ -82,11 +131,17 @@ def _check_rows(data, rep: int, values: int, lay: ColumnLayout, ids: int, want: 
     try:
         if want is None:
             raise PageError("no rows")
-        count = ids + int((want == 0).sum())
-        levels = _hybrid(data, 4, 4 + rep, 1, count), _hybrid(data, 8 + rep, values, lay.max_def.bit_length(), count)
-        head, rows = _rows(*levels, lay.max_def)
+        want = want.tolist()
+        if 0 not in want and _all_present(data, 8 + rep, values, ids, lay.max_def):  # whole token lists: by runs
+            starts = _row_starts(data, 4, 4 + rep, ids)
+            head, rows = (starts[0] if starts else ids), [b - a for a, b in zip(starts, starts[1:] + [ids])]
+        else:
+            count = ids + want.count(0)
+            levels = _hybrid(data, 4, 4 + rep, 1, count), _hybrid(data, 8 + rep, values, lay.max_def.bit_length(),
+                                                                    count)
+            head, rows = _rows(*levels, lay.max_def)
     except PageError:
-        head, rows = -1, np.zeros(0, np.int64)
+        head, rows = -1, []
     if want is None or not rows_agree(head, rows, want, int(want_head)):
         raise PageError(f"the page at byte {off}: its ids and rows disagree with the length index; the index is not "
                         "this shard's")

@@ -13,7 +13,7 @@ import numpy as np
 
 from packloader.balancers.draw import draw_windows
 from packloader.balancers.planners.config_rules import validate_config
-from packloader.balancers.planners.contract import check_step_plan
+from packloader.balancers.planners.contract import check_step_plan, rank_caps
 from packloader.balancers.planners.registry import StepLayout, Window, make_planner
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
@@ -36,17 +36,18 @@ def plan_run(lengths: np.ndarray, config: PlanConfig, steps: int, planner=None) 
     windows = draw_windows(lengths, config.tokens_per_step, config.context, steps).windows
     state = PlannerState()
     plans = []
+    caps = rank_caps(planner)  # a planner given a cap per DP rank is held to each
     for s, w in enumerate(windows):
         layout = StepLayout(s, flush=s == len(windows) - 1)
         plan, after = planner.plan(w, state, layout)
-        check_step_plan(plan, w, state, after, config, layout)
+        check_step_plan(plan, w, state, after, config, layout, caps=caps)
         plans.append(plan)
         state = after
     if state.queued:  # a planner that ignores the flush: keep planning empty windows until it lets go
         empty = Window(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
         for s in range(len(windows), len(windows) + 16):
             plan, after = planner.plan(empty, state, StepLayout(s, flush=True))
-            check_step_plan(plan, empty, state, after, config, s)
+            check_step_plan(plan, empty, state, after, config, s, caps=caps)
             plans.append(plan)
             state = after
             if not state.queued:

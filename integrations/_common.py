@@ -1,4 +1,4 @@
-"""Framework-free pieces the adapters share: slice refusal, micro-batch count checks, HF-convention labels, the
+"""Framework-free pieces the adapters share: slice and DP-Merge refusal, micro-batch count checks, HF-convention labels, the
 placeholder row of an empty micro-batch."""
 
 from __future__ import annotations
@@ -37,6 +37,20 @@ def refuse_slices(batch: PackedBatch, consumer: str) -> None:
                 "packloader_integrations.hf.PackedTrainer and packloader_integrations.megatron.sliced_forward_backward"
                 + pipeline_alternative()
             )
+
+
+def refuse_dp_merge(batch: PackedBatch, consumer: str) -> None:
+    """A DP-Merge micro-batch (SlimPack: one micro-batch run by a group of DP ranks as context parallelism) reaches
+    every rank of its group whole, labels included: trained as an ordinary micro-batch on each, its loss tokens
+    would count once per rank. Trainers that cannot run the group refuse it, as the Megatron adapter does."""
+    group = batch.dp_group
+    if group is not None and len(group) > 1:
+        raise ValueError(
+            f"{consumer} cannot run DP-Merge micro-batches: step {batch.step}, micro-batch {batch.index_in_step} is "
+            f"shared by DP ranks {list(group)} (MicroBatch.dp_group), each of which gets it whole; trained as an "
+            f"ordinary micro-batch on each, its {int(batch.num_tokens)} tokens would train {len(group)} times. Plan "
+            "without DP-Merge: PlanConfig(planner_options={'slimpack': {'dp_merge': False}}) (auto's slimpack "
+            "candidate included), or another strategy")
 
 
 def check_micro_batches(step: int, count: int, expected: int | None, consumer: str) -> None:

@@ -39,7 +39,7 @@ import torch
 
 from packloader.collate.batch import IGNORE_INDEX, PackedBatch
 
-from ._common import check_micro_batches, flat, placeholder_batch, refuse_slices, unshifted_labels
+from ._common import check_micro_batches, flat, placeholder_batch, refuse_dp_merge, refuse_slices, unshifted_labels
 from ._lazy import require
 
 __all__ = [
@@ -65,6 +65,7 @@ def deepspeed_batch(batch: PackedBatch, *, device: Any = None, pad_id: int = 0) 
     """The micro-batch as `[1, T]` tensors plus varlen metadata, for a model called inside an engine loop; an empty
     micro-batch as a one-token row of `pad_id` without a loss target (`placeholder_batch`)."""
     refuse_slices(batch, "a DeepSpeed engine")
+    refuse_dp_merge(batch, "a DeepSpeed engine")
     if batch.num_tokens == 0:
         batch = placeholder_batch(batch, 1, pad_id)
     out = {
@@ -175,6 +176,7 @@ def ulysses_batch(batch: PackedBatch, sp_size: int, sp_rank: int, *, pad_id: int
     if not (0 <= sp_rank < sp_size):
         raise ValueError(f"sp_rank must be in [0, {sp_size}), got {sp_rank}")
     refuse_slices(batch, "DeepSpeed-Ulysses")
+    refuse_dp_merge(batch, "DeepSpeed-Ulysses")
     if batch.num_tokens == 0:  # every SP rank still takes part in the all-to-all: one padding token each
         batch = placeholder_batch(batch, sp_size, pad_id)
     ids, lab, pos, cu, pad = _pad_row(batch, sp_size, pad_id)
@@ -195,6 +197,7 @@ def ulysses_hf_batch(batch: PackedBatch, sp_size: int, *, pad_id: int = 0) -> di
     """The whole row padded to a multiple of `sp_size` in the HF convention DeepSpeed's
     ``UlyssesSPDataLoaderAdapter`` takes (it shards the row and derives ``shift_labels`` itself)."""
     refuse_slices(batch, "DeepSpeed-Ulysses")
+    refuse_dp_merge(batch, "DeepSpeed-Ulysses")
     if batch.num_tokens == 0:
         batch = placeholder_batch(batch, sp_size, pad_id)
     ids, _, pos, _, pad = _pad_row(batch, sp_size, pad_id)

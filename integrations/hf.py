@@ -59,7 +59,7 @@ import torch
 
 from packloader.collate.batch import PackedBatch
 
-from ._common import check_micro_batches, flat, placeholder_batch, refuse_slices, unshifted_labels
+from ._common import check_micro_batches, flat, placeholder_batch, refuse_dp_merge, refuse_slices, unshifted_labels
 from ._lazy import require
 from .hf_resume import _ResumeMixin
 
@@ -93,6 +93,7 @@ def hf_batch(batch: PackedBatch, *, attention: str = "position_ids", include_met
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     refuse_slices(batch, "a transformers model")
+    refuse_dp_merge(batch, "a transformers model (hf_batch, PackedTrainer)")
     tokens = batch.num_tokens
     if tokens == 0:
         batch = placeholder_batch(batch, 1, pad_id)
@@ -202,6 +203,7 @@ def _sliced_step_batch(batch: PackedBatch) -> dict[str, Any]:
     """A micro-batch of a step that holds slices, for PackedTrainer's SliceExecutor path: the tokens, positions
     and labels of ``hf_batch`` (no attention metadata: the executor's SliceContext supplies the segments) and the
     metadata with the segments."""
+    refuse_dp_merge(batch, "PackedTrainer")
     out: dict[str, Any] = {
         "input_ids": flat(batch.input_ids).unsqueeze(0),
         "position_ids": flat(batch.position_ids).unsqueeze(0),

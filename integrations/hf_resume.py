@@ -6,7 +6,8 @@ Resume: the Trainer's own resume skips the batches it already trained by re-read
 every checkpoint folder holds each process's loader state (``packloader_state-rank{R}.pt``, written before the
 Trainer's own files, so ``trainer_state.json`` still marks a finished checkpoint), ``train(resume_from_checkpoint=...)``
 loads it into the loader before training starts, and the Trainer's data skip is switched off
-(``args.ignore_data_skip = True``): the loader continues where the checkpoint left it.
+(``args.ignore_data_skip = True``): the loader continues where the checkpoint left it. Each state file is bound to
+its checkpoint's global step and run, and a state of another checkpoint is refused (``hf_checkpoint``).
 
 Logs: the Trainer's ``epoch`` counts optimizer steps against ``max_steps``; PackedTrainer logs the data's epoch
 instead (completed epochs plus the share of this epoch's documents drawn, from the loader's stats). The end of
@@ -26,6 +27,7 @@ import msgspec
 import torch
 
 from ._lazy import require
+from .hf_checkpoint import RUN_KEY, bind, checkpoint_identity, new_run, unbind
 from .state_file import read_state_file
 
 STATE_FILE = "packloader_state-rank{rank}.pt"
@@ -36,8 +38,10 @@ def state_path(checkpoint_dir: str, rank: int) -> str:
     return os.path.join(checkpoint_dir, STATE_FILE.format(rank=rank))
 
 
-def save_loader_state(loader: Any, checkpoint_dir: str, rank: int) -> str:
-    """Write `loader.state_dict()` into the checkpoint folder (atomically: a killed save leaves no partial file)."""
+def save_loader_state(loader: Any, checkpoint_dir: str, rank: int, *, global_step: int | None = None,
+                      run: str | None = None) -> str:
+    """Write `loader.state_dict()` into the checkpoint folder (atomically: a killed save leaves no partial file),
+    bound to the checkpoint's `global_step` and `run` where given (`hf_checkpoint`)."""
     if not callable(getattr(loader, "state_dict", None)):
         raise ValueError(
             f"PackedTrainer cannot checkpoint its packed_loader ({type(loader).__name__}): it has no state_dict(), so "
@@ -46,7 +50,8 @@ def save_loader_state(loader: Any, checkpoint_dir: str, rank: int) -> str:
     os.makedirs(checkpoint_dir, exist_ok=True)
     path = state_path(checkpoint_dir, rank)
     tmp = f"{path}.tmp"
-    torch.save(loader.state_dict(), tmp)
+    state = loader.state_dict()
+    torch.save(bind(state, global_step, run or "") if global_step is not None else state, tmp)
     os.replace(tmp, path)
     return path
 
@@ -60,7 +65,7 @@ def load_loader_state(loader: Any, checkpoint_dir: str, rank: int) -> None:
             f"checkpoint {checkpoint_dir} holds no packloader loader state for process {rank} (expected {path}; "
             f"found {found or 'none'}): it was not written by PackedTrainer, or by a run with another number of "
             "processes. Resuming without it would replay or skip data")
-    loader.load_state_dict(read_state_file(path))
+    loader.load_state_dict(unbind(read_state_file(path), checkpoint_dir, path))
 
 
 def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
@@ -118,6 +123,8 @@ class _ResumeMixin:
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        run = checkpoint_identity(checkpoint)[1] if checkpoint is not None else None
+        self._pl_run = run or new_run(self.accelerator.num_processes)
         if checkpoint is not None:
             load_loader_state(self.packed_loader, checkpoint, self.args.process_index)
         self._pl_tokens = 0
@@ -127,8 +134,10 @@ class _ResumeMixin:
 
     def _save_checkpoint(self, model, trial):
         folder = f"{require('transformers.trainer_utils').PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        run = getattr(self, "_pl_run", None) or ""
         save_loader_state(self.packed_loader, os.path.join(self._get_output_dir(trial=trial), folder),
-                          self.args.process_index)
+                          self.args.process_index, global_step=self.state.global_step, run=run)
+        self.state.stateful_callbacks[RUN_KEY] = {"args": {"run": run}, "attributes": {}}  # in trainer_state.json
         super()._save_checkpoint(model, trial)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -104,6 +104,8 @@ _EXPORTS: dict[str, str] = {
     "step_actions": "packloader.balancers.sim.actions",
     "score_plans": "packloader.balancers.sim.metrics",
     "verify_plan": "packloader.balancers.sim.verify",
+    "check_step_plan": "packloader.balancers.planners.contract",
+    "PlanContractError": "packloader.balancers.planners.contract",
     "varlen_attention": "packloader.runtime.attention",
     "cp_attention": "packloader.runtime.cp_attention",
     "cp_cost": "packloader.runtime.cp_cost",

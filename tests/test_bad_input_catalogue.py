@@ -31,6 +31,7 @@ import pytest
 from helpers.forked import ChildFailed, qualified, run_forked
 from helpers.sft_bad_input import SFT_CASES
 
+from packloader.balancers.planners.contract import PlanContractError
 from packloader.cli.main import main
 from packloader.collate.batch import SlicesNotSupported
 from packloader.contracts import ParallelConfig, PlanConfig
@@ -224,6 +225,154 @@ def local_indexed_page_corrupt(tmp):
     raw[col.data_page_offset + col.total_compressed_size - 1] ^= 0x01
     p.write_bytes(bytes(raw))
     return lambda: read_all(ParquetSource(p))
+
+
+def local_length_index_lengths_disagree(tmp):
+    """A local shard as `tokenize` writes it, its index's lengths of rows 0 and 1 swapped and the hash recomputed:
+    the local decoder holds each page's rows to the index, as the ranged reader does (was: boundaries moved)."""
+    import msgspec
+
+    from packloader.sources.length_index import decode, encode
+    from packloader.sources.pretokenize import write_index
+
+    p = tmp / "loc.parquet"
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2, 3], [4, 5], [6, 7, 8, 9]], pa.list_(pa.int32()))}), p,
+                   max_rows_per_page=1, use_dictionary=False, compression="zstd", write_page_checksum=True)
+    index = write_index(str(p))
+    idx = decode(Path(index).read_bytes(), index)
+    Path(index).write_bytes(encode(msgspec.structs.replace(idx, lengths=np.array([2, 3, 4], "<i8").tobytes())))
+    return lambda: read_all(ParquetSource(p))
+
+
+def cache_block_size_changed(tmp):
+    """A Parquet shard read through the disk cache with 64 KiB blocks, then by a new Storage with 4 KiB blocks over
+    the same cache directory (was: "File too short" / "no footer at its end" for a healthy shard)."""
+    import pyarrow.fs as pafs
+
+    from packloader.sources.storage import Storage
+
+    rows = [list(range(i % 500 + 1)) for i in range(300)]
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.int32()))}), tmp / "c.parquet", row_group_size=60)
+
+    def read(block_size):
+        storage = Storage(filesystem=pafs.LocalFileSystem(), block_size=block_size, cache_dir=str(tmp / "cache"),
+                          cache_bytes=1 << 30, index="off")
+        return [d.tolist() for d in read_all(open_source(storage.paths(str(tmp / "c.parquet"))))]
+
+    def both():
+        first, second = read(64 << 10), read(4 << 10)
+        return f"{len(second)} documents at 4 KiB blocks, equal to the file's: {first == second == rows}"
+
+    return both
+
+
+def http_shard_without_version_replaced(tmp):
+    """A JSONL shard served over http without ETag or Last-Modified, a state saved after 3 micro-batches, the file
+    replaced by one of the same size (was: resumed, 3,678 tokens wrong in the issue's run)."""
+    from helpers.plain_http import serve, write_docs
+
+    from packloader.sources.storage import Storage
+
+    write_docs(tmp / "a.jsonl", 1)
+    _, base = serve(str(tmp))
+    url = f"{base}/a.jsonl"
+
+    def make():
+        return PackedLoader(Storage(block_size=1 << 10).paths(url), tokenizer=None, num_threads=0,
+                            config=PlanConfig(strategy="fixed", max_tokens=128, context=128, tokens_per_step=256))
+
+    first = make()
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    state = first.state_dict()
+    write_docs(tmp / "a.jsonl", 2)
+    return lambda: make().load_state_dict(state)
+
+
+def _broken_plugin_plan(tmp, strategy):
+    np.save(tmp / "l.npy", np.array([700, 300, 1500, 40, 900, 2000, 60, 1200]))
+    return lambda: cli("plan", "--lengths", str(tmp / "l.npy"), "--plugin", "plugins.broken_planners", "--strategy",
+                       strategy, "--dp", "2", "--max-tokens", "2048", "--context", "2048", "--tokens-per-step",
+                       "6701", "--model", "tiny", "--out", str(tmp / "plan.jsonl"))
+
+
+def plugin_planner_overfills_a_micro_batch(tmp):
+    return _broken_plugin_plan(tmp, "broken_one_micro_batch")
+
+
+def plugin_planner_drops_a_piece(tmp):
+    return _broken_plugin_plan(tmp, "broken_drop_piece")
+
+
+def plugin_planner_in_the_loader(tmp):
+    """The same plugin's planner (one piece listed twice) as the loader's strategy: refused before any batch."""
+    from packloader.balancers.planners.registry import load_plugins
+
+    load_plugins(["plugins.broken_planners"])
+    docs = [np.arange(n, dtype=np.int32) % 200 for n in (100, 50, 200, 30, 120, 80)]
+    ld = PackedLoader(IterableSource(docs), config=PlanConfig(strategy="broken_duplicate_piece", max_tokens=256,
+                                                              context=256, tokens_per_step=512), num_threads=0)
+    return lambda: next(iter(ld))
+
+
+def trainer_dp_merge_micro_batch(tmp):
+    """SlimPack at dp 3 merges each 900-token document over two DP ranks; rank 0's first micro-batch to hf_batch
+    (what PackedTrainer trains)."""
+    from packloader_integrations.hf import hf_batch
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 101, size=n).astype(np.int32) for n in [900, 50, 60, 40, 70, 30, 20, 25, 900, 40, 30, 60]]
+    cfg = PlanConfig(strategy="slimpack", parallel=ParallelConfig(dp=3), max_tokens=1024, context=1024,
+                     tokens_per_step=1200, model="tiny", allow_slicing=False)
+    batch = next(iter(PackedLoader(IterableSource(docs), config=cfg, dp_rank=0, num_threads=0, append_eos=False)))
+    return lambda: hf_batch(batch)
+
+
+def _checkpoint(tmp, name, step, run, state_step):
+    """A checkpoint folder as PackedTrainer writes it: trainer_state.json (global step, run) and a loader state
+    bound to `state_step` of `run`."""
+    from packloader_integrations.hf_resume import save_loader_state
+
+    ld = PackedLoader(IterableSource([np.arange(20, dtype=np.int32)]), config=PlanConfig(strategy="fixed",
+                      max_tokens=16, context=16, tokens_per_step=16), num_threads=0)
+    folder = tmp / name
+    save_loader_state(ld, str(folder), 0, global_step=state_step, run=run)
+    (folder / "trainer_state.json").write_text(json.dumps(
+        {"global_step": step, "stateful_callbacks": {"PackloaderRun": {"args": {"run": "r1"}, "attributes": {}}}}))
+    return ld, folder
+
+
+def trainer_state_of_a_later_checkpoint(tmp):
+    from packloader_integrations.hf_resume import load_loader_state
+
+    ld, folder = _checkpoint(tmp, "checkpoint-2", 2, "r1", 4)
+    return lambda: load_loader_state(ld, str(folder), 0)
+
+
+def trainer_state_of_another_run(tmp):
+    from packloader_integrations.hf_resume import load_loader_state
+
+    ld, folder = _checkpoint(tmp, "checkpoint-2", 2, "r0", 2)
+    return lambda: load_loader_state(ld, str(folder), 0)
+
+
+def _config_plan(tmp, name, text):
+    np.save(tmp / "ok.npy", np.array([10, 20, 30]))
+    (tmp / name).write_text(text.replace("LENGTHS", str(tmp / "ok.npy")))
+    return lambda: cli("plan", "--config", str(tmp / name), "--out", str(tmp / "p.jsonl"))
+
+
+def config_file_key_twice_json(tmp):
+    return _config_plan(tmp, "run.json", '{"lengths": "LENGTHS", "max_tokens": 2048, "max_tokens": 4096}')
+
+
+def config_file_key_twice_yaml(tmp):
+    return _config_plan(tmp, "run.yaml", "lengths: LENGTHS\nmax_tokens: 2048\ncontext: 1024\nmax_tokens: 4096\n")
+
+
+def config_file_two_spellings(tmp):
+    return _config_plan(tmp, "run.json", '{"lengths": "LENGTHS", "max_tokens": 2048, "max-tokens": 4096}')
 
 
 def parquet_empty_row_length_column(tmp):
@@ -1170,6 +1319,38 @@ CASES = [
          ("idx.parquet, row group 0, page at byte", "its ids and rows disagree with the length index")),
     Case("local_indexed_page_corrupt", local_indexed_page_corrupt, SourceError,
          ("idx.parquet: row group 0 (rows 0..", "column 'tokens'", "CRC checksum verification failed for the page")),
+    Case("local_length_index_lengths_disagree", local_length_index_lengths_disagree, SourceError,
+         ("loc.parquet: row group 0 (rows 0..2), column 'tokens'", "the page at byte 4",
+          "its ids and rows disagree with the length index; the index is not this shard's")),
+    Case("cache_block_size_changed", cache_block_size_changed, None,
+         ("300 documents at 4 KiB blocks, equal to the file's: True",)),
+    Case("http_shard_without_version_replaced", http_shard_without_version_replaced, ValueError,
+         ("differently configured loader (source.a.jsonl: saved '80 rows, ", "so it is refused")),
+    Case("plugin_planner_overfills_a_micro_batch", plugin_planner_overfills_a_micro_batch, CliExit,
+         ("exit 2", "planner 'broken_one_micro_batch' (its plan names 'fixed') broke the planner contract at step 0",
+          "holds 6700 tokens, more than max_tokens=2048", "The plan is refused rather than trained")),
+    Case("plugin_planner_drops_a_piece", plugin_planner_drops_a_piece, CliExit,
+         ("exit 2", "planner 'broken_drop_piece' (its plan names 'fixed') broke the planner contract at step 0",
+          "tokens of the drawn pieces appear nowhere, e.g. (doc, start, end)")),
+    Case("plugin_planner_in_the_loader", plugin_planner_in_the_loader, PlanContractError,
+         ("planner 'broken_duplicate_piece' (its plan names 'fixed') broke the planner contract at step 0",
+          "tokens appear more than once")),
+    Case("trainer_dp_merge_micro_batch", trainer_dp_merge_micro_batch, ValueError,
+         ("cannot run DP-Merge micro-batches: step 0, micro-batch 0 is shared by DP ranks [0, 1]",
+          "its 900 tokens would train 2 times", "'dp_merge': False")),
+    Case("trainer_state_of_a_later_checkpoint", trainer_state_of_a_later_checkpoint, ValueError,
+         ("packloader_state-rank0.pt was saved at global step 4 (run r1), but checkpoint ",
+          "checkpoint-2 is at global step 2", "belongs to another checkpoint")),
+    Case("trainer_state_of_another_run", trainer_state_of_another_run, ValueError,
+         ("packloader_state-rank0.pt was saved by run r0 at global step 2, but checkpoint ",
+          "checkpoint-2 was saved by run r1", "belongs to another run's checkpoint")),
+    Case("config_file_key_twice_json", config_file_key_twice_json, CliExit,
+         ("exit 2", "run.json: key 'max_tokens' is given twice in one table (values 2048 and 4096)",
+          "the last would silently win")),
+    Case("config_file_key_twice_yaml", config_file_key_twice_yaml, CliExit,
+         ("exit 2", "run.yaml: key 'max_tokens' is given twice in one mapping (lines 2 and 4)")),
+    Case("config_file_two_spellings", config_file_two_spellings, CliExit,
+         ("exit 2", "run.json: keys 'max_tokens' and 'max-tokens' name the same option (max_tokens)")),
     Case("parquet_empty_row_length_column", parquet_empty_row_length_column, EmptyDocumentError,
          ("e1.parquet", "row 1", "empty document", "empty='skip'")),
     Case("parquet_empty_row_no_length_column", parquet_empty_row_no_length_column, EmptyDocumentError,

@@ -13,7 +13,7 @@ import torch
 from packloader.collate.batch import IGNORE_INDEX, PackedBatch
 from packloader.loader.step_metrics import format_step_metrics
 
-from .._common import check_micro_batches, flat, pipeline_alternative, placeholder_batch, refuse_slices
+from .._common import check_micro_batches, flat, pipeline_alternative, placeholder_batch, refuse_dp_merge, refuse_slices
 from .._lazy import require
 
 SLICES_PP_ALTERNATIVE = "plan with PlanConfig(allow_slicing=False)"
@@ -130,6 +130,7 @@ def megatron_batch(
                          f"parallelism cannot shard slices; {SLICES_PP_ALTERNATIVE} when CP > 1")
     if not sliced:
         refuse_slices(batch, "Megatron-core's THD attention")
+    refuse_dp_merge(batch, "the Megatron adapter")
     if batch.num_tokens == 0:  # an empty slot: 2 x CP padding tokens (each CP rank two), no loss target
         batch = placeholder_batch(batch, 2 * cp_size)
     ids, lab, pos = flat(batch.input_ids), flat(batch.labels), flat(batch.position_ids)

@@ -13,6 +13,7 @@ import numpy as np
 
 from packloader.balancers.draw import draw_windows
 from packloader.balancers.planners.config_rules import validate_config
+from packloader.balancers.planners.contract import check_step_plan, rank_caps
 from packloader.balancers.planners.registry import StepLayout, Window, make_planner
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
@@ -26,21 +27,29 @@ class PlanRun:
 
 def plan_run(lengths: np.ndarray, config: PlanConfig, steps: int, planner=None) -> PlanRun:
     """Plan every step of a run; the last one flushes whatever the planner still holds. Without a `planner`
-    object, `config` is validated as the loader validates it and the registry's planner is used."""
+    object, `config` is validated as the loader validates it and the registry's planner is used. Each step's plan
+    is checked against the planner contract (`check_step_plan`: a PlanContractError, a ValueError, names the
+    planner and what broke)."""
     if planner is None:
         config = validate_config(config)
         planner = make_planner(config)
     windows = draw_windows(lengths, config.tokens_per_step, config.context, steps).windows
     state = PlannerState()
     plans = []
+    caps = rank_caps(planner)  # a planner given a cap per DP rank is held to each
     for s, w in enumerate(windows):
-        plan, state = planner.plan(w, state, StepLayout(s, flush=s == len(windows) - 1))
+        layout = StepLayout(s, flush=s == len(windows) - 1)
+        plan, after = planner.plan(w, state, layout)
+        check_step_plan(plan, w, state, after, config, layout, caps=caps)
         plans.append(plan)
+        state = after
     if state.queued:  # a planner that ignores the flush: keep planning empty windows until it lets go
         empty = Window(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
         for s in range(len(windows), len(windows) + 16):
-            plan, state = planner.plan(empty, state, StepLayout(s, flush=True))
+            plan, after = planner.plan(empty, state, StepLayout(s, flush=True))
+            check_step_plan(plan, empty, state, after, config, s, caps=caps)
             plans.append(plan)
+            state = after
             if not state.queued:
                 break
         else:

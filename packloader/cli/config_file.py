@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 
+from packloader.cli.config_keys import RepeatedKey, check_spellings, json_pairs, yaml_loader
 from packloader.contracts import ParallelConfig
 
 
@@ -34,14 +35,14 @@ def read_config_file(path: str) -> dict[str, Any]:
     suffix = p.suffix.lower()
     try:
         if suffix == ".json":
-            data = json.loads(raw)
+            data = json.loads(raw, object_pairs_hook=json_pairs(path))
         elif suffix in (".yaml", ".yml"):
             try:
                 import yaml
             except ImportError:
                 raise ConfigFileError(f"--config {path}: YAML needs pyyaml (pip install 'packloader[yaml]'); "
                                       "or write the file as JSON or TOML") from None
-            data = yaml.safe_load(raw)
+            data = yaml.load(raw, Loader=yaml_loader(yaml, path))  # noqa: S506 - a SafeLoader
         elif suffix == ".toml":
             try:
                 import tomllib
@@ -51,6 +52,8 @@ def read_config_file(path: str) -> dict[str, Any]:
             data = tomllib.loads(raw.decode("utf-8"))
         else:
             raise ConfigFileError(f"--config {path}: expected a .json, .yaml, .yml or .toml file")
+    except RepeatedKey as e:
+        raise ConfigFileError(str(e)) from None
     except ConfigFileError:
         raise
     except Exception as e:  # noqa: BLE001 - each format's own parse error, named with the file
@@ -139,7 +142,10 @@ def _unknown_key(key: str, path: str, by_dest: dict[str, argparse.Action]) -> st
 def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
     """Make the file's values the parser's defaults (so flags given on the command line win), and required
     options it gives optional. Layout keys count as given (a command's mode defaults do not replace them)."""
-    data = _flatten(read_config_file(path), path)
+    data = read_config_file(path)
+    for table in (data, data.get("parallel") if isinstance(data.get("parallel"), dict) else {}):
+        check_spellings(table, path, ConfigFileError)
+    data = _flatten(data, path)
     by_dest = {a.dest: a for a in parser._actions if a.dest not in ("help", "config", "log_level")}
     defaults: dict[str, Any] = {}
     given: set[str] = set()

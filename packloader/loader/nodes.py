@@ -43,6 +43,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from packloader.balancers.draw import cut_pieces, step_ends
+from packloader.balancers.planners.contract import check_step_plan
 from packloader.balancers.planners.registry import StepLayout, Window, cost_model_for
 from packloader.collate.collate import collate_step, loss_tokens_in_plan
 from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerState, StepMetrics, StepPlan
@@ -327,10 +328,9 @@ class StepNode(BaseNode[StepWork]):
 
     def _plan(self, window, state_in: PlannerState, step: int, done: bool,
               remainder: bool = False) -> tuple[StepPlan, PlannerState]:
-        """The planner's plan of a window, checked: one RankPlan per DP rank, nothing kept after a flush, and the
-        pinned micro-batch count."""
+        """The planner's plan of a window, checked: ranks, the flush, the pinned count, the contract."""
         cfg = self.config
-        plan, new_state = self.planner.plan(window, state_in, StepLayout(step, flush=done))
+        plan, new_state = self.planner.plan(window, state_in, layout := StepLayout(step, flush=done))
         planned = sum(mb.num_tokens for r in plan.ranks for mb in r.micro_batches)
         if len(plan.ranks) != ranks_expected(plan, cfg.parallel):
             raise RuntimeError(f"planner {cfg.strategy!r} returned {len(plan.ranks)} ranks for parallel.dp="
@@ -342,6 +342,7 @@ class StepNode(BaseNode[StepWork]):
                 "once per epoch"
             )
         check_micro_batch_count(plan, cfg, int(window.length.sum()), sum(q.length for q in state_in.queued), remainder)
+        check_step_plan(plan, window, state_in, new_state, cfg, layout)
         return plan, new_state
 
     def _own_part(self, plan: StepPlan, window, doc_len: dict[int, int]):

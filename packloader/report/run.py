@@ -12,6 +12,7 @@ from typing import Callable
 import msgspec
 import numpy as np
 
+from packloader.balancers.planners.contract import check_step_plan, rank_caps
 from packloader.balancers.planners.registry import Planner, StepLayout, Window, make_planner, planner_spec
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 from packloader.report.draw import Draw
@@ -76,18 +77,23 @@ def run_planner(
     `warmup`, one throw-away planner plans step 0 first so one-time costs (numba compilation, caches) are not
     counted as planning time. With `drain`, what a planner still holds after the last step (outlier delay) is
     planned in extra flushed steps with no new documents, as the loader does at the end of an epoch, so every
-    strategy trains the same tokens and their times compare. Errors are caught and recorded."""
+    strategy trains the same tokens and their times compare. Each plan is checked against the planner contract
+    (`check_step_plan`, outside the timing; a planner with a cap per rank is held to each).
+    Errors, a broken contract among them, are caught and recorded."""
     run = StrategyRun(name, config)
     windows = draw.windows[: steps or len(draw.windows)]
     try:
         if warmup and windows:
             planner_factory().plan(windows[0], PlannerState(), 0)
         planner = planner_factory()
+        caps = rank_caps(planner)
         state = PlannerState()
         for k, w in enumerate(windows):
             t0 = time.perf_counter()
-            plan, state = planner.plan(w, state, k)
+            plan, after = planner.plan(w, state, k)
             run.plan_seconds.append(time.perf_counter() - t0)
+            check_step_plan(plan, w, state, after, config, k, planner=name, caps=caps)
+            state = after
             run.plans.append(plan)
             if tick is not None:
                 tick()
@@ -97,8 +103,10 @@ def run_planner(
         k = len(windows)
         while drain and state.queued and run.drain_steps < max_drain_steps:
             t0 = time.perf_counter()
-            plan, state = planner.plan(empty, state, StepLayout(k, flush=True))
+            plan, after = planner.plan(empty, state, StepLayout(k, flush=True))
             run.plan_seconds.append(time.perf_counter() - t0)
+            check_step_plan(plan, empty, state, after, config, k, planner=name, caps=caps)
+            state = after
             run.plans.append(plan)
             run.drain_steps += 1
             k += 1

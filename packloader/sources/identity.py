@@ -15,6 +15,10 @@ shard), and hashing every byte of a terabyte corpus at every start is too slow. 
   size, of the head or the tail (a rewritten or appended JSONL's first or last lines) is caught; an edit of the
   same size that falls only between the sampled blocks of a file over 4 MiB is not.
 
+A remote object is known by its size and the version its store gives (ETag, generation, modification time), plus
+its footer hash for Parquet; an object whose store gives no version (an http(s) server without ETag or
+Last-Modified) is hashed as a local file of its kind is (sampled blocks, footer) and never served from the disk
+block cache, which could only key it by name and size.
 The identity is computed when a source opens its shards and is kept by the source, so a file replaced later is
 compared against what was actually indexed (`ShardChanged` names the file).
 """
@@ -60,18 +64,22 @@ def parquet_identity(path: str) -> str:
     return f"{size}:{_digest([footer])}"
 
 
+def sampled_digest(pread, size: int) -> str:
+    """The hash of a file's head, tail and evenly spread blocks (the whole file when small), its bytes read by
+    `pread(n, offset)`: a local file's, or a remote object's that has no version of its own."""
+    if size <= _WHOLE:
+        return _digest([pread(size, 0)])
+    step = (size - 2 * _HEAD) // (_BLOCKS + 1)
+    offsets = [0] + [_HEAD + step * (k + 1) for k in range(_BLOCKS)] + [size - _HEAD]
+    sizes = [_HEAD] + [_BLOCK] * _BLOCKS + [_HEAD]
+    return _digest([pread(n, off) for off, n in zip(offsets, sizes)])
+
+
 def file_identity(path: str) -> str:
     """`size:hash` of a file's head, tail and evenly spread blocks (the whole file when small)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        if size <= _WHOLE:
-            parts = [f.read()]
-        else:
-            step = (size - 2 * _HEAD) // (_BLOCKS + 1)
-            offsets = [0] + [_HEAD + step * (k + 1) for k in range(_BLOCKS)] + [size - _HEAD]
-            sizes = [_HEAD] + [_BLOCK] * _BLOCKS + [_HEAD]
-            parts = [os.pread(f.fileno(), n, off) for off, n in zip(offsets, sizes)]
-    return f"{size}:{_digest(parts)}"
+        return f"{size}:{sampled_digest(lambda n, off: os.pread(f.fileno(), n, off), size)}"
 
 
 def file_set_identity(names, sizes) -> str:

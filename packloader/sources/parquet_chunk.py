@@ -17,7 +17,7 @@ import numpy as np
 import zstandard
 
 from packloader.sources.errors import SourceError
-from packloader.sources.parquet_pages import DATA_PAGE, ColumnLayout, PageError, _decompress
+from packloader.sources.parquet_pages import DATA_PAGE, ColumnLayout, PageError, _decompress, _hybrid, _rows, rows_agree
 
 _LOCAL = threading.local()
 _INT32_LIMIT = 2**31
@@ -38,14 +38,19 @@ def decodable(bodies: np.ndarray | None, lay: ColumnLayout) -> bool:
     return bodies is not None and lay.width == 4 and bool((bodies[:, 3] == DATA_PAGE).all())
 
 
-def chunk_ids(buf, pages: np.ndarray, bodies: np.ndarray, lay: ColumnLayout) -> np.ndarray:
+def chunk_ids(buf, pages: np.ndarray, bodies: np.ndarray, lay: ColumnLayout, lengths: np.ndarray,
+              first_row: int) -> np.ndarray:
     """Every token id of one row group's column chunk, in order. `buf` holds the file's bytes from the first
-    page's offset to the last page's end; `pages` and `bodies` are the index's tables of that row group."""
+    page's offset to the last page's end; `pages` and `bodies` are the index's tables of that row group,
+    `lengths` its rows' lengths (rows from `first_row`), which each page's rows must agree with (`rows_agree`, the
+    rule of the ranged reader too)."""
     view, start = memoryview(buf), int(pages[0, 0])
     out = np.empty(int(pages[:, 2].sum()), dtype="<i4")
     dest, at = memoryview(out).cast("B"), 0
     decompress = _decompressor(lay.codec)
-    for (off, size, ids, _), (head, raw, crc, _) in zip(pages.tolist(), bodies.tolist()):
+    row_starts = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    firsts = np.append(pages[:, 3] - first_row, len(lengths))
+    for p, ((off, size, ids, _), (head, raw, crc, _)) in enumerate(zip(pages.tolist(), bodies.tolist())):
         a = off - start
         if a + size > len(view):
             raise PageError(f"the page at byte {off} ends past the bytes read (the file is truncated)")
@@ -62,9 +67,84 @@ def chunk_ids(buf, pages: np.ndarray, bodies: np.ndarray, lay: ColumnLayout) -> 
         values = 8 + rep + (struct.unpack_from("<I", data, 4 + rep)[0] if 8 + rep <= raw else raw)
         if raw - values != 4 * ids:
             raise PageError(f"the page at byte {off} holds {raw - values} value bytes, the index says {ids} ids")
+        a, b = int(firsts[p]), int(firsts[p + 1])
+        ok = 0 <= a <= b <= len(lengths)
+        _check_rows(data, rep, values, lay, ids, lengths[a:b] if ok else None, row_starts[a] - at // 4 if ok else -1, off)
         dest[at:at + raw - values] = memoryview(data)[values:]
         at += raw - values
     return out
+
+
+def _varint(data, pos: int) -> tuple[int, int]:
+    head = shift = 0
+    while True:
+        b = data[pos]
+        pos += 1
+        head |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return head, pos
+
+
+def _row_starts(data, pos: int, end: int, count: int) -> list[int]:
+    """Where the first `count` 1-bit repetition levels at data[pos:end] are 0 (a row starts), read run by run: a
+    page of one document is a bit-packed group and one RLE run."""
+    out, n = [], 0
+    while n < count:
+        if pos >= end:
+            raise PageError(f"the levels end after {n} of {count} entries")
+        head, pos = _varint(data, pos)
+        if head & 1:  # bit-packed groups of 8 levels, one byte each at width 1
+            groups = head >> 1
+            take = min(groups * 8, count - n)
+            raw = bytes(data[pos:pos + groups])
+            if groups > 16:
+                bits = np.unpackbits(np.frombuffer(raw, np.uint8), bitorder="little")[:take]
+                out += (n + np.flatnonzero(bits == 0)).tolist()
+            else:
+                out += [n + 8 * j + k for j, b in enumerate(raw) if b != 0xFF for k in range(8)
+                        if not (b >> k) & 1 and 8 * j + k < take]
+            pos += groups
+        else:  # an RLE run: one byte of value at width 1
+            take = min(head >> 1, count - n)
+            if data[pos] == 0:
+                out += range(n, n + take)
+            pos += 1
+        n += take
+    return out
+
+
+def _all_present(data, pos: int, end: int, count: int, max_def: int) -> bool:
+    """Whether the definition levels open with one RLE run of max_def covering `count` levels (no null, no empty
+    row): what a page of whole token lists holds."""
+    if pos >= end:
+        return False
+    head, pos = _varint(data, pos)
+    width = (max_def.bit_length() + 7) // 8
+    return not head & 1 and head >> 1 >= count and int.from_bytes(bytes(data[pos:pos + width]), "little") == max_def
+
+
+def _check_rows(data, rep: int, values: int, lay: ColumnLayout, ids: int, want: np.ndarray | None, want_head: int,
+                off: int) -> None:
+    """A page's rows, from its levels (one level per id, one per empty row the index names), against the index's
+    `want` (None: the index's rows do not fit its own row group)."""
+    try:
+        if want is None:
+            raise PageError("no rows")
+        want = want.tolist()
+        if 0 not in want and _all_present(data, 8 + rep, values, ids, lay.max_def):  # whole token lists: by runs
+            starts = _row_starts(data, 4, 4 + rep, ids)
+            head, rows = (starts[0] if starts else ids), [b - a for a, b in zip(starts, starts[1:] + [ids])]
+        else:
+            count = ids + want.count(0)
+            levels = _hybrid(data, 4, 4 + rep, 1, count), _hybrid(data, 8 + rep, values, lay.max_def.bit_length(),
+                                                                    count)
+            head, rows = _rows(*levels, lay.max_def)
+    except PageError:
+        head, rows = -1, []
+    if want is None or not rows_agree(head, rows, want, int(want_head)):
+        raise PageError(f"the page at byte {off}: its ids and rows disagree with the length index; the index is not "
+                        "this shard's")
 
 
 def check_range(path: str, column: str, start: int, offsets: np.ndarray, tokens: np.ndarray,
@@ -96,7 +176,7 @@ def indexed_block(path: str, index, group: int, start: int) -> tuple[np.ndarray,
             buf = os.pread(fd, b - a, a)
         finally:
             os.close(fd)
-        ids = chunk_ids(buf, pages, bodies, lay)
+        ids = chunk_ids(buf, pages, bodies, lay, lengths, start)
         if len(ids) != offsets[-1]:
             raise PageError(f"its pages hold {len(ids)} ids, the length index's rows {int(offsets[-1])}")
     except (OSError, PageError) as e:

@@ -113,6 +113,15 @@ def _rows(rep: np.ndarray, dfn: np.ndarray, max_def: int) -> tuple[int, np.ndarr
     return int(cum[edges[0]]), np.diff(cum[edges])
 
 
+def rows_agree(head: int, rows, want, want_head: int) -> bool:
+    """The rule every reader of an indexed shard holds a decoded page to: the ids before its first row and each
+    row starting in it are what the length index says (`want`: the index's lengths of the rows starting in the
+    page, `want_head`: its ids before the first of them); the last row may go on in the next page."""
+    rows = rows.tolist() if isinstance(rows, np.ndarray) else list(rows)
+    want = want.tolist() if isinstance(want, np.ndarray) else list(want)
+    return head == want_head and len(rows) == len(want) and (not rows or (rows[:-1] == want[:-1] and rows[-1] <= want[-1]))
+
+
 def page_size(buf: bytes) -> tuple[dict, int, int]:
     """(header, header bytes, page bytes with its header) of the page at the start of `buf`."""
     try:

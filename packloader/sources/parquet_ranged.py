@@ -22,7 +22,7 @@ import numpy as np
 
 from packloader.sources.errors import SourceError
 from packloader.sources.length_index import LengthIndex, find
-from packloader.sources.parquet_pages import ColumnLayout, PageError, Unpageable, page_values
+from packloader.sources.parquet_pages import ColumnLayout, PageError, Unpageable, page_values, rows_agree
 
 _INT32_LIMIT = 2**31
 MERGE_SHARE = 0.1  # bytes spanned by merged reads: at most this share of the bytes a request wants (the 10 %
@@ -152,9 +152,7 @@ class PagedShard:
         want = self.lengths[first:end]
         g0 = int(self.group_starts[g])
         at = int(self.value_starts[first]) if first < self.group_starts[g + 1] else int(self.page_starts[g][-1])
-        ok = (len(ids) == int(table[p, 2]) and len(rows) == end - first and head == at - int(self.page_starts[g][p])
-              and (len(rows) == 0 or (np.array_equal(rows[:-1], want[:-1]) and rows[-1] <= want[-1])))
-        if not ok:
+        if len(ids) != int(table[p, 2]) or not rows_agree(head, rows, want, at - int(self.page_starts[g][p])):
             raise SourceError(f"{where} (rows {first}..{end - 1}, row group rows from {g0}): its ids and rows "
                               "disagree with the length index; the index is not this shard's")
         return ids

@@ -380,17 +380,18 @@ class RemoteFile(io.RawIOBase):
             return self._last[1]
         a = k * self.block_size
         b = min(self.info.size, a + self.block_size)
-        data = self._fetch(a, b, f"{a}")
+        data = self._fetch(a, b, f"{a}-{b}")  # keyed by its range: a block of another block_size is another key
         self._last = (k, data)
         return data
 
     def _fetch(self, a: int, b: int, where: str) -> bytes:
         key = f"{self.info.url}\0{self.info.etag}\0{self.info.size}\0{where}"
-        data = self.cache.get(key) if self.cache is not None else None
-        if data is None:
+        disk = bool(self.info.etag)  # an object without a version: its name and size could key another's bytes
+        data = self.cache.get(key, disk) if self.cache is not None else None
+        if data is None or len(data) != b - a:  # a cached copy of other bytes is refetched, never served
             data = self.store.get_range(self.info, a, b)
             if self.cache is not None:
-                self.cache.put(key, data)
+                self.cache.put(key, data, disk)
         return data
 
     def pread(self, n: int, offset: int) -> bytes:

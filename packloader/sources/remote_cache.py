@@ -1,6 +1,7 @@
 """A local disk cache of object blocks, bounded in bytes: later epochs and restarts read the blocks they already
-fetched from disk. Blocks are keyed by URL, ETag, size and offset, so a replaced object never serves stale bytes
-as its new self. Least recently used blocks are evicted first; writes are atomic (a temporary file renamed), so
+fetched from disk. Blocks are keyed by URL, ETag, size and byte range (first and end byte, so a restart with
+another block size never takes an old block for a new one), so a replaced object never serves stale bytes as its
+new self. Least recently used blocks are evicted first; writes are atomic (a temporary file renamed), so
 processes sharing the directory never see half a block."""
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ class BlockCache:
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, hashlib.blake2b(key.encode(), digest_size=16).hexdigest() + ".blk")
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, disk: bool = True) -> bytes | None:
+        if not disk:
+            return None
         path = self._path(key)
         try:
             with open(path, "rb") as f:
@@ -42,8 +45,8 @@ class BlockCache:
         self.hits += 1
         return data
 
-    def put(self, key: str, data: bytes) -> None:
-        if len(data) > self.max_bytes:
+    def put(self, key: str, data: bytes, disk: bool = True) -> None:
+        if not disk or len(data) > self.max_bytes:
             return  # a block larger than the whole cache is not kept
         path = self._path(key)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -93,20 +96,21 @@ class MemoryBlocks:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["max_bytes"], state["below"])
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, disk: bool = True) -> bytes | None:
+        """The block from memory, else (with `disk`) from the disk cache below."""
         with self._lock:
             data = self._blocks.get(key)
             if data is not None:
                 self._blocks.move_to_end(key)
                 return data
-        data = self.below.get(key) if self.below is not None else None
+        data = self.below.get(key) if self.below is not None and disk else None
         if data is not None:
             self._keep(key, data)
         return data
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, disk: bool = True) -> None:
         self._keep(key, data)
-        if self.below is not None:
+        if self.below is not None and disk:
             self.below.put(key, data)
 
     def _keep(self, key: str, data: bytes) -> None:

@@ -1,9 +1,11 @@
 """http:// and https:// URLs of single shards (a file server, a signed object-store URL, a Hugging Face `resolve`
 URL), read by ranged GETs with the standard library's http.client: no package needed.
 
-The object is identified by its size (Content-Range) and ETag from a first one-byte GET (a HEAD is not served
-everywhere); every later read carries `If-Match` with a strong ETag and is checked against the size and ETag it
-returns, so a file replaced under a running or saved epoch is a `ShardChanged` error naming the URL. A server that
+The object is identified by its size (Content-Range) and ETag (else its Last-Modified date) from a first one-byte
+GET (a HEAD is not served everywhere); every later read carries `If-Match` with a strong ETag and is checked
+against the size and version it returns, so a file replaced under a running or saved epoch is a `ShardChanged`
+error naming the URL. A server that sends neither leaves the content to identify the object (`RemoteWatch`
+hashes it, and the disk cache does not keep it), so a same-size replacement is still refused on resume. A server that
 ignores `Range` (answers 200 with the whole body) is refused: shards are never downloaded whole behind the
 caller's back. HTTP has no listing: each URL names one shard (`.parquet`, `.jsonl`, ...), never a prefix or glob.
 Redirects (a Hub `resolve` URL to its CDN) are followed, at most five.
@@ -21,6 +23,14 @@ HTTP_SCHEMES = ("http", "https")
 _REDIRECTS = (301, 302, 303, 307, 308)
 
 
+def version(headers: dict) -> str:
+    """The object's version as the server states it: its ETag, else its Last-Modified date, else "" (none: the
+    source then identifies the object by its content, `storage.RemoteWatch`)."""
+    if headers.get("etag"):
+        return headers["etag"]
+    return f"Last-Modified {headers['last-modified']}" if headers.get("last-modified") else ""
+
+
 class HttpStore:
     def __init__(self, policy: RetryPolicy | None = None) -> None:
         self.policy = policy or RetryPolicy()
@@ -30,7 +40,7 @@ class HttpStore:
     def _get(self, url: str, start: int, end: int, etag: str = "") -> tuple[bytes, dict]:
         """Bytes [start, end) of `url` and the response's headers (lower-case names); redirects followed."""
         headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity", "User-Agent": "packloader"}
-        if etag and not etag.startswith("W/"):  # If-Match takes strong ETags only
+        if etag and not etag.startswith(("W/", "Last-Modified ")):  # If-Match takes strong ETags only
             headers["If-Match"] = etag
         for _ in range(6):
             parts = urlsplit(url)
@@ -60,7 +70,7 @@ class HttpStore:
             total = headers.get("content-range", "").rpartition("/")[2]
             if not total.isdigit():
                 raise HttpError(0, f"no object size in the answer (Content-Range: {headers.get('content-range')!r})")
-            return ObjectInfo(url, int(total), headers.get("etag", ""))
+            return ObjectInfo(url, int(total), version(headers))
 
         return with_retries(call, url, self.policy, "GET bytes 0..0")
 
@@ -69,7 +79,7 @@ class HttpStore:
         def call() -> bytes:
             data, headers = self._get(info.url, start, end, info.etag)
             total = headers.get("content-range", "").rpartition("/")[2]
-            etag = headers.get("etag", "")
+            etag = version(headers)
             if (total.isdigit() and int(total) != info.size) or (info.etag and etag and etag != info.etag):
                 raise ShardChanged(f"{info.url}: the file changed since the source opened it ({total} bytes, ETag "
                                    f"{etag}; opened: {info.size} bytes, ETag {info.etag}); reading on would train "

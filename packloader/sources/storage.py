@@ -20,7 +20,7 @@ import os
 import struct
 
 from packloader.sources.errors import SourceError
-from packloader.sources.identity import FileWatch
+from packloader.sources.identity import FileWatch, sampled_digest
 from packloader.sources.remote import FsStore, ObjectInfo, RemoteFile, RetryPolicy, S3Store
 from packloader.sources.remote_cache import BlockCache, MemoryBlocks
 from packloader.sources.remote_cloud import AZURE_SCHEMES, GCS_SCHEMES, AzureStore, GcsStore
@@ -166,6 +166,8 @@ class RemoteWatch:
         if kind == "parquet":
             self.footer = footer = _footer(storage.open(self.info))
             ident += ":" + hashlib.blake2b(footer, digest_size=12).hexdigest()
+        if not self.info.etag:  # no version from the store: the content itself, as a local file is identified
+            ident += ":" + sampled_digest(storage.open(self.info).pread, self.info.size)
         self.identity = ident
 
     def check(self) -> None:

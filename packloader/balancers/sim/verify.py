@@ -210,18 +210,24 @@ def _duplicate_examples(plans: list[StepPlan], final_state: PlannerState | None,
     return out
 
 
-def _piece_starts(exp: np.ndarray) -> dict[int, np.ndarray]:
-    """Sorted piece starts per doc, to reject slices that attend across an independent piece's start."""
-    out: dict[int, np.ndarray] = {}
-    if len(exp):
-        e = exp[np.lexsort((exp[:, 1], exp[:, 0]))]
-        docs, idx = np.unique(e[:, 0], return_index=True)
-        for d, a, b in zip(docs, idx, list(idx[1:]) + [len(e)]):
-            out[int(d)] = e[a:b, 1]
-    return out
+class _PieceStarts:
+    """Sorted piece starts per doc, to reject slices that attend across an independent piece's start; looked up
+    by binary search (no per-document work up front: most plans hold no slice)."""
+
+    def __init__(self, exp: np.ndarray) -> None:
+        e = exp[np.lexsort((exp[:, 1], exp[:, 0]))] if len(exp) else exp.reshape(0, 3)
+        self.docs, self.starts = e[:, 0], e[:, 1]
+
+    def get(self, doc: int) -> np.ndarray | None:
+        a, b = np.searchsorted(self.docs, doc, "left"), np.searchsorted(self.docs, doc, "right")
+        return self.starts[a:b] if b > a else None
 
 
-def _check_slice(where: str, s, i: int, ends: dict, piece_starts: dict[int, np.ndarray], allow_slicing: bool) -> None:
+def _piece_starts(exp: np.ndarray) -> _PieceStarts:
+    return _PieceStarts(exp)
+
+
+def _check_slice(where: str, s, i: int, ends: dict, piece_starts: _PieceStarts, allow_slicing: bool) -> None:
     """The slice rules for segment `s` of micro-batch i; `ends` maps (doc, end) of this rank's earlier segments
     to (micro-batch index, attend_from)."""
     if not allow_slicing:
@@ -246,7 +252,7 @@ def _check_slice(where: str, s, i: int, ends: dict, piece_starts: dict[int, np.n
             raise PlanError(f"{where}: slice of doc {s.doc} at {s.start} attends from {s.attend_from}, across the start {int(starts[k])} of an independent piece")
 
 
-def _check_rank(where_step: str, r: int, rank, num_ranks: int, piece_starts: dict[int, np.ndarray],
+def _check_rank(where_step: str, r: int, rank, num_ranks: int, piece_starts: _PieceStarts,
                 max_tokens: int | None, allow_slicing: bool) -> int:
     """Every rule on one rank's micro-batches; returns the number of slices."""
     m = len(rank.micro_batches)
@@ -310,12 +316,14 @@ def verify_plan(
     allow_slicing: bool = True,
     final_state: PlannerState | None = None,
     dp: int | None = None,
+    check_coverage: bool = True,
 ) -> dict[str, int]:
     """Raise PlanError on the first kind of violation; return a summary (steps, tokens, micro-batches, slices).
 
     `pieces`: everything drawn over the run, as a Window, a list of Windows, or (doc, offset, length) triples
     (None skips the coverage and piece-boundary checks). `final_state`: the planner state after the last
-    step, whose queue holds what is still delayed (None: everything must have been planned).
+    step, whose queue holds what is still delayed (None: everything must have been planned). `check_coverage`
+    False leaves the token coverage to the caller (`planners.contract` checks it vectorized, per step).
     """
     plans = _plans_list(plans)
     exp = _pieces_array(pieces)
@@ -339,7 +347,7 @@ def verify_plan(
         for r, _, mb in _unique_micro_batches(p):
             n_mbs += 1
             n_tokens += sum(s.end - s.start for s in owned_segments(mb, r))
-    if len(exp) or pieces is not None:
+    if check_coverage and (len(exp) or pieces is not None):
         cov = coverage(plans, exp, final_state)
         if not cov.ok:
             detail = "; ".join(cov.first_problems)

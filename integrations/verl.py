@@ -36,7 +36,7 @@ from packloader.balancers.planners.rollouts import resolve_cost
 from packloader.balancers.planners.verl import VERL_WORKLOAD_LINEAR, verl_order
 from packloader.contracts import PlanConfig
 
-__all__ = ["calculate_workload", "get_seqlen_balanced_partitions", "rearrange_micro_batches"]
+__all__ = ["calculate_workload", "get_seqlen_balanced_partitions", "plan_micro_batches", "rearrange_micro_batches"]
 
 
 def calculate_workload(seqlen_list: Any) -> Any:
@@ -45,8 +45,12 @@ def calculate_workload(seqlen_list: Any) -> Any:
 
 
 def _int_list(values: Any, what: str) -> np.ndarray:
+    """int64 values >= 0 from a list, array or tensor; a bad entry is an error naming its index."""
     if isinstance(values, torch.Tensor):
         values = values.tolist()
+    arr = np.asarray(values) if not isinstance(values, np.ndarray) else values
+    if arr.ndim == 1 and arr.dtype.kind in "iu" and (len(arr) == 0 or arr.min() >= 0):
+        return arr.astype(np.int64)
     out = np.empty(len(values), np.int64)
     for i, v in enumerate(values):
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
@@ -89,25 +93,29 @@ def _effective_lengths(batch: Any) -> np.ndarray:
     return batch["attention_mask"].sum(dim=1).cpu().numpy().astype(np.int64)
 
 
-def _select(batch: Any, index: list[int]) -> Any:
-    """The rows `index` of every field: plain tensors indexed, jagged (nested) tensors rebuilt from their rows,
-    per-row non-tensor stacks indexed, scalar metadata kept. A TensorDict in, a TensorDict out."""
-    ix = torch.as_tensor(index, dtype=torch.long)
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.is_nested:
-            rows = value.unbind()
-            picked = [rows[i] for i in index]
-            out[key] = torch.nested.as_nested_tensor(picked, layout=torch.jagged) if picked else value[:0]
-        elif isinstance(value, torch.Tensor):
-            out[key] = value[ix]
-        else:
-            out[key] = value[ix] if getattr(value, "shape", ()) else value
+def _select_all(batch: Any, index: list[list[int]]) -> list[Any]:
+    """The rows of each index list from every field: plain tensors indexed, jagged (nested) tensors rebuilt from
+    their rows (unbound once for all micro-batches), per-row non-tensor stacks indexed, scalar metadata kept. A
+    TensorDict in, TensorDicts out (a dict in, dicts out)."""
+    rows = {key: value.unbind() for key, value in batch.items() if isinstance(value, torch.Tensor) and value.is_nested}
+    out = []
+    for idx in index:
+        ix = torch.as_tensor(idx, dtype=torch.long)
+        mb = {}
+        for key, value in batch.items():
+            if key in rows:
+                picked = [rows[key][i] for i in idx]
+                mb[key] = torch.nested.as_nested_tensor(picked, layout=torch.jagged) if picked else value[:0]
+            elif isinstance(value, torch.Tensor):
+                mb[key] = value[ix]
+            else:
+                mb[key] = value[ix] if getattr(value, "shape", ()) else value
+        out.append(mb)
     if isinstance(batch, dict):
         return out
     from tensordict import TensorDict
 
-    return TensorDict(out, batch_size=[len(index)])
+    return [TensorDict(mb, batch_size=[len(idx)]) for mb, idx in zip(out, index)]
 
 
 def _all_reduce_max(value: int, group: Any) -> int:
@@ -134,8 +142,24 @@ def rearrange_micro_batches(batch: Any, max_token_len: int, dp_group: Any = None
                             use_dynamic_bsz_balance: bool = True, force_group_size: int = 1, *,
                             cost: CostModel | PlanConfig | str | None = None) -> tuple[list[Any], list[list[int]]]:
     """One rank's batch as (micro-batches, each micro-batch's row indices), as verl's function returns them; every
-    micro-batch within `max_token_len` tokens. force_group_size: consecutive rows of that many stay together."""
-    lengths = _effective_lengths(batch)
+    micro-batch within `max_token_len` tokens (`plan_micro_batches` says how they are chosen)."""
+    index = plan_micro_batches(_effective_lengths(batch), max_token_len, dp_group, num_batches_divided_by,
+                               same_micro_num_in_dp, min_num_micro_batch, use_dynamic_bsz_balance, force_group_size,
+                               cost=cost)
+    return _select_all(batch, index), index
+
+
+def plan_micro_batches(lengths: Any, max_token_len: int, dp_group: Any = None, num_batches_divided_by: int | None = None,
+                       same_micro_num_in_dp: bool = True, min_num_micro_batch: int | None = None,
+                       use_dynamic_bsz_balance: bool = True, force_group_size: int = 1, *,
+                       cost: CostModel | PlanConfig | str | None = None) -> list[list[int]]:
+    """The row indices of each micro-batch of one rank's sequences (`lengths`: their token counts), the planning
+    half of `rearrange_micro_batches`. The count is verl's (min(groups, ceil(tokens / max_token_len)), at least
+    min_num_micro_batch), or the fewest above it that fit the cap; all-reduced to the DP group's largest with
+    `same_micro_num_in_dp` and a `dp_group`, then rounded up to a multiple of num_batches_divided_by. Rows of a
+    force_group_size group stay together. With use_dynamic_bsz_balance the micro-batches come in verl's order (by
+    cost, the lightest at both ends), else heaviest first."""
+    lengths = _int_list(lengths, "rearrange_micro_batches")
     n, g, cap = len(lengths), int(force_group_size), int(max_token_len)
     if g < 1 or n % g:
         raise ValueError(f"rearrange_micro_batches: batch of {n} rows with force_group_size={g}; expected a batch "
@@ -178,8 +202,7 @@ def rearrange_micro_batches(batch: Any, max_token_len: int, dp_group: Any = None
     part = _fill_empty(part, m, work)
     parts = [np.flatnonzero(part == j) for j in range(m)]
     if use_dynamic_bsz_balance:
-        order = verl_order(parts, np.rint(as_int_values(work)).astype(np.int64))
+        order = verl_order(parts, as_int_values(work))
     else:
         order = list(np.argsort(-np.array([work[p].sum() for p in parts]), kind="stable"))
-    index = [(parts[j][:, None] * g + np.arange(g)).ravel().tolist() for j in order]
-    return [_select(batch, ix) for ix in index], index
+    return [(parts[j][:, None] * g + np.arange(g)).ravel().tolist() for j in order]

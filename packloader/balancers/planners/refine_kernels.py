@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-SCAN = 2  # swap partners looked at on each side of the best-balancing one (members sorted by value)
+SCAN = 4  # swap partners looked at on each side of the best-balancing one (members sorted by value)
 
 
 @njit(cache=True)

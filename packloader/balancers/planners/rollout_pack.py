@@ -13,7 +13,7 @@ from packloader.balancers.planners.hydraulis_kernels import hydraulis_pack
 from packloader.balancers.planners.ldm_kernels import karmarkar_karp
 from packloader.balancers.planners.refine_kernels import refine_partition
 
-PARTNERS = 4  # lightest partitions the refinement tries against the heaviest, each round
+PARTNERS = 16  # lightest partitions the refinement tries against the heaviest, each round
 INT_SPAN = float(1 << 50)  # float workloads are scaled to integers this large for the LDM kernel (exact in float64)
 NO_CAP = np.iinfo(np.int64).max // 4
 
@@ -56,11 +56,12 @@ def _fits(part: np.ndarray, lengths: np.ndarray, m: int, cap: int) -> bool:
 
 
 def pack_micro_batches(lengths: np.ndarray, work: np.ndarray, cap: int, m: int, coeffs: np.ndarray | None,
-                       known: np.ndarray | None = None) -> np.ndarray | None:
+                       known: np.ndarray | None = None, polish: bool = True) -> np.ndarray | None:
     """Micro-batch (0..m-1) of each item with the smallest heaviest micro-batch found, every micro-batch within
     `cap` tokens; None when no candidate fits. Candidates: Hydraulis' capped packing (`coeffs` given: the items
     are single sequences priced from their lengths), LDM on `work`, and `known` (a fitting packing into fewer
-    micro-batches, the rest left empty); each is refined under the cap."""
+    micro-batches, the rest left empty); each is refined under the cap (`polish`; without it the first that fits
+    is returned as it is: whether a count fits does not depend on the refinement)."""
     lengths = np.asarray(lengths, np.int64)
     n = len(lengths)
     if n == 0:
@@ -70,12 +71,16 @@ def pack_micro_batches(lengths: np.ndarray, work: np.ndarray, cap: int, m: int, 
         assign, _ = hydraulis_pack(coeffs[None, :], np.zeros(1, np.int64), np.array([cap], np.int64), lengths,
                                    np.zeros(n, np.int64), m)
         if assign[0] >= 0:
+            if not polish:
+                return assign
             starts.append(assign)
     kk = karmarkar_karp(as_int_values(work), m, False)
     if _fits(kk, lengths, m, cap):
         starts.append(kk)
     if known is not None:
         starts.append(np.asarray(known, np.int64))
+    if not polish:
+        return starts[0] if starts else None
     best, best_max = None, np.inf
     for s in starts:
         r = refine(s, m, work, tokens=lengths, cap=cap)
@@ -97,16 +102,16 @@ def fit_micro_batches(lengths: np.ndarray, work: np.ndarray, cap: int, m0: int, 
         return (up(m0) if m0 > 0 else 0), np.zeros(0, np.int64)
     m = up(max(m0, int((lengths > cap // 2).sum())))  # two items over half the cap never share one
     hi = up(n)
-    got = pack_micro_batches(lengths, work, cap, m, coeffs)
+    got = pack_micro_batches(lengths, work, cap, m, coeffs, polish=False)
     if got is not None:
-        return m, got
+        return m, pack_micro_batches(lengths, work, cap, m, coeffs, known=got)
     if m >= hi:
         return m, np.arange(n, dtype=np.int64)
     lo = m  # m fails: double the gap towards n, then bisect between the last failure and the first fit
     span = step
     while True:
         m = min(up(lo + span), hi)
-        got = pack_micro_batches(lengths, work, cap, m, coeffs)
+        got = pack_micro_batches(lengths, work, cap, m, coeffs, polish=False)
         if got is not None or m >= hi:
             break
         lo, span = m, span * 2
@@ -116,12 +121,12 @@ def fit_micro_batches(lengths: np.ndarray, work: np.ndarray, cap: int, m0: int, 
         mid = up((lo + m) // 2)
         if mid >= m:
             break
-        g = pack_micro_batches(lengths, work, cap, mid, coeffs)
+        g = pack_micro_batches(lengths, work, cap, mid, coeffs, polish=False)
         if g is None:
             lo = mid
         else:
             m, got = mid, g
-    return m, got
+    return m, pack_micro_batches(lengths, work, cap, m, coeffs, known=got)
 
 
 def rank_micro_batches(lengths: np.ndarray, work: np.ndarray, rank_of: np.ndarray, dp: int, cap: int,

@@ -133,14 +133,24 @@ def balance_rollouts(sequences: Sequence[Any] | np.ndarray, max_tokens_per_micro
     rank_of = balanced_partitions(work, dp, equal_sizes) if len(lengths) else np.zeros(0, np.int64)
     ranks = rank_micro_batches(lengths, work, rank_of, dp, int(max_tokens_per_micro_batch), min_micro_batches,
                                multiple_of, equal_counts, model.coeffs)
-    order_key = np.rint(work * 1e9).astype(np.int64)  # verl_order sums integers: the cost in nanoseconds
-    ranks = [[mbs[j] for j in (verl_order(mbs, order_key) if light_ends else _heaviest_first(mbs, work))]
-             for mbs in ranks]
+    ranks = [[mbs[j] for j in _order(mbs, lengths, model, light_ends)] for mbs in ranks]
     return _plan(ranks, lengths, loss, model)
 
 
-def _heaviest_first(mbs: list[np.ndarray], work: np.ndarray) -> list[int]:
-    return sorted(range(len(mbs)), key=lambda j: -float(work[mbs[j]].sum()))
+def _order(mbs: list[np.ndarray], lengths: np.ndarray, model: CostModel, light_ends: bool) -> list[int]:
+    """A rank's micro-batches by their predicted time: verl's order (light ones at both ends), or heaviest first."""
+    f, b = _times(mbs, lengths, model)
+    if not light_ends:
+        return list(np.argsort(-(f + b), kind="stable"))
+    singles = [np.array([j]) for j in range(len(mbs))]  # verl_order sums integer keys: the times in nanoseconds
+    return verl_order(singles, np.rint((f + b) * 1e9).astype(np.int64)) if mbs else []
+
+
+def _times(mbs: list[np.ndarray], lengths: np.ndarray, model: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of each micro-batch (index arrays into `lengths`)."""
+    mb_of = np.repeat(np.arange(len(mbs)), [len(mb) for mb in mbs]).astype(np.int64)
+    q = lengths[np.concatenate(mbs).astype(np.int64)] if mbs else np.zeros(0, np.int64)
+    return microbatch_times_by_id(model.coeffs, q, np.zeros_like(q), mb_of, len(mbs))
 
 
 def _plan(ranks: list[list[np.ndarray]], lengths: np.ndarray, loss: np.ndarray, model: CostModel) -> RolloutPlan:
@@ -148,7 +158,7 @@ def _plan(ranks: list[list[np.ndarray]], lengths: np.ndarray, loss: np.ndarray, 
     mb_of = np.repeat(np.arange(len(flat)), [len(mb) for mb in flat]).astype(np.int64)
     items = np.concatenate(flat).astype(np.int64) if flat else np.zeros(0, np.int64)
     q = lengths[items]
-    f, b = microbatch_times_by_id(model.coeffs, q, np.zeros_like(q), mb_of, len(flat))
+    f, b = _times(flat, lengths, model)
     tok = np.bincount(mb_of, weights=q, minlength=len(flat)).astype(np.int64)
     lt = np.bincount(mb_of, weights=loss[items], minlength=len(flat)).astype(np.int64)
     ls = np.bincount(mb_of, weights=(loss[items] > 0), minlength=len(flat)).astype(np.int64)

@@ -92,7 +92,7 @@ def _check(lengths: np.ndarray, cap: int, dp: int, equal_sizes: bool, loss: np.n
     if len(over):
         i = int(over[0])
         raise ValueError(f"balance_rollouts: sequence {i} has {int(lengths[i])} tokens, over max_tokens_per_micro_batch="
-                         f"{cap} ({len(over)} sequences are); expected every sequence to fit one micro-batch: raise the "
+                         f"{cap} ({len(over)} of {len(lengths)} sequences are over it); expected every sequence to fit one micro-batch: raise the "
                          "cap or cut the rollouts")
     if equal_sizes and len(lengths) % dp:
         raise ValueError(f"balance_rollouts: equal_sizes with {len(lengths)} sequences over dp={dp}; expected a number "

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 from helpers.distributed import run_ranks
+from helpers.rollouts import KINDS, lengths_of
 from reference import verl_seqlen_balancing as verl
 from tensordict import TensorDict
-from test_rollouts import KINDS, lengths_of
 
 from packloader import balance_rollouts
 from packloader.balancers.planners.rollouts import resolve_cost

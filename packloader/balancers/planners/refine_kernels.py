@@ -38,6 +38,62 @@ def _members(part, h, cand, slot, nc, hm, cm, cstart):
 
 
 @njit(cache=True)
+def _best_step(h, cand, nc, hm, nh, cm, cstart, part_load, tok, gl, work, tokens, guard, cap, guard_cap, moves):
+    """The move (x = -1) or swap out of partition h, with a candidate j, that lowers the larger of the two new sums
+    most while keeping both within the cap and the guard: (item of h, item of j or -1, j), or i = -1 for none."""
+    lh = part_load[h]
+    best = lh
+    bi = -1
+    bx = -1
+    bj = -1
+    for c in range(nc):
+        j = cand[c]
+        gap = lh - part_load[j]
+        if moves:
+            for t in range(nh):
+                i = hm[t]
+                w = work[i]
+                if 0.0 < w < gap and tok[j] + tokens[i] <= cap and gl[j] + guard[i] <= guard_cap:
+                    v = max(lh - w, part_load[j] + w)
+                    if v < best:
+                        best, bi, bx, bj = v, i, -1, j
+        js = cm[cstart[c]:cstart[c + 1]]
+        if js.shape[0] == 0:
+            continue
+        js = js[np.argsort(work[js], kind="mergesort")]
+        jw = work[js]
+        for t in range(nh):
+            i = hm[t]
+            wi = work[i]
+            pos = np.searchsorted(jw, wi - gap / 2.0)
+            for q in range(max(pos - SCAN, 0), min(pos + SCAN, js.shape[0])):
+                x = js[q]
+                d = wi - work[x]
+                if not (0.0 < d < gap):
+                    continue
+                if tok[h] - tokens[i] + tokens[x] > cap or tok[j] + tokens[i] - tokens[x] > cap:
+                    continue
+                if gl[h] - guard[i] + guard[x] > guard_cap or gl[j] + guard[i] - guard[x] > guard_cap:
+                    continue
+                v = max(lh - d, part_load[j] + d)
+                if v < best:
+                    best, bi, bx, bj = v, i, x, j
+    return bi, bx, bj
+
+
+@njit(cache=True)
+def _shift(i, a, b, part, load, tok, gl, work, tokens, guard):
+    """Item i from partition a to partition b."""
+    part[i] = b
+    load[a] -= work[i]
+    load[b] += work[i]
+    tok[a] -= tokens[i]
+    tok[b] += tokens[i]
+    gl[a] -= guard[i]
+    gl[b] += guard[i]
+
+
+@njit(cache=True)
 def refine_partition(part, k, work, tokens, cap, guard, guard_cap, moves, partners, rounds):
     """Improve `part` (partition 0..k-1 of each item) on the largest sum of `work`: each round takes the heaviest
     partition h and, among its `partners` lightest others, the move (`moves`: sizes may change) or swap (sizes
@@ -60,71 +116,24 @@ def refine_partition(part, k, work, tokens, cap, guard, guard_cap, moves, partne
     cstart = np.zeros(max(partners, 1) + 1, np.int64)
     for _ in range(rounds):
         h = int(np.argmax(load))
-        lh = load[h]
         nc = 0
         for j in np.argsort(load, kind="mergesort"):
             if nc == partners:
                 break
-            if j != h and load[j] < lh:
+            if j != h and load[j] < load[h]:
                 cand[nc] = j
                 slot[j] = nc
                 nc += 1
         if nc == 0:
             break
         nh = _members(part, h, cand, slot, nc, hm, cm, cstart)
-        best = lh
-        bi = -1
-        bx = -1
-        bj = -1
-        for c in range(nc):
-            j = cand[c]
-            gap = lh - load[j]
-            if moves:
-                for t in range(nh):
-                    i = hm[t]
-                    w = work[i]
-                    if 0.0 < w < gap and tok[j] + tokens[i] <= cap and gl[j] + guard[i] <= guard_cap:
-                        v = max(lh - w, load[j] + w)
-                        if v < best:
-                            best, bi, bx, bj = v, i, -1, j
-            js = cm[cstart[c]:cstart[c + 1]]
-            if js.shape[0] == 0:
-                continue
-            js = js[np.argsort(work[js], kind="mergesort")]
-            jw = work[js]
-            for t in range(nh):
-                i = hm[t]
-                wi = work[i]
-                pos = np.searchsorted(jw, wi - gap / 2.0)
-                for q in range(max(pos - SCAN, 0), min(pos + SCAN, js.shape[0])):
-                    x = js[q]
-                    d = wi - work[x]
-                    if not (0.0 < d < gap):
-                        continue
-                    if tok[h] - tokens[i] + tokens[x] > cap or tok[j] + tokens[i] - tokens[x] > cap:
-                        continue
-                    if gl[h] - guard[i] + guard[x] > guard_cap or gl[j] + guard[i] - guard[x] > guard_cap:
-                        continue
-                    v = max(lh - d, load[j] + d)
-                    if v < best:
-                        best, bi, bx, bj = v, i, x, j
+        bi, bx, bj = _best_step(h, cand, nc, hm, nh, cm, cstart, load, tok, gl, work, tokens, guard, cap, guard_cap,
+                                moves)
         for c in range(nc):
             slot[cand[c]] = -1
         if bi < 0:
             break
-        part[bi] = bj
-        load[h] -= work[bi]
-        load[bj] += work[bi]
-        tok[h] -= tokens[bi]
-        tok[bj] += tokens[bi]
-        gl[h] -= guard[bi]
-        gl[bj] += guard[bi]
+        _shift(bi, h, bj, part, load, tok, gl, work, tokens, guard)
         if bx >= 0:
-            part[bx] = h
-            load[bj] -= work[bx]
-            load[h] += work[bx]
-            tok[bj] -= tokens[bx]
-            tok[h] += tokens[bx]
-            gl[bj] -= guard[bx]
-            gl[h] += guard[bx]
+            _shift(bx, bj, h, part, load, tok, gl, work, tokens, guard)
     return part

@@ -228,3 +228,9 @@ def test_balance_rollouts_step_against_verls_pipeline(kind, n, cap, gain):
     assert all(lengths[ix].sum() <= cap for rank in plan.micro_batches for ix in rank)
     # on long tails verl's equal-size LDM leaves one rank heavy; packloader's slowest rank is `gain` faster
     assert step_cost(lengths, plan.micro_batches) <= step_cost(lengths, theirs) * (1 - gain) * (1 + 1e-4)
+
+
+def test_partitions_beyond_float_precision_are_verls():
+    # sums past 2^53 are refined no further (float64 would round them): verl's LDM answer as it stands
+    values = [2**52 + 7, 2**52 + 3, 2**51 + 1, 2**51, 5, 3, 2, 1]
+    assert ours.get_seqlen_balanced_partitions(values, 3, False) == verl.get_seqlen_balanced_partitions(values, 3, False)

@@ -16,6 +16,7 @@ from packloader.balancers.planners.refine_kernels import refine_partition
 PARTNERS = 16  # lightest partitions the refinement tries against the heaviest, each round
 INT_SPAN = float(1 << 50)  # float workloads are scaled to integers this large for the LDM kernel (exact in float64)
 NO_CAP = np.iinfo(np.int64).max // 4
+EXACT = 1 << 53  # integers float64 holds exactly
 
 
 def as_int_values(work: np.ndarray) -> np.ndarray:
@@ -48,6 +49,8 @@ def balanced_partitions(values: np.ndarray, k: int, equal_size: bool) -> np.ndar
     values = np.asarray(values)
     ints = values.astype(np.int64) if values.dtype.kind in "iub" else as_int_values(values)
     part = karmarkar_karp(ints, k, equal_size)
+    if int(ints.sum()) > EXACT:  # the refinement sums in float64: beyond 2^53 a step could be a rounding artefact
+        return part
     return refine(part, k, ints.astype(np.float64), moves=not equal_size)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+PAIR_PARTNERS = 4  # lightest partitions tried for a one-for-two trade (each costs |items|^2)
 SCAN = 4  # swap partners looked at on each side of the best-balancing one (members sorted by value)
 
 
@@ -82,6 +83,39 @@ def _best_step(h, cand, nc, hm, nh, cm, cstart, part_load, tok, gl, work, tokens
 
 
 @njit(cache=True)
+def _best_pair_swap(h, cand, nc, hm, nh, cm, cstart, part_load, tok, gl, work, tokens, guard, cap, guard_cap):
+    """An item of h for two of a candidate j: where micro-batches are nearly full, one long sequence traded for two
+    shorter ones of about its tokens is what moves attention work (a single swap of equal tokens moves little).
+    Returns (i, x, y, j, the larger new sum) with i = -1 for none that lowers h."""
+    lh = part_load[h]
+    best = lh
+    bi = bx = by = bj = -1
+    for c in range(nc):
+        j = cand[c]
+        lj = part_load[j]
+        js = cm[cstart[c]:cstart[c + 1]]
+        for t in range(nh):
+            i = hm[t]
+            for a in range(js.shape[0]):
+                x = js[a]
+                for b in range(a + 1, js.shape[0]):
+                    y = js[b]
+                    d = work[i] - work[x] - work[y]
+                    if not (0.0 < d < lh - lj):
+                        continue
+                    dt = tokens[i] - tokens[x] - tokens[y]
+                    if tok[h] - dt > cap or tok[j] + dt > cap:
+                        continue
+                    dg = guard[i] - guard[x] - guard[y]
+                    if gl[h] - dg > guard_cap or gl[j] + dg > guard_cap:
+                        continue
+                    v = max(lh - d, lj + d)
+                    if v < best:
+                        best, bi, bx, by, bj = v, i, x, y, j
+    return bi, bx, by, bj, best
+
+
+@njit(cache=True)
 def _shift(i, a, b, part, load, tok, gl, work, tokens, guard):
     """Item i from partition a to partition b."""
     part[i] = b
@@ -94,11 +128,12 @@ def _shift(i, a, b, part, load, tok, gl, work, tokens, guard):
 
 
 @njit(cache=True)
-def refine_partition(part, k, work, tokens, cap, guard, guard_cap, moves, partners, rounds):
+def refine_partition(part, k, work, tokens, cap, guard, guard_cap, moves, partners, rounds, pairs):
     """Improve `part` (partition 0..k-1 of each item) on the largest sum of `work`: each round takes the heaviest
     partition h and, among its `partners` lightest others, the move (`moves`: sizes may change) or swap (sizes
-    kept) that lowers the larger of the two new sums most. A step must keep each partition's `tokens` within `cap`
-    and its `guard` sum within `guard_cap`. Returns the new partition (the input is not changed)."""
+    kept) that lowers the larger of the two new sums most; with `pairs` (and `moves`: sizes change), where none
+    does, one item of h for two of a candidate. A step must keep each partition's `tokens` within `cap` and its
+    `guard` sum within `guard_cap`. Returns the new partition (the input is not changed)."""
     n = part.shape[0]
     part = part.copy()
     load = np.zeros(k, np.float64)
@@ -129,6 +164,10 @@ def refine_partition(part, k, work, tokens, cap, guard, guard_cap, moves, partne
         nh = _members(part, h, cand, slot, nc, hm, cm, cstart)
         bi, bx, bj = _best_step(h, cand, nc, hm, nh, cm, cstart, load, tok, gl, work, tokens, guard, cap, guard_cap,
                                 moves)
+        by = -1
+        if bi < 0 and moves and pairs:  # no single move or swap helps: try one item for two
+            bi, bx, by, bj, _ = _best_pair_swap(h, cand, min(nc, PAIR_PARTNERS), hm, nh, cm, cstart, load, tok, gl,
+                                                work, tokens, guard, cap, guard_cap)
         for c in range(nc):
             slot[cand[c]] = -1
         if bi < 0:
@@ -136,4 +175,61 @@ def refine_partition(part, k, work, tokens, cap, guard, guard_cap, moves, partne
         _shift(bi, h, bj, part, load, tok, gl, work, tokens, guard)
         if bx >= 0:
             _shift(bx, bj, h, part, load, tok, gl, work, tokens, guard)
+        if by >= 0:
+            _shift(by, bj, h, part, load, tok, gl, work, tokens, guard)
     return part
+
+
+@njit(cache=True)
+def repair_cap(part, k, work, tokens, cap):
+    """`part` with every partition brought within `cap` tokens by moving items out of those over it, each to the
+    least loaded partition (by `work`) it fits: from an over-full partition, the shortest item that ends the excess
+    alone, else its longest that fits somewhere. Returns (the new partition, whether it fits): a balanced answer that
+    ignores the cap (verl's) repaired by few moves stays nearly as balanced."""
+    n = part.shape[0]
+    part = part.copy()
+    load = np.zeros(k, np.float64)
+    tok = np.zeros(k, np.int64)
+    for i in range(n):
+        load[part[i]] += work[i]
+        tok[part[i]] += tokens[i]
+    by_len = np.argsort(tokens, kind="mergesort")
+    for src in range(k):
+        while tok[src] > cap:
+            excess = tok[src] - cap
+            pick = -1
+            dest = -1
+            for t in range(n):  # shortest first: the first that ends the excess and fits elsewhere wins
+                i = by_len[t]
+                if part[i] != src or tokens[i] < excess:
+                    continue
+                d = _lightest_fit(load, tok, cap, tokens[i], src)
+                if d >= 0:
+                    pick, dest = i, d
+                    break
+            if pick < 0:
+                for t in range(n - 1, -1, -1):  # else the longest that fits somewhere
+                    i = by_len[t]
+                    if part[i] != src or tokens[i] == 0:
+                        continue
+                    d = _lightest_fit(load, tok, cap, tokens[i], src)
+                    if d >= 0:
+                        pick, dest = i, d
+                        break
+            if pick < 0:
+                return part, False
+            part[pick] = dest
+            load[src] -= work[pick]
+            load[dest] += work[pick]
+            tok[src] -= tokens[pick]
+            tok[dest] += tokens[pick]
+    return part, True
+
+
+@njit(cache=True)
+def _lightest_fit(load, tok, cap, l, skip):
+    best = -1
+    for j in range(load.shape[0]):
+        if j != skip and tok[j] + l <= cap and (best < 0 or load[j] < load[best]):
+            best = j
+    return best

@@ -11,9 +11,10 @@ import numpy as np
 
 from packloader.balancers.planners.hydraulis_kernels import hydraulis_pack
 from packloader.balancers.planners.ldm_kernels import karmarkar_karp
-from packloader.balancers.planners.refine_kernels import refine_partition
+from packloader.balancers.planners.refine_kernels import refine_partition, repair_cap
 
 PARTNERS = 16  # lightest partitions the refinement tries against the heaviest, each round
+PAIR_ITEMS_MAX = 64  # items per partition on average up to which the refinement also trades one item for two
 INT_SPAN = float(1 << 50)  # float workloads are scaled to integers this large for the LDM kernel (exact in float64)
 NO_CAP = np.iinfo(np.int64).max // 4
 EXACT = 1 << 53  # integers float64 holds exactly
@@ -34,8 +35,9 @@ def refine(part: np.ndarray, k: int, work: np.ndarray, *, tokens: np.ndarray | N
     tokens = np.zeros(n, np.int64) if tokens is None else np.asarray(tokens, np.int64)
     guard = np.zeros(n, np.float64) if guard is None else np.asarray(guard, np.float64)
     rounds = 4 * k + 2 * n + 16
+    pairs = cap < NO_CAP and n <= PAIR_ITEMS_MAX * k  # pair swaps matter under a cap; they cost |j|^2 per item
     return refine_partition(np.asarray(part, np.int64), k, work, tokens, int(cap), guard, float(guard_cap), moves,
-                            PARTNERS, rounds)
+                            PARTNERS, rounds, pairs)
 
 
 def partition_sums(part: np.ndarray, values: np.ndarray, k: int) -> np.ndarray:
@@ -62,7 +64,8 @@ def pack_micro_batches(lengths: np.ndarray, work: np.ndarray, cap: int, m: int, 
                        known: np.ndarray | None = None, polish: bool = True) -> np.ndarray | None:
     """Micro-batch (0..m-1) of each item with the smallest heaviest micro-batch found, every micro-batch within
     `cap` tokens; None when no candidate fits. Candidates: Hydraulis' capped packing (`coeffs` given: the items
-    are single sequences priced from their lengths), LDM on `work`, and `known` (a fitting packing into fewer
+    are single sequences priced from their lengths), LDM on `work` (brought within the cap by `repair_cap` where it is
+    not), and `known` (a fitting packing into fewer
     micro-batches, the rest left empty); each is refined under the cap (`polish`; without it the first that fits
     is returned as it is: whether a count fits does not depend on the refinement)."""
     lengths = np.asarray(lengths, np.int64)
@@ -80,6 +83,10 @@ def pack_micro_batches(lengths: np.ndarray, work: np.ndarray, cap: int, m: int, 
     kk = karmarkar_karp(as_int_values(work), m, False)
     if _fits(kk, lengths, m, cap):
         starts.append(kk)
+    else:  # LDM ignores the cap; a few moves out of the micro-batches over it keep most of its balance
+        fixed, ok = repair_cap(kk, m, np.asarray(work, np.float64), lengths, cap)
+        if ok:
+            starts.append(fixed)
     if known is not None:
         starts.append(np.asarray(known, np.int64))
     if not polish:

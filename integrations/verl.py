@@ -161,6 +161,8 @@ def plan_micro_batches(lengths: Any, max_token_len: int, dp_group: Any = None, n
     cost, the lightest at both ends), else heaviest first."""
     lengths = _int_list(lengths, "rearrange_micro_batches")
     n, g, cap = len(lengths), int(force_group_size), int(max_token_len)
+    if n == 0:
+        raise ValueError("rearrange_micro_batches: an empty batch; expected at least one row")
     if g < 1 or n % g:
         raise ValueError(f"rearrange_micro_batches: batch of {n} rows with force_group_size={g}; expected a batch "
                          "size divisible by force_group_size")
@@ -181,7 +183,11 @@ def plan_micro_batches(lengths: Any, max_token_len: int, dp_group: Any = None, n
     if min_num_micro_batch is not None:
         m0 = max(m0, int(min_num_micro_batch))
     coeffs = model.coeffs if g == 1 else None
-    m, part = fit_micro_batches(tokens, work, cap, m0, coeffs)
+    theirs = _verl_start(tokens, guard, work, m0, cap)
+    if theirs is not None:  # verl's own answer fits at its count: so does the count (packed from it, at least)
+        m, part = m0, pack_micro_batches(tokens, work, cap, m0, coeffs, known=theirs)
+    else:
+        m, part = fit_micro_batches(tokens, work, cap, m0, coeffs)
     fitted = m
     if dist.is_initialized() and same_micro_num_in_dp and dp_group is not None:
         m = _all_reduce_max(m, dp_group)

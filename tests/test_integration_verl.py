@@ -10,6 +10,8 @@ import pytest
 import torch
 from helpers.distributed import run_ranks
 from helpers.rollouts import KINDS, lengths_of
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import verl_seqlen_balancing as verl
 from tensordict import TensorDict
 
@@ -234,3 +236,29 @@ def test_partitions_beyond_float_precision_are_verls():
     # sums past 2^53 are refined no further (float64 would round them): verl's LDM answer as it stands
     values = [2**52 + 7, 2**52 + 3, 2**51 + 1, 2**51, 5, 3, 2, 1]
     assert ours.get_seqlen_balanced_partitions(values, 3, False) == verl.get_seqlen_balanced_partitions(values, 3, False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 4000), min_size=1, max_size=60), st.integers(4000, 12000), st.integers(2, 6))
+def test_random_lengths_never_worse_than_verl(lengths, cap, k):
+    """Any lengths: micro-batches within the cap, verl's count and no heavier on either measure where verl's fit;
+    partitions never heavier than verl's, equal sizes kept."""
+    lengths = np.array(lengths)
+    batch = nested_batch(lengths)
+    _, v_index = verl.rearrange_micro_batches(batch, cap)
+    _, index = ours.rearrange_micro_batches(batch, cap)
+    assert sorted(i for ix in index for i in ix) == list(range(len(lengths)))
+    assert all(ix and lengths[ix].sum() <= cap for ix in index)
+    if all(lengths[ix].sum() <= cap for ix in v_index):
+        w = workload(lengths)
+        assert len(index) == len(v_index)
+        assert max(w[ix].sum() for ix in index) <= max(w[ix].sum() for ix in v_index)
+        cost = MODEL.doc_time(lengths)
+        assert max(cost[ix].sum() for ix in index) <= max(cost[ix].sum() for ix in v_index) * (1 + 1e-12)
+    n = len(lengths) - len(lengths) % k
+    if n >= k:
+        for eq in (False, True):
+            got = ours.get_seqlen_balanced_partitions(lengths[:n].tolist(), k, eq)
+            theirs = verl.get_seqlen_balanced_partitions(lengths[:n].tolist(), k, eq)
+            assert max(lengths[p].sum() for p in got) <= max(lengths[p].sum() for p in theirs)
+            assert not eq or {len(p) for p in got} == {n // k}

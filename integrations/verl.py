@@ -183,7 +183,7 @@ def plan_micro_batches(lengths: Any, max_token_len: int, dp_group: Any = None, n
     if min_num_micro_batch is not None:
         m0 = max(m0, int(min_num_micro_batch))
     coeffs = model.coeffs if g == 1 else None
-    theirs = _verl_start(tokens, guard, work, m0, cap)
+    theirs = first = _verl_start(tokens, guard, work, m0, cap)
     if theirs is not None:  # verl's own answer fits at its count: so does the count (packed from it, at least)
         m, part = m0, pack_micro_batches(tokens, work, cap, m0, coeffs, known=theirs)
     else:
@@ -199,7 +199,7 @@ def plan_micro_batches(lengths: Any, max_token_len: int, dp_group: Any = None, n
                          "micro-batch per sequence: raise max_token_len or balance the ranks' batches")
     if m != fitted:
         part = pack_micro_batches(tokens, work, cap, m, coeffs, known=part)
-    theirs = _verl_start(tokens, guard, work, m, cap)
+    theirs = first if m == m0 else _verl_start(tokens, guard, work, m, cap)
     if theirs is not None:
         ours_cost, theirs_cost = partition_sums(part, work, m).max(), partition_sums(theirs, work, m).max()
         ours_verl, theirs_verl = partition_sums(part, guard, m).max(), partition_sums(theirs, guard, m).max()

@@ -214,3 +214,27 @@ def test_readme_rl_blocks_run():
     assert ns["micro_batches"] == ns["plan"].micro_batches[3]
     assert float(ns["loss"]) == pytest.approx(7.0 / int((lengths // 2).sum()) * 8)
     assert callable(ns["rearrange_micro_batches"]) and callable(ns["get_seqlen_balanced_partitions"])
+
+
+def _plan_on_rank(rank: int, world: int) -> bytes:
+    import msgspec
+
+    lengths = lengths_of("rl-truncated", 501, seed=21)  # every rank holds the step's lengths (all-gathered)
+    return msgspec.json.encode(balance_rollouts(lengths, 32768, world, equal_sizes=True))
+
+
+@pytest.mark.multiprocess
+def test_every_rank_computes_the_same_plan():
+    """Each rank plans alone, in its own process, from the same lengths: the plans are identical byte for byte, so
+    no rank waits on another for its micro-batches."""
+    from helpers.distributed import run_ranks
+
+    plans = run_ranks(_plan_on_rank, 3)
+    assert plans[0] == plans[1] == plans[2]
+    assert sorted(i for rank in msgspec_decode(plans[0]).micro_batches for mb in rank for i in mb) == list(range(501))
+
+
+def msgspec_decode(raw: bytes) -> RolloutPlan:
+    import msgspec
+
+    return msgspec.json.decode(raw, type=RolloutPlan)

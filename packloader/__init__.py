@@ -118,6 +118,8 @@ _EXPORTS: dict[str, str] = {
     "PlanPipelineSchedule": "packloader.runtime.pipeline",
     "ZeppelinContext": "packloader.runtime.zeppelin",
     "build_report": "packloader.report.build",
+    "balance_rollouts": "packloader.balancers.planners.rollouts",
+    "RolloutPlan": "packloader.balancers.planners.rollouts",
     "ReportOptions": "packloader.report.build",
 }
 

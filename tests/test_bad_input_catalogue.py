@@ -1277,6 +1277,44 @@ def action_list_missing_action(tmp):
     return lambda: engine_actions(lists, 2, 1)
 
 
+def rollouts_sequence_over_cap(tmp):
+    from packloader import balance_rollouts
+
+    return lambda: balance_rollouts([100, 9000, 50], 8192, 2)
+
+
+def rollouts_loss_tokens_over_length(tmp):
+    from packloader import balance_rollouts
+
+    return lambda: balance_rollouts([10, 20], 8192, loss_tokens=[5, 25])
+
+
+def _verl_batch(lengths):
+    import torch
+    from tensordict import TensorDict
+
+    ids = torch.nested.as_nested_tensor([torch.zeros(n, dtype=torch.long) for n in lengths], layout=torch.jagged)
+    return TensorDict({"input_ids": ids}, batch_size=[len(lengths)])
+
+
+def verl_row_over_max_token_len(tmp):
+    from packloader_integrations.verl import rearrange_micro_batches
+
+    return lambda: rearrange_micro_batches(_verl_batch([100, 9000, 50]), 8192)
+
+
+def verl_group_over_max_token_len(tmp):
+    from packloader_integrations.verl import rearrange_micro_batches
+
+    return lambda: rearrange_micro_batches(_verl_batch([100, 9000, 50, 4000]), 9050, force_group_size=2)
+
+
+def verl_more_micro_batches_than_rows(tmp):
+    from packloader_integrations.verl import rearrange_micro_batches
+
+    return lambda: rearrange_micro_batches(_verl_batch([100, 200, 50]), 8192, min_num_micro_batch=5)
+
+
 def _config(**kw) -> PlanConfig:
     base = dict(strategy="fixed", max_tokens=256, context=256, tokens_per_step=1024)
     base.update(kw)
@@ -1569,6 +1607,20 @@ CASES = [
     Case("parquet_truncated_while_read", parquet_truncated_while_read, ShardChanged,
          ("cut.parquet: the file changed since the source opened it",)),
     *(Case(*entry) for entry in SFT_CASES),  # the SFT source's (tests/helpers/sft_bad_input.py)
+
+    Case("rollouts_sequence_over_cap", rollouts_sequence_over_cap, ValueError,
+         ("balance_rollouts: sequence 1 has 9000 tokens, over max_tokens_per_micro_batch=8192",
+          "expected every sequence to fit one micro-batch")),
+    Case("rollouts_loss_tokens_over_length", rollouts_loss_tokens_over_length, ValueError,
+         ("balance_rollouts: loss_tokens[1]=25 exceeds sequence 1's 20 tokens", "expected 0 <= loss tokens <= length")),
+    Case("verl_row_over_max_token_len", verl_row_over_max_token_len, ValueError,
+         ("rearrange_micro_batches: row 1 holds 9000 tokens, over max_token_len=8192",)),
+    Case("verl_group_over_max_token_len", verl_group_over_max_token_len, ValueError,
+         ("rearrange_micro_batches: rows 0..1 (one group) hold 9100 tokens, over max_token_len=9050",
+          "expected each group to fit one micro-batch")),
+    Case("verl_more_micro_batches_than_rows", verl_more_micro_batches_than_rows, ValueError,
+         ("rearrange_micro_batches: 5 micro-batches", "for 3 sequences (groups) on this rank",
+          "expected at most one micro-batch per sequence")),
 ]
 
 CASE_TIMEOUT = 120  # seconds: a case that hangs is killed and fails, naming itself

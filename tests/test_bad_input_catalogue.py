@@ -1539,7 +1539,7 @@ CASES = [
     Case("storage_cache_dir_without_bytes", storage_cache_dir_without_bytes, ValueError,
          ("without cache_bytes: the disk cache would hold nothing",)),
     Case("storage_block_size_too_small", storage_block_size_too_small, ValueError,
-         ("block_size=1: expected 0 (exact ranges) or a whole number of bytes >= 4,096",)),
+         ("block_size=1: expected 0 (exact ranges) or a whole number of bytes >= 512",)),
     Case("action_list_slice_order", action_list_slice_order, ValueError,
          ("action lists: pipeline rank 0, stage 0: backward of micro-batch 0 before that of micro-batch 1, which reads "
           "its keys",)),

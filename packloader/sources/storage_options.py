@@ -11,7 +11,7 @@ import re
 
 # The smallest block a ranged read fetches (0: exact ranges). Below it each request carries so few bytes that
 # reading a shard takes a request per few bytes; the tests' smallest blocks (4 KiB) still read a shard in a few.
-MIN_BLOCK_SIZE = 4096
+MIN_BLOCK_SIZE = 512  # a 275 KB shard is then at most 540 requests; tests read small files in several blocks
 
 CACHE_DIR_ENV = "PACKLOADER_CACHE_DIR"
 CACHE_BYTES_ENV = "PACKLOADER_CACHE_BYTES"

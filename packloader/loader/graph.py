@@ -3,8 +3,11 @@ steps, collating, with prefetching; built fresh on every resume (see `loader.py`
 
 from __future__ import annotations
 
+import atexit
 import re
 import threading
+import traceback
+import weakref
 from dataclasses import dataclass
 
 from torchdata.nodes import ParallelMapper, Prefetcher
@@ -179,13 +182,27 @@ class _Collate:
         return ReadyStep(out, work.epoch, work.last_in_epoch, work.state_before, work.state_after)
 
 
+_OPEN: "weakref.WeakSet[StepGraph]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_graphs() -> None:
+    """Graphs still open at exit (a trainer stopped by an error between batches) are closed while the interpreter
+    still works: left to the garbage collector at shutdown, torchdata's iterators stop their threads in `__del__`
+    after `multiprocessing` is torn down and print "Exception ignored in ... _ParallelMapperIter.__del__"."""
+    for graph in list(_OPEN):
+        graph.close()
+
+
 class StepGraph:
     """A node graph, started by the first `next`; `close` stops its threads and makes its StepNode refuse to
-    draw again (a thread that outlives the join only ever sees this graph's nodes)."""
+    draw again (a thread that outlives the join only ever sees this graph's nodes), then lets go of the nodes,
+    so torchdata's iterators are collected now rather than at interpreter shutdown."""
 
     def __init__(self, root, steps: StepNode) -> None:
         self.root, self.steps = root, steps
         self.started = False
+        _OPEN.add(self)
 
     def next(self) -> ReadyStep:
         if not self.started:
@@ -193,14 +210,24 @@ class StepGraph:
             self.started = True
         try:
             return next(self.root)
+        except StopIteration:
+            raise
         except Exception as e:
+            # a failed graph cannot go on: stop its threads now, and let the traceback (kept until exit as
+            # sys.last_traceback) hold no torchdata iterator whose __del__ would run at interpreter shutdown
+            self.close()
+            traceback.clear_frames(e.__traceback__)
             clean = _unwrap(e)
             if clean is e:
                 raise
             raise clean from e
 
     def close(self) -> None:
+        if self.root is None:
+            return
         self.steps.close()
         _shutdown(self.root)
+        self.root = self.steps = None
+        _OPEN.discard(self)
 
 

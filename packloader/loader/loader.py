@@ -195,6 +195,10 @@ class PackedLoader:
             return self._graph.next()
         except StopIteration:
             return None
+        except Exception:  # the graph closed itself: a new pass starts again where the stream stands
+            self._graph = None
+            self._start, self._skip = self._resume
+            raise
 
     # --- state ---------------------------------------------------------------------------------------------------
 

@@ -80,7 +80,7 @@ def test_a_missing_text_column_names_the_flag(tmp_path, capsys):
     (tmp_path / "b.jsonl").write_text('{"body": "one two"}\n')
     for path in ("b.parquet", "b.jsonl"):
         code, _, err = run(["tokenize", str(tmp_path / path), "--out", str(tmp_path / "o"), "--no-progress"], capsys)
-        assert code == 1
+        assert code == 2
         assert f"{path}" in err and "['body']" in err and "--column on the command line" in err, err
     code, _, err = run(["tokenize", str(tmp_path / "b.parquet"), "--column", "body", "--tokenizer", "bytes",
                         "--out", str(tmp_path / "o"), "--no-progress"], capsys)
@@ -93,7 +93,7 @@ def test_report_out_that_cannot_be_made_is_named_before_reading(tmp_path, capsys
     (tmp_path / "f.txt").write_text("")
     code, _, err = run(["report", "--lengths", str(tmp_path / "absent.npy"), "--out", str(tmp_path / "f.txt" / "r"),
                         "--no-progress"], capsys)
-    assert code == 1
+    assert code == 2
     assert f"--out {tmp_path / 'f.txt' / 'r'}: cannot create the directory" in err, err
 
 
@@ -108,7 +108,7 @@ def test_report_reads_one_kind_of_a_mixed_directory_with_pattern(tmp_path, capsy
             "1", "--strategies", "fixed", "--model", "tiny", "--no-shuffle", "--no-advice", "--no-plots",
             "--no-progress", "--out", str(tmp_path / "o")]
     code, _, err = run(base, capsys)
-    assert code == 1 and "mixes file formats" in err and "--pattern" in err, err
+    assert code == 2 and "mixes file formats" in err and "--pattern" in err, err
     code, out, err = run([*base, "--pattern", "*.parquet"], capsys)
     assert code == 0, err
     assert "documents: 3 drawn (300 tokens), median 100," in out, out
@@ -120,5 +120,43 @@ def test_tokenize_into_shards_names_overwrite(tmp_path, capsys):
             "--no-progress"]
     assert run(argv, capsys)[0] == 0
     code, _, err = run(argv, capsys)
-    assert code == 1 and "already holds token shards" in err and "--overwrite" in err, err
+    assert code == 2 and "already holds token shards" in err and "--overwrite" in err, err
     assert run([*argv, "--overwrite"], capsys)[0] == 0
+
+
+def test_bad_input_exits_2_on_every_command(tmp_path, capsys):
+    """One convention: bad input is 2 on every command (was 1 for report, tokenize and calibrate, 2 for plan), and
+    every --help says so."""
+    from packloader.cli.main import COMMANDS
+
+    for command in COMMANDS:
+        assert main([command, "--help"]) == 0
+        assert "exit status (every packloader command): 0 done; 2 bad input" in flat(capsys.readouterr().out), command
+    np.save(tmp_path / "few.npy", np.full(3, 100, np.int64))  # 300 tokens: not one step of 1,024
+    code, _, err = run(["report", "--lengths", str(tmp_path / "few.npy"), "--max-tokens", "256", "--tokens-per-step",
+                        "1024", "--model", "tiny", "--no-plots", "--no-progress", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "the documents hold 300 tokens, fewer than one step" in err, err
+    code, _, err = run(["plan", "--lengths", str(tmp_path / "absent.npy")], capsys)
+    assert code == 2 and "absent.npy" in err, err
+    code, _, err = run(["tokenize", str(tmp_path / "absent.jsonl"), "--out", str(tmp_path / "t")], capsys)
+    assert code == 2 and "absent.jsonl" in err, err
+    code, _, err = run(["calibrate", "--device", "cpu", "--heads", "4", "--out", str(tmp_path / "p.json")], capsys)
+    assert code == 2 and "--hidden" in err, err
+
+
+def test_plan_given_a_corpus_names_tokenize_and_the_recipe_runs(tmp_path, capsys):
+    """`plan corpus.jsonl` and `plan --lengths corpus.jsonl` say to run `packloader tokenize` first; doing what the
+    message says plans the corpus: 3 documents of 4, 9 and 2 bytes are 5, 10 and 3 tokens with EOS (bytes)."""
+    (tmp_path / "c.jsonl").write_text('{"text": "abcd"}\n{"text": "abcdefghi"}\n{"text": "ab"}\n')
+    assert main(["plan", "--help"]) == 0
+    assert "`packloader tokenize CORPUS --out DIR`" in flat(capsys.readouterr().out)
+    for argv in (["plan", str(tmp_path / "c.jsonl")], ["plan", "--lengths", str(tmp_path / "c.jsonl")]):
+        code, _, err = run(argv, capsys)
+        assert code == 2 and "c.jsonl" in err and "`packloader tokenize CORPUS --out DIR`" in err, err
+    assert run(["tokenize", str(tmp_path / "c.jsonl"), "--tokenizer", "bytes", "--out", str(tmp_path / "tok"),
+                "--no-progress"], capsys)[0] == 0
+    (shard,) = sorted((tmp_path / "tok").glob("*.parquet"))
+    code, _, err = run(["plan", "--lengths", str(shard), "--max-tokens", "16", "--tokens-per-step", "32", "--strategy",
+                        "fixed", "--model", "tiny", "--out", str(tmp_path / "p.jsonl")], capsys)
+    assert code == 0, err
+    assert "3 documents, 18 tokens" in err, err

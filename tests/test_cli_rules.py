@@ -38,7 +38,7 @@ def test_report_refuses_the_same(tmp_path, capsys):
     np.save(tmp_path / "l.npy", np.full(400, 100))
     code = main(["report", "--lengths", str(tmp_path / "l.npy"), "--max-tokens", "1024", "--tokens-per-step", "512",
                  "--out", str(tmp_path / "r"), "--no-plots", "--no-advice", "--no-progress"])
-    assert code == 1 and "tokens_per_step=512 is below max_tokens=1024" in capsys.readouterr().err
+    assert code == 2 and "tokens_per_step=512 is below max_tokens=1024" in capsys.readouterr().err
 
 
 def test_lengths_beyond_int64_are_refused_naming_the_place(tmp_path):

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from packloader.cli import numbers
+from packloader.cli.exit_codes import EXIT_BAD_INPUT
 from packloader.cli.layout_options import add_layout_arguments, config_from_args
 from packloader.cli.plugins import add_plugin_argument, load
 from packloader.contracts import PlanConfig
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     except (LengthsError, SourceError, FileNotFoundError, ValueError, KeyError, ImportError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"packloader report: error: {msg}", file=sys.stderr)
-        return 1
+        return EXIT_BAD_INPUT
 
 
 def _config(args: argparse.Namespace):
@@ -173,5 +174,5 @@ def _run(args: argparse.Namespace) -> int:
     print(render_text(report))
     if not any(f.status == "ok" for f in report.strategies):
         print("packloader report: error: no strategy could plan these steps (see the skipped lines above)", file=sys.stderr)
-        return 1
+        return EXIT_BAD_INPUT
     return 0

@@ -116,6 +116,7 @@ def _warn_unknown(strategies: tuple[str, ...]) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from packloader.balancers.planners.registry import report_strategies
+    from packloader.cli.kernel_cache import say_if_compiling
     from packloader.report.build import ReportOptions, build_report
     from packloader.report.draw import StepCounter
     from packloader.report.lengths import read_lengths, source_lengths
@@ -170,6 +171,7 @@ def _run(args: argparse.Namespace) -> int:
         advice=not args.no_advice, progress=progress, plans_dir=f"{args.out}/plans" if args.plans else None,
         input=label, tokenizer=tokenizer, notes=notes,
     )
+    say_if_compiling("report")
     report, _ = build_report(lengths, config, opts)
     print(render_text(report))
     if not any(f.status == "ok" for f in report.strategies):

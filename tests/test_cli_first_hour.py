@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from packloader.cli.main import main
 

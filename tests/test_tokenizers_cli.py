@@ -83,7 +83,7 @@ def test_main_parquet_input_no_eos_and_bytes(tmp_path, capsys):
     assert ParquetSource(sorted(out.glob("*.parquet"))).metadata["packloader.eos_appended"] == "false"
     capsys.readouterr()
     assert main(["tokenize", str(tmp_path / "t.parquet"), "--out", str(out), "--tokenizer", "bytes", "--column",
-                 "body"]) == 1
+                 "body"]) == 2
     err = capsys.readouterr().err
     assert "packloader tokenize: error: " in err and "already holds token shards" in err
     assert main(["tokenize", str(tmp_path / "t.parquet"), "--out", str(out), "--tokenizer", "bytes", "--column",

@@ -10,12 +10,14 @@ import traceback
 import weakref
 from dataclasses import dataclass
 
+import msgspec
 from torchdata.nodes import ParallelMapper, Prefetcher
 
 from packloader.balancers.planners.registry import make_planner
 from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
 from packloader.loader.chunks import ChunkLoader, ChunkNode
+from packloader.loader.default_model import note_default_model
 from packloader.loader.distributed import RankExchange, resolve_dp_rank
 from packloader.loader.nodes import StepCollator, StepNode, StepReader, StepWork
 from packloader.loader.state import LoaderOptions, validate_config, validate_options
@@ -80,6 +82,7 @@ class LoaderPipeline:
         tok_threads = 1 if self.options.num_threads > 0 else None  # the chunk stage's threads run tokenizers
         self.stream = DocumentStream(self.source, tokenizer, seed=self.options.seed, shuffle=self.options.shuffle,
                                      append_eos=self.options.append_eos, tokenizer_threads=tok_threads)
+        self.own_planner = planner is None  # made from the config here: `reprice` may make it again
         self.planner = make_planner(self.config) if planner is None else planner
         mode = self.options.lengths
         if mode == "auto":
@@ -101,6 +104,15 @@ class LoaderPipeline:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.lock = threading.Lock()
+
+    def reprice(self, model: str) -> None:
+        """Plans priced as `model` (PlanConfig.model) from here on: a new config, validated, and the planner made
+        for it (refused for a planner object the user passed, which holds its own cost model)."""
+        if not self.own_planner:
+            raise ValueError("the loader plans with a planner object passed to it, which holds its own cost model: "
+                             "build that planner for the model instead")
+        self.config = validate_config(msgspec.structs.replace(self.config, model=model))
+        self.planner = make_planner(self.config)
 
     def tokenizer_name(self) -> str | None:
         if self.stream.pretokenized and not self.stream.eos_appended:
@@ -130,6 +142,7 @@ class LoaderPipeline:
         saved state, and that step would be lost. Resuming builds a new graph and closes the old one instead;
         the state is the StepNode's, not torchdata's, so it does not depend on threads, prefetching or the
         lengths mode."""
+        note_default_model(self.config)
         o = self.options
         mode = self.mode
         if mode == "gather" and exchange is None:

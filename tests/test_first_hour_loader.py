@@ -59,3 +59,30 @@ def test_the_default_cost_model_is_named_once(monkeypatch, caplog):
     assert len(notes) == 1, notes
     assert "priced as llama3-8b on h100, PlanConfig.model's default" in notes[0]
     assert "PlanConfig(model=packloader.model_spec(config))" in notes[0]
+
+
+def test_dp_shared_micro_batches_count_once_with_the_helper():
+    """slimpack at dp 4 runs a 4,000-token document as DP-Merge micro-batches shared by several ranks: summing
+    every rank's tokens counts them once per rank (the issue's user: 8,192 positions twice), while
+    `tokens_to_count(rank)` sums to the corpus's 60 x 100 + 4,000 = 10,000 tokens exactly."""
+    import numpy as np
+
+    from packloader import PackedLoader, ParallelConfig, PlanConfig
+    from packloader.sources.base import IterableSource
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 200, size=100).astype(np.int32) for _ in range(60)]
+    docs.insert(10, rng.integers(1, 200, size=4000).astype(np.int32))
+    config = PlanConfig(strategy="slimpack", parallel=ParallelConfig(dp=4), max_tokens=1024, context=4096,
+                        tokens_per_step=8192, model="llama3-8b")
+    seen = counted = shared = 0
+    for rank in range(4):
+        with PackedLoader(IterableSource(docs), config=config, dp_rank=rank, num_threads=0, append_eos=False) as ld:
+            for b in ld:
+                seen += b.num_tokens
+                counted += b.tokens_to_count(rank)
+                shared += b.dp_shared
+                if b.dp_shared:
+                    assert rank in b.dp_group and b.tokens_to_count(rank) == (b.num_tokens if rank == min(b.dp_group) else 0)
+    assert shared > 0 and seen > 10_000  # the case of the issue occurs
+    assert counted == 10_000

@@ -34,16 +34,16 @@ def price_for_model(loader: Any, model: Any) -> str | None:
     return spec
 
 
-def accumulation_fix(loader: Any, gradient_accumulation_steps: int) -> str | None:
-    """What to set when a step's micro-batches and the accumulation differ: the same number on both sides, and at
-    least the micro-batches a step can need (tokens_per_step + context - 1 tokens over dp x max_tokens), so that
-    following it runs (was: num_micro_batches=ga, which the loader then refused as too few). None without a
-    PlanConfig to read."""
+def accumulation_fix(loader: Any, gradient_accumulation_steps: int, got: int = 0) -> str | None:
+    """What to set when a step's micro-batches (`got`, where a step was planned) and the accumulation differ: the
+    same number on both sides, and at least the micro-batches a step can need (tokens_per_step + context - 1
+    tokens over dp x max_tokens) and the step got, so that following it runs (was: num_micro_batches=ga, which
+    the loader then refused as too few). None without a PlanConfig to read."""
     config = getattr(loader, "config", None)
     if config is None:
         return None
     need = micro_batches_needed(config)
-    n = max(need, gradient_accumulation_steps, config.num_micro_batches or 0)
+    n = max(need, gradient_accumulation_steps, config.num_micro_batches or 0, got)
     floor = ""
     if gradient_accumulation_steps < need:
         floor = (f" ({gradient_accumulation_steps} cannot hold every step: a step holds up to tokens_per_step + "

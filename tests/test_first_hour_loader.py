@@ -86,3 +86,22 @@ def test_dp_shared_micro_batches_count_once_with_the_helper():
                     assert rank in b.dp_group and b.tokens_to_count(rank) == (b.num_tokens if rank == min(b.dp_group) else 0)
     assert shared > 0 and seen > 10_000  # the case of the issue occurs
     assert counted == 10_000
+
+
+@pytest.mark.multiprocess
+def test_the_readme_names_the_error_of_a_script_beside_a_clone(tmp_path):
+    """A script in the folder holding a clone named `packloader` imports the clone folder: the error Python gives
+    is the one README.md quotes, so a user who meets it finds the cause there."""
+    import re
+
+    quoted = re.search(r"\(`(cannot import name 'PackedLoader' from 'packloader' \(unknown location\))`\)",
+                       open(os.path.join(ROOT, "README.md"), encoding="utf-8").read())
+    assert quoted, "README.md does not quote the error"
+    (tmp_path / "packloader").symlink_to(ROOT, target_is_directory=True)
+    (tmp_path / "train.py").write_text("from packloader import PackedLoader\n")
+    # -S and no PYTHONPATH: the package is found nowhere else (not installed, or installed by an editable finder
+    # that a namespace portion on sys.path comes before), as for the issue's user
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-S", str(tmp_path / "train.py")], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 1 and quoted.group(1) in proc.stderr, proc.stderr

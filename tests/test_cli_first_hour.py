@@ -182,3 +182,29 @@ def test_a_cold_numba_cache_is_announced_before_planning(tmp_path):
     assert proc.stderr.startswith("packloader plan: compiling the planners' numba kernels on this first run"), proc.stderr
     # 21,000 tokens drawn in steps of >= 4,096: 100..900 (4,500), 1,000..1,300, 1,400..1,600, 1,700..1,900, 2,000
     assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 5
+
+
+def test_report_tells_one_story(tmp_path, capsys):
+    """No figure over 100 % ("fill-credited 111 %" read as an error): efficiency is against the no-bubble ideal
+    only. The advice, tried at other caps, states the table's own figure for its strategy at the user's cap, and
+    that figure is the table's speedup over the fastest baseline; the grouping line says what it compares."""
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "lt.npy", np.minimum((rng.pareto(1.1, 3000) + 1) * 200, 40000).astype(np.int64))
+    code, out, err = run(["report", "--lengths", str(tmp_path / "lt.npy"), "--dp", "4", "--pp", "2", "--tp", "2",
+                          "--max-tokens", "32768", "--model", "llama3-8b", "--steps", "2", "--strategies",
+                          "fixed,hydraulis,auto", "--no-plots", "--no-progress", "--out", str(tmp_path / "o")], capsys)
+    assert code == 0, err
+    assert "fill-credited" not in out
+    row = next(line for line in out.splitlines() if line.startswith("efficiency vs no-bubble ideal"))
+    assert all(int(p) <= 100 for p in re.findall(r"(\d+)%", row)), row
+    names = out.splitlines()[[i for i, line in enumerate(out.splitlines()) if line.startswith("---")][0] - 1].split()
+    speedups = next(line for line in out.splitlines() if line.startswith("speedup over fixed"))
+    table = dict(zip(names, speedups.split("(tokens/s)")[1].split()))
+    advice = re.search(r"strategy (\w+): .* with cap ([\d,]+) .*, ([\d.]+)x the fastest baseline \(fixed\) at your "
+                       r"settings \(the table's (\w+) column, at your cap 32,768: ([\d.]+x)\)", out)
+    assert advice, out  # this layout's advice is at another cap than the table's
+    assert advice.group(2) != "32,768" and advice.group(1) == advice.group(4)
+    assert advice.group(5) == table[advice.group(1)], (advice.groups(), table)
+    grouping = next(line for line in out.splitlines() if "heterogeneous grouping:" in line)
+    assert "planned by hydraulis" in grouping and "hydraulis on your layout unchanged (the table's hydraulis column)" \
+        in grouping, grouping

@@ -378,6 +378,11 @@ def report_out_not_creatable(tmp):
     return lambda: cli("report", "--lengths", str(tmp / "ok.npy"), "--out", str(tmp / "f.txt" / "r"), "--no-progress")
 
 
+def plan_given_a_corpus(tmp):
+    jsonl(tmp / "c.jsonl", ['{"text": "a b"}'])
+    return lambda: cli("plan", "--lengths", str(tmp / "c.jsonl"), "--quiet")
+
+
 def tokenize_out_already_holds_shards(tmp):
     jsonl(tmp / "in.jsonl", ['{"text": "a b"}'])
     argv = ("tokenize", str(tmp / "in.jsonl"), "--tokenizer", "bytes", "--out", str(tmp / "out"), "--no-progress")
@@ -1008,6 +1013,8 @@ CASES = [
           "did you mean 'max_tokens'?")),
     Case("config_file_misspelt_key_no_layout", config_file_misspelt_key_no_layout, CliExit,
          ("exit 2", "tok.toml: unknown key 'tokenizr' for this command; expected one of:", "did you mean 'tokenizer'?")),
+    Case("plan_given_a_corpus", plan_given_a_corpus, CliExit,
+         ("exit 2", "c.jsonl", "Is it a corpus?", "`packloader tokenize CORPUS --out DIR`")),
     Case("report_out_not_creatable", report_out_not_creatable, CliExit,
          ("exit 2", "--out ", "f.txt/r: cannot create the directory")),
     Case("tokenize_out_already_holds_shards", tokenize_out_already_holds_shards, CliExit,

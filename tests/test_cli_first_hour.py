@@ -208,3 +208,21 @@ def test_report_tells_one_story(tmp_path, capsys):
     grouping = next(line for line in out.splitlines() if "heterogeneous grouping:" in line)
     assert "planned by hydraulis" in grouping and "hydraulis on your layout unchanged (the table's hydraulis column)" \
         in grouping, grouping
+
+
+def test_the_default_model_is_named_on_the_command_line(tmp_path, capsys):
+    """Without --model the plan summary and the report say that llama3-8b is the default and how to price one's
+    own model; with --model they do not."""
+    np.save(tmp_path / "l.npy", np.full(40, 500, np.int64))
+    base = ["plan", "--lengths", str(tmp_path / "l.npy"), "--max-tokens", "1024", "--tokens-per-step", "2048",
+            "--strategy", "fixed", "--out", str(tmp_path / "p.jsonl")]
+    code, _, err = run(base, capsys)
+    assert code == 0 and "priced by llama3-8b@h100" in err and "(the default --model: --model PRESET" in err, err
+    code, _, err = run([*base, "--model", "tiny"], capsys)
+    assert code == 0 and "the default --model" not in err, err
+    report = ["report", "--lengths", str(tmp_path / "l.npy"), "--max-tokens", "1024", "--steps", "1", "--strategies",
+              "fixed", "--no-advice", "--no-plots", "--no-progress", "--out", str(tmp_path / "o")]
+    code, out, err = run(report, capsys)
+    assert code == 0 and "note: priced as llama3-8b, the default --model: for your own model pass --model" in out, out
+    code, out, err = run([*report, "--model", "tiny"], capsys)
+    assert code == 0 and "the default --model" not in out, out

@@ -69,6 +69,8 @@ def test_a_closed_stdout_ends_the_command_quietly(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
     proc.stdout.close()
     err = proc.stderr.read().decode()
+    # the one line a cold numba cache adds before planning (cli/kernel_cache.py) is not about the pipe
+    err = "".join(line for line in err.splitlines(True) if not line.startswith("packloader plan: compiling"))
     assert proc.wait(timeout=110) == EXIT_PIPE_CLOSED and err == "", err
     # the same command writing to a reader that stays gives the whole plan: the output is past a pipe's buffer
     full = subprocess.run(cmd + ["--quiet"], capture_output=True, env=env, cwd=ROOT, timeout=110)

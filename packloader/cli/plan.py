@@ -56,6 +56,9 @@ CORPUS_HINT = ("`packloader tokenize CORPUS --out DIR` turns a corpus (Parquet, 
                "(--lengths DIR/<shard>.parquet); `packloader report CORPUS` reads a corpus itself")
 
 
+DEFAULT_MODEL_NOTE = " (the default --model: --model PRESET or a `packloader calibrate` profile prices your own)"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("corpus", nargs="*", metavar="CORPUS", help="not read here: a corpus goes through "
                    "`packloader tokenize` first (see --lengths)")
@@ -154,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         docs = len(set().union(*(w.doc.tolist() for w in result.windows)))
         print(
             f"packloader plan: {s.steps} steps, {docs} documents, {s.tokens} tokens, strategy {config.strategy}, "
-            f"priced by {model.name}; "
+            f"priced by {model.name}{DEFAULT_MODEL_NOTE if 'layout_model' not in args.layout_given else ''}; "
             f"imbalance {s.imbalance_mean:.3f} (max {s.imbalance_max:.3f}), DP spread {s.dp_spread_mean:.4f}, "
             f"simulated efficiency {s.efficiency:.3f} against the no-bubble ideal, packing {s.packing_efficiency:.3f}, "
             f"delay mean {s.delay_mean:.3f} / max {s.delay_max} steps (share {s.delay_share:.3f}), split {s.split_share:.3f}, "

@@ -141,6 +141,9 @@ def _run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     tokenizer = None
     notes: list[str] = []
+    if not args.demo and "layout_model" not in args.layout_given:
+        notes.append(f"priced as {config.model}, the default --model: for your own model pass --model with a preset "
+                     "or a `packloader calibrate` profile")
     if args.lengths:
         lengths = read_lengths(args.lengths, args.lengths_column)
         check_pieces(lengths.lengths, config.context, args.lengths)

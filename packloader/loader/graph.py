@@ -218,6 +218,8 @@ class StepGraph:
         _OPEN.add(self)
 
     def next(self) -> ReadyStep:
+        if self.root is None:
+            raise RuntimeError("this step graph is closed (after an error, or close()): build a new one")
         if not self.started:
             self.root.reset()
             self.started = True

@@ -167,21 +167,29 @@ def test_plan_given_a_corpus_names_tokenize_and_the_recipe_runs(tmp_path, capsys
 
 
 @pytest.mark.multiprocess
-def test_a_cold_numba_cache_is_announced_before_planning(tmp_path):
+def test_a_cold_numba_cache_is_announced_and_warmup_compiles_it(tmp_path):
     """With nothing compiled (an empty NUMBA_CACHE_DIR) the first planning compiles the kernels: the command says
-    so on stderr first, instead of a progress bar reading seconds per step (was: nothing)."""
+    so on stderr first, instead of a progress bar reading seconds per step (was: nothing). `packloader warmup`
+    compiles them (a setup step), after which the same command says nothing."""
     np.save(tmp_path / "l.npy", np.arange(100, 2100, 100))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"),
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "packloader.cli.main", "plan", "--lengths", str(tmp_path / "l.npy"),
-                           "--strategy", "fixed", "--model", "tiny", "--max-tokens", "2048", "--tokens-per-step", "4096",
-                           "--quiet", "--out", str(tmp_path / "p.jsonl")], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.startswith("packloader plan: compiling the planners' numba kernels on this first run"), proc.stderr
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-m", "packloader.cli.main", *argv], capture_output=True, text=True,
+                              env=env, timeout=900)
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    plan = ["plan", "--lengths", str(tmp_path / "l.npy"), "--strategy", "fixed", "--model", "tiny", "--max-tokens",
+            "2048", "--tokens-per-step", "4096", "--quiet", "--out", str(tmp_path / "p.jsonl")]
+    notice = "packloader plan: compiling the planners' numba kernels on this first run"
+    assert cli(*plan).stderr.startswith(notice)
     # 21,000 tokens drawn in steps of >= 4,096: 100..900 (4,500), 1,000..1,300, 1,400..1,600, 1,700..1,900, 2,000
     assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 5
+    assert "packloader warmup: numba kernels compiled in" in cli("warmup").stdout
+    assert notice not in cli(*plan).stderr
 
 
 def test_report_tells_one_story(tmp_path, capsys):

@@ -19,6 +19,7 @@ COMMANDS = {
     "plan": ("packloader.cli.plan", "plan steps for a lengths file and write them as JSON lines"),
     "tokenize": ("packloader.cli.tokenize", "turn text shards into Parquet token shards"),
     "calibrate": ("packloader.cli.calibrate", "time attention and linear parts on this device and fit a cost profile"),
+    "warmup": ("packloader.cli.warmup", "compile the planners' numba kernels now (a setup step), not on the first report"),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

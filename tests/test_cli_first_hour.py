@@ -167,6 +167,7 @@ def test_plan_given_a_corpus_names_tokenize_and_the_recipe_runs(tmp_path, capsys
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(1800)  # every kernel compiled from cold: ~45 s of CPU, many minutes on a loaded machine
 def test_a_cold_numba_cache_is_announced_and_warmup_compiles_it(tmp_path):
     """With nothing compiled (an empty NUMBA_CACHE_DIR) the first planning compiles the kernels: the command says
     so on stderr first, instead of a progress bar reading seconds per step (was: nothing). `packloader warmup`

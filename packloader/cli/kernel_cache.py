@@ -10,7 +10,7 @@ import sys
 
 # kernels every report and plan calls: the cost model's, the simulator's and the planners' of `auto`
 KERNELS = (
-    ("packloader.balancers.cost.coeffs", "microbatch_times_csr"),
+    ("packloader.balancers.cost.coeffs", "segment_times_kernel"),
     ("packloader.balancers.sim.kernels", "simulate_kernel"),
     ("packloader.balancers.planners.slimpack_kernels", "slim_pack_ranks"),
     ("packloader.balancers.planners.fixed", "bfd_pack"),

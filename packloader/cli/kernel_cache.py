@@ -8,7 +8,13 @@ from __future__ import annotations
 import importlib
 import sys
 
-# kernels every report and plan calls: the cost model's, the simulator's and the planners' of `auto`
+# kernels any plan compiles (the simulator's, the cost model's price of a micro-batch), and those of a report or
+# of `auto` (every planner's): a command checks the set it will surely compile, so it does not announce a compile
+# every run for kernels it never calls
+COMMON = (
+    ("packloader.balancers.sim.kernels", "simulate_kernel"),
+    ("packloader.balancers.cost.coeffs", "microbatch_time"),
+)
 KERNELS = (
     ("packloader.balancers.cost.coeffs", "segment_times_kernel"),
     ("packloader.balancers.sim.kernels", "simulate_kernel"),
@@ -20,11 +26,11 @@ MESSAGE = ("compiling the planners' numba kernels on this first run (about 35-40
            "machine; the first steps' times include it); they are cached for later runs")
 
 
-def kernels_cold() -> bool | None:
+def kernels_cold(kernels=KERNELS) -> bool | None:
     """True when a kernel has no compiled entry in numba's cache for its current source; None when numba's cache
     cannot be read this way (another numba version): then nothing is said."""
     try:
-        for module, name in KERNELS:
+        for module, name in kernels:
             cache = getattr(importlib.import_module(module), name)._cache
             if not cache._cache_file._load_index():  # {} when absent or written for another source
                 return True
@@ -33,7 +39,7 @@ def kernels_cold() -> bool | None:
         return None
 
 
-def say_if_compiling(command: str) -> None:
+def say_if_compiling(command: str, kernels=KERNELS) -> None:
     """One line on stderr before the first planning when the kernels are not cached."""
-    if kernels_cold():
+    if kernels_cold(kernels):
         print(f"packloader {command}: {MESSAGE}", file=sys.stderr, flush=True)

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from packloader.balancers.offline import plan_run
     from packloader.balancers.planners.registry import cost_model_for, make_planner
     from packloader.balancers.sim.metrics import drawn_steps, score_plans
-    from packloader.cli.kernel_cache import say_if_compiling
+    from packloader.cli.kernel_cache import COMMON, KERNELS, say_if_compiling
     from packloader.sources.lengths_file import LengthsError, check_pieces, read_lengths
 
     if args.corpus or not args.lengths:
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     except LengthsError as e:
         corpus = Path(args.lengths).suffix.lower() not in (".npy", ".parquet", ".pq", ".txt", "")
         return _fail(f"{e}" + (f". Is it a corpus? {CORPUS_HINT}" if corpus or os.path.isdir(args.lengths) else ""))
-    say_if_compiling("plan")
+    say_if_compiling("plan", KERNELS if config.strategy == "auto" else COMMON)
     try:
         planner = make_planner(config)
         result = plan_run(lengths, config, args.steps, planner)

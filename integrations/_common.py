@@ -53,14 +53,14 @@ def refuse_dp_merge(batch: PackedBatch, consumer: str) -> None:
             "candidate included), or another strategy")
 
 
-def check_micro_batches(step: int, count: int, expected: int | None, consumer: str) -> None:
+def check_micro_batches(step: int, count: int, expected: int | None, consumer: str, fix: str | None = None) -> None:
     """A trainer with a fixed number of micro-batches per step (gradient accumulation steps) must get exactly that
-    many from every packloader step, or its optimizer steps and packloader's steps drift apart."""
+    many from every packloader step, or its optimizer steps and packloader's steps drift apart. `fix`: what to set,
+    where the caller knows the loader's config (default: num_micro_batches = the trainer's count)."""
     if expected is not None and count != expected:
         raise ValueError(
             f"{consumer} runs {expected} micro-batches per optimizer step, but packloader step {step} gives "
-            f"this rank {count}: set PlanConfig(num_micro_batches={expected}) and a planner "
-            "that honours it"
+            f"this rank {count}: " + (fix or f"set PlanConfig(num_micro_batches={expected}) and a planner that honours it")
         )
 
 

@@ -270,6 +270,11 @@ class _PackedTrainerMixin:
     """The packloader parts of PackedTrainer (kept apart so the class is only built when transformers exists)."""
 
     def _pl_init(self, packed_loader, attention: str) -> None:
+        from .hf_setup import accumulation_fix, check_accumulation, price_for_model
+
+        price_for_model(packed_loader, self.model)  # the default cost model prices an 8B model on an H100
+        check_accumulation(packed_loader, self.args.gradient_accumulation_steps)
+        self._pl_fix = lambda got: accumulation_fix(packed_loader, self.args.gradient_accumulation_steps, got)
         self.packed_loader = packed_loader
         self.packed_batches = HFBatches(packed_loader, attention=attention, include_meta=True, slices=True)
         if self.args.max_steps is None or self.args.max_steps <= 0:
@@ -293,7 +298,8 @@ class _PackedTrainerMixin:
         metas = [b[META_KEY] for b in batch_samples]
         ga = self.args.gradient_accumulation_steps
         first = metas[0]
-        check_micro_batches(first["step"], first["micro_batches_in_step"], ga, "Trainer(gradient_accumulation_steps)")
+        check_micro_batches(first["step"], first["micro_batches_in_step"], ga, "Trainer(gradient_accumulation_steps)",
+                            fix=self._pl_fix(first["micro_batches_in_step"]))
         if len({m["step"] for m in metas}) != 1 or [m["index_in_step"] for m in metas] != list(range(len(metas))):
             raise ValueError(f"a gradient-accumulation window holds micro-batches {[(m['step'], m['index_in_step']) for m in metas]}"
                              "; expected all micro-batches of one packloader step, in order")
@@ -363,7 +369,7 @@ class _PackedTrainerMixin:
             self._pl_check_sliced_setup(net)
             metas = [w[META_KEY] for w in window]
             check_micro_batches(metas[0]["step"], metas[0]["micro_batches_in_step"], len(window),
-                                "Trainer(gradient_accumulation_steps)")
+                                "Trainer(gradient_accumulation_steps)", fix=self._pl_fix(metas[0]["micro_batches_in_step"]))
             net.train()
             if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
                 self.optimizer.train()

@@ -48,5 +48,5 @@ if [ "$mode" = dev ]; then
   bash scripts/setup_browser.sh || echo "setup: no chromium; tests/test_report_browser.py fails under CI=true"
 fi
 step "compiling packloader's numba kernels once, so the first plan does not wait for them (about 40 s of CPU)"
-.venv/bin/python -m packloader.balancers.warm_up
+.venv/bin/packloader warmup
 step "done"

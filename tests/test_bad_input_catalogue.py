@@ -528,6 +528,11 @@ def report_out_not_creatable(tmp):
     return lambda: cli("report", "--lengths", str(tmp / "ok.npy"), "--out", str(tmp / "f.txt" / "r"), "--no-progress")
 
 
+def plan_given_a_corpus(tmp):
+    jsonl(tmp / "c.jsonl", ['{"text": "a b"}'])
+    return lambda: cli("plan", "--lengths", str(tmp / "c.jsonl"), "--quiet")
+
+
 def tokenize_out_already_holds_shards(tmp):
     jsonl(tmp / "in.jsonl", ['{"text": "a b"}'])
     argv = ("tokenize", str(tmp / "in.jsonl"), "--tokenizer", "bytes", "--out", str(tmp / "out"), "--no-progress")
@@ -1417,7 +1422,7 @@ CASES = [
     Case("glob_matches_nothing", glob_matches_nothing, FileNotFoundError, ("no files match", "shards-*.parquet")),
     Case("mixed_formats", mixed_formats, ValueError,
          ("mix mixes file formats", "parquet: ", "a.parquet", "jsonl: ", "b.jsonl", "nothing was read")),
-    Case("pattern_matches_nothing", pattern_matches_nothing, CliExit, ("exit 1", "no files match '*.py'")),
+    Case("pattern_matches_nothing", pattern_matches_nothing, CliExit, ("exit 2", "no files match '*.py'")),
     Case("state_from_another_config", state_from_another_config, ValueError,
          ("differently configured loader", "config.context: saved 256, now 512")),
     Case("mid_step_state_at_another_layout", mid_step_state_at_another_layout, ValueError,
@@ -1429,10 +1434,12 @@ CASES = [
           "did you mean 'max_tokens'?")),
     Case("config_file_misspelt_key_no_layout", config_file_misspelt_key_no_layout, CliExit,
          ("exit 2", "tok.toml: unknown key 'tokenizr' for this command; expected one of:", "did you mean 'tokenizer'?")),
+    Case("plan_given_a_corpus", plan_given_a_corpus, CliExit,
+         ("exit 2", "c.jsonl", "Is it a corpus?", "`packloader tokenize CORPUS --out DIR`")),
     Case("report_out_not_creatable", report_out_not_creatable, CliExit,
-         ("exit 1", "--out ", "f.txt/r: cannot create the directory")),
+         ("exit 2", "--out ", "f.txt/r: cannot create the directory")),
     Case("tokenize_out_already_holds_shards", tokenize_out_already_holds_shards, CliExit,
-         ("exit 1", "out already holds token shards (part-00000.parquet, ...)", "(--overwrite on the command line)")),
+         ("exit 2", "out already holds token shards (part-00000.parquet, ...)", "(--overwrite on the command line)")),
     Case("model_shape_incomplete", model_shape_incomplete, KeyError,
          ("shape:mine:hidden=4096,layers=32", "missing: heads, kv_heads, head_dim, ffn, vocab, gated_mlp")),
     Case("worker_state_at_another_worker_count", worker_state_at_another_worker_count, ValueError,

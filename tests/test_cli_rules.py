@@ -38,7 +38,7 @@ def test_report_refuses_the_same(tmp_path, capsys):
     np.save(tmp_path / "l.npy", np.full(400, 100))
     code = main(["report", "--lengths", str(tmp_path / "l.npy"), "--max-tokens", "1024", "--tokens-per-step", "512",
                  "--out", str(tmp_path / "r"), "--no-plots", "--no-advice", "--no-progress"])
-    assert code == 1 and "tokens_per_step=512 is below max_tokens=1024" in capsys.readouterr().err
+    assert code == 2 and "tokens_per_step=512 is below max_tokens=1024" in capsys.readouterr().err
 
 
 def test_lengths_beyond_int64_are_refused_naming_the_place(tmp_path):
@@ -69,6 +69,8 @@ def test_a_closed_stdout_ends_the_command_quietly(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
     proc.stdout.close()
     err = proc.stderr.read().decode()
+    # the one line a cold numba cache adds before planning (cli/kernel_cache.py) is not about the pipe
+    err = "".join(line for line in err.splitlines(True) if not line.startswith("packloader plan: compiling"))
     assert proc.wait(timeout=110) == EXIT_PIPE_CLOSED and err == "", err
     # the same command writing to a reader that stays gives the whole plan: the output is past a pipe's buffer
     full = subprocess.run(cmd + ["--quiet"], capture_output=True, env=env, cwd=ROOT, timeout=110)

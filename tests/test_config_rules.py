@@ -112,7 +112,7 @@ def test_report_cli_refuses_exactly_what_the_library_refuses(case, tmp_path, cap
     code = main(["report", "--lengths", _lengths(tmp_path), *flags, "--strategies", "fixed,slimpack", "--steps", "1",
                  "--out", str(tmp_path / "r"), "--no-plots", "--no-advice", "--no-progress"])
     out = capsys.readouterr()
-    assert code == (0 if report_expect == "ok" else 2 if name == "zero_dp" else 1), out.err  # 2: argparse
+    assert code == (0 if report_expect == "ok" else 2), out.err  # bad input: 2, as argparse's
     if report_expect == "refused":
         assert all(f in out.err for f in named), out.err
     if report_expect == "unplannable":

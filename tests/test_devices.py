@@ -167,7 +167,7 @@ def test_unknown_device_lists_the_known_ones(device_dir, tmp_path, capsys):
     assert main(["plan", "--lengths", str(tmp_path / "l.npy"), "--device", "b200", "--quiet"]) == 2
     assert "(--device): PlanConfig.device='b200': unknown device 'b200'; known devices: a100x, h100, h200" in capsys.readouterr().err
     assert main(["report", "--lengths", str(tmp_path / "l.npy"), "--device", "b200", "--out", str(tmp_path / "r"),
-                 "--no-progress"]) == 1
+                 "--no-progress"]) == 2
     assert "unknown device 'b200'" in capsys.readouterr().err
 
 

@@ -224,7 +224,7 @@ def test_tokenize_cli_page_rows(tmp_path):
         idx = decode(open(index, "rb").read(), index)
         pages[rows] = sum(len(idx.page_array(g)) for g in range(len(idx.group_rows)))
     assert pages == {"1": 40, "0": 1}
-    assert main(["tokenize", str(src), "--out", str(tmp_path / "o"), "--page-rows", "-1", "--no-progress"]) == 1
+    assert main(["tokenize", str(src), "--out", str(tmp_path / "o"), "--page-rows", "-1", "--no-progress"]) == 2
 
 
 def test_prefetch_fetches_several_shards_pages_for_the_reads_that_follow(tmp_path):

@@ -275,3 +275,14 @@ def test_fast_and_full_simulation_paths_agree():
     assert fast.rank_times == pytest.approx(full.rank_times)
     assert fast.bubble_share == pytest.approx(full.bubble_share)
     assert full.peak_bytes > 0 and fast.tokens_split == full.tokens_split == 3 * 1500
+
+
+def test_bubble_share_is_never_below_zero():
+    """Micro-batches of 1, 1 and 4 tokens at 0.3 s per token on one GPU: no GPU is ever idle, but the busy time
+    summed in another order than the step time rounds 2.2e-16 past it; the share is 0, not -2.2e-16."""
+    tenth = CostModel(CostProfile(name="tenth", tile=1, attn_fwd=Poly(), attn_bwd=Poly(), lin_fwd=Poly(0, 0.1, 0),
+                                  lin_bwd=Poly(0, 0.2, 0)))
+    plan = StepPlan(step=0, ranks=[RankPlan(micro_batches=[mb((0, 0, 1, 0)), mb((1, 0, 1, 0)), mb((2, 0, 4, 0))])])
+    s = score_plan(plan, tenth, ParallelConfig(dp=1), max_tokens=8)
+    assert s.step_time == pytest.approx(1.8)
+    assert s.bubble_share == 0.0

@@ -83,7 +83,7 @@ def test_main_parquet_input_no_eos_and_bytes(tmp_path, capsys):
     assert ParquetSource(sorted(out.glob("*.parquet"))).metadata["packloader.eos_appended"] == "false"
     capsys.readouterr()
     assert main(["tokenize", str(tmp_path / "t.parquet"), "--out", str(out), "--tokenizer", "bytes", "--column",
-                 "body"]) == 1
+                 "body"]) == 2
     err = capsys.readouterr().err
     assert "packloader tokenize: error: " in err and "already holds token shards" in err
     assert main(["tokenize", str(tmp_path / "t.parquet"), "--out", str(out), "--tokenizer", "bytes", "--column",
@@ -99,9 +99,9 @@ def test_skip_empty_and_bad_input(tmp_path, capsys):
     (d / "c.txt").write_bytes("caf\xe9".encode("latin-1"))
     (d / "d.txt").write_text("last")
     out = tmp_path / "out"
-    assert main(["tokenize", str(d), "--out", str(out), "--tokenizer", "bytes", "--no-progress"]) == 1
+    assert main(["tokenize", str(d), "--out", str(out), "--tokenizer", "bytes", "--no-progress"]) == 2
     assert re.search(r"error: .*docs/b\.txt: empty document", capsys.readouterr().err)
-    assert main(["tokenize", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 1
+    assert main(["tokenize", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
     assert "no such file or directory: " + str(tmp_path / "missing.jsonl") in capsys.readouterr().err
     assert not list(out.glob("*.parquet")) and not list(out.glob(".*"))  # nothing half-written is left
     rc = main(["tokenize", str(d), "--out", str(out), "--tokenizer", "bytes", "--no-progress", "--skip-empty",
@@ -128,7 +128,7 @@ def test_pattern_decides_what_is_read(tmp_path, capsys):
     got = [bytes(g.astype(np.uint8)).decode() for g in _read_all(open_source(out))]
     assert got == ["print('a')", "print('b')"]
     capsys.readouterr()
-    assert main(["tokenize", str(d), "--out", str(tmp_path / "o2"), "--tokenizer", "bytes", "--no-progress"]) == 1
+    assert main(["tokenize", str(d), "--out", str(tmp_path / "o2"), "--tokenizer", "bytes", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "mixes file formats" in err and "data.json" in err and "a.py" in err
     assert not list((tmp_path / "o2").glob("*.parquet"))

@@ -1,8 +1,8 @@
-"""Compile the numba kernels before the first real plan: `python -m packloader.balancers.warm_up`.
+"""Compile the planners' numba kernels before the first real plan (`packloader warmup` calls this).
 
 Every kernel is jitted with cache=True, so what this compiles is kept on disk and a later process loads it in
 milliseconds. Without it the first `report --demo` or the first training step spends about 40 s of CPU compiling
-(scripts/setup.sh runs this once). Numba compiles per argument type, not per size, so small synthetic windows
+(scripts/setup.sh runs `packloader warmup` once). Numba compiles per argument type, not per size, so small synthetic windows
 planned by every registered strategy, with and without slices, pipeline stages and CP, reach the same kernels.
 """
 
@@ -47,8 +47,3 @@ def warm_up(steps: int = 2) -> dict[str, float]:
         took[name] = time.perf_counter() - t
     return took
 
-
-if __name__ == "__main__":
-    t0 = time.perf_counter()
-    done = warm_up()
-    print(f"numba kernels ready: {len(done)} strategies planned in {time.perf_counter() - t0:.0f} s")

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 import msgspec
+
+from packloader.cli.exit_codes import EXIT_BAD_INPUT
 
 log = logging.getLogger("packloader.calibrate")
 
@@ -78,6 +81,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`_run`, with bad input (a missing shape, bad --cp-sizes, an unknown preset or file, no torchrun for --cp)
+    reported as every command does: one line on stderr and exit status 2."""
+    try:
+        return _run(args)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        print(e.code, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"packloader calibrate: error: {msg}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     from packloader.balancers.cost.profile_io import save_profile

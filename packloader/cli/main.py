@@ -10,17 +10,18 @@ import importlib
 import logging
 import os
 import sys
+import textwrap
 
-EXIT_PIPE_CLOSED = 128 + 13  # 128 + SIGPIPE
+from packloader.cli.exit_codes import EPILOG, EXIT_BAD_INPUT, EXIT_PIPE_CLOSED
 
 COMMANDS = {
     "report": ("packloader.cli.report", "show what a data set's lengths do to a parallel layout, and what packloader recovers"),
     "plan": ("packloader.cli.plan", "plan steps for a lengths file and write them as JSON lines"),
     "tokenize": ("packloader.cli.tokenize", "turn text shards into Parquet token shards"),
     "calibrate": ("packloader.cli.calibrate", "time attention and linear parts on this device and fit a cost profile"),
+    "warmup": ("packloader.cli.warmup", "compile the planners' numba kernels now (a setup step), not on the first report"),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
-EXIT_BAD_CONFIG = 2
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == chosen:  # import only the command being run
             importlib.import_module(module).add_arguments(p)
             add_common_arguments(p)
+            p.epilog = f"{p.epilog}\n\n{textwrap.fill(EPILOG, 110)}" if p.epilog else EPILOG
             if not _apply_config(p, name, argv[1:]):
-                return EXIT_BAD_CONFIG
+                return EXIT_BAD_INPUT
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # a bad flag (argparse printed why) or --help: the status, for callers of main()

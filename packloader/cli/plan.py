@@ -7,14 +7,15 @@ is the command's `--help` epilog (FORMAT below), also in docs/plan.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from packloader.cli import numbers
+from packloader.cli.exit_codes import EXIT_BAD_INPUT
+from packloader.cli.exit_codes import EXIT_DOES_NOT_FIT as EXIT_MEMORY  # --require-fit and a step that does not fit
 from packloader.cli.layout_options import add_layout_arguments, config_from_args
 from packloader.cli.plugins import add_plugin_argument, load
-
-EXIT_BAD_INPUT = 2
-EXIT_MEMORY = 3  # --require-fit and a step that does not fit in memory
 
 FORMAT = """example:
   packloader plan --lengths LENGTHS.npy --dp 8 --pp 4 --tp 4 --max-tokens 65536 --context 65536 \\
@@ -45,13 +46,24 @@ Every token of every drawn document appears exactly once (the last step flushes 
 micro-batch holds more than --max-tokens tokens. Empty documents (length 0) are skipped, keeping the other
 documents' ids, and counted in the summary. A short score summary goes to stderr (--quiet: none).
 
-exit status: 0; 2 for bad input (missing file, wrong column, negative or non-integer lengths, invalid
-configuration), with a message naming it; 3 with --require-fit when a step does not fit in memory."""
+bad input (exit status 2): a missing file, a wrong column, negative or non-integer lengths, an invalid
+configuration; with --require-fit a step that does not fit in memory exits 3."""
+
+
+# `plan` reads lengths; a corpus goes through `tokenize` first (or straight to `report`), said in --help and errors
+CORPUS_HINT = ("`packloader tokenize CORPUS --out DIR` turns a corpus (Parquet, JSONL, MDS, a directory of text) into "
+               "Parquet token shards whose `length` column --lengths reads, one shard at a time "
+               "(--lengths DIR/<shard>.parquet); `packloader report CORPUS` reads a corpus itself")
+
+
+DEFAULT_MODEL_NOTE = " (the default --model: --model PRESET or a `packloader calibrate` profile prices your own)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", required=True, help="document lengths: .npy (1-D integers), .parquet (see --column) "
-                   "or a text file with one length per line")
+    p.add_argument("corpus", nargs="*", metavar="CORPUS", help="not read here: a corpus goes through "
+                   "`packloader tokenize` first (see --lengths)")
+    p.add_argument("--lengths", help="document lengths (required): .npy (1-D integers), .parquet (see --column) "
+                   "or a text file with one length per line. " + CORPUS_HINT)
     p.add_argument("--column", default="length", help="the Parquet column holding the lengths (default: length)")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = FORMAT
@@ -104,8 +116,13 @@ def run(args: argparse.Namespace) -> int:
     from packloader.balancers.offline import plan_run
     from packloader.balancers.planners.registry import cost_model_for, make_planner
     from packloader.balancers.sim.metrics import drawn_steps, score_plans
+    from packloader.cli.kernel_cache import COMMON, KERNELS, say_if_compiling
     from packloader.sources.lengths_file import LengthsError, check_pieces, read_lengths
 
+    if args.corpus or not args.lengths:
+        given = f"got {' '.join(args.corpus)!r} and " if args.corpus else ""
+        return _fail(f"{given}{'--lengths ' + args.lengths if args.lengths else 'no --lengths'}: plan reads a file of "
+                     f"document lengths (--lengths FILE), not a corpus. {CORPUS_HINT}")
     try:
         load(args)
         config = build_config(args)
@@ -118,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
         lengths = read.lengths
         check_pieces(lengths, config.context, args.lengths)
     except LengthsError as e:
-        return _fail(str(e))
+        corpus = Path(args.lengths).suffix.lower() not in (".npy", ".parquet", ".pq", ".txt", "")
+        return _fail(f"{e}" + (f". Is it a corpus? {CORPUS_HINT}" if corpus or os.path.isdir(args.lengths) else ""))
+    say_if_compiling("plan", KERNELS if config.strategy == "auto" else COMMON)
     try:
         planner = make_planner(config)
         result = plan_run(lengths, config, args.steps, planner)
@@ -138,9 +157,9 @@ def run(args: argparse.Namespace) -> int:
         docs = len(set().union(*(w.doc.tolist() for w in result.windows)))
         print(
             f"packloader plan: {s.steps} steps, {docs} documents, {s.tokens} tokens, strategy {config.strategy}, "
-            f"priced by {model.name}; "
+            f"priced by {model.name}{DEFAULT_MODEL_NOTE if 'layout_model' not in args.layout_given else ''}; "
             f"imbalance {s.imbalance_mean:.3f} (max {s.imbalance_max:.3f}), DP spread {s.dp_spread_mean:.4f}, "
-            f"simulated efficiency {s.efficiency:.3f} against the no-bubble ideal ({s.efficiency_fill:.3f} fill-credited), packing {s.packing_efficiency:.3f}, "
+            f"simulated efficiency {s.efficiency:.3f} against the no-bubble ideal, packing {s.packing_efficiency:.3f}, "
             f"delay mean {s.delay_mean:.3f} / max {s.delay_max} steps (share {s.delay_share:.3f}), split {s.split_share:.3f}, "
             f"dropped {s.tokens_dropped}, duplicated {s.tokens_duplicated}",
             file=sys.stderr,

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from packloader.cli import numbers
+from packloader.cli.exit_codes import EXIT_BAD_INPUT
 from packloader.cli.layout_options import add_layout_arguments, config_from_args
 from packloader.cli.plugins import add_plugin_argument, load
 from packloader.contracts import PlanConfig
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     except (LengthsError, SourceError, FileNotFoundError, ValueError, KeyError, ImportError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"packloader report: error: {msg}", file=sys.stderr)
-        return 1
+        return EXIT_BAD_INPUT
 
 
 def _config(args: argparse.Namespace):
@@ -115,6 +116,7 @@ def _warn_unknown(strategies: tuple[str, ...]) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from packloader.balancers.planners.registry import report_strategies
+    from packloader.cli.kernel_cache import say_if_compiling
     from packloader.report.build import ReportOptions, build_report
     from packloader.report.draw import StepCounter
     from packloader.report.lengths import read_lengths, source_lengths
@@ -139,6 +141,9 @@ def _run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     tokenizer = None
     notes: list[str] = []
+    if not args.demo and "layout_model" not in args.layout_given:
+        notes.append(f"priced as {config.model}, the default --model: for your own model pass --model with a preset "
+                     "or a `packloader calibrate` profile")
     if args.lengths:
         lengths = read_lengths(args.lengths, args.lengths_column)
         check_pieces(lengths.lengths, config.context, args.lengths)
@@ -169,9 +174,10 @@ def _run(args: argparse.Namespace) -> int:
         advice=not args.no_advice, progress=progress, plans_dir=f"{args.out}/plans" if args.plans else None,
         input=label, tokenizer=tokenizer, notes=notes,
     )
+    say_if_compiling("report")
     report, _ = build_report(lengths, config, opts)
     print(render_text(report))
     if not any(f.status == "ok" for f in report.strategies):
         print("packloader report: error: no strategy could plan these steps (see the skipped lines above)", file=sys.stderr)
-        return 1
+        return EXIT_BAD_INPUT
     return 0

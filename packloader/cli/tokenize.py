@@ -7,6 +7,7 @@ import os
 import sys
 
 from packloader.cli import numbers
+from packloader.cli.exit_codes import EXIT_BAD_INPUT
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
     except (SourceError, FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
         print(f"packloader tokenize: error: {e}", file=sys.stderr)  # the message names the file, row or field
-        return 1
+        return EXIT_BAD_INPUT
 
 
 def _run(args: argparse.Namespace) -> int:

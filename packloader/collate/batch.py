@@ -62,6 +62,22 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
+    @property
+    def dp_shared(self) -> bool:
+        """A DP-Merge micro-batch (SlimPack's, on by default): every DP rank of `dp_group` receives these same
+        tokens and runs them together as context parallelism (each rank its shard,
+        `packloader.runtime.groups.dp_merge_attention`), so a check that sums tokens over ranks sees them
+        len(dp_group) times; `tokens_to_count` says which copy counts."""
+        return self.dp_group is not None and len(self.dp_group) > 1
+
+    def tokens_to_count(self, dp_rank: int) -> int:
+        """The tokens DP rank `dp_rank` should count for this micro-batch in an exactly-once check: all of them,
+        except on a shared micro-batch (`dp_shared`), whose tokens the first rank of its group counts and the
+        others 0, as `loss_tokens_in_step` and the plan checker count it once."""
+        if self.dp_shared and dp_rank != min(self.dp_group):
+            return 0
+        return self.num_tokens
+
     def to_hf(self) -> dict[str, Any]:
         """Keyword arguments for a transformers causal LM's packed path, `[1, T]` in either layout.
 

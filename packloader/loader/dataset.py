@@ -46,7 +46,13 @@ class _StepIterator:
                                                 start_epoch=self.start_epoch, step_stride=self.workers,
                                                 step_offset=self.worker, start_state=self._position)
         while True:
-            step = self._graph.next()
+            try:
+                step = self._graph.next()
+            except StopIteration:
+                raise
+            except Exception:  # the graph closed itself: a next call starts a new one where this one stood
+                self._graph = None
+                raise
             self._position = step.state_after
             if step.batches:
                 return step.batches

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import re
 import threading
+import traceback
 from dataclasses import dataclass
 
+import msgspec
 from torchdata.nodes import ParallelMapper, Prefetcher
 
 from packloader.balancers.planners.registry import make_planner
 from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
 from packloader.loader.chunks import ChunkLoader, ChunkNode
+from packloader.loader.default_model import note_default_model
 from packloader.loader.distributed import RankExchange, resolve_dp_rank
 from packloader.loader.graph_threads import stop, watch
 from packloader.loader.nodes import StepCollator, StepNode, StepReader, StepWork
@@ -61,6 +64,7 @@ class LoaderPipeline:
         tok_threads = 1 if self.options.num_threads > 0 else None  # the chunk stage's threads run tokenizers
         self.stream = DocumentStream(self.source, tokenizer, seed=self.options.seed, shuffle=self.options.shuffle,
                                      append_eos=self.options.append_eos, tokenizer_threads=tok_threads)
+        self.own_planner = planner is None  # made from the config here: `reprice` may make it again
         self.planner = make_planner(self.config) if planner is None else planner
         mode = self.options.lengths
         if mode == "auto":
@@ -82,6 +86,15 @@ class LoaderPipeline:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.lock = threading.Lock()
+
+    def reprice(self, model: str) -> None:
+        """Plans priced as `model` (PlanConfig.model) from here on: a new config, validated, and the planner made
+        for it (refused for a planner object the user passed, which holds its own cost model)."""
+        if not self.own_planner:
+            raise ValueError("the loader plans with a planner object passed to it, which holds its own cost model: "
+                             "build that planner for the model instead")
+        self.config = validate_config(msgspec.structs.replace(self.config, model=model))
+        self.planner = make_planner(self.config)
 
     def tokenizer_name(self) -> str | None:
         if self.stream.pretokenized and not self.stream.eos_appended:
@@ -111,6 +124,7 @@ class LoaderPipeline:
         saved state, and that step would be lost. Resuming builds a new graph and closes the old one instead;
         the state is the StepNode's, not torchdata's, so it does not depend on threads, prefetching or the
         lengths mode."""
+        note_default_model(self.config)
         o = self.options
         mode = self.mode
         if mode == "gather" and exchange is None:
@@ -165,7 +179,8 @@ class _Collate:
 
 class StepGraph:
     """A node graph, started by the first `next`; `close` stops its threads and makes its StepNode refuse to
-    draw again (a thread that outlives the join only ever sees this graph's nodes)."""
+    draw again (a thread that outlives the join only ever sees this graph's nodes), then lets go of the nodes,
+    so torchdata's iterators are collected now rather than at interpreter shutdown."""
 
     def __init__(self, root, steps: StepNode) -> None:
         self.root, self.steps = root, steps
@@ -173,22 +188,34 @@ class StepGraph:
         self._watch = None  # stops the threads if the graph is dropped unclosed, or at exit (graph_threads)
 
     def next(self) -> ReadyStep:
+        if self.root is None:
+            raise RuntimeError("this step graph is closed (after an error, or close()): build a new one")
         if not self.started:
             self._watch = watch(self, self.root, self.steps)
             self.root.reset()
             self.started = True
         try:
             return next(self.root)
+        except StopIteration:
+            raise
         except Exception as e:
+            # a failed graph cannot go on: stop its threads now, and let the traceback (kept until exit as
+            # sys.last_traceback) hold no torchdata iterator whose __del__ would run at interpreter shutdown
+            self.close()
+            traceback.clear_frames(e.__traceback__)
             clean = _unwrap(e)
             if clean is e:
                 raise
             raise clean from e
 
     def close(self, *, final: bool = False, wait: float = 0.0) -> None:
-        """`final`: the loader is done with its rank exchange too; `wait`: seconds to wait for the threads."""
+        """`final`: the loader is done with its rank exchange too; `wait`: seconds to wait for the threads. Threads
+        that outlive the wait are kept by graph_threads and stopped at exit; the graph lets go of its nodes now."""
+        if self.root is None:
+            return
         if self._watch is not None:
             self._watch.detach()
         stop(self.root, self.steps, final=final, wait=wait)
+        self.root = self.steps = None
 
 

@@ -131,6 +131,13 @@ class PackedLoader:
         """The epoch the next batch belongs to."""
         return self._next_epoch
 
+    def reprice(self, model: str) -> None:
+        """Price plans as `model` (a `PlanConfig.model` string, e.g. `packloader.model_spec(hf_config)`), before
+        the first batch: what PackedTrainer does when the config left the model at its default."""
+        if self._graph is not None or self._pass_open:
+            raise RuntimeError("reprice() before the first batch only: steps already planned keep their prices")
+        self._p.reprice(model)
+
     # --- iteration -----------------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[PackedBatch]:
@@ -195,6 +202,10 @@ class PackedLoader:
             return self._graph.next()
         except StopIteration:
             return None
+        except Exception:  # the graph closed itself: a new pass starts again where the stream stands
+            self._graph = None
+            self._start, self._skip = self._resume
+            raise
 
     # --- state ---------------------------------------------------------------------------------------------------
 

@@ -8,6 +8,13 @@ from __future__ import annotations
 from packloader.contracts import PlanConfig, StepPlan
 
 
+def micro_batches_needed(config: PlanConfig) -> int:
+    """The fewest micro-batches per DP rank that hold any step: a step's window holds up to tokens_per_step +
+    context - 1 tokens (the piece that crosses the mark belongs to it), over dp ranks of max_tokens each."""
+    most = config.tokens_per_step + config.context - 1
+    return -(-most // (config.parallel.dp * config.max_tokens))
+
+
 def check_micro_batch_count(plan: StepPlan, config: PlanConfig, drawn_tokens: int, queued_tokens: int,
                             remainder: bool = False) -> None:
     """Raise a ValueError when a rank of `plan` has other than `config.num_micro_batches` micro-batches.
@@ -25,7 +32,7 @@ def check_micro_batch_count(plan: StepPlan, config: PlanConfig, drawn_tokens: in
     dp, cap = config.parallel.dp, config.max_tokens
     capacity = want * dp * cap
     most = config.tokens_per_step + config.context - 1  # a step's window holds at most this many tokens
-    need = -(-most // (dp * cap))
+    need = micro_batches_needed(config)
     held = f"step {plan.step} holds {drawn_tokens:,} drawn tokens"
     if remainder:
         held = (f"the rest of step {plan.step}, interrupted at another layout and planned again for this one, holds "

@@ -304,6 +304,10 @@ def _recommend(figs, config, draw, model, memory, grid_steps, grouping, tick, co
         reason = f"the highest simulated throughput at your settings ({fig.tokens_per_second:,.0f} tokens/s)"
     if base:
         reason += f", {sp:.2f}x the fastest baseline ({base.name}) at your settings"
+        if pick is not None and (pick.max_tokens, pick.num_micro_batches or None) != (config.max_tokens, config.num_micro_batches):
+            # the table and summary.png show the strategy at the user's settings: say how the two figures relate
+            reason += (f" (the table's {fig.name} column, at your cap {config.max_tokens:,}: "
+                       f"{fig.tokens_per_second / base_tps:.2f}x)")
     if fig.delay_share > 0:
         reason += f"; at your settings it trains {fig.delay_share:.1%} of tokens later than drawn (delay mean {fig.delay_mean:.2f} steps over all tokens, max {fig.delay_max})"
     if fig.tokens_split:

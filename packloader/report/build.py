@@ -246,7 +246,7 @@ def _plots(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
         if adv is not None and (adv.strategy, adv.max_tokens, adv.num_micro_batches) != (
                 best.name, report.settings.max_tokens, round(best.micro_batches_mean)):
             take += (f" Advice after trying other caps and micro-batch counts: {adv.settings_text()} "
-                     f"({adv.speedup_vs_baseline:.2f}x).")
+                     f"({adv.speedup_vs_baseline:.2f}x the fastest baseline).")
     else:
         take = f"Fastest: {fastest.name} at {fastest.tokens_per_second / 1e3:,.0f}k tokens/s."
     images["summary"] = plots.plot_summary(

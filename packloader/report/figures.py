@@ -188,6 +188,27 @@ class Advice(msgspec.Struct, kw_only=True):
                    f"{self.micro_batches_mean:.1f} per DP rank on average here)")
         return f"strategy={self.strategy}, max_tokens={self.max_tokens:,}, {mbs}"
 
+    def grouping_text(self) -> str:
+        """The grouping advice spelt out: what changes, what its gains compare, and where it stands against the
+        strategy advised above, so the line, the table and summary.png tell one story."""
+        g = self.grouping
+        if g is None:
+            return ""
+        planner = g.planner or "the planner of heterogeneous ranks"
+        out = f"{g.description}, the same GPUs, planned by {planner}: "
+        if g.gain_vs_homogeneous:
+            out += f"{g.gain_vs_homogeneous:.2f}x {planner} on your layout unchanged (the table's {planner} column)"
+        else:
+            out += (f"{planner} on your layout unchanged has no plan of these steps to compare (not in --strategies, or "
+                    "skipped: see above), this grouping has")
+        if g.gain_vs_baseline:
+            base = f" ({self.baseline})" if self.baseline else ""
+            out += f", {g.gain_vs_baseline:.2f}x the fastest baseline{base}"
+            if self.speedup_vs_baseline and g.gain_vs_baseline < self.speedup_vs_baseline:
+                out += (f"; that is below strategy {self.strategy} as advised above ({self.speedup_vs_baseline:.2f}x): "
+                        f"the grouping pays only for a trainer that runs {planner}")
+        return out
+
 
 class Report(msgspec.Struct, kw_only=True):
     version: int = REPORT_VERSION

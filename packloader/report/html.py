@@ -8,7 +8,7 @@ import html
 from pathlib import Path
 
 from packloader.report.figures import Report
-from packloader.report.table import rows_for
+from packloader.report.table import ADVICE_SCOPE, rows_for
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
@@ -23,7 +23,6 @@ EXPLAIN = {
     "imbalance degree (mean / max)": "slowest micro-batch x number of micro-batches / total, per DP rank (1.00 = even)",
     "DP spread (mean / max)": "slowest DP rank's step / the mean rank's (1.00 = no rank waits)",
     "efficiency vs no-bubble ideal": "the step time if all work were spread evenly over every GPU, none ever idle / simulated step time",
-    "efficiency, fill-credited": "as above, with the pipeline's fill and drain ((m + pp - 1) / m) credited to the ideal: not the headline",
     "pipeline bubble share": "share of GPU time idle in the step (pipeline fill and drain, waiting for slower ranks)",
     "packing efficiency": "tokens / (micro-batches x token cap)",
     "throughput (k tokens/s)": "tokens trained / simulated time; speedups compare it, so tokens held back past the last step do not count as a gain",
@@ -80,14 +79,11 @@ def render_html(report: Report, images: dict[str, str | Path]) -> str:
     ]
     a = report.advice
     if a is not None:
-        parts.append("<h2>Advice</h2><ul>")
+        parts.append(f"<h2>Advice</h2><p class='note'>{_e(ADVICE_SCOPE)}</p><ul>")
         parts.append(f"<li><b>strategy {_e(a.strategy)}</b>: {_e(a.reason)}</li>")
         parts.append(f"<li><b>settings</b>: {_e(a.settings_text())}</li>")
         if a.grouping is not None:
-            g = a.grouping
-            gain = f"{g.gain_vs_homogeneous:.2f}x the homogeneous layout" if g.gain_vs_homogeneous else "the homogeneous layout cannot run"
-            parts.append(f"<li><b>heterogeneous grouping</b>: {_e(g.description)}: {gain}"
-                         + (f", {g.gain_vs_baseline:.2f}x the fastest baseline" if g.gain_vs_baseline else "") + "</li>")
+            parts.append(f"<li><b>heterogeneous grouping</b>: {_e(a.grouping_text())}</li>")
         parts += [f"<li class='note'>{_e(n)}</li>" for n in a.notes]
         parts.append("</ul>")
         parts.append(_grid_table(a))

@@ -8,6 +8,10 @@ from packloader.report.figures import Report, StrategyFigures
 
 Row = tuple[str, Callable[[StrategyFigures], str]]
 
+# what the advice is, against the table above it (text and HTML)
+ADVICE_SCOPE = ("the table is at your settings; the advice also tries other caps and micro-batch counts, so its "
+                "figures can differ from the table's")
+
 
 def _gib(xs: list[float]) -> str:
     return "/".join(f"{x:.0f}" for x in xs) if xs else "-"
@@ -24,7 +28,6 @@ def rows_for(report: Report) -> list[Row]:
         rows.append((f"speedup over {b} (tokens/s)", lambda f, b=b: f"{f.speedup[b]:.2f}x" if b in f.speedup else "-"))
     rows += [
         ("efficiency vs no-bubble ideal", lambda f: f"{f.efficiency:.0%}"),
-        ("efficiency, fill-credited", lambda f: f"{f.efficiency_fill:.0%}"),
         ("imbalance degree (mean / max)", lambda f: f"{f.imbalance_mean:.2f}/{f.imbalance_max:.2f}"),
         ("DP spread (mean / max)", lambda f: f"{f.dp_spread_mean:.2f}/{f.dp_spread_max:.2f}"),
         ("pipeline bubble share", lambda f: f"{f.bubble_share_mean:.0%}"),
@@ -69,9 +72,8 @@ def render_text(report: Report) -> str:
         "",
         render_table(report),
         "(imbalance degree: slowest micro-batch x micro-batches / total on a DP rank, 1.00 = even; DP spread: slowest rank"
-        " / mean rank; efficiency: the no-bubble ideal (the work spread over every GPU, none idle) / simulated step time;"
-        " fill-credited: the same with the pipeline's fill and drain credited to the ideal; speedups compare tokens/s; times are simulated"
-        " with the cost model)",
+        " / mean rank; efficiency: the no-bubble ideal (the work spread over every GPU, none idle) / simulated step time,"
+        " at most 100 %; speedups compare tokens/s; times are simulated with the cost model)",
     ]
     skipped = [f for f in report.strategies if f.status != "ok"]
     if skipped:
@@ -79,13 +81,10 @@ def render_text(report: Report) -> str:
         out += [f"skipped {f.name}: {f.note}" for f in skipped]
     a = report.advice
     if a is not None:
-        out += ["", "advice:", f"  strategy {a.strategy}: {a.reason}",
+        out += ["", f"advice ({ADVICE_SCOPE}):", f"  strategy {a.strategy}: {a.reason}",
                 f"  settings: {a.settings_text()}"]
         if a.grouping is not None:
-            g = a.grouping
-            gain = f"{g.gain_vs_homogeneous:.2f}x {g.homogeneous()}" if g.gain_vs_homogeneous else "the homogeneous layout cannot run"
-            out.append(f"  heterogeneous grouping: {g.description}: {gain}, {g.gain_vs_baseline:.2f}x the fastest baseline"
-                       if g.gain_vs_baseline else f"  heterogeneous grouping: {g.description}: {gain}")
+            out.append(f"  heterogeneous grouping: {a.grouping_text()}")
         out += [f"  note: {n}" for n in a.notes]
     out += [f"note: {n}" for n in report.notes]
     if report.files:

@@ -317,7 +317,8 @@ def score_plan(
         bound_time=work_bound,
         work_bound=work_bound,
         efficiency=work_bound / step_t if step_t > 0 else 1.0,
-        bubble_share=1.0 - busy / (dp * pp * step_t) if step_t > 0 else 0.0,
+        # at 0, not -2.2e-16, when the busy time summed in another order rounds past the step time
+        bubble_share=max(0.0, 1.0 - busy / (dp * pp * step_t)) if step_t > 0 else 0.0,
         packing_efficiency=counts.tokens_slots / (counts.slots * cap) if counts.slots else 0.0,
         tokens_split=counts.tokens_split,
         docs_split=len(counts.split_docs),

@@ -81,7 +81,7 @@ class SimResult:
     @property
     def bubble_share(self) -> float:
         """Idle share of the pipeline's GPU time: sum of idle / (pp x step time)."""
-        return float(self.bubble.sum() / (self.pp * self.step_time)) if self.step_time > 0 else 0.0
+        return max(0.0, float(self.bubble.sum() / (self.pp * self.step_time))) if self.step_time > 0 else 0.0
 
     @property
     def peak(self) -> float:

@@ -144,3 +144,24 @@ def test_the_h200_slice_packs_are_priced_within_the_target_by_the_refit():
     for kind in ("one long", "many short", "mixed"):
         assert c[kind]["refit_table_beta"] == c[kind]["recorded"] < 3.0
     assert max(acc["beta_packs_ns"]) < 1.6 * acc["beta_table_ns"]
+
+
+def test_the_slice_csv_keeps_its_launch(tmp_path):
+    """The timer's table names the launch it timed beside, so a refit from the CSV fits what the CLI fitted; a
+    table with two launches is refused, naming the file."""
+    from packloader.balancers.cost.slice_fit import read_slice_csv, write_slice_csv
+
+    t = SliceTimings(q=[128, 256], p=[0, 1024], fwd=[1e-4, 2e-4], bwd=[3e-4, 4e-4], launch_segments=33,
+                     launch_tokens=16385)
+    path = tmp_path / "slices.csv"
+    write_slice_csv(t, path)
+    back = read_slice_csv(path)
+    assert (back.launch_segments, back.launch_tokens) == (33, 16385)
+    old = tmp_path / "old.csv"
+    old.write_text("q,p,fwd_ms,bwd_ms\n128,0,0.1,0.3\n")
+    assert read_slice_csv(old).launch_segments == 0
+    assert read_slice_csv(old, launch=(33, 16385)).launch_tokens == 16385
+    bad = tmp_path / "bad.csv"
+    bad.write_text("q,p,fwd_ms,bwd_ms,launch_segments,launch_tokens\n128,0,0.1,0.3,33,16385\n256,0,0.1,0.3,17,8193\n")
+    with pytest.raises(ValueError, match=r"bad\.csv: expected one launch"):
+        read_slice_csv(bad)

@@ -83,33 +83,45 @@ class SliceTerm(msgspec.Struct, kw_only=True, frozen=True):
     dropped: int = 0  # rows with p > 0 left out: a time at or under the timer's resolution (`RESOLUTION_S`)
 
 
+LAUNCH_COLUMNS = ("launch_segments", "launch_tokens")  # optional: the launch the slices were timed beside
+
+
 def read_slice_csv(path: str | os.PathLike, *, launch: tuple[int, int] | None = None) -> SliceTimings:
-    """A measured slice table (columns q, p, fwd_ms, bwd_ms); a bad cell names the file and line. `launch`:
-    (documents, tokens) of the launch the slices were timed beside, which the CSV does not hold."""
-    q, p, f, b = [], [], [], []
+    """A measured slice table (columns q, p, fwd_ms, bwd_ms, and the launch's documents and tokens where the
+    timer wrote them); a bad cell names the file and line. `launch` (documents, tokens) stands in for columns a
+    table written before them lacks."""
+    q, p, f, b, seen = [], [], [], [], set()
     with open(path, newline="") as fh:
         reader = csv.DictReader(fh)
         missing = [c for c in SLICE_CSV_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
             raise ValueError(f"{path}: missing column(s) {missing}; header is {reader.fieldnames}")
+        has_launch = all(c in (reader.fieldnames or []) for c in LAUNCH_COLUMNS)
         for line, row in enumerate(reader, start=2):
             try:
                 qi, pi, fi, bi = int(row["q"]), int(row["p"]), float(row["fwd_ms"]), float(row["bwd_ms"])
+                if has_launch:
+                    seen.add((int(row["launch_segments"]), int(row["launch_tokens"])))
             except (TypeError, ValueError):
-                raise ValueError(f"{path}, line {line}: expected integers q, p and numbers fwd_ms, bwd_ms, got {row}") from None
+                raise ValueError(f"{path}, line {line}: expected integers q, p (and launch_segments, launch_tokens) "
+                                 f"and numbers fwd_ms, bwd_ms, got {row}") from None
             if qi < 1 or pi < 0 or not (fi > 0 and bi > 0):
                 raise ValueError(f"{path}, line {line}: expected q >= 1, p >= 0 and positive times, got {row}")
             q.append(qi), p.append(pi), f.append(fi * 1e-3), b.append(bi * 1e-3)
-    s, t = launch or (0, 0)
+    if len(seen) > 1:
+        raise ValueError(f"{path}: expected one launch (launch_segments, launch_tokens) for every row, got {sorted(seen)}")
+    s, t = seen.pop() if seen else (launch or (0, 0))
     return SliceTimings(q=q, p=p, fwd=f, bwd=b, launch_segments=s, launch_tokens=t)
 
 
 def write_slice_csv(t: SliceTimings, path: str | os.PathLike) -> None:
+    launch = t.launch_segments > 0
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(SLICE_CSV_COLUMNS)
+        w.writerow(SLICE_CSV_COLUMNS + (LAUNCH_COLUMNS if launch else ()))
         for row in zip(t.q, t.p, t.fwd, t.bwd):
-            w.writerow([row[0], row[1], f"{row[2] * 1e3:.6g}", f"{row[3] * 1e3:.6g}"])
+            extra = [t.launch_segments, t.launch_tokens] if launch else []
+            w.writerow([row[0], row[1], f"{row[2] * 1e3:.6g}", f"{row[3] * 1e3:.6g}", *extra])
 
 
 def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:

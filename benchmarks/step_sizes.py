@@ -39,7 +39,7 @@ def without_rule() -> ExitStack:
 
     stack = ExitStack()
     stack.enter_context(mock.patch.object(offline, "draw_target", lambda tps, queued: tps))
-    stack.enter_context(mock.patch.object(offline, "refill", lambda tps, planned: 0))
+    stack.enter_context(mock.patch.object(offline, "refill", lambda tps, planned, drawn: 0))
     stack.enter_context(mock.patch.object(wlb, "over_budget", lambda lengths, held, tps: np.zeros(len(lengths), bool)))
     stack.enter_context(mock.patch.object(base, "solve_within_budget", plain))
     stack.enter_context(mock.patch.object(auto, "solve_within_budget", plain))

@@ -12,8 +12,9 @@ tokens: they never end a step, and `draw_windows` skips them.
 A planner that holds pieces back (wlb's outlier delay) makes a step's tokens differ from its draw. Then the step
 draws `draw_target` tokens (tokens_per_step less what is held back on entry: released pieces count against the
 budget, `planners.step_budget` caps what runs), and while its plan runs fewer than tokens_per_step it draws that
-many more and plans again (`refill`), as WLB-LLM's loader fills each global batch past its delayed documents. So
-every step but the epoch's last holds tokens_per_step within one piece, delay included. `StepDrawer` does this
+many more and plans again (`refill`, up to twice tokens_per_step more), as WLB-LLM's loader fills each global batch
+past its delayed documents. So every step but the epoch's last holds tokens_per_step within one piece, delay
+included, unless the planner holds back more than a step's worth. `StepDrawer` does this
 over a lengths array (`packloader plan`); the loader's StepNode does it over its stream.
 """
 
@@ -123,9 +124,18 @@ def draw_target(tokens_per_step: int, queued_tokens: int) -> int:
     return max(0, int(tokens_per_step) - int(queued_tokens))
 
 
-def refill(tokens_per_step: int, planned_tokens: int) -> int:
-    """Tokens a step draws more after its plan ran `planned_tokens` (0: it is full)."""
-    return max(0, int(tokens_per_step) - int(planned_tokens))
+# of tokens_per_step: the most a step draws beyond tokens_per_step, over its refills. wlb holds outliers until a
+# round of one per micro-batch (about tokens_per_step / (0.9 x cap) pieces, so about a step's worth) is full: a
+# step may have to draw past a held round to run tokens_per_step
+REFILL_MAX = 2.0
+
+
+def refill(tokens_per_step: int, planned_tokens: int, drawn_tokens: int) -> int:
+    """Tokens a step draws more after its plan ran `planned_tokens` of the `drawn_tokens` it drew (0: it is
+    full, or it drew tokens_per_step x (1 + REFILL_MAX) already: a planner that holds most pieces back must not
+    pull the whole epoch into one step)."""
+    room = int((1.0 + REFILL_MAX) * tokens_per_step) - int(drawn_tokens)
+    return max(0, min(int(tokens_per_step) - int(planned_tokens), room))
 
 
 def join_windows(a: Window, b: Window) -> Window:

@@ -42,7 +42,8 @@ def plan_run(lengths: np.ndarray, config: PlanConfig, steps: int, planner=None) 
         while True:
             flush = drawer.exhausted or (steps is not None and s == steps - 1)
             plan, new_state = planner.plan(window, state, StepLayout(s, flush=flush))
-            more = refill(tps, sum(mb.num_tokens for r in plan.ranks for mb in r.micro_batches))
+            more = refill(tps, sum(mb.num_tokens for r in plan.ranks for mb in r.micro_batches),
+                          int(window.length.sum()))
             if flush or more == 0 or drawer.exhausted:
                 break
             window = join_windows(window, drawer.draw(more, s))

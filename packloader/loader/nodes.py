@@ -242,7 +242,8 @@ class StepNode(StepDrawing, BaseNode[StepWork]):
         while True:
             window, split_docs, split_pieces = cut_pieces(ids, lens, cfg.context, starts, stops)
             plan, new_state = self._plan(window, state_in, step, done)
-            more = refill(cfg.tokens_per_step, sum(mb.num_tokens for r in plan.ranks for mb in r.micro_batches))
+            more = refill(cfg.tokens_per_step, sum(mb.num_tokens for r in plan.ranks for mb in r.micro_batches),
+                          int(window.length.sum()))
             if self.flushing or done or more == 0:
                 break
             # the plan holds pieces back and runs fewer than tokens_per_step: draw that many more, plan again

@@ -15,7 +15,6 @@ from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.resolve import RankCosts
 from packloader.balancers.planners.packing import Packing, Pieces
 from packloader.balancers.planners.registry import StepLayout, Window, cost_model_for
-from packloader.balancers.planners.step_budget import solve_within_budget
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 Model = Union[CostModel, RankCosts]  # one model for every DP rank, or one (and a token cap) per rank
@@ -28,7 +27,8 @@ class PackingPlanner:
     for a planner that plans by token counts only)."""
 
     name: ClassVar[str]
-    keeps_budget: ClassVar[bool] = False  # True: solve applies the step's budget itself (`step_budget`)
+    keeps_budget: ClassVar[bool] = False  # True: solve applies the step's budget itself (`step_budget`; auto
+    # gives every other candidate the pieces within it, since they plan the queue another candidate held)
     config: PlanConfig
     model: Model | None
 
@@ -41,7 +41,7 @@ class PackingPlanner:
 
     def plan(self, window: Window, state: PlannerState, layout: StepLayout | int) -> tuple[StepPlan, PlannerState]:
         layout = StepLayout.of(layout)
-        packing = solve_within_budget(self, Pieces.of(window, state, layout.step), layout, self.model)
+        packing = self.solve(Pieces.of(window, state, layout.step), layout, self.model)
         packing.extra = dict(state.extra)
         return self.priced(packing, layout.step), packing.state()
 

@@ -3,8 +3,9 @@ delay) and released now take the place of newly drawn ones instead of coming on 
 pieces oldest first, then the new ones in stream order) the piece that reaches tokens_per_step is the last to
 run, as a drawn step's last piece is; the rest wait for the next step, oldest first. So every step holds fewer
 than tokens_per_step + context tokens, delay included, as WLB-LLM keeps each global batch's size. A flush (the
-epoch's end) plans everything. The loader, `packloader plan` and `packloader report` all plan through the
-planners, so all three keep it."""
+epoch's end) plans everything. wlb applies it after choosing its outliers; `auto` gives its other candidates
+the pieces within it (they plan the queue a wlb step left). A planner used on its own with no queue needs no
+cut: the draw (`balancers.draw`) already gives it tokens_per_step less what is queued."""
 
 from __future__ import annotations
 

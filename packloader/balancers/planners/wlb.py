@@ -110,8 +110,10 @@ class WLBPlanner(PackingPlanner):
             v = pinned
         elif flush or not drawn_now.any():
             v = default_micro_batches(pieces.total_tokens, n, dp, pp, cap, self.fill)
-        else:  # the step's own draw sets V: queued (held) tokens must not inflate it (bins left empty)
-            v = default_micro_batches(int(pieces.length[drawn_now].sum()), int(drawn_now.sum()), dp, pp, cap, self.fill)
+        else:  # the step's own draw sets V: queued (held) tokens must not inflate it (bins left empty), nor what a
+            # step drew past its budget to replace held pieces (a larger V makes a larger round, held longer)
+            new_tokens = min(int(pieces.length[drawn_now].sum()), cfg.tokens_per_step)
+            v = default_micro_batches(new_tokens, int(drawn_now.sum()), dp, pp, cap, self.fill)
         f, b = pieces.time_split(c)
         work = f + b
         nbins = dp * v

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers.docs import tail_with_giant  # noqa: E402
 
 from packloader.balancers import offline  # noqa: E402
-from packloader.balancers.planners import auto, base, wlb  # noqa: E402
+from packloader.balancers.planners import auto, wlb  # noqa: E402
 from packloader.balancers.planners.registry import StepLayout  # noqa: E402
 from packloader.contracts import ParallelConfig, PlanConfig  # noqa: E402
 
@@ -41,7 +41,6 @@ def without_rule() -> ExitStack:
     stack.enter_context(mock.patch.object(offline, "draw_target", lambda tps, queued: tps))
     stack.enter_context(mock.patch.object(offline, "refill", lambda tps, planned, drawn: 0))
     stack.enter_context(mock.patch.object(wlb, "over_budget", lambda lengths, held, tps: np.zeros(len(lengths), bool)))
-    stack.enter_context(mock.patch.object(base, "solve_within_budget", plain))
     stack.enter_context(mock.patch.object(auto, "solve_within_budget", plain))
     return stack
 

@@ -230,7 +230,7 @@ class StepNode(StepDrawing, BaseNode[StepWork]):
             # the step's budget counts what the planner holds on entry (balancers.draw's budget rule)
             ids, lens, starts, stops, done = self._draw_counted(
                 draw_target(cfg.tokens_per_step, sum(q.length for q in self.pstate.queued)))
-            if len(ids) == 0 and not self.pstate.queued:
+            if not self._drew_any and not self.pstate.queued:
                 if self._exhausted and self._pending is None:
                     raise StopIteration
                 self._advance_epoch()  # an epoch with nothing (left) to plan
@@ -248,6 +248,8 @@ class StepNode(StepDrawing, BaseNode[StepWork]):
                 break
             # the plan holds pieces back and runs fewer than tokens_per_step: draw that many more, plan again
             extra = self._draw_counted(more)
+            if not self._drew_any:  # nothing left to draw in this epoch's buffer: the next step learns the end
+                break
             ids, lens, starts, stops = (np.concatenate([a, b]) for a, b in zip((ids, lens, starts, stops), extra[:4]))
             done = extra[4]
         self.stats.split_documents += split_docs

@@ -54,8 +54,10 @@ class StepDrawing:
         return z, z, z, z, done
 
     def _draw_counted(self, target: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
-        """`_draw`, counted in the stats, empty documents left out."""
+        """`_draw`, counted in the stats, empty documents left out (`_drew_any`: whether it drew any document,
+        empty ones included: empty documents at an epoch's end still make its flushing step)."""
         ids, lens, starts, stops, done = self._draw(target)
+        self._drew_any = len(ids) > 0
         self.stats.documents += int((starts == 0).sum())  # documents whose first token is drawn now
         self.stats.tokens += int((stops - starts).sum())
         keep = lens > 0

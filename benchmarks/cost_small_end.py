@@ -7,7 +7,7 @@ priced by the refit per class, and (`--replan`) part 5's `auto` planned again wi
 
 What it shows: the slices' floor is not the attention kernel's. The runtime indexed each segment's keys out of
 the micro-batch (`k[lo:hi]`), so the backward of a launch holding a slice wrote a zero-filled copy of all T keys
-per segment: beta * segments * T. Fitted on the slice table alone it explains the 0.377 ms of a 128-token slice
+per segment: beta * segments * T. Fitted on the slice table alone it accounts for most of the 0.377 ms of a 128-token slice
 after 0 keys and the 20-28 ms per layer that part 4's slice packs (49 segments) ran over their price. The
 runtime now splits the keys once (`SliceContext.attention`), so the profile prices slices by x and y only.
 """

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from packloader.balancers.planners.packing import Packing, Pieces, QueuedPieces
-from packloader.contracts import QueuedDoc
 
 
 def over_budget(lengths: np.ndarray, held: np.ndarray, tokens_per_step: int) -> np.ndarray:
@@ -53,4 +52,4 @@ def solve_within_budget(planner, pieces: Pieces, layout, model, *, drain: bool =
     return packing
 
 
-__all__ = ["QueuedDoc", "over_budget", "solve_within_budget", "subset"]
+__all__ = ["over_budget", "solve_within_budget", "subset"]

@@ -1263,6 +1263,16 @@ def storage_block_size_too_small(tmp):
     return lambda: Storage(block_size=1)
 
 
+def slice_csv_two_launches(tmp):
+    """A slice table whose rows name two launches (two tables pasted together?): the fit's assembly term needs
+    the one launch its slices were timed beside."""
+    from packloader.balancers.cost.slice_fit import read_slice_csv
+
+    path = tmp / "slices.csv"
+    path.write_text("q,p,fwd_ms,bwd_ms,launch_segments,launch_tokens\n128,0,0.1,0.3,33,16385\n256,0,0.1,0.3,17,8193\n")
+    return lambda: read_slice_csv(path)
+
+
 def action_list_slice_order(tmp):
     """Written action lists (a `packloader plan` record) whose stage 0 runs the backward of micro-batch 0 before
     that of micro-batch 1, which holds the next slice of micro-batch 0's document."""
@@ -1547,6 +1557,8 @@ CASES = [
          ("without cache_bytes: the disk cache would hold nothing",)),
     Case("storage_block_size_too_small", storage_block_size_too_small, ValueError,
          ("block_size=1: expected 0 (exact ranges) or a whole number of bytes >= 512",)),
+    Case("slice_csv_two_launches", slice_csv_two_launches, ValueError,
+         ("slices.csv: expected one launch (launch_segments, launch_tokens) for every row, got [(17, 8193), (33, 16385)]",)),
     Case("action_list_slice_order", action_list_slice_order, ValueError,
          ("action lists: pipeline rank 0, stage 0: backward of micro-batch 0 before that of micro-batch 1, which reads "
           "its keys",)),

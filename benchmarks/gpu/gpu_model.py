@@ -61,12 +61,15 @@ class Pack:
 
     def keys_with_prefix(self, new: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
         """The key buffer as the runtime's `SliceContext.attention` assembles it (so part 4 times what the
-        runtime pays and calibrate_slices measures): each segment's earlier keys, then its own, one torch.cat."""
+        runtime pays and calibrate_slices measures): each segment's earlier keys, then its own, one torch.cat of
+        one split of each (a slice per segment would cost backward a zero-filled copy of all keys per segment)."""
+        own = new.split([q1 - q0 for q0, q1, _, _ in self.spans])
+        pre = prefix.split([p1 - p0 for _, _, p0, p1 in self.spans])
         parts = []
-        for q0, q1, p0, p1 in self.spans:
+        for i, (q0, q1, p0, p1) in enumerate(self.spans):
             if p1 > p0:
-                parts.append(prefix[p0:p1])
-            parts.append(new[q0:q1])
+                parts.append(pre[i])
+            parts.append(own[i])
         return torch.cat(parts)
 
     def attention_fn(self, prefix: tuple[torch.Tensor, torch.Tensor] | None):

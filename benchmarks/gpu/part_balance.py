@@ -57,7 +57,7 @@ def _time_mb(ctx: Ctx, model: Layers, mb, shape) -> tuple[float, float]:
     q = [s.end - s.start for s in mb.segments]
     p = [s.start - s.attend_from for s in mb.segments]
     f, b = time_fwd_bwd(ctx, pack_runner(model, Pack(q, p, ctx.device, ctx.backend), shape, ctx.dtype),
-                        repeats=1, warmup=0)
+                        repeats=1, warmup=1)
     g = len(mb.dp_group) if mb.dp_group else 1
     return f / g, b / g
 
@@ -65,7 +65,9 @@ def _time_mb(ctx: Ctx, model: Layers, mb, shape) -> tuple[float, float]:
 def _time_plan(ctx: Ctx, model: Layers, plan, shape) -> tuple[dict[int, tuple[float, float]], list[float]]:
     """Measured (fwd, bwd) of every micro-batch of the step, by id(); a DP-Merge micro-batch is timed once and
     each of its g ranks is charged 1/g (its share when run as context parallelism). Each micro-batch is timed
-    once, cold; each rank's slowest is timed again and keeps the faster run: one first-run cost (the allocator
+    once after one untimed run (a training step reuses the allocator's blocks; the first H200 proof timed them
+    cold, and auto's micro-batches whose slice prefix first grew ran up to 14 ms over their price, 2 layers);
+    each rank's slowest is timed again and keeps the faster run: one first-run cost (the allocator
     growing, a kernel loaded) would otherwise set the rank's imbalance and pipeline time alone. Also returns,
     per rank, how much slower the first run of its slowest micro-batch was (1.0: no first-run cost)."""
     out: dict[int, tuple[float, float]] = {}

@@ -84,4 +84,5 @@ def time_slices(shape: LayerShape, qs: Sequence[int], ps: Sequence[int], *, devi
             progress(f"  slice q={q:>6d} p={p:>7d}  fwd {out_f[-1] * 1e6:11.2f} us  bwd {out_b[-1] * 1e6:11.2f} us")
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return SliceTimings(q=out_q, p=out_p, fwd=out_f, bwd=out_b)
+    return SliceTimings(q=out_q, p=out_p, fwd=out_f, bwd=out_b, launch_segments=len(fill_q),
+                        launch_tokens=sum(fill_q))

@@ -133,9 +133,9 @@ class SliceContext:
             got = self._leaves[id(e)] = (e, e.k.detach().requires_grad_(), e.v.detach().requires_grad_())
         return got[1], got[2]
 
-    def _prefix(self, layer: Hashable, i: int, k: torch.Tensor, v: torch.Tensor):
-        """Keys/values of segment i's tokens attend_from..start-1: earlier segments of this micro-batch first,
-        then the cache."""
+    def _prefix(self, layer: Hashable, i: int, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor]):
+        """Keys/values of segment i's tokens attend_from..start-1: earlier segments of this micro-batch first
+        (`k`, `v`: the micro-batch's keys split per segment), then the cache."""
         s = self.segments[i]
         ks, vs = [], []
         pos = s.attend_from
@@ -145,8 +145,7 @@ class SliceContext:
                 t = self.segments[j]
                 if t.doc == s.doc and t.start <= pos < t.end:
                     hi = min(t.end, s.start)
-                    lo_row = int(self._offsets[j]) + pos - t.start
-                    src = (k[lo_row : lo_row + hi - pos], v[lo_row : lo_row + hi - pos], hi)
+                    src = (k[j][pos - t.start : hi - t.start], v[j][pos - t.start : hi - t.start], hi)
                     break
             if src is None and self.cache is not None:
                 e = self.cache.find(layer, s.doc, pos)
@@ -182,14 +181,20 @@ class SliceContext:
         if q.shape[0] != self.num_tokens or k.shape[0] != self.num_tokens:
             raise ValueError(f"q/k hold {q.shape[0]}/{k.shape[0]} tokens, the micro-batch's segments {self.num_tokens}")
         has_prefix = [i for i, s in enumerate(self.segments) if s.attend_from < s.start]
+        if has_prefix or self.store or self.inject:
+            # one split per tensor: its backward is one concatenation of the pieces' gradients. Indexing k[lo:hi]
+            # per segment instead makes every piece's backward a zero-filled tensor of all T rows, summed: memory
+            # traffic of segments x T per layer, 12-18 ns per (segment, token) and layer on an H200, 20-28 ms
+            # backward for 49 segments of 25K tokens (docs/benchmarks.md, "The small end of the cost model").
+            sizes = np.diff(self._offsets).tolist()
+            k_seg, v_seg = k.split(sizes), v.split(sizes)
         if has_prefix:
             k_parts, v_parts, k_len = [], [], []
             for i, s in enumerate(self.segments):
-                lo, hi = int(self._offsets[i]), int(self._offsets[i + 1])
-                pk, pv = self._prefix(layer, i, k, v) if s.attend_from < s.start else ([], [])
-                k_parts += pk + [k[lo:hi]]
-                v_parts += pv + [v[lo:hi]]
-                k_len.append(hi - lo + sum(int(t.shape[0]) for t in pk))
+                pk, pv = self._prefix(layer, i, k_seg, v_seg) if s.attend_from < s.start else ([], [])
+                k_parts += pk + [k_seg[i]]
+                v_parts += pv + [v_seg[i]]
+                k_len.append(int(k_seg[i].shape[0]) + sum(int(t.shape[0]) for t in pk))
             kk, vv = torch.cat(k_parts), torch.cat(v_parts)
             k_len_np = np.array(k_len, dtype=np.int64)
             cu_k_np = np.concatenate([[0], np.cumsum(k_len_np)]).astype(np.int32)
@@ -203,13 +208,12 @@ class SliceContext:
         out = varlen_attention(q, kk, vv, cu_q, cu_k, self._max_q, max_k, **opts)
         for i in sorted(self.store | self.inject):
             s = self.segments[i]
-            lo, hi = int(self._offsets[i]), int(self._offsets[i + 1])
             if i in self.store:
                 if self.cache is None:
                     raise RuntimeError("SliceContext(store=...) needs a cache")
-                self.cache.put(layer, s.doc, s.start, s.end, k[lo:hi], v[lo:hi])
+                self.cache.put(layer, s.doc, s.start, s.end, k_seg[i], v_seg[i])
             if i in self.inject and self.cache is not None:
-                self.inject_at(self.cache.entry(layer, s.doc, s.start, s.end), k[lo:hi], v[lo:hi])
+                self.inject_at(self.cache.entry(layer, s.doc, s.start, s.end), k_seg[i], v_seg[i])
         return out
 
     __call__ = attention

@@ -16,6 +16,8 @@ from packloader.loader.chunks import ChunkLoader, ChunkNode
 from packloader.loader.distributed import RankExchange, resolve_dp_rank
 from packloader.loader.nodes import StepCollator, StepNode, StepReader, StepWork
 from packloader.loader.state import LoaderOptions, validate_config, validate_options
+from packloader.sources.mixed_stream import MixedStream
+from packloader.sources.mixture import Mixture
 from packloader.sources.stream import DocumentStream
 
 
@@ -72,11 +74,16 @@ class LoaderPipeline:
                 f"pad_to_tokens={self.options.pad_to_tokens} is below config.max_tokens={self.config.max_tokens}: "
                 "a full micro-batch would not fit"
             )
-        self.source = _open(source, column)
         self.dp_rank = resolve_dp_rank(dp_rank, self.config.parallel.dp)
         tok_threads = 1 if self.options.num_threads > 0 else None  # the chunk stage's threads run tokenizers
-        self.stream = DocumentStream(self.source, tokenizer, seed=self.options.seed, shuffle=self.options.shuffle,
-                                     append_eos=self.options.append_eos, tokenizer_threads=tok_threads)
+        if isinstance(source, Mixture):  # a mixture reads as one stream (sources/mixed_stream.py)
+            self.stream = MixedStream(source, tokenizer, seed=self.options.seed, shuffle=self.options.shuffle,
+                                      append_eos=self.options.append_eos, tokenizer_threads=tok_threads)
+            self.source = self.stream.source
+        else:
+            self.source = _open(source, column)
+            self.stream = DocumentStream(self.source, tokenizer, seed=self.options.seed, shuffle=self.options.shuffle,
+                                         append_eos=self.options.append_eos, tokenizer_threads=tok_threads)
         self.planner = make_planner(self.config) if planner is None else planner
         mode = self.options.lengths
         if mode == "auto":

@@ -87,7 +87,11 @@ def source_fingerprint(source) -> dict[str, str]:
     """Each shard, by its path under the shards' common directory, with its row count and content identity
     (`sources.identity.shard_identity`): the same data in another directory still matches, and a refusal names the
     shard that was replaced, deleted or renamed."""
-    return shard_fingerprints(source)
+    out = shard_fingerprints(source)
+    describe = getattr(source, "describe", None)  # a mixture: its entries' names, weights and epoch size
+    if describe is not None:
+        out["mixture"] = msgspec.json.encode(describe()).decode()
+    return out
 
 
 def fingerprint(*, config: PlanConfig, options: LoaderOptions, source, tokenizer_name: str | None, dp_rank: int,

@@ -23,6 +23,7 @@ class DocKey(msgspec.Struct, frozen=True, array_like=True, order=True):
 class Document:
     key: DocKey
     tokens: np.ndarray  # int32, EOS already appended when the tokenizer is configured to
+    entry: int | None = None  # the mixture entry it came from (an index into the mixture's entries); None: one source
 
 
 class ShardInfo(msgspec.Struct, frozen=True):

@@ -1,0 +1,53 @@
+"""Per mixture entry counts of a step (`StepMetrics.entry_tokens` / `entry_loss_tokens`) and each segment's entry
+on the batch (`PackedBatch.entries`), for per-entry logs and losses; nothing for a single source."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import msgspec
+import numpy as np
+import torch
+
+from packloader.collate.collate import segment_loss_tokens
+from packloader.contracts import StepMetrics, StepPlan
+
+
+def entry_counts(plan: StepPlan, entry_of, names: list[str],
+                 doc_lengths: Mapping[int, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """Tokens and loss tokens of each entry in the whole step (all ranks); a segment several GPUs hold counts once,
+    as `loss_tokens_in_plan` counts it. Every entry is listed, 0 where it trained nothing this step."""
+    segs = {(s.doc, s.start, s.end): s for r in plan.ranks for mb in r.micro_batches for s in mb.segments}
+    tokens = dict.fromkeys(names, 0)
+    loss = dict.fromkeys(names, 0)
+    if not segs:
+        return tokens, loss
+    segments = list(segs.values())
+    entries = entry_of(np.fromiter((s.doc for s in segments), np.int64, len(segments)))
+    for s, e in zip(segments, entries.tolist()):
+        tokens[names[e]] += s.end - s.start
+        loss[names[e]] += segment_loss_tokens(s, int(doc_lengths[s.doc]))
+    return tokens, loss
+
+
+def with_entry_counts(metrics: StepMetrics, plan: StepPlan, stream, doc_lengths: Mapping[int, int]) -> StepMetrics:
+    """`metrics` with the per-entry counts when `stream` is a mixture (it has `entry_of`), else as it is."""
+    if not hasattr(stream, "entry_of"):
+        return metrics
+    tokens, loss = entry_counts(plan, stream.entry_of, stream.names, doc_lengths)
+    return msgspec.structs.replace(metrics, entry_tokens=tokens, entry_loss_tokens=loss)
+
+
+def tag_entries(batches, stream) -> None:
+    """Set each batch's `entries` (int64 [S], the entry index of each segment) and `entry_names` for a mixture."""
+    if not hasattr(stream, "entry_of"):
+        return
+    if hasattr(batches, "set_entries"):  # a lazily built CollatedStep
+        batches.set_entries(stream.entry_of, stream.names)
+        return
+    for b in batches:
+        if b is None:
+            continue
+        ids = b.doc_ids.cpu().numpy() if isinstance(b.doc_ids, torch.Tensor) else np.asarray(b.doc_ids)
+        b.entries = torch.from_numpy(stream.entry_of(ids).astype(np.int64))
+        b.entry_names = list(stream.names)

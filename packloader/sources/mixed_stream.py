@@ -141,6 +141,7 @@ class MixedStream:
         self._eos_id = eos[0] if eos else None
         self.has_column_lengths = True  # the blend knows every length (module doc)
         self._base: list[np.ndarray | None] = [None] * len(self.entries)
+        self._unit: int | None = None
         self._starts: list[BlendState] = [BlendState(cursors=[0] * len(self.entries),
                                                      tokens=[0.0] * len(self.entries))]
         self._init_caches()
@@ -280,6 +281,14 @@ class MixedStream:
     def _range_lengths(self, e: int, first: int, n: int) -> np.ndarray:
         return self.entry_lengths(e, np.arange(first, first + n, dtype=np.int64))
 
+    @property
+    def unit(self) -> int:
+        """The blend's token unit: the mean document length over every entry, rounded (`blend_kernel`)."""
+        if self._unit is None:
+            total = sum(int(self._base_lengths(e).sum()) for e in range(len(self.entries)))
+            self._unit = max(1, round(total / sum(self.entry_docs)))
+        return self._unit
+
     def blend_state(self, epoch: int) -> BlendState:
         """The blend where mixture epoch `epoch` starts (each entry's cursor, the token counts)."""
         with self._lock:
@@ -295,12 +304,12 @@ class MixedStream:
                 return got
             start = self.blend_state(epoch) if epoch >= len(self._starts) else self._starts[epoch]
             if self.relative:
-                ent, idx, after = blend(self.weights, None, start, self.num_docs, self._range_lengths)
+                ent, idx, after = blend(self.weights, None, start, self.num_docs, self._range_lengths, self.unit)
             else:
                 quota_tokens = np.array([self._range_lengths(e, c, int(q)).sum() if q else 0
                                          for e, (c, q) in enumerate(zip(start.cursors, self.quota))], np.float64)
                 fresh = BlendState(cursors=start.cursors, tokens=[0.0] * len(self.entries))
-                ent, idx, after = blend(quota_tokens, self.quota, fresh, self.num_docs, self._range_lengths)
+                ent, idx, after = blend(quota_tokens, self.quota, fresh, self.num_docs, self._range_lengths, self.unit)
             if len(self._starts) == epoch + 1:
                 self._starts.append(after)
             self._blends[epoch] = (ent, idx)

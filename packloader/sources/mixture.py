@@ -127,22 +127,23 @@ def shares(m: Mixture) -> np.ndarray:
 
 @njit(cache=True)
 def blend_kernel(weights, quota, lengths, offsets, used, tokens, total, out_entry, out_index, first_index,
-                 start, stop):  # pragma: no cover - numba
+                 start, stop, unit):  # pragma: no cover - numba
     """Draws `start..stop-1` of the blend; returns where it stopped (an entry ran out of the lengths given).
 
     weights: share per entry (0: never drawn); quota: documents an entry may still give (-1: no limit);
     lengths[offsets[e]:offsets[e+1]]: entry e's next documents' lengths; used[e]: how many of those it gave;
     tokens[e], total[0]: tokens drawn (in/out); out_entry/out_index: the entry and its document index
-    (first_index[e] + used[e]) of each draw."""
+    (first_index[e] + used[e]) of each draw. Deficits are in `unit`s of tokens (the mean document length): for
+    documents of one length L = unit they are megatron-core's, bit for bit (T / L and t_e / L are exact)."""
     n = len(weights)
     for pos in range(start, stop):
-        t = max(total[0], 1.0)
+        t = max(total[0], 1.0) / unit
         best = -1
         best_err = 0.0
         for e in range(n):
             if weights[e] <= 0.0 or quota[e] == 0:
                 continue
-            err = weights[e] * t - tokens[e]
+            err = weights[e] * t - tokens[e] / unit
             if best < 0 or err > best_err:
                 best, best_err = e, err
         if best < 0:
@@ -171,9 +172,10 @@ class BlendState(msgspec.Struct, kw_only=True):
 
 
 def blend(weights: np.ndarray, quota: np.ndarray | None, state: BlendState, count: int, entry_lengths,
-          chunk: int = 4096) -> tuple[np.ndarray, np.ndarray, BlendState]:
+          unit: float = 1.0, chunk: int = 4096) -> tuple[np.ndarray, np.ndarray, BlendState]:
     """The next `count` draws from `state`: (entry per draw int32, entry document index per draw int64, the state
-    after). `entry_lengths(e, first, n)` gives the lengths of entry e's documents first..first+n-1."""
+    after). `entry_lengths(e, first, n)` gives the lengths of entry e's documents first..first+n-1; `unit`: the
+    token count deficits are measured in (`blend_kernel`)."""
     n = len(weights)
     out_e = np.full(count, -1, np.int32)
     out_i = np.zeros(count, np.int64)
@@ -194,7 +196,8 @@ def blend(weights: np.ndarray, quota: np.ndarray | None, state: BlendState, coun
         offsets[1:] = np.cumsum([len(p) for p in parts])
         used = np.zeros(n, np.int64)
         stop = min(count, pos + chunk * n)
-        got = blend_kernel(w, q, np.concatenate(parts), offsets, used, tok, total, out_e, out_i, cursors, pos, stop)
+        got = blend_kernel(w, q, np.concatenate(parts), offsets, used, tok, total, out_e, out_i, cursors, pos, stop,
+                           float(unit))
         cursors += used
         if got < stop:
             if (q == 0).all() or not (w > 0).any():

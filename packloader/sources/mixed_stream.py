@@ -74,6 +74,14 @@ class MixtureSource:
         return self.sources[e].lengths(s)
 
 
+def _named(err: BaseException, name: str) -> BaseException:
+    """The same error with the entry's name in front (a MixtureError where its type takes other arguments)."""
+    try:
+        return type(err)(f"mixture entry {name!r}: {err}")
+    except Exception:  # noqa: BLE001 - an exception type with its own constructor
+        return MixtureError(f"mixture entry {name!r}: {err}")
+
+
 def _shard_paths(source) -> list[str]:
     """The real paths of a source's shard files (for the same-file check); labels that are not files are left out."""
     out = []
@@ -115,7 +123,7 @@ class MixedStream:
                 src = (open_source(e.source, column=e.column, format=e.format) if e.format is not None
                        else open_any(e.source, column=e.column))
             except (OSError, ValueError) as err:
-                raise type(err)(f"mixture entry {e.name!r}: {err}") from err
+                raise _named(err, e.name) from err
             if sum(s.num_rows for s in src.shards) == 0:
                 raise MixtureError(f"mixture entry {e.name!r} has no documents (shards "
                                    f"{[s.name for s in src.shards][:3]}); expected at least one")

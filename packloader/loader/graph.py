@@ -14,6 +14,7 @@ from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
 from packloader.loader.chunks import ChunkLoader, ChunkNode
 from packloader.loader.distributed import RankExchange, resolve_dp_rank
+from packloader.loader.entry_metrics import tag_entries
 from packloader.loader.nodes import StepCollator, StepNode, StepReader, StepWork
 from packloader.loader.state import LoaderOptions, validate_config, validate_options
 from packloader.sources.mixed_stream import MixedStream
@@ -182,7 +183,9 @@ class _Collate:
         self.collator = collator
 
     def __call__(self, work) -> ReadyStep:
-        out = [b for b in self.collator(work) if b is not None]
+        step = self.collator(work)
+        tag_entries(step, self.collator.stream)  # a mixture's entry of each segment
+        out = [b for b in step if b is not None]
         return ReadyStep(out, work.epoch, work.last_in_epoch, work.state_before, work.state_after)
 
 

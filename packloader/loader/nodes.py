@@ -48,7 +48,7 @@ from packloader.collate.collate import collate_step, loss_tokens_in_plan
 from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerState, StepMetrics, StepPlan
 from packloader.loader.chunks import Chunk, ChunkNode
 from packloader.loader.distributed import RankExchange, digest
-from packloader.loader.entry_metrics import tag_entries, with_entry_counts
+from packloader.loader.entry_metrics import with_entry_counts
 from packloader.loader.micro_batch_count import check_micro_batch_count
 from packloader.loader.pool import localize_step, own_rank, ranks_expected
 from packloader.loader.state import StepState, step_state
@@ -444,7 +444,6 @@ class StepCollator:
                            step_metrics=metrics, **self.kw)
         if work.plan.cp_mode == "dynamic":
             out = localize_step(out, work.micro_batches, work.pool_gpu, len(work.plan.ranks))
-        tag_entries(out, self.stream)
         if not out and work.last_in_epoch:
             # a rank with no micro-batch in the epoch's last step still needs to see the epoch end
             return [None]

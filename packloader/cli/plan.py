@@ -11,6 +11,7 @@ import sys
 
 from packloader.cli import numbers
 from packloader.cli.layout_options import add_layout_arguments, config_from_args
+from packloader.cli.mixture_option import add_mixture_argument
 from packloader.cli.plugins import add_plugin_argument, load
 
 EXIT_BAD_INPUT = 2
@@ -50,8 +51,11 @@ configuration), with a message naming it; 3 with --require-fit when a step does 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", required=True, help="document lengths: .npy (1-D integers), .parquet (see --column) "
-                   "or a text file with one length per line")
+    p.add_argument("--lengths", default=None, help="document lengths: .npy (1-D integers), .parquet (see --column) "
+                   "or a text file with one length per line (or --mixture)")
+    add_mixture_argument(p)
+    p.add_argument("--tokenizer", default="tekken", help="with --mixture: the tokenizer of entries that name none "
+                   "(tekken default, cl100k, bytes or hf:PATH/tokenizer.json)")
     p.add_argument("--column", default="length", help="the Parquet column holding the lengths (default: length)")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = FORMAT
@@ -100,6 +104,21 @@ def _write_plans(args: argparse.Namespace, plans, model, config) -> int:
     return 0
 
 
+def _entry_shares(stream, windows) -> str:
+    """Each mixture entry's share of the planned tokens against its target."""
+    import numpy as np
+
+    from packloader.cli.mixture_option import target_shares
+
+    docs = np.concatenate([w.doc for w in windows])
+    tokens = np.concatenate([w.length for w in windows])
+    entries = stream.entry_of(stream.doc_ids(0, docs))
+    per = np.bincount(entries, weights=tokens, minlength=len(stream.names))
+    share = per / max(1.0, per.sum())
+    listed = ", ".join(f"{n} {s:.3f} (target {t:.3f})" for n, s, t in zip(stream.names, share, target_shares(stream)))
+    return f"mixture token shares: {listed}"
+
+
 def run(args: argparse.Namespace) -> int:
     from packloader.balancers.offline import plan_run
     from packloader.balancers.planners.registry import cost_model_for, make_planner
@@ -112,12 +131,24 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e))
     model = cost_model_for(config)  # loaded by the validation already (`validate_config`)
+    if (args.lengths is None) == (args.mixture is None):
+        return _fail("give --lengths FILE or --mixture FILE (one of them)")
+    stream = None
     try:
-        # document ids are positions in the file: empty documents stay in place (skipped when drawn) and counted
-        read = read_lengths(args.lengths, args.column, empty="keep", column_flag="--column")
-        lengths = read.lengths
-        check_pieces(lengths, config.context, args.lengths)
-    except LengthsError as e:
+        if args.mixture is not None:  # document ids are positions in the blend's first epoch
+            from packloader.cli.mixture_option import mixture_stream
+
+            stream, lengths = mixture_stream(args, config.seed)
+            empty = int((lengths == 0).sum())
+            check_pieces(lengths, config.context, "--mixture")
+        else:
+            # document ids are positions in the file: empty documents stay in place (skipped when drawn), counted
+            read = read_lengths(args.lengths, args.column, empty="keep", column_flag="--column")
+            lengths, empty = read.lengths, read.empty
+            check_pieces(lengths, config.context, args.lengths)
+    except (LengthsError, OSError) as e:
+        return _fail(str(e))
+    except ValueError as e:  # a mixture refused, naming the entry
         return _fail(str(e))
     try:
         planner = make_planner(config)
@@ -145,8 +176,11 @@ def run(args: argparse.Namespace) -> int:
             f"dropped {s.tokens_dropped}, duplicated {s.tokens_duplicated}",
             file=sys.stderr,
         )
-        if read.empty:
-            print(f"packloader plan: {args.lengths} holds {read.empty} empty documents (length 0), skipped", file=sys.stderr)
+        if empty:
+            print(f"packloader plan: {args.lengths or args.mixture} holds {empty} empty documents (length 0), skipped",
+                  file=sys.stderr)
+        if stream is not None:
+            print(f"packloader plan: {_entry_shares(stream, result.windows)}", file=sys.stderr)
         dropped = getattr(planner, "memory_summary", lambda: "")()
         if dropped:
             print(f"packloader plan: {dropped}", file=sys.stderr)

@@ -150,9 +150,7 @@ class MixedStream:
         self.has_column_lengths = True  # the blend knows every length (module doc)
         self._base: list[np.ndarray | None] = [None] * len(self.entries)
         self._unit: int | None = None
-        self._starts: list[BlendState] = [BlendState(cursors=[0] * len(self.entries),
-                                                     tokens=[0.0] * len(self.entries))]
-        self._init_caches()
+        self.set_origin(0, 0, BlendState(cursors=[0] * len(self.entries), tokens=[0.0] * len(self.entries)))
 
     # --- checks --------------------------------------------------------------------------------------------------
 
@@ -219,8 +217,18 @@ class MixedStream:
         ent, idx = np.empty(len(ids), np.int32), np.empty(len(ids), np.int64)
         for e in np.unique(epochs).tolist():
             sel = epochs == e
+            if e < self.origin[0]:
+                ent[sel] = -1
+                continue
             be, bi = self.epoch_blend(int(e))
             ent[sel], idx[sel] = be[pos[sel]], bi[pos[sel]]
+        for i in np.flatnonzero(ent < 0).tolist():
+            got = self.pending.get(int(ids[i]))
+            if got is None:
+                raise MixtureError(f"mixture document {int(ids[i])} was drawn before the mixture changed (epoch "
+                                   f"{self.origin[0]}, position {self.origin[1]}) and is not among the documents "
+                                   "the saved state holds to train")
+            ent[i], idx[i] = got
         return ent, idx
 
     def entry_of(self, ids) -> np.ndarray:
@@ -297,11 +305,31 @@ class MixedStream:
             self._unit = max(1, round(total / sum(self.entry_docs)))
         return self._unit
 
+    def set_origin(self, epoch: int, pos: int, state: BlendState, pending: dict | None = None) -> None:
+        """Where this stream's blend starts: position `pos` of epoch `epoch` from `state` (0, 0 and nothing drawn
+        for a new run; where a changed mixture takes over at resume). Earlier positions route only through
+        `pending` ({document id: (entry index, entry document id)}: what the saved state still holds to train)."""
+        self.origin = (int(epoch), int(pos))
+        self.pending = dict(pending or {})
+        self._starts: dict[int, BlendState] = {int(epoch): state}
+        self._init_caches()
+
+    def blend_at(self, epoch: int, pos: int) -> BlendState:
+        """The blend state after the first `pos` draws of epoch `epoch` (cursors; token counts as at the epoch's
+        start, which a changed mixture does not take over)."""
+        ent, idx = self.epoch_blend(epoch)
+        cursors = list(self.blend_state(epoch).cursors)
+        for e in range(len(self.entries)):
+            drawn = idx[:pos][ent[:pos] == e]
+            if len(drawn):
+                cursors[e] = int(drawn.max()) + 1
+        return BlendState(cursors=cursors, tokens=[0.0] * len(self.entries))
+
     def blend_state(self, epoch: int) -> BlendState:
         """The blend where mixture epoch `epoch` starts (each entry's cursor, the token counts)."""
         with self._lock:
-            while len(self._starts) <= epoch:
-                self.epoch_blend(len(self._starts) - 1)
+            while max(self._starts) < epoch:
+                self.epoch_blend(max(self._starts))
             return self._starts[epoch]
 
     def epoch_blend(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -310,16 +338,18 @@ class MixedStream:
             got = self._blends.get(epoch)
             if got is not None:
                 return got
-            start = self.blend_state(epoch) if epoch >= len(self._starts) else self._starts[epoch]
+            start = self.blend_state(epoch)
+            skip = self.origin[1] if epoch == self.origin[0] else 0  # positions before the origin: not this blend's
             if self.relative:
-                ent, idx, after = blend(self.weights, None, start, self.num_docs, self._range_lengths, self.unit)
+                ent, idx, after = blend(self.weights, None, start, self.num_docs - skip, self._range_lengths,
+                                        self.unit)
+                ent, idx = np.concatenate([np.full(skip, -1, np.int32), ent]), np.concatenate([np.zeros(skip, np.int64), idx])
             else:
                 quota_tokens = np.array([self._range_lengths(e, c, int(q)).sum() if q else 0
                                          for e, (c, q) in enumerate(zip(start.cursors, self.quota))], np.float64)
                 fresh = BlendState(cursors=start.cursors, tokens=[0.0] * len(self.entries))
                 ent, idx, after = blend(quota_tokens, self.quota, fresh, self.num_docs, self._range_lengths, self.unit)
-            if len(self._starts) == epoch + 1:
-                self._starts.append(after)
+            self._starts.setdefault(epoch + 1, after)
             self._blends[epoch] = (ent, idx)
             while len(self._blends) > 3:
                 self._blends.popitem(last=False)

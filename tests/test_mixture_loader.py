@@ -127,3 +127,31 @@ def test_resume_continues_the_mixture_exactly(stop):
         return PackedLoader(Mixture(entries=entries), tokenizer=None, config=cfg, num_threads=1, epochs=2)
 
     check_exact_resume(make, stop)
+
+
+def test_length_band_upsampling_takes_long_documents_k_times_per_pass():
+    from packloader.sources.upsample import LengthBand
+
+    plain = tagged_entry(0, 60, seed=40, max_len=300, repeat=1.0)
+    long_up = tagged_entry(1, 50, seed=41, max_len=300, repeat=2.0)
+    import msgspec
+
+    long_up = msgspec.structs.replace(long_up, upsample=[LengthBand(min_tokens=150, times=3),
+                                                         LengthBand(min_tokens=250, times=4)])
+    cfg = PlanConfig(strategy="fixed", max_tokens=256, context=256, tokens_per_step=1024)
+    loader = PackedLoader(Mixture(entries=[plain, long_up]), tokenizer=None, config=cfg, num_threads=1, epochs=1)
+    total: dict[int, int] = {}
+    for per in trained(list(loader)).values():
+        for tag, c in per.items():
+            total[tag] = total.get(tag, 0) + c
+    loader.close()
+    import pickle  # as DataLoader workers receive it
+
+    ids = loader.stream.doc_ids(0, np.arange(loader.stream.num_docs))
+    clone = pickle.loads(pickle.dumps(loader.stream))
+    assert [t.tolist() for t in clone.read(ids)] == [t.tolist() for t in loader.stream.read(ids)]
+    for k, doc in enumerate(plain.source._docs):  # one pass, no band: each document once
+        assert total[k] == len(doc)
+    for k, doc in enumerate(long_up.source._docs):  # two passes: each document 2 x its band's times
+        want = 4 if len(doc) >= 250 else 3 if len(doc) >= 150 else 1
+        assert total[TAG + k] == 2 * want * len(doc), (k, len(doc))

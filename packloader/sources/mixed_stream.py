@@ -26,6 +26,7 @@ import numpy as np
 from packloader.sources.base import DocKey, ShardInfo
 from packloader.sources.mixture import BlendState, Mixture, MixtureError, as_mixture, blend, quotas, shares
 from packloader.sources.stream import DocumentStream
+from packloader.sources.upsample import UpsampledEntry
 
 _LENGTH_BATCH = 1024
 
@@ -128,8 +129,11 @@ class MixedStream:
                 raise MixtureError(f"mixture entry {e.name!r} has no documents (shards "
                                    f"{[s.name for s in src.shards][:3]}); expected at least one")
             spec = e.tokenizer if e.tokenizer is not None else tokenizer
-            self.entries.append(DocumentStream(src, spec, seed=entry_seed(seed, e.name), shuffle=shuffle,
-                                               append_eos=append_eos, tokenizer_threads=tokenizer_threads))
+            stream = DocumentStream(src, spec, seed=entry_seed(seed, e.name), shuffle=shuffle and not e.upsample,
+                                    append_eos=append_eos, tokenizer_threads=tokenizer_threads)
+            if e.upsample:  # its passes shuffled by the upsampling, over documents and copies
+                stream = UpsampledEntry(stream, e.upsample, seed=entry_seed(seed, e.name), shuffle=shuffle)
+            self.entries.append(stream)
             sources.append(src)
         self._check_files(sources)
         self._check_tokenizers([e.tokenizer if e.tokenizer is not None else tokenizer for e in self.mixture.entries])
@@ -273,6 +277,8 @@ class MixedStream:
     def _base_lengths(self, e: int) -> np.ndarray:
         """Entry e's lengths by (its shard offset + row), EOS included as read."""
         got = self._base[e]
+        if got is None and isinstance(self.entries[e], UpsampledEntry):
+            got = self._base[e] = self.entries[e].base_lengths
         if got is None:
             s = self.entries[e]
             ids = np.arange(s.num_docs, dtype=np.int64)  # pass 0 covers every document once
@@ -301,8 +307,8 @@ class MixedStream:
     def unit(self) -> int:
         """The blend's token unit: the mean document length over every entry, rounded (`blend_kernel`)."""
         if self._unit is None:
-            total = sum(int(self._base_lengths(e).sum()) for e in range(len(self.entries)))
-            self._unit = max(1, round(total / sum(self.entry_docs)))
+            base = [self._base_lengths(e) for e in range(len(self.entries))]
+            self._unit = max(1, round(sum(int(b.sum()) for b in base) / sum(len(b) for b in base)))
         return self._unit
 
     def set_origin(self, epoch: int, pos: int, state: BlendState, pending: dict | None = None) -> None:

@@ -17,6 +17,8 @@ import msgspec
 import numpy as np
 from numba import njit
 
+from packloader.sources.upsample import LengthBand
+
 EntryName = Annotated[str, msgspec.Meta(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")]
 
 
@@ -37,6 +39,8 @@ class MixtureEntry(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     column: str | None = None  # Parquet column / JSONL field / MDS column (None: detected)
     format: str | None = None  # open_source's format= (None: detected)
     tokenizer: str | None = None  # None: the loader's tokenizer
+    # length bands: documents of at least min_tokens taken `times` times per pass of the entry (`upsample.py`)
+    upsample: list[LengthBand] = []
 
 
 class Mixture(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -81,6 +81,8 @@ class LoaderPipeline:
             self.stream = MixedStream(source, tokenizer, seed=self.options.seed, shuffle=self.options.shuffle,
                                       append_eos=self.options.append_eos, tokenizer_threads=tok_threads)
             self.source = self.stream.source
+            if self.config.parallel.dp > 1:
+                self.stream.readahead = 0  # a rank reads its own documents only
         else:
             self.source = _open(source, column)
             self.stream = DocumentStream(self.source, tokenizer, seed=self.options.seed, shuffle=self.options.shuffle,

@@ -152,6 +152,9 @@ class MixedStream:
         eos = [s.eos_id for s in self.entries if s.eos_id is not None]
         self._eos_id = eos[0] if eos else None
         self.has_column_lengths = True  # the blend knows every length (module doc)
+        # documents of an entry read ahead of the ones asked for (`read`); the loader sets 0 at dp > 1, where a
+        # rank reads only its own documents
+        self.readahead = 256
         self._base: list[np.ndarray | None] = [None] * len(self.entries)
         self._unit: int | None = None
         self.set_origin(0, 0, BlendState(cursors=[0] * len(self.entries), tokens=[0.0] * len(self.entries)))
@@ -183,11 +186,12 @@ class MixedStream:
     def _init_caches(self) -> None:
         self._lock = threading.RLock()
         self._blends: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._ahead: dict[int, dict[int, np.ndarray]] = {}  # entry -> its documents read ahead, by entry id
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.pop("_lock", None)
-        state.pop("_blends", None)
+        for k in ("_lock", "_blends", "_ahead"):
+            state.pop(k, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -261,6 +265,9 @@ class MixedStream:
         return out
 
     def read(self, ids: Sequence[int]) -> list[np.ndarray]:
+        """Tokens of each document. With `readahead` > 0 an entry's next documents are read with the ones asked
+        for and kept until asked: a step takes a few documents of every entry, and an entry's documents are drawn
+        in its own order, so one larger read replaces a small one per entry and step."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if not len(ids):
             return []
@@ -268,9 +275,28 @@ class MixedStream:
         out: list[np.ndarray | None] = [None] * len(ids)
         for e in np.unique(ent).tolist():
             where = np.flatnonzero(ent == e)
-            for i, toks in zip(where.tolist(), self.entries[e].read(idx[where])):
+            for i, toks in zip(where.tolist(), self._entry_read(e, idx[where])):
                 out[i] = toks
         return out  # type: ignore[return-value]
+
+    def _entry_read(self, e: int, idx: np.ndarray) -> list[np.ndarray]:
+        if self.readahead <= 0:
+            return self.entries[e].read(idx)
+        with self._lock:
+            cache = self._ahead.setdefault(e, {})
+            got = {int(i): cache.pop(int(i)) for i in idx.tolist() if int(i) in cache}
+        missing = np.array(sorted(set(idx.tolist()) - set(got)), np.int64)
+        if len(missing):
+            lo = int(missing.min())
+            span = np.union1d(missing, np.arange(lo, lo + self.readahead, dtype=np.int64))
+            toks = self.entries[e].read(span)
+            keep = {int(i): t for i, t in zip(span.tolist(), toks)}
+            got.update({int(i): keep.pop(int(i)) for i in missing.tolist()})
+            with self._lock:
+                cache.update(keep)
+                while len(cache) > 2 * self.readahead:  # documents asked for long ago go first
+                    cache.pop(min(cache))
+        return [got[int(i)] for i in idx.tolist()]
 
     # --- lengths and the blend -----------------------------------------------------------------------------------
 

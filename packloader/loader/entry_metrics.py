@@ -9,7 +9,6 @@ import msgspec
 import numpy as np
 import torch
 
-from packloader.collate.collate import segment_loss_tokens
 from packloader.contracts import StepMetrics, StepPlan
 
 
@@ -17,17 +16,17 @@ def entry_counts(plan: StepPlan, entry_of, names: list[str],
                  doc_lengths: Mapping[int, int]) -> tuple[dict[str, int], dict[str, int]]:
     """Tokens and loss tokens of each entry in the whole step (all ranks); a segment several GPUs hold counts once,
     as `loss_tokens_in_plan` counts it. Every entry is listed, 0 where it trained nothing this step."""
-    segs = {(s.doc, s.start, s.end): s for r in plan.ranks for mb in r.micro_batches for s in mb.segments}
-    tokens = dict.fromkeys(names, 0)
-    loss = dict.fromkeys(names, 0)
+    segs = list({(s.doc, s.start, s.end) for r in plan.ranks for mb in r.micro_batches for s in mb.segments})
     if not segs:
-        return tokens, loss
-    segments = list(segs.values())
-    entries = entry_of(np.fromiter((s.doc for s in segments), np.int64, len(segments)))
-    for s, e in zip(segments, entries.tolist()):
-        tokens[names[e]] += s.end - s.start
-        loss[names[e]] += segment_loss_tokens(s, int(doc_lengths[s.doc]))
-    return tokens, loss
+        return dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+    doc, start, end = (np.array(c, np.int64) for c in zip(*segs))
+    length = np.fromiter((doc_lengths[d] for d in doc.tolist()), np.int64, len(doc))
+    q = end - start
+    loss = q - (end >= length)  # segment_loss_tokens: a document's last token has no target
+    entries = entry_of(doc)
+    tok = np.bincount(entries, weights=q, minlength=len(names)).astype(np.int64).tolist()
+    los = np.bincount(entries, weights=loss, minlength=len(names)).astype(np.int64).tolist()
+    return dict(zip(names, tok)), dict(zip(names, los))
 
 
 def with_entry_counts(metrics: StepMetrics, plan: StepPlan, stream, doc_lengths: Mapping[int, int]) -> StepMetrics:

@@ -187,10 +187,11 @@ class MixedStream:
         self._lock = threading.RLock()
         self._blends: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._ahead: dict[int, dict[int, np.ndarray]] = {}  # entry -> its documents read ahead, by entry id
+        self._lengths: dict[int, np.ndarray] = {}  # epoch -> its lengths in blend order
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for k in ("_lock", "_blends", "_ahead"):
+        for k in ("_lock", "_blends", "_ahead", "_lengths"):
             state.pop(k, None)
         return state
 
@@ -257,12 +258,38 @@ class MixedStream:
         return [DocKey(int(s), int(r)) for s, r in zip(shards.tolist(), rows.tolist())]
 
     def column_lengths(self, ids) -> np.ndarray:
-        ent, idx = self.route(ids)
-        out = np.empty(len(idx), np.int64)
-        for e in np.unique(ent).tolist():
-            sel = ent == e
-            out[sel] = self.entry_lengths(int(e), idx[sel])
+        """Each document's length: from its epoch's lengths in blend order, or (a document drawn before a change
+        of the mixture) from its entry."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        epochs, pos = self.split_ids(ids)
+        out = np.full(len(ids), -1, np.int64)
+        for e in np.unique(epochs).tolist():
+            if e >= self.origin[0]:
+                sel = epochs == e
+                out[sel] = self._epoch_lengths(int(e))[pos[sel]]
+        rest = np.flatnonzero(out < 0)
+        if len(rest):
+            ent, idx = self.route(ids[rest])
+            for e in np.unique(ent).tolist():
+                sel = ent == e
+                out[rest[sel]] = self.entry_lengths(int(e), idx[sel])
         return out
+
+    def _epoch_lengths(self, epoch: int) -> np.ndarray:
+        """Lengths of epoch `epoch` in blend order (-1 before the origin), computed once per epoch."""
+        with self._lock:
+            got = self._lengths.get(epoch)
+            if got is None:
+                ent, idx = self.epoch_blend(epoch)
+                got = np.full(len(ent), -1, np.int64)
+                for e in range(len(self.entries)):
+                    sel = ent == e
+                    if sel.any():
+                        got[sel] = self.entry_lengths(e, idx[sel])
+                self._lengths[epoch] = got
+                while len(self._lengths) > 3:
+                    self._lengths.pop(min(self._lengths))
+            return got
 
     def read(self, ids: Sequence[int]) -> list[np.ndarray]:
         """Tokens of each document. With `readahead` > 0 an entry's next documents are read with the ones asked

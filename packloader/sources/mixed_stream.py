@@ -152,9 +152,9 @@ class MixedStream:
         eos = [s.eos_id for s in self.entries if s.eos_id is not None]
         self._eos_id = eos[0] if eos else None
         self.has_column_lengths = True  # the blend knows every length (module doc)
-        # documents of an entry read ahead of the ones asked for (`read`); the loader sets 0 at dp > 1, where a
-        # rank reads only its own documents
-        self.readahead = 256
+        # tokens of an entry read ahead of the documents asked for (`read`; at most 1,024 documents, at least 16); the
+        # loader sets 0 at dp > 1, where a rank reads only its own documents
+        self.readahead = 1 << 20
         self._base: list[np.ndarray | None] = [None] * len(self.entries)
         self._unit: int | None = None
         self.set_origin(0, 0, BlendState(cursors=[0] * len(self.entries), tokens=[0.0] * len(self.entries)))
@@ -292,8 +292,8 @@ class MixedStream:
             return got
 
     def read(self, ids: Sequence[int]) -> list[np.ndarray]:
-        """Tokens of each document. With `readahead` > 0 an entry's next documents are read with the ones asked
-        for and kept until asked: a step takes a few documents of every entry, and an entry's documents are drawn
+        """Tokens of each document. With `readahead` > 0 an entry's next documents (that many tokens) are read with
+        the ones asked for and kept until asked: a step takes a few documents of every entry, and an entry's documents are drawn
         in its own order, so one larger read replaces a small one per entry and step."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if not len(ids):
@@ -306,22 +306,28 @@ class MixedStream:
                 out[i] = toks
         return out  # type: ignore[return-value]
 
+    def _ahead_docs(self, e: int) -> int:
+        """Documents of entry e read ahead: `readahead` tokens at its mean length, 16..1,024."""
+        lens = self._base_lengths(e)
+        return int(np.clip(self.readahead // max(1.0, float(lens.mean())), 16, 1024))
+
     def _entry_read(self, e: int, idx: np.ndarray) -> list[np.ndarray]:
         if self.readahead <= 0:
             return self.entries[e].read(idx)
+        ahead = self._ahead_docs(e)
         with self._lock:
             cache = self._ahead.setdefault(e, {})
             got = {int(i): cache.pop(int(i)) for i in idx.tolist() if int(i) in cache}
         missing = np.array(sorted(set(idx.tolist()) - set(got)), np.int64)
         if len(missing):
             lo = int(missing.min())
-            span = np.union1d(missing, np.arange(lo, lo + self.readahead, dtype=np.int64))
+            span = np.union1d(missing, np.arange(lo, lo + ahead, dtype=np.int64))
             toks = self.entries[e].read(span)
             keep = {int(i): t for i, t in zip(span.tolist(), toks)}
             got.update({int(i): keep.pop(int(i)) for i in missing.tolist()})
             with self._lock:
                 cache.update(keep)
-                while len(cache) > 2 * self.readahead:  # documents asked for long ago go first
+                while len(cache) > 2 * ahead:  # documents asked for long ago go first
                     cache.pop(min(cache))
         return [got[int(i)] for i in idx.tolist()]
 

@@ -9,7 +9,7 @@ import logging
 
 import numpy as np
 import pytest
-from test_mixture_loader import TAG, tagged_entry, trained
+from helpers.mixtures import TAG, tagged_entry, trained
 
 from packloader.contracts import PlanConfig
 from packloader.loader.loader import PackedLoader

@@ -7,33 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.mixtures import TAG, tagged_entry, trained
 from helpers.source_resume import check_exact_resume
 
 from packloader.contracts import PlanConfig
 from packloader.loader.loader import PackedLoader
-from packloader.sources.base import IterableSource
-from packloader.sources.mixture import Mixture, MixtureEntry
-
-TAG = 100_000
-
-
-def tagged_entry(e: int, n: int, seed: int, max_len: int, **weight) -> MixtureEntry:
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, max_len + 1, n)
-    docs = [np.full(int(k), TAG * e + i, np.int32) for i, k in enumerate(lengths)]
-    return MixtureEntry(name=f"src{e}", source=IterableSource(docs, name=f"src{e}"), **weight)
-
-
-def trained(batches):
-    """(entry, doc) -> tokens trained, per step: from the input ids (one tag per document)."""
-    steps: dict[int, dict[int, int]] = {}
-    for b in batches:
-        ids = b.input_ids.reshape(-1).numpy()
-        vals, counts = np.unique(ids, return_counts=True)
-        per = steps.setdefault(b.step, {})
-        for v, c in zip(vals.tolist(), counts.tolist()):
-            per[v] = per.get(v, 0) + c
-    return steps
+from packloader.sources.mixture import Mixture
 
 
 def test_token_shares_of_five_entries_stay_within_one_piece_for_1000_steps():

@@ -9,6 +9,7 @@ group 4 as a `datasets` `save_to_disk` folder, groups 5..7 as objects on a loopb
 Rows, each one whole epoch of `PackedLoader` (wlb plans, 2 threads), in turn, best of `--repeats`:
 - one source: the 8 local Parquet shards opened as one source (the baseline);
 - mixture, 8 local Parquet entries: one entry per shard, each weighted by its share of the tokens;
+- mixture, 8 local entries of mixed formats: local Parquet x6, Megatron, `datasets` folder;
 - mixture, 8 entries of mixed formats: local Parquet x3, Megatron, `datasets` folder, S3 Parquet x3;
 - one source on S3: the 8 shards as s3:// URLs (the S3 floor the mixed row carries 3/8 of).
 tokens/s = tokens yielded / the epoch's wall time from the loader's creation (opening, and a mixture's blend,
@@ -144,11 +145,15 @@ def main() -> None:
             mixed = [local[0], local[1], local[2], f"{tmp}/g3m", f"{tmp}/g4hf", s3[5], s3[6], s3[7]]
             kinds = ["parquet", "parquet", "parquet", "megatron", "datasets", "s3 parquet", "s3 parquet",
                      "s3 parquet"]
+            mixed_local = local[:3] + [f"{tmp}/g3m", f"{tmp}/g4hf"] + local[5:]
+            kinds_local = ["parquet"] * 3 + ["megatron", "datasets"] + ["parquet"] * 3
             rows = {
                 "one source: 8 local Parquet shards": lambda: local,
                 "mixture: 8 local Parquet entries": lambda: mixture([(f"g{i}", p) for i, p in enumerate(local)],
                                                                     tokens),
-                "mixture: 8 entries of mixed formats": lambda: mixture(
+                "mixture: 8 local entries, Parquet x6, Megatron, datasets": lambda: mixture(
+                    [(f"g{i}-{k}", p) for i, (k, p) in enumerate(zip(kinds_local, mixed_local))], tokens),
+                "mixture: 8 entries of mixed formats (3 on S3)": lambda: mixture(
                     [(f"g{i}-{k.replace(' ', '-')}", p) for i, (k, p) in enumerate(zip(kinds, mixed))], tokens),
                 "one source: 8 Parquet shards on S3": lambda: s3,
             }

@@ -161,3 +161,25 @@ def test_same_mixture_after_a_change_resumes_exactly():
     assert [batch_digest(x) for x in run_until(b, 60)] == rest_a
     assert len(b.state_dict()["mixture"]["changes"]) == 1
     b.close()
+
+
+def test_packed_dataset_resumes_its_mixture_and_refuses_a_changed_one():
+    from packloader import PackedDataset
+
+    def dataset(weights):
+        return PackedDataset(Mixture(entries=entries(weights)), tokenizer=None, config=CONFIG, epochs=1)
+
+    it = iter(dataset({"src0": 0.5, "src1": 0.5}))
+    for _ in range(4):
+        next(it)
+    state = it.state_dict()
+    rest = [[(s.doc, s.start, s.end) for b in step for s in b.segments] for step in it]
+    it.close()
+    same = iter(dataset({"src0": 0.5, "src1": 0.5}))
+    same.load_state_dict(state)
+    assert [[(s.doc, s.start, s.end) for b in step for s in b.segments] for step in same] == rest
+    same.close()
+    changed = iter(dataset({"src0": 0.2, "src1": 0.8}))
+    with pytest.raises(ValueError, match="source.mixture"):
+        changed.load_state_dict(state)
+    changed.close()

@@ -134,3 +134,17 @@ def test_length_band_upsampling_takes_long_documents_k_times_per_pass():
     for k, doc in enumerate(long_up.source._docs):  # two passes: each document 2 x its band's times
         want = 4 if len(doc) >= 250 else 3 if len(doc) >= 150 else 1
         assert total[TAG + k] == 2 * want * len(doc), (k, len(doc))
+
+
+def test_the_step_metrics_log_line_lists_each_entrys_tokens():
+    from packloader.loader.step_metrics import format_step_metrics
+
+    entries = [tagged_entry(e, 20, seed=60 + e, max_len=200, weight=0.5) for e in range(2)]
+    cfg = PlanConfig(strategy="fixed", max_tokens=256, context=256, tokens_per_step=1024)
+    loader = PackedLoader(Mixture(entries=entries), tokenizer=None, config=cfg, num_threads=0)
+    b = next(iter(loader))
+    per = trained([x for x in [b]])  # the first micro-batch only; the record covers the whole step
+    loader.close()
+    m = b.step_metrics
+    assert f"; entries src0 {m.entry_tokens['src0']:,}, src1 {m.entry_tokens['src1']:,}" in format_step_metrics(m)
+    assert sum(m.entry_tokens.values()) == m.tokens >= sum(per[b.step].values())

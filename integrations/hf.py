@@ -61,6 +61,8 @@ from packloader.collate.batch import PackedBatch
 
 from ._common import check_micro_batches, flat, placeholder_batch, refuse_dp_merge, refuse_slices, unshifted_labels
 from ._lazy import require
+from .entry_loss import token_entries
+from .hf_entry_loss import _EntryLossMixin
 from .hf_resume import _ResumeMixin
 
 SEGMENTS_KEY = "segments"  # in META_KEY: the segments of a micro-batch of a sliced step (for SliceExecutor)
@@ -136,7 +138,8 @@ def _meta(batch: PackedBatch, tokens: int) -> dict[str, Any]:
     return {"step": batch.step, "index_in_step": batch.index_in_step,
             "micro_batches_in_step": batch.micro_batches_in_step, "loss_tokens_in_step": batch.loss_tokens_in_step,
             "num_loss_tokens": batch.num_loss_tokens, "num_tokens": tokens, "epoch": batch.epoch,
-            "documents": None if stats is None else stats.documents,
+            "documents": None if stats is None else stats.documents, "entry_names": batch.entry_names,
+            "token_entries": token_entries(batch),  # a mixture's entry of each token (packloader/loss/<entry> logs)
             "step_metrics": getattr(batch, "step_metrics", None)}  # the loader's StepMetrics, where it has them
 
 
@@ -407,7 +410,7 @@ class _PackedTrainerMixin:
 def _build_trainer_class():
     Trainer = _trainer_base()
 
-    class PackedTrainer(_PackedTrainerMixin, _ResumeMixin, Trainer):
+    class PackedTrainer(_EntryLossMixin, _PackedTrainerMixin, _ResumeMixin, Trainer):
         """transformers.Trainer fed by a packloader loader (see the module docstring)."""
 
         def __init__(self, *args: Any, packed_loader: Iterable[PackedBatch], attention: str = "position_ids",

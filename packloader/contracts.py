@@ -368,3 +368,7 @@ class StepMetrics(msgspec.Struct, kw_only=True, frozen=True):
     delay_max: int  # the largest delay in steps of a token trained in this step
     memory_over: float  # simulated peak memory over the device's usable limit when no plan fit; 0 otherwise
     cost_model: str  # the cost profile that priced the plan (model, device, layout)
+    # a mixture's entries (by name): tokens and loss tokens each trained in this step, all ranks; empty for a single
+    # source. Pieces held back and the rest of a long document count toward their own entry when they train.
+    entry_tokens: dict[str, int] = {}
+    entry_loss_tokens: dict[str, int] = {}

@@ -831,6 +831,53 @@ def shard_through_symlink_alias(tmp):
     return lambda: open_source(tmp / "d")
 
 
+def _mixture_loader(*entries, tokenizer="tekken"):
+    """A PackedLoader over a mixture of (name, source, fields) entries (issue 36's bad-input cases)."""
+    from packloader.sources.mixture import Mixture, MixtureEntry
+
+    mixture = Mixture(entries=[MixtureEntry(name=n, source=s, **kw) for n, s, kw in entries])
+    return lambda: PackedLoader(mixture, tokenizer=tokenizer, config=PlanConfig(max_tokens=256, context=256,
+                                                                                tokens_per_step=1024))
+
+
+def _two_jsonl(tmp):
+    web, code = tmp / "web.jsonl", tmp / "code.jsonl"
+    web.write_text('{"text": "a page"}\n{"text": "another page"}\n')
+    code.write_text('{"text": "def f(): pass"}\n')
+    return str(web), str(code)
+
+
+def mixture_negative_weight(tmp):
+    web, code = _two_jsonl(tmp)
+    return _mixture_loader(("web", web, {"weight": 0.7}), ("code", code, {"weight": -0.3}))
+
+
+def mixture_nan_weight(tmp):
+    web, code = _two_jsonl(tmp)
+    return _mixture_loader(("web", web, {"weight": float("nan")}), ("code", code, {"weight": 0.3}))
+
+
+def mixture_all_zero_weights(tmp):
+    web, code = _two_jsonl(tmp)
+    return _mixture_loader(("web", web, {"weight": 0.0}), ("code", code, {"weight": 0.0}))
+
+
+def mixture_empty_entry(tmp):
+    web, _ = _two_jsonl(tmp)
+    (tmp / "math.jsonl").write_text("")
+    return _mixture_loader(("web", web, {"weight": 0.7}), ("math", str(tmp / "math.jsonl"), {"weight": 0.3}))
+
+
+def mixture_same_file_twice(tmp):
+    web, code = _two_jsonl(tmp)
+    return _mixture_loader(("web", web, {"weight": 0.5}), ("code", [code, web], {"weight": 0.5}))
+
+
+def mixture_tokenizers_differ(tmp):
+    web, code = _two_jsonl(tmp)
+    return _mixture_loader(("web", web, {"weight": 0.5}), ("code", code, {"weight": 0.5, "tokenizer": "bytes"}))
+
+
 def shard_hard_link(tmp):
     p = token_table(tmp / "a.parquet", [[1, 2], [3]])
     os.link(p, tmp / "b.parquet")
@@ -1607,6 +1654,17 @@ CASES = [
     Case("shard_hard_link", shard_hard_link, SourceError, ("a.parquet and ", "b.parquet are the same file")),
     Case("glob_through_symlink_loop", glob_through_symlink_loop, None,
          ("1 shard (x.jsonl), documents ['one', 'two']",)),
+    Case("mixture_negative_weight", mixture_negative_weight, ValueError,
+         ("mixture entry 'code': weight -0.3, expected a finite number >= 0",)),
+    Case("mixture_nan_weight", mixture_nan_weight, ValueError,
+         ("mixture entry 'web': weight nan, expected a finite number >= 0",)),
+    Case("mixture_all_zero_weights", mixture_all_zero_weights, ValueError,
+         ("every weight is 0 (entries ['web', 'code'])", "expected at least one weight > 0")),
+    Case("mixture_empty_entry", mixture_empty_entry, ValueError, ("mixture entry 'math': ", "math.jsonl: no documents")),
+    Case("mixture_same_file_twice", mixture_same_file_twice, ValueError,
+         ("mixture entries 'web' and 'code' both read ", "web.jsonl", "a file belongs to one entry")),
+    Case("mixture_tokenizers_differ", mixture_tokenizers_differ, ValueError,
+         ("mixture entry 'code' has tokenizer 'bytes', entry 'web' 'tekken'", "expected one tokenizer")),
     Case("shard_through_symlink_alias", shard_through_symlink_alias, SourceError,
          ("d/alias/x.jsonl and ", "d/sub/x.jsonl are the same file", "symlink")),
     Case("shard_replaced_before_resume", shard_replaced_before_resume, ValueError,

@@ -116,6 +116,7 @@ from .batch import (
     te_partition_index,
 )
 from .dynamic_cp import megatron_dynamic_cp_batches
+from .entry_loss import forward_step_by_entry, loss_func_by_entry
 from .pipeline import check_sliced_pipeline_config, pipeline_schedule_of, sliced_pipeline_forward_backward
 from .pipeline_chunks import check_chunk_placement, v_shape_model_chunks
 from .slices import PackloaderCoreAttention, sliced_forward_backward
@@ -127,6 +128,8 @@ __all__ = [
     "get_batch",
     "loss_func",
     "forward_step",
+    "forward_step_by_entry",
+    "loss_func_by_entry",
     "make_datasets_provider",
     "check_megatron_config",
     "te_partition_index",

@@ -15,6 +15,7 @@ from packloader.loader.step_metrics import format_step_metrics
 
 from .._common import check_micro_batches, flat, pipeline_alternative, placeholder_batch, refuse_dp_merge, refuse_slices
 from .._lazy import require
+from ..entry_loss import token_entries
 
 SLICES_PP_ALTERNATIVE = "plan with PlanConfig(allow_slicing=False)"
 
@@ -131,6 +132,7 @@ def megatron_batch(
     if not sliced:
         refuse_slices(batch, "Megatron-core's THD attention")
     refuse_dp_merge(batch, "the Megatron adapter")
+    entries = token_entries(batch)  # a mixture's entry of each token, for packloader/loss/<entry>
     if batch.num_tokens == 0:  # an empty slot: 2 x CP padding tokens (each CP rank two), no loss target
         batch = placeholder_batch(batch, 2 * cp_size)
     ids, lab, pos = flat(batch.input_ids), flat(batch.labels), flat(batch.position_ids)
@@ -145,6 +147,11 @@ def megatron_batch(
     out["segments"] = list(batch.segments)
     out["step_plan"] = batch.plan  # the StepPlan (backward order) for sliced_pipeline_forward_backward
     out["step_metrics"] = batch.step_metrics  # what the loader knows about the step (packloader.StepMetrics)
+    if entries is not None and cp_size > 1:  # this CP rank's rows, as the tokens
+        entries = entries[torch.from_numpy(shard.token_index if shard is not None else
+                                           te_partition_index(batch.cu_seqlens_padded, cp_size, cp_rank))]
+    out["token_entries"] = None if entries is None else entries.unsqueeze(0)
+    out["entry_names"] = batch.entry_names
     return out
 
 

@@ -91,6 +91,8 @@ def _value(action: argparse.Action, key: str, value: Any, path: str) -> Any:
     """The file's value as argparse would have stored it: run through the flag's type (bounds named), checked
     against its choices; a switch takes true or false."""
     where = f"--config {path}: key '{key}' ({'/'.join(action.option_strings) or action.dest})"
+    if getattr(action, "takes_table", False) and isinstance(value, dict):
+        return value  # a table the command reads itself (--mixture)
     if action.nargs == 0:  # a switch: a layout field's value itself, or a flag's on (true) / off (false)
         if not isinstance(value, bool):
             raise ConfigFileError(f"{where}: expected true or false, got {value!r}")

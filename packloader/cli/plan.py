@@ -15,6 +15,7 @@ from packloader.cli import numbers
 from packloader.cli.exit_codes import EXIT_BAD_INPUT
 from packloader.cli.exit_codes import EXIT_DOES_NOT_FIT as EXIT_MEMORY  # --require-fit and a step that does not fit
 from packloader.cli.layout_options import add_layout_arguments, config_from_args
+from packloader.cli.mixture_option import add_mixture_argument
 from packloader.cli.plugins import add_plugin_argument, load
 
 FORMAT = """example:
@@ -62,8 +63,11 @@ DEFAULT_MODEL_NOTE = " (the default --model: --model PRESET or a `packloader cal
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("corpus", nargs="*", metavar="CORPUS", help="not read here: a corpus goes through "
                    "`packloader tokenize` first (see --lengths)")
-    p.add_argument("--lengths", help="document lengths (required): .npy (1-D integers), .parquet (see --column) "
-                   "or a text file with one length per line. " + CORPUS_HINT)
+    p.add_argument("--lengths", default=None, help="document lengths: .npy (1-D integers), .parquet (see --column) "
+                   "or a text file with one length per line (or --mixture). " + CORPUS_HINT)
+    add_mixture_argument(p)
+    p.add_argument("--tokenizer", default="tekken", help="with --mixture: the tokenizer of entries that name none "
+                   "(tekken default, cl100k, bytes or hf:PATH/tokenizer.json)")
     p.add_argument("--column", default="length", help="the Parquet column holding the lengths (default: length)")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = FORMAT
@@ -112,6 +116,21 @@ def _write_plans(args: argparse.Namespace, plans, model, config) -> int:
     return 0
 
 
+def _entry_shares(stream, windows) -> str:
+    """Each mixture entry's share of the planned tokens against its target."""
+    import numpy as np
+
+    from packloader.cli.mixture_option import target_shares
+
+    docs = np.concatenate([w.doc for w in windows])
+    tokens = np.concatenate([w.length for w in windows])
+    entries = stream.entry_of(stream.doc_ids(0, docs))
+    per = np.bincount(entries, weights=tokens, minlength=len(stream.names))
+    share = per / max(1.0, per.sum())
+    listed = ", ".join(f"{n} {s:.3f} (target {t:.3f})" for n, s, t in zip(stream.names, share, target_shares(stream)))
+    return f"mixture token shares: {listed}"
+
+
 def run(args: argparse.Namespace) -> int:
     from packloader.balancers.offline import plan_run
     from packloader.balancers.planners.registry import cost_model_for, make_planner
@@ -119,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     from packloader.cli.kernel_cache import COMMON, KERNELS, say_if_compiling
     from packloader.sources.lengths_file import LengthsError, check_pieces, read_lengths
 
-    if args.corpus or not args.lengths:
+    if args.corpus or (not args.lengths and args.mixture is None):
         given = f"got {' '.join(args.corpus)!r} and " if args.corpus else ""
         return _fail(f"{given}{'--lengths ' + args.lengths if args.lengths else 'no --lengths'}: plan reads a file of "
                      f"document lengths (--lengths FILE), not a corpus. {CORPUS_HINT}")
@@ -129,14 +148,28 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e))
     model = cost_model_for(config)  # loaded by the validation already (`validate_config`)
+    if (args.lengths is None) == (args.mixture is None):
+        return _fail("give --lengths FILE or --mixture FILE (one of them)")
+    stream = None
     try:
-        # document ids are positions in the file: empty documents stay in place (skipped when drawn) and counted
-        read = read_lengths(args.lengths, args.column, empty="keep", column_flag="--column")
-        lengths = read.lengths
-        check_pieces(lengths, config.context, args.lengths)
+        if args.mixture is not None:  # document ids are positions in the blend's first epoch
+            from packloader.cli.mixture_option import mixture_stream
+
+            stream, lengths = mixture_stream(args, config.seed)
+            empty = int((lengths == 0).sum())
+            check_pieces(lengths, config.context, "--mixture")
+        else:
+            # document ids are positions in the file: empty documents stay in place (skipped when drawn), counted
+            read = read_lengths(args.lengths, args.column, empty="keep", column_flag="--column")
+            lengths, empty = read.lengths, read.empty
+            check_pieces(lengths, config.context, args.lengths)
     except LengthsError as e:
+        if args.lengths is None:
+            return _fail(str(e))
         corpus = Path(args.lengths).suffix.lower() not in (".npy", ".parquet", ".pq", ".txt", "")
         return _fail(f"{e}" + (f". Is it a corpus? {CORPUS_HINT}" if corpus or os.path.isdir(args.lengths) else ""))
+    except (OSError, ValueError) as e:  # ValueError: a mixture refused, naming the entry
+        return _fail(str(e))
     say_if_compiling("plan", KERNELS if config.strategy == "auto" else COMMON)
     try:
         planner = make_planner(config)
@@ -164,8 +197,11 @@ def run(args: argparse.Namespace) -> int:
             f"dropped {s.tokens_dropped}, duplicated {s.tokens_duplicated}",
             file=sys.stderr,
         )
-        if read.empty:
-            print(f"packloader plan: {args.lengths} holds {read.empty} empty documents (length 0), skipped", file=sys.stderr)
+        if empty:
+            print(f"packloader plan: {args.lengths or args.mixture} holds {empty} empty documents (length 0), skipped",
+                  file=sys.stderr)
+        if stream is not None:
+            print(f"packloader plan: {_entry_shares(stream, result.windows)}", file=sys.stderr)
         dropped = getattr(planner, "memory_summary", lambda: "")()
         if dropped:
             print(f"packloader plan: {dropped}", file=sys.stderr)

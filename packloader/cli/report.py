@@ -10,6 +10,7 @@ import sys
 from packloader.cli import numbers
 from packloader.cli.exit_codes import EXIT_BAD_INPUT
 from packloader.cli.layout_options import add_layout_arguments, config_from_args
+from packloader.cli.mixture_option import add_mixture_argument
 from packloader.cli.plugins import add_plugin_argument, load
 from packloader.contracts import PlanConfig
 
@@ -29,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true",
                    help="report on the Python standard library's .py files (no download), 16 GPUs of Llama-3-8B")
     p.add_argument("--lengths", metavar="FILE", help="document lengths instead of a source: .npy, Parquet length column, or text with one per line")
+    add_mixture_argument(p)
     p.add_argument("--lengths-column", default=None, help="the Parquet column of --lengths (default length, or tokens' list sizes)")
     p.add_argument("--column", default=None, help="text/tokens column or JSONL field of the input (default: auto)")
     p.add_argument("--format", default=None, choices=["parquet", "jsonl", "mds", "directory"], help="input format (default: detected)")
@@ -124,9 +126,9 @@ def _run(args: argparse.Namespace) -> int:
     from packloader.sources.lengths_file import check_pieces
 
     load(args)
-    given = [bool(args.inputs), bool(args.lengths), bool(args.demo)]
+    given = [bool(args.inputs), bool(args.lengths), bool(args.demo), args.mixture is not None]
     if sum(given) != 1:
-        raise ValueError("give exactly one of: INPUT paths, --lengths FILE, or --demo")
+        raise ValueError("give exactly one of: INPUT paths, --lengths FILE, --mixture FILE, or --demo")
     config = _config(args)
     _check_out(args.out)
     steps = args.steps or DEMO_STEPS
@@ -144,7 +146,18 @@ def _run(args: argparse.Namespace) -> int:
     if not args.demo and "layout_model" not in args.layout_given:
         notes.append(f"priced as {config.model}, the default --model: for your own model pass --model with a preset "
                      "or a `packloader calibrate` profile")
-    if args.lengths:
+    mixed = None
+    if args.mixture is not None:
+        from packloader.cli.mixture_option import mixture_stream
+        from packloader.report.lengths import Lengths
+
+        mixed, blend_lengths = mixture_stream(args, config.seed, shuffle=not args.no_shuffle)
+        check_pieces(blend_lengths, config.context, "--mixture")
+        lengths = Lengths(blend_lengths, origin=f"mixture {args.mixture if isinstance(args.mixture, str) else ''}"
+                          f"({', '.join(mixed.names)})".replace(" (", " ("))
+        label = lengths.origin
+        tokenizer = None if mixed.pretokenized else args.tokenizer
+    elif args.lengths:
         lengths = read_lengths(args.lengths, args.lengths_column)
         check_pieces(lengths.lengths, config.context, args.lengths)
         label = f"lengths file {args.lengths}"
@@ -177,6 +190,13 @@ def _run(args: argparse.Namespace) -> int:
     say_if_compiling("report")
     report, _ = build_report(lengths, config, opts)
     print(render_text(report))
+    if mixed is not None:
+        from msgspec.structs import replace as msgspec_replace
+
+        from packloader.cli.mixture_report import print_entries
+
+        strategy = "auto" if "auto" in strategies else strategies[0]
+        print_entries(mixed, lengths.lengths, msgspec_replace(config, strategy=strategy), steps, args.out)
     if not any(f.status == "ok" for f in report.strategies):
         print("packloader report: error: no strategy could plan these steps (see the skipped lines above)", file=sys.stderr)
         return EXIT_BAD_INPUT

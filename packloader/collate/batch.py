@@ -54,6 +54,9 @@ class PackedBatch:
     stats: LoaderStats | None = None  # the loader's counts up to and including this step
     step_metrics: StepMetrics | None = None  # what the loader knows about the step, for the trainer's logs
     extra: dict[str, Any] = field(default_factory=dict)  # the caller's own entries (collate's `extra`)
+    # a mixture's entry of each segment (int64 [S], an index into `entry_names`); None for a single source
+    entries: torch.Tensor | None = None
+    entry_names: list[str] | None = None
     # Per-document CP (StepPlan.cp_mode "dynamic"): this pool GPU's part, a collate.cp_dynamic.DynamicCPShard; the
     # token tensors then hold this GPU's tokens only, cu_seqlens its query runs, cu_seqlens_k their gathered keys
     cp: Any = None

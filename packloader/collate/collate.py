@@ -262,6 +262,8 @@ class StepArrays:
     plan: StepPlan | None
     stats: Any
     step_metrics: Any = None
+    entries: np.ndarray | None = None  # a mixture's entry of each row of `doc` (CollatedStep.set_entries)
+    entry_names: list[str] | None = None
 
 
 class CollatedStep(SequenceABC):
@@ -274,6 +276,11 @@ class CollatedStep(SequenceABC):
 
     def __len__(self) -> int:
         return len(self._s.segments)
+
+    def set_entries(self, entry_of, names: list[str]) -> None:
+        """Each batch's `entries`: `entry_of(doc ids)` of its segments (a mixture's entry indexes into `names`)."""
+        self._s.entries = np.asarray(entry_of(self._s.doc), dtype=np.int64)
+        self._s.entry_names = list(names)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -316,6 +323,8 @@ class CollatedStep(SequenceABC):
             stats=s.stats,
             step_metrics=s.step_metrics,
             extra={**s.common, **extra} if extra else dict(s.common),
+            entries=None if s.entries is None else torch.from_numpy(s.entries[a:b]),
+            entry_names=s.entry_names,
         )
 
 

@@ -17,9 +17,12 @@ from packloader.contracts import PlanConfig
 from packloader.loader.chunks import ChunkLoader, ChunkNode
 from packloader.loader.default_model import note_default_model
 from packloader.loader.distributed import RankExchange, resolve_dp_rank
+from packloader.loader.entry_metrics import tag_entries
 from packloader.loader.graph_threads import stop, watch
 from packloader.loader.nodes import StepCollator, StepNode, StepReader, StepWork
 from packloader.loader.state import LoaderOptions, validate_config, validate_options
+from packloader.sources.mixed_stream import MixedStream
+from packloader.sources.mixture import Mixture
 from packloader.sources.stream import DocumentStream
 
 
@@ -59,11 +62,18 @@ class LoaderPipeline:
                 f"pad_to_tokens={self.options.pad_to_tokens} is below config.max_tokens={self.config.max_tokens}: "
                 "a full micro-batch would not fit"
             )
-        self.source = _open(source, column)
         self.dp_rank = resolve_dp_rank(dp_rank, self.config.parallel.dp)
         tok_threads = 1 if self.options.num_threads > 0 else None  # the chunk stage's threads run tokenizers
-        self.stream = DocumentStream(self.source, tokenizer, seed=self.options.seed, shuffle=self.options.shuffle,
-                                     append_eos=self.options.append_eos, tokenizer_threads=tok_threads)
+        if isinstance(source, Mixture):  # a mixture reads as one stream (sources/mixed_stream.py)
+            self.stream = MixedStream(source, tokenizer, seed=self.options.seed, shuffle=self.options.shuffle,
+                                      append_eos=self.options.append_eos, tokenizer_threads=tok_threads)
+            self.source = self.stream.source
+            if self.config.parallel.dp > 1:
+                self.stream.readahead = 0  # a rank reads its own documents only
+        else:
+            self.source = _open(source, column)
+            self.stream = DocumentStream(self.source, tokenizer, seed=self.options.seed, shuffle=self.options.shuffle,
+                                         append_eos=self.options.append_eos, tokenizer_threads=tok_threads)
         self.own_planner = planner is None  # made from the config here: `reprice` may make it again
         self.planner = make_planner(self.config) if planner is None else planner
         mode = self.options.lengths
@@ -173,7 +183,9 @@ class _Collate:
         self.collator = collator
 
     def __call__(self, work) -> ReadyStep:
-        out = [b for b in self.collator(work) if b is not None]
+        step = self.collator(work)
+        tag_entries(step, self.collator.stream)  # a mixture's entry of each segment
+        out = [b for b in step if b is not None]
         return ReadyStep(out, work.epoch, work.last_in_epoch, work.state_before, work.state_after)
 
 

@@ -51,6 +51,7 @@ from packloader.contracts import LoaderStats, PlanConfig
 from packloader.loader.distributed import RankExchange, check_settings, next_instance, torch_rank_world
 from packloader.loader.elastic import elastic_start, same_layout
 from packloader.loader.graph import LoaderPipeline, ReadyStep, StepGraph
+from packloader.loader.mixture_resume import mixture_state, resume_mixture
 from packloader.loader.state import (
     LoaderOptions,
     check_state_shape,
@@ -94,6 +95,7 @@ class PackedLoader:
         self._next_epoch = 0
         self._pass_left: int | None = 0  # epochs left in the open pass (None: endless)
         self._pass_open = False  # a pass started and its `for` has not ended
+        self._changes: list = []  # a mixture's changes at resume (`loader.mixture_resume`)
 
     # --- facts ---------------------------------------------------------------------------------------------------
 
@@ -229,7 +231,7 @@ class PackedLoader:
         step_state, skip = self._resume
         return saved_state(fingerprint=self._fingerprint(), step_state=step_state, skip=skip,
                            next_epoch=self._next_epoch, pass_left=self._pass_left, pass_open=self._pass_open,
-                           stats=self.stats)
+                           stats=self.stats, mixture=mixture_state(self._p.stream, step_state, self._changes))
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Resume from `state_dict()`: the next batch is the one that followed when it was saved.
@@ -244,6 +246,7 @@ class PackedLoader:
         refused)."""
         state = upgraded(state)  # a state saved before a config field existed: the field as it was then
         saved = check_state_shape(state)  # the SavedState (msgspec.convert); the checks below read the plain dict
+        state = resume_mixture(state, self._fingerprint, self._p.stream)  # a mixture: its blend; a change, recorded
         fp = self._fingerprint()
         n = self._p.stream.num_docs
         if saved.ranks is None:
@@ -257,6 +260,7 @@ class PackedLoader:
             next_epoch, pass_left, pass_open = r.next_epoch, r.pass_left, r.pass_open
         previous = self.state_dict()
         self._apply(start, skip, next_epoch, pass_left, pass_open, state["stats"])
+        self._changes = list((state.get("mixture") or {}).get("changes", []))
         if self._skip:  # mid-step: plan the step now, to check `skip` against it (it is the first one yielded)
             try:
                 self._plan_skipped_step(start["k"])

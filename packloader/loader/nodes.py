@@ -49,6 +49,7 @@ from packloader.collate.collate import collate_step, loss_tokens_in_plan
 from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerState, StepMetrics, StepPlan
 from packloader.loader.chunks import Chunk, ChunkNode
 from packloader.loader.distributed import RankExchange, digest
+from packloader.loader.entry_metrics import with_entry_counts
 from packloader.loader.loss_masks import StepMasks
 from packloader.loader.micro_batch_count import check_micro_batch_count
 from packloader.loader.pool import localize_step, own_rank, ranks_expected
@@ -280,6 +281,7 @@ class StepNode(StepDrawing, BaseNode[StepWork]):
         epoch = self.epoch
         model = getattr(self.planner, "model", None) or cost_model_for(cfg)
         metrics = step_metrics(plan, model, cfg, epoch=epoch, state_in=state_in, state_out=new_state, drawn=drawn)
+        metrics = with_entry_counts(metrics, plan, self.stream, doc_len)
         last = False
         if done:
             if new_state.queued:

@@ -87,7 +87,11 @@ def source_fingerprint(source) -> dict[str, str]:
     """Each shard, by its path under the shards' common directory, with its row count and content identity
     (`sources.identity.shard_identity`): the same data in another directory still matches, and a refusal names the
     shard that was replaced, deleted or renamed."""
-    return shard_fingerprints(source)
+    out = shard_fingerprints(source)
+    describe = getattr(source, "describe", None)  # a mixture: its entries' names, weights and epoch size
+    if describe is not None:
+        out["mixture"] = msgspec.json.encode(describe()).decode()
+    return out
 
 
 def fingerprint(*, config: PlanConfig, options: LoaderOptions, source, tokenizer_name: str | None, dp_rank: int,
@@ -144,6 +148,7 @@ class SavedState(msgspec.Struct, kw_only=True, omit_defaults=True):
     ranks: list[Position] | None = None  # `elastic.merge_states`: every saving rank's position, by DP rank
     worker: int | None = None  # a `PackedDataset` worker's state: which worker of how many saved it
     workers: int | None = None
+    mixture: dict | None = None  # a mixture's blend and changes (`loader.mixture_resume`)
 
 
 def step_state(**fields) -> dict:
@@ -153,12 +158,12 @@ def step_state(**fields) -> dict:
 
 def saved_state(*, fingerprint: dict, step_state: dict | None, skip: int, next_epoch: int | None = None,
                 pass_left: int | None = None, pass_open: bool = False, stats: LoaderStats | None = None,
-                worker: int | None = None, workers: int | None = None) -> dict:
+                worker: int | None = None, workers: int | None = None, mixture: dict | None = None) -> dict:
     """A `state_dict()`: plain Python data (torch.save/pickle), `msgspec.to_builtins` of a SavedState."""
     position = Position(step_state=None if step_state is None else msgspec.convert(step_state, StepState), skip=skip)
     return msgspec.to_builtins(SavedState(format=STATE_FORMAT, fingerprint=fingerprint, next_epoch=next_epoch,
                                           pass_left=pass_left, pass_open=pass_open, stats=stats, loader=position,
-                                          worker=worker, workers=workers))
+                                          worker=worker, workers=workers, mixture=mixture))
 
 
 # PlanConfig fields added after states were first saved, with the value every state without them was saved under

@@ -91,4 +91,6 @@ def format_step_metrics(m: StepMetrics) -> str:
             f"{m.delay_mean:.3f}, max {m.delay_max} steps)")
     if m.memory_over > 0:
         text += f"; simulated peak memory {m.memory_over:.2f}x the device's usable memory"
+    if m.entry_tokens:  # a mixture: each entry's tokens this step
+        text += "; entries " + ", ".join(f"{n} {t:,}" for n, t in m.entry_tokens.items())
     return text

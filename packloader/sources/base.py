@@ -26,6 +26,7 @@ class Document:
     # SFT: True where a token is a loss target (the assistant's or the completion's); None: every token trains.
     # In the loader it rides on the token array (`sources.loss_mask.MaskedTokens`).
     loss_mask: np.ndarray | None = None
+    entry: int | None = None  # the mixture entry it came from (an index into the mixture's entries); None: one source
 
 
 class ShardInfo(msgspec.Struct, frozen=True):

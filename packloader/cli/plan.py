@@ -136,7 +136,6 @@ def run(args: argparse.Namespace) -> int:
     from packloader.balancers.planners.registry import cost_model_for, make_planner
     from packloader.balancers.sim.metrics import drawn_steps, score_plans
     from packloader.cli.kernel_cache import COMMON, KERNELS, say_if_compiling
-    from packloader.sources.lengths_file import LengthsError, check_pieces, read_lengths
 
     if args.corpus or (not args.lengths and args.mixture is None):
         given = f"got {' '.join(args.corpus)!r} and " if args.corpus else ""
@@ -150,26 +149,10 @@ def run(args: argparse.Namespace) -> int:
     model = cost_model_for(config)  # loaded by the validation already (`validate_config`)
     if (args.lengths is None) == (args.mixture is None):
         return _fail("give --lengths FILE or --mixture FILE (one of them)")
-    stream = None
-    try:
-        if args.mixture is not None:  # document ids are positions in the blend's first epoch
-            from packloader.cli.mixture_option import mixture_stream
-
-            stream, lengths = mixture_stream(args, config.seed)
-            empty = int((lengths == 0).sum())
-            check_pieces(lengths, config.context, "--mixture")
-        else:
-            # document ids are positions in the file: empty documents stay in place (skipped when drawn), counted
-            read = read_lengths(args.lengths, args.column, empty="keep", column_flag="--column")
-            lengths, empty = read.lengths, read.empty
-            check_pieces(lengths, config.context, args.lengths)
-    except LengthsError as e:
-        if args.lengths is None:
-            return _fail(str(e))
-        corpus = Path(args.lengths).suffix.lower() not in (".npy", ".parquet", ".pq", ".txt", "")
-        return _fail(f"{e}" + (f". Is it a corpus? {CORPUS_HINT}" if corpus or os.path.isdir(args.lengths) else ""))
-    except (OSError, ValueError) as e:  # ValueError: a mixture refused, naming the entry
-        return _fail(str(e))
+    read = _read_lengths(args, config)
+    if isinstance(read, int):
+        return read
+    lengths, empty, stream = read
     say_if_compiling("plan", KERNELS if config.strategy == "auto" else COMMON)
     try:
         planner = make_planner(config)
@@ -212,3 +195,31 @@ def run(args: argparse.Namespace) -> int:
         if args.require_fit:
             return EXIT_MEMORY
     return 0
+
+
+def _read_lengths(args: argparse.Namespace, config) -> tuple | int:
+    """(lengths, empty documents, the mixture's stream or None) from --lengths or --mixture, or the exit code of a
+    refusal (printed)."""
+    from packloader.sources.lengths_file import LengthsError, check_pieces, read_lengths
+
+    stream = None
+    try:
+        if args.mixture is not None:  # document ids are positions in the blend's first epoch
+            from packloader.cli.mixture_option import mixture_stream
+
+            stream, lengths = mixture_stream(args, config.seed)
+            empty = int((lengths == 0).sum())
+            check_pieces(lengths, config.context, "--mixture")
+        else:
+            # document ids are positions in the file: empty documents stay in place (skipped when drawn), counted
+            read = read_lengths(args.lengths, args.column, empty="keep", column_flag="--column")
+            lengths, empty = read.lengths, read.empty
+            check_pieces(lengths, config.context, args.lengths)
+    except LengthsError as e:
+        if args.lengths is None:
+            return _fail(str(e))
+        corpus = Path(args.lengths).suffix.lower() not in (".npy", ".parquet", ".pq", ".txt", "")
+        return _fail(f"{e}" + (f". Is it a corpus? {CORPUS_HINT}" if corpus or os.path.isdir(args.lengths) else ""))
+    except (OSError, ValueError) as e:  # ValueError: a mixture refused, naming the entry
+        return _fail(str(e))
+    return lengths, empty, stream

@@ -148,15 +148,8 @@ def _run(args: argparse.Namespace) -> int:
                      "or a `packloader calibrate` profile")
     mixed = None
     if args.mixture is not None:
-        from packloader.cli.mixture_option import mixture_stream
-        from packloader.report.lengths import Lengths
-
-        mixed, blend_lengths = mixture_stream(args, config.seed, shuffle=not args.no_shuffle)
-        check_pieces(blend_lengths, config.context, "--mixture")
-        lengths = Lengths(blend_lengths, origin=f"mixture {args.mixture if isinstance(args.mixture, str) else ''}"
-                          f"({', '.join(mixed.names)})".replace(" (", " ("))
+        mixed, lengths, tokenizer = _mixture_lengths(args, config)
         label = lengths.origin
-        tokenizer = None if mixed.pretokenized else args.tokenizer
     elif args.lengths:
         lengths = read_lengths(args.lengths, args.lengths_column)
         check_pieces(lengths.lengths, config.context, args.lengths)
@@ -201,3 +194,17 @@ def _run(args: argparse.Namespace) -> int:
         print("packloader report: error: no strategy could plan these steps (see the skipped lines above)", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
+
+
+def _mixture_lengths(args: argparse.Namespace, config):
+    """The mixture's stream, its blend's document lengths (ids: positions in its first epoch) and the tokenizer its
+    text entries need."""
+    from packloader.cli.mixture_option import mixture_stream
+    from packloader.report.lengths import Lengths
+    from packloader.sources.lengths_file import check_pieces
+
+    mixed, blend_lengths = mixture_stream(args, config.seed, shuffle=not args.no_shuffle)
+    check_pieces(blend_lengths, config.context, "--mixture")
+    lengths = Lengths(blend_lengths, origin=f"mixture {args.mixture if isinstance(args.mixture, str) else ''}"
+                      f"({', '.join(mixed.names)})")
+    return mixed, lengths, None if mixed.pretokenized else args.tokenizer

@@ -22,7 +22,8 @@ CONFIG = PlanConfig(strategy="fixed", max_tokens=1024, context=1024, tokens_per_
 
 
 ZERO = dict(steps=0, epochs_completed=0, documents=0, tokens=0, split_documents=0, split_pieces=0, empty_documents=0,
-            delayed_pieces=0, rank_micro_batches=0, rank_tokens=0)
+            delayed_pieces=0, rank_micro_batches=0, rank_tokens=0, dropped_no_loss=0, dropped_too_long=0,
+            no_loss_documents=0)
 
 
 def _loader(**kw) -> PackedLoader:

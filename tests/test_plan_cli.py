@@ -40,30 +40,12 @@ def drawn_tokens(lengths: np.ndarray, tokens_per_step: int, context: int, steps:
     return out
 
 
-def prefix_drawn(records: list[dict], lengths: np.ndarray, context: int) -> dict[int, int]:
-    """Tokens drawn of each document when the run planned `total` tokens and draws in stream order: whole
-    documents, then the first pieces (multiples of `context`) of the one the draw ended inside."""
-    total = sum(e - s for rec in records for rank in rec["ranks"] for mb in rank for _, s, e, _ in mb)
-    out: dict[int, int] = {}
-    for i, n in enumerate(lengths.tolist()):
-        if total <= 0:
-            break
-        out[i] = min(n, total)
-        total -= out[i]
-    assert total == 0
-    last = max(out)
-    assert out[last] == lengths[last] or out[last] % context == 0, "a step ended inside a piece"
-    return out
-
-
 def check_jsonl(text: str, lengths: np.ndarray, *, dp: int, max_tokens: int, context: int, tokens_per_step: int,
                 steps: int, slicing: bool) -> list[dict]:
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
     assert [r["step"] for r in records] == list(range(len(records)))
     assert len(records) >= 1
     drawn = drawn_tokens(lengths, tokens_per_step, context, steps)
-    if any(r.get("delayed") for r in records):  # held-back pieces make steps draw more (issue 38): the planned
-        drawn = prefix_drawn(records, lengths, context)  # tokens must then be a prefix of the stream, once each
     n_docs = len(drawn)
     seen = {d: np.zeros(int(lengths[d]), np.int64) for d in range(n_docs)}
     slices = 0

@@ -8,14 +8,6 @@ counted from the document's first token. A step takes pieces in stream order unt
 `tokens_per_step`). The rest of the document that crosses the mark goes to the next steps, in order: the draw
 position is a cursor (document, token offset), the offset always a multiple of `context`. Empty documents add no
 tokens: they never end a step, and `draw_windows` skips them.
-
-A planner that holds pieces back (wlb's outlier delay) makes a step's tokens differ from its draw. Then the step
-draws `draw_target` tokens (tokens_per_step less what is held back on entry: released pieces count against the
-budget, `planners.step_budget` caps what runs), and while its plan runs fewer than tokens_per_step it draws that
-many more and plans again (`refill`, up to twice tokens_per_step more), as WLB-LLM's loader fills each global batch
-past its delayed documents. So every step but the epoch's last holds tokens_per_step within one piece, delay
-included, unless the planner holds back more than a step's worth. `StepDrawer` does this
-over a lengths array (`packloader plan`); the loader's StepNode does it over its stream.
 """
 
 from __future__ import annotations
@@ -117,66 +109,3 @@ def draw_windows(lengths: np.ndarray, tokens_per_step: int, context: int, steps:
     cursor = np.stack([np.where(e > 0, ids[np.minimum(k, len(ids) - 1)], ids[np.maximum(k - 1, 0)] + 1), e], axis=1) \
         if len(ends) else np.zeros((0, 2), np.int64)
     return Drawn(windows, cursor, first_step)
-
-
-def draw_target(tokens_per_step: int, queued_tokens: int) -> int:
-    """Tokens a step draws from the stream: its budget less what the planner holds back on entry."""
-    return max(0, int(tokens_per_step) - int(queued_tokens))
-
-
-# of tokens_per_step: the most a step draws beyond tokens_per_step, over its refills. wlb holds outliers until a
-# round of one per micro-batch (about tokens_per_step / (0.9 x cap) pieces, so about a step's worth) is full: a
-# step may have to draw past a held round to run tokens_per_step
-REFILL_MAX = 2.0
-
-
-def refill(tokens_per_step: int, planned_tokens: int, drawn_tokens: int) -> int:
-    """Tokens a step draws more after its plan ran `planned_tokens` of the `drawn_tokens` it drew (0: it is
-    full, or it drew tokens_per_step x (1 + REFILL_MAX) already: a planner that holds most pieces back must not
-    pull the whole epoch into one step)."""
-    room = int((1.0 + REFILL_MAX) * tokens_per_step) - int(drawn_tokens)
-    return max(0, min(int(tokens_per_step) - int(planned_tokens), room))
-
-
-def join_windows(a: Window, b: Window) -> Window:
-    """A step's window extended by a later draw (pieces in stream order; the draws meet at a piece boundary)."""
-    return Window(np.concatenate([a.doc, b.doc]), np.concatenate([a.offset, b.offset]),
-                  np.concatenate([a.length, b.length]))
-
-
-class StepDrawer:
-    """Draws pieces from a lengths array (document id = position; empty documents skipped), `target` tokens at a
-    time, continuing where the last draw ended."""
-
-    def __init__(self, lengths: np.ndarray, context: int) -> None:
-        lengths = np.asarray(lengths, dtype=np.int64)
-        self.ids = np.flatnonzero(lengths > 0)
-        self.kept = lengths[self.ids]
-        self.context = int(context)
-        self.k, self.offset = 0, 0  # cursor: position in `kept`, tokens of it already drawn
-        self.first_step = np.full(len(lengths), -1, np.int64)
-
-    @property
-    def exhausted(self) -> bool:
-        return self.k >= len(self.kept)
-
-    def draw(self, target: int, step: int) -> Window:
-        """The next pieces until `target` tokens are drawn (the piece that reaches it included), or all that is
-        left; none for a target of 0."""
-        if target <= 0 or self.exhausted:
-            z = np.zeros(0, np.int64)
-            return Window(z, z.copy(), z.copy())
-        i, o = self.k, self.offset
-        end = step_ends(self.kept[i:], target, self.context, steps=1, offset=o)
-        k, e = (int(end[0, 0]) + i, int(end[0, 1])) if len(end) else (len(self.kept), 0)
-        j = k + (e > 0)
-        starts = np.zeros(j - i, np.int64)
-        stops = self.kept[i:j].copy()
-        if len(starts):
-            starts[0] = o
-            if e > 0:
-                stops[-1] = e
-        fresh = self.ids[i + (o > 0):j]
-        self.first_step[fresh[self.first_step[fresh] < 0]] = step
-        self.k, self.offset = k, e
-        return cut_pieces(self.ids[i:j], self.kept[i:j], self.context, starts, stops).window

@@ -1,7 +1,7 @@
 """Planning a whole run from a lengths array, as a loader would draw it: the library side of `packloader plan`.
 
-Steps are drawn by `balancers.draw.StepDrawer` under the draw's budget rule (doc id = position in the array, empty
-documents skipped). The last step (after `steps` steps, or when the documents run out) is planned with a flush, so every token of every
+Steps are drawn by `balancers.draw.draw_windows` (doc id = position in the array, empty documents skipped). The
+last step (after `steps` steps, or when the documents run out) is planned with a flush, so every token of every
 drawn document appears exactly once over the run and nothing stays queued.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from packloader.balancers.draw import StepDrawer, draw_target, join_windows, refill
+from packloader.balancers.draw import draw_windows
 from packloader.balancers.planners.config_rules import validate_config
 from packloader.balancers.planners.contract import check_step_plan, rank_caps
 from packloader.balancers.planners.registry import StepLayout, Window, make_planner
@@ -27,35 +27,22 @@ class PlanRun:
 
 def plan_run(lengths: np.ndarray, config: PlanConfig, steps: int, planner=None) -> PlanRun:
     """Plan every step of a run; the last one flushes whatever the planner still holds. Without a `planner`
-    object, `config` is validated as the loader validates it and the registry's planner is used. Steps are
-    drawn by the budget rule of `balancers.draw` (what is held back counts, a short plan draws more), as the
-    loader draws them. Each step's plan is checked against the planner contract (`check_step_plan`: a
-    PlanContractError, a ValueError, names the planner and what broke)."""
+    object, `config` is validated as the loader validates it and the registry's planner is used. Each step's plan
+    is checked against the planner contract (`check_step_plan`: a PlanContractError, a ValueError, names the
+    planner and what broke)."""
     if planner is None:
         config = validate_config(config)
         planner = make_planner(config)
-    tps = config.tokens_per_step
-    drawer = StepDrawer(lengths, config.context)
+    windows = draw_windows(lengths, config.tokens_per_step, config.context, steps).windows
     state = PlannerState()
-    plans, windows = [], []
+    plans = []
     caps = rank_caps(planner)  # a planner given a cap per DP rank is held to each
-    s = 0
-    while not drawer.exhausted and (steps is None or s < steps):
-        window = drawer.draw(draw_target(tps, sum(q.length for q in state.queued)), s)
-        while True:
-            flush = drawer.exhausted or (steps is not None and s == steps - 1)
-            layout = StepLayout(s, flush=flush)
-            plan, new_state = planner.plan(window, state, layout)
-            check_step_plan(plan, window, state, new_state, config, layout, caps=caps)
-            more = refill(tps, sum(mb.num_tokens for r in plan.ranks for mb in r.micro_batches),
-                          int(window.length.sum()))
-            if flush or more == 0 or drawer.exhausted:
-                break
-            window = join_windows(window, drawer.draw(more, s))
+    for s, w in enumerate(windows):
+        layout = StepLayout(s, flush=s == len(windows) - 1)
+        plan, after = planner.plan(w, state, layout)
+        check_step_plan(plan, w, state, after, config, layout, caps=caps)
         plans.append(plan)
-        windows.append(window)
-        state = new_state
-        s += 1
+        state = after
     if state.queued:  # a planner that ignores the flush: keep planning empty windows until it lets go
         empty = Window(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
         for s in range(len(windows), len(windows) + 16):

@@ -11,15 +11,13 @@ ChunkNode         epoch order in chunks of `chunk_docs` positions              s
   -> Prefetcher    the next steps are planned, read and collated while this one trains
 ```
 (the loader hands out the micro-batches of each step one at a time; its state: a StepNode state and an index)
-
 How each rank learns the lengths (`lengths=`):
 - "column": a pre-tokenized source with a length column. Every rank reads the global lengths (a few bytes per
   document, no tokens) and reads tokens only for the documents of its own micro-batches (in one reading thread
   of its own, ahead of the trainer: sources cache decoded row groups per thread, so one reading thread decodes
   each row group once; measured on 2 cores, planning, reading and collating in three threads beat one thread
   doing all three, because decoding and the collate kernel release the GIL).
-- "local": every rank reads and tokenizes every document of the stream (simple; the tokenizing cost is paid
-  on every rank) and keeps the tokens until they are collated, so nothing is read twice.
+- "local": every rank reads and tokenizes every document (the cost paid on every rank), kept until collated.
 - "gather": ranks share the tokenizing: each of the W ranks tokenizes its contiguous 1/W of each chunk, the
   lengths are all-gathered through the rank store, and a rank reads and tokenizes again only those documents of
   its own micro-batches that another rank tokenized (about 2/W of the stream per rank instead of all of it).
@@ -42,7 +40,7 @@ import msgspec
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from packloader.balancers.draw import cut_pieces, draw_target, refill
+from packloader.balancers.draw import cut_pieces, step_ends
 from packloader.balancers.planners.contract import check_step_plan
 from packloader.balancers.planners.registry import StepLayout, Window, cost_model_for
 from packloader.collate.collate import collate_step, loss_tokens_in_plan
@@ -54,7 +52,6 @@ from packloader.loader.loss_masks import StepMasks
 from packloader.loader.micro_batch_count import check_micro_batch_count
 from packloader.loader.pool import localize_step, own_rank, ranks_expected
 from packloader.loader.state import StepState, step_state
-from packloader.loader.step_draw import StepDrawing
 from packloader.loader.step_metrics import draw_steps, padding_of, step_metrics
 from packloader.sources.order import split_range
 from packloader.sources.stream import DocumentStream
@@ -82,7 +79,7 @@ class StepWork:
     pool_gpu: int | None = None  # per-document CP: this GPU's index in the DP x CP pool (loader.pool)
 
 
-class StepNode(StepDrawing, BaseNode[StepWork]):
+class StepNode(BaseNode[StepWork]):
     """Draws each step's window from the chunk stage, plans it, and hands this rank's part on."""
 
     def __init__(
@@ -207,6 +204,44 @@ class StepNode(StepDrawing, BaseNode[StepWork]):
             )
         chunk.lengths = lengths
 
+    def _draw(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+        """Documents (ids, whole lengths, first and end token drawn) until tokens_per_step is reached (within one
+        piece: the step may end inside a document, at `self.offset`) or the epoch ends; and whether it ended."""
+        target, context = self.config.tokens_per_step, self.config.context
+        ids, lens, starts, stops = [], [], [], []
+        total = 0  # tokens drawn from earlier buffers
+        while True:
+            if self._buf_at >= len(self._buf_ids):
+                if not self._pull():
+                    break
+                continue
+            rest = self._buf_len[self._buf_at :]
+            at = self.offset
+            end = step_ends(rest, target, context, steps=1, filled=total, offset=at)  # none: not a whole step here
+            k, e = (int(x) for x in end[0]) if len(end) else (len(rest), 0)
+            take = k + (e > 0)
+            start, stop = np.zeros(take, np.int64), rest[:take].copy()
+            if take:
+                start[0] = at
+                if e:
+                    stop[-1] = e
+            ids.append(self._buf_ids[self._buf_at : self._buf_at + take])
+            lens.append(rest[:take])
+            starts.append(start)
+            stops.append(stop)
+            self._buf_at += k
+            self.offset = e
+            if len(end):
+                break
+            total += int(rest.sum()) - at
+        if self._buf_at >= len(self._buf_ids) and not self._last_seen:
+            self._pull()  # learn whether the epoch ends here (the next chunk may be the next epoch's)
+        done = self._buf_at >= len(self._buf_ids) and (self._last_seen or self._pending is not None or self._exhausted)
+        if ids:
+            return np.concatenate(ids), np.concatenate(lens), np.concatenate(starts), np.concatenate(stops), done
+        z = np.zeros(0, np.int64)
+        return z, z, z, z, done
+
     # --- planning --------------------------------------------------------------------------------------------------
 
     def next(self) -> StepWork:
@@ -230,35 +265,30 @@ class StepNode(StepDrawing, BaseNode[StepWork]):
         else:
             if self._exhausted and self._buf_at >= len(self._buf_ids) and self._pending is None:
                 raise StopIteration
-            # the step's budget counts what the planner holds on entry (balancers.draw's budget rule)
-            ids, lens, starts, stops, done = self._draw_counted(
-                draw_target(cfg.tokens_per_step, sum(q.length for q in self.pstate.queued)))
-            if not self._drew_any and not self.pstate.queued:
+            ids, lens, starts, stops, done = self._draw()
+            if len(ids) == 0 and not self.pstate.queued:
                 if self._exhausted and self._pending is None:
                     raise StopIteration
                 self._advance_epoch()  # an epoch with nothing (left) to plan
                 return None
-
-        step = self.step_offset + self.k * self.step_stride
-        state_in = self.pstate  # the flush travels in StepLayout (`_plan`), never in the state
-        drawn = draw_steps(state_in, self.first_drawn)
-        while True:
-            window, split_docs, split_pieces = cut_pieces(ids, lens, cfg.context, starts, stops)
-            plan, new_state = self._plan(window, state_in, step, done)
-            more = refill(cfg.tokens_per_step, sum(mb.num_tokens for r in plan.ranks for mb in r.micro_batches),
-                          int(window.length.sum()))
-            if self.flushing or done or more == 0:
-                break
-            # the plan holds pieces back and runs fewer than tokens_per_step: draw that many more, plan again
-            extra = self._draw_counted(more)
-            if not self._drew_any:  # nothing left to draw in this epoch's buffer: the next step learns the end
-                break
-            ids, lens, starts, stops = (np.concatenate([a, b]) for a, b in zip((ids, lens, starts, stops), extra[:4]))
-            done = extra[4]
+            first = starts == 0  # documents whose first token is drawn now (the others were counted before)
+            self.stats.documents += int(first.sum())
+            self.stats.tokens += int((stops - starts).sum())
+            self._masks.drawn(self._tokens, ids, starts, self.stats)  # SFT sources: their drop counts
+            empty = lens == 0
+            if empty.any():
+                self.stats.empty_documents += int(empty.sum())
+                ids, lens, starts, stops = ids[~empty], lens[~empty], starts[~empty], stops[~empty]
+        window, split_docs, split_pieces = cut_pieces(ids, lens, cfg.context, starts, stops)
         self.stats.split_documents += split_docs
         self.stats.split_pieces += split_pieces
         doc_len = dict(zip(ids.tolist(), lens.tolist()))
         doc_len.update(self.queued_lengths)
+
+        step = self.step_offset + self.k * self.step_stride
+        state_in = self.pstate  # the flush travels in StepLayout (`_plan`), never in the state
+        drawn = draw_steps(state_in, self.first_drawn)
+        plan, new_state = self._plan(window, state_in, step, done)
         loss_tokens = loss_tokens_in_plan(plan, doc_len, self._masks.plan_tokens(self._tokens, plan))
         plan = msgspec.structs.replace(plan, loss_tokens=loss_tokens)
         mbs, lengths, tokens = self._own_part(plan, window, doc_len)

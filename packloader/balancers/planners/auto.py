@@ -81,7 +81,6 @@ from packloader.balancers.planners.registry import (
     register_planner,
 )
 from packloader.balancers.planners.schedule_choice import KIND_NAMES, fastest_schedule, schedule_kinds
-from packloader.balancers.planners.step_budget import solve_within_budget
 from packloader.balancers.sim.peaks import packing_peaks, stage_bytes
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
@@ -198,7 +197,7 @@ class AutoPlanner:
         planner = (None if small else self.solvers_at_scale.get(cand.planner)) or self.solvers[cand.planner]
         if cand.run_share:
             planner = self.runs[cand.planner][cand.run_share]
-        return solve_within_budget(planner, pieces, StepLayout(step, flush, cand.micro_batches), self.model)
+        return planner.solve(pieces, StepLayout(step, flush, cand.micro_batches), self.model)
 
     # --- scoring ---------------------------------------------------------------------------------------------
 
@@ -254,8 +253,7 @@ class AutoPlanner:
         fallback = next((n for n, u in self.uses.items() if u.flush_fallback), None)
         if not results and over_bound and fallback:  # every candidate that could plan queued past the bound
             cand = Candidate(fallback, None)
-            packing = solve_within_budget(self.solvers[fallback], pieces, StepLayout(step, flush), self.model,
-                                          drain=True)
+            packing = self.solvers[fallback].solve(pieces, StepLayout(step, True), self.model)
             packing.costs(self.model)
             edges = slice_edges_prefix(packing)
             results.append(Scored(self.step_time(packing, edges) / total_work if total_work > 0 else 0.0,

@@ -27,8 +27,6 @@ class PackingPlanner:
     for a planner that plans by token counts only)."""
 
     name: ClassVar[str]
-    keeps_budget: ClassVar[bool] = False  # True: solve applies the step's budget itself (`step_budget`; auto
-    # gives every other candidate the pieces within it, since they plan the queue another candidate held)
     config: PlanConfig
     model: Model | None
 

@@ -9,10 +9,7 @@ Per step (Algorithm 1 of the paper):
    cost model's `doc_time_split`) reaches `gammas[k]` times the mean workload per micro-batch of the step.
 2. Outliers wait in their level's queue until it holds one per micro-batch (N = DP x V); then N of them,
    oldest first, join the step. An outlier that has waited `max_delay` steps joins regardless (a bound on
-   the delay the paper leaves open), and a flush (``StepLayout.flush``) releases all. What joins counts
-   against the step's budget (`step_budget.over_budget`): pieces run oldest first up to the one that reaches
-   tokens_per_step, the rest wait, so a step holds fewer than tokens_per_step + context tokens, as a drawn one
-   does.
+   the delay the paper leaves open), and a flush (``StepLayout.flush``) releases all.
 3. Longest first, each piece goes to the micro-batch with the least workload if the token cap allows, else
    to the one with the fewest tokens, else it remains for the next step (Eq. 2's var-length packing with the
    memory cap L_max = max_tokens).
@@ -50,7 +47,6 @@ from packloader.balancers.planners.bins import (
 )
 from packloader.balancers.planners.packing import Packing, Pieces, check_cap, whole_pieces_packing
 from packloader.balancers.planners.registry import AutoUse, Planner, register_planner
-from packloader.balancers.planners.step_budget import over_budget
 from packloader.contracts import PlanConfig
 
 
@@ -63,7 +59,6 @@ def default_micro_batches(tokens: int, num_pieces: int, dp: int, pp: int, cap: i
 
 class WLBPlanner(PackingPlanner):
     name = "wlb"
-    keeps_budget = True  # holds pieces back itself, then applies the step's budget to what runs
 
     def __init__(self, config: PlanConfig, *, gammas: tuple[float, ...] = (0.5, 1.0), max_delay: int = 2,
                  fill: float = 0.9, thresholds: tuple[int, ...] | None = None, model: CostModel | None = None) -> None:
@@ -110,10 +105,8 @@ class WLBPlanner(PackingPlanner):
             v = pinned
         elif flush or not drawn_now.any():
             v = default_micro_batches(pieces.total_tokens, n, dp, pp, cap, self.fill)
-        else:  # the step's own draw sets V: queued (held) tokens must not inflate it (bins left empty), nor what a
-            # step drew past its budget to replace held pieces (a larger V makes a larger round, held longer)
-            new_tokens = min(int(pieces.length[drawn_now].sum()), cfg.tokens_per_step)
-            v = default_micro_batches(new_tokens, int(drawn_now.sum()), dp, pp, cap, self.fill)
+        else:  # the step's own draw sets V: queued (held) tokens must not inflate it (bins left empty)
+            v = default_micro_batches(int(pieces.length[drawn_now].sum()), int(drawn_now.sum()), dp, pp, cap, self.fill)
         f, b = pieces.time_split(c)
         work = f + b
         nbins = dp * v
@@ -129,7 +122,6 @@ class WLBPlanner(PackingPlanner):
                 forced = idx[waited[idx] >= self.max_delay]
                 held[idx[release:]] = True
                 held[forced] = False
-            held |= over_budget(pieces.length, held, cfg.tokens_per_step)
             if not pinned:  # room for what runs: a released round or forced pieces may need more micro-batches
                 run = ~held
                 v = max(v, default_micro_batches(int(pieces.length[run].sum()), int(run.sum()), dp, pp, cap, self.fill))
@@ -139,7 +131,6 @@ class WLBPlanner(PackingPlanner):
             short = nbins - int((~held).sum())
             if short > 0:
                 held[np.nonzero(held)[0][:short]] = False
-                held |= over_budget(pieces.length, held, cfg.tokens_per_step)  # the budget still holds
         while True:
             sel = np.nonzero(~held)[0]
             assign, attn, tok = wlb_pack(c, pieces.length[sel], nbins, cap)

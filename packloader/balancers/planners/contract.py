@@ -73,6 +73,19 @@ def _check_rank_caps(plan: StepPlan, caps: list[int]) -> None:
                                 f"rank {r}'s cap of {caps[r]}")
 
 
+def _check_pool_shares(plan: StepPlan, cap: int) -> None:
+    """Per-document CP: a pool GPU runs 1/size of each segment placed on `size` GPUs. Its share must fit the DP
+    rank's cap: a planner may load one GPU of the pool with short whole documents past max_tokens / cp (the memory
+    check, not the contract, prices that)."""
+    for r, rank in enumerate(plan.ranks):
+        for i, mb in enumerate(rank.micro_batches):
+            share = sum(-(-(s.end - s.start) // (p.size if p is not None else 1))
+                        for s, p in zip(mb.segments, mb.cp or [None] * len(mb.segments)))
+            if share > cap:
+                raise PlanError(f"step {plan.step} pool GPU {r} micro-batch {i} runs {share} tokens (its share of "
+                                f"each CP-sharded segment), more than max_tokens = {cap}")
+
+
 def check_step_plan(plan: StepPlan, window: Window, state_in: PlannerState, state_out: PlannerState,
                     config: PlanConfig, layout: StepLayout | int, *, planner: str | None = None,
                     caps: list[int] | None = None) -> None:
@@ -80,14 +93,11 @@ def check_step_plan(plan: StepPlan, window: Window, state_in: PlannerState, stat
     plan it returned for `window` and `state_in` at `layout`, with `state_out` after it, breaks the contract.
 
     `caps`: the token cap of each DP rank for a planner given one per rank (`rank_caps`); default
-    config.max_tokens for every rank, or max_tokens / cp per pool GPU under per-document CP (the memory a
-    fixed-CP GPU is given)."""
+    config.max_tokens for every rank; under per-document CP, for each pool GPU's share of its segments."""
     layout = StepLayout.of(layout)
     name = planner or config.strategy
     who = f"planner {name!r}" + (f" (its plan names {plan.planner!r})" if plan.planner and plan.planner != name else "")
     cap = max(caps) if caps else config.max_tokens
-    if plan.cp_mode == "dynamic":
-        cap = -(-cap // config.parallel.cp)
     ranks = config.parallel.dp * (config.parallel.cp if plan.cp_mode == "dynamic" else 1)
     try:
         if plan.step != layout.step:
@@ -95,6 +105,8 @@ def check_step_plan(plan: StepPlan, window: Window, state_in: PlannerState, stat
         given = _given(window, state_in)
         verify_plan(plan, given, cap, allow_slicing=config.allow_slicing, final_state=state_out, dp=ranks,
                     check_coverage=False)
+        if plan.cp_mode == "dynamic":
+            _check_pool_shares(plan, cap)
         if not _covered_once(plan, given, state_out):
             cov = coverage(plan, given, state_out)
             raise PlanError(f"token coverage broken: {'; '.join(cov.first_problems) or 'a token planned twice'}")

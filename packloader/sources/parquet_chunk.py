@@ -17,7 +17,16 @@ import numpy as np
 import zstandard
 
 from packloader.sources.errors import SourceError
-from packloader.sources.parquet_pages import DATA_PAGE, ColumnLayout, PageError, _decompress, _hybrid, _rows, rows_agree
+from packloader.sources.parquet_pages import (
+    DATA_PAGE,
+    ColumnLayout,
+    PageError,
+    _decompress,
+    _hybrid,
+    _rows,
+    rows_agree,
+    varint,
+)
 
 _LOCAL = threading.local()
 _INT32_LIMIT = 2**31
@@ -75,17 +84,6 @@ def chunk_ids(buf, pages: np.ndarray, bodies: np.ndarray, lay: ColumnLayout, len
     return out
 
 
-def _varint(data, pos: int) -> tuple[int, int]:
-    head = shift = 0
-    while True:
-        b = data[pos]
-        pos += 1
-        head |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return head, pos
-
-
 def _row_starts(data, pos: int, end: int, count: int) -> list[int]:
     """Where the first `count` 1-bit repetition levels at data[pos:end] are 0 (a row starts), read run by run: a
     page of one document is a bit-packed group and one RLE run."""
@@ -93,7 +91,7 @@ def _row_starts(data, pos: int, end: int, count: int) -> list[int]:
     while n < count:
         if pos >= end:
             raise PageError(f"the levels end after {n} of {count} entries")
-        head, pos = _varint(data, pos)
+        head, pos = varint(data, pos)
         if head & 1:  # bit-packed groups of 8 levels, one byte each at width 1
             groups = head >> 1
             take = min(groups * 8, count - n)
@@ -119,7 +117,7 @@ def _all_present(data, pos: int, end: int, count: int, max_def: int) -> bool:
     row): what a page of whole token lists holds."""
     if pos >= end:
         return False
-    head, pos = _varint(data, pos)
+    head, pos = varint(data, pos)
     width = (max_def.bit_length() + 7) // 8
     return not head & 1 and head >> 1 >= count and int.from_bytes(bytes(data[pos:pos + width]), "little") == max_def
 

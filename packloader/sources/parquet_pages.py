@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import pyarrow as pa
 
-from packloader.sources.thrift_compact import ThriftError, read_struct
+from packloader.sources.thrift_compact import ThriftError, read_struct, read_varint
 
 _CODECS = {"UNCOMPRESSED": None, "SNAPPY": "snappy", "GZIP": "gzip", "BROTLI": "brotli", "ZSTD": "zstd",
            "LZ4_RAW": "lz4_raw"}
@@ -71,6 +71,14 @@ def _decompress(data: bytes, size: int, codec: str | None) -> bytes:
     return pa.decompress(data, decompressed_size=size, codec=codec, asbytes=True)
 
 
+def varint(data, pos: int) -> tuple[int, int]:
+    """A level run's header: a varint cut short is a truncated page."""
+    try:
+        return read_varint(data, pos)
+    except ThriftError as e:
+        raise PageError(f"a level run's header at byte {pos}: {e}") from None
+
+
 def _hybrid(data, pos: int, end: int, width: int, count: int) -> np.ndarray:
     """`count` levels of `width` bits in the RLE / bit-packed hybrid encoding at data[pos:end]."""
     out, n = np.empty(count, dtype=np.int32), 0
@@ -78,14 +86,7 @@ def _hybrid(data, pos: int, end: int, width: int, count: int) -> np.ndarray:
     while n < count:
         if pos >= end:
             raise PageError(f"the levels end after {n} of {count} entries")
-        head = shift = 0
-        while True:
-            b = data[pos]
-            pos += 1
-            head |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                break
+        head, pos = varint(data, pos)
         if head & 1:  # bit-packed: groups of 8 values, little-endian bit order
             k = (head >> 1) * 8
             raw = np.frombuffer(data[pos:pos + (head >> 1) * width], dtype=np.uint8)

@@ -9,6 +9,23 @@ class ThriftError(ValueError):
     """Bytes that are not a well-formed compact-protocol struct (or end too soon)."""
 
 
+def read_varint(data, pos: int) -> tuple[int, int]:
+    """A base-128 varint at data[pos] and the position after it: Thrift's integers and Parquet's level-run headers
+    are both written this way."""
+    shift = out = 0
+    while True:
+        if pos >= len(data):
+            raise ThriftError("the bytes end inside a varint")
+        b = data[pos]
+        pos += 1
+        out |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return out, pos
+        shift += 7
+        if shift > 70:
+            raise ThriftError("a varint longer than 10 bytes")
+
+
 class _Reader:
     def __init__(self, data: bytes, pos: int = 0) -> None:
         self.data, self.pos = data, pos
@@ -21,15 +38,8 @@ class _Reader:
         return b
 
     def varint(self) -> int:
-        shift = out = 0
-        while True:
-            b = self.byte()
-            out |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return out
-            shift += 7
-            if shift > 70:
-                raise ThriftError("a varint longer than 10 bytes")
+        out, self.pos = read_varint(self.data, self.pos)
+        return out
 
     def zigzag(self) -> int:
         n = self.varint()

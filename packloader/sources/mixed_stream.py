@@ -27,6 +27,7 @@ from packloader.sources.base import DocKey, ShardInfo
 from packloader.sources.mixture import BlendState, Mixture, MixtureError, as_mixture, blend, quotas, shares
 from packloader.sources.stream import DocumentStream
 from packloader.sources.upsample import UpsampledEntry
+from packloader.sources.worker_copy import RebuildsCachesWhenPickled
 
 _LENGTH_BATCH = 1024
 
@@ -106,7 +107,7 @@ def _tokenizer_id(stream: DocumentStream, spec) -> str | None:
     return spec if isinstance(spec, str) else getattr(spec, "name", type(spec).__name__)
 
 
-class MixedStream:
+class MixedStream(RebuildsCachesWhenPickled):
     """A mixture in blend order, with the `DocumentStream` interface the loader reads through (see module doc)."""
 
     def __init__(self, mixture, tokenizer="tekken", *, seed: int = 0, shuffle: bool = True, append_eos: bool = True,
@@ -183,21 +184,14 @@ class MixedStream:
 
     # --- pickling (DataLoader workers) ---------------------------------------------------------------------------
 
+    _caches = ("_lock", "_blends", "_ahead", "_lengths")
+
     def _init_caches(self) -> None:
         self._lock = threading.RLock()
         self._blends: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._ahead: dict[int, dict[int, np.ndarray]] = {}  # entry -> its documents read ahead, by entry id
         self._lengths: dict[int, np.ndarray] = {}  # epoch -> its lengths in blend order
 
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        for k in ("_lock", "_blends", "_ahead", "_lengths"):
-            state.pop(k, None)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._init_caches()
 
     # --- what DocumentStream offers ------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from packloader.sources.base import DocKey, Source
 from packloader.sources.errors import SourceError
 from packloader.sources.loss_mask import append_token, as_int32
 from packloader.sources.order import EpochOrder
+from packloader.sources.worker_copy import RebuildsCachesWhenPickled
 
 
 class Cursor(msgspec.Struct, frozen=True, array_like=True):
@@ -48,7 +49,7 @@ def resolve_tokenizer(tokenizer, num_threads: int | None = None):
     return get_tokenizer(tokenizer, num_threads=num_threads)
 
 
-class DocumentStream:
+class DocumentStream(RebuildsCachesWhenPickled):
     """A source read in epoch order. `tokenizer` may be a name ("tekken", "cl100k", "bytes", "hf:PATH") or an object
     with the `Tokenizer` protocol; it is only built when the source holds text (or a pre-tokenized shard needs an EOS id).
     """
@@ -90,21 +91,14 @@ class DocumentStream:
             self.vocab_size = int(self.tokenizer.vocab_size)
             self.vocab_of = getattr(self.tokenizer, "name", str(tokenizer))
 
+    _caches = ("_lock", "_orders", "_col", "_tok")
+
     def _init_caches(self) -> None:
         self._lock = threading.Lock()
         self._orders: OrderedDict[int, EpochOrder] = OrderedDict()
         self._col: dict[int, np.ndarray] = {}
         self._tok = None
 
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        for k in ("_lock", "_orders", "_col", "_tok"):
-            state.pop(k, None)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._init_caches()
 
     # --- tokenizer ---------------------------------------------------------------------------------------------
 

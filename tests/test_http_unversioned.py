@@ -34,14 +34,18 @@ def loader(url, tmp_path):
                         config=PlanConfig(strategy="fixed", max_tokens=128, context=128, tokens_per_step=256))
 
 
-def test_same_size_replacement_without_any_version_is_refused_on_resume(tmp_path, server):
-    write_docs(tmp_path / "a.jsonl", 1)
-    url = f"{server}/a.jsonl"
+def state_after_three_steps(url, tmp_path) -> dict:
     first = loader(url, tmp_path)
     it = iter(first)
     for _ in range(3):
         next(it)
-    state = first.state_dict()
+    return first.state_dict()
+
+
+def test_same_size_replacement_without_any_version_is_refused_on_resume(tmp_path, server):
+    write_docs(tmp_path / "a.jsonl", 1)
+    url = f"{server}/a.jsonl"
+    state = state_after_three_steps(url, tmp_path)
     size = os.path.getsize(tmp_path / "a.jsonl")
     write_docs(tmp_path / "a.jsonl", 2)
     assert os.path.getsize(tmp_path / "a.jsonl") == size  # the replacement the size alone cannot tell
@@ -52,11 +56,7 @@ def test_same_size_replacement_without_any_version_is_refused_on_resume(tmp_path
 def test_an_unchanged_file_without_a_version_resumes(tmp_path, server):
     write_docs(tmp_path / "a.jsonl", 1)
     url = f"{server}/a.jsonl"
-    first = loader(url, tmp_path)
-    it = iter(first)
-    for _ in range(3):
-        next(it)
-    state = first.state_dict()
+    state = state_after_three_steps(url, tmp_path)
     loader(url, tmp_path).load_state_dict(state)
     rows = [json.loads(line)["tokens"] for line in open(tmp_path / "a.jsonl")]
     assert [d.tolist() for d in open_source(Storage().paths(url)).read(0, np.arange(80))] == rows

@@ -2,7 +2,7 @@
 
 Conversations and prompt/completion pairs are structured rows, not one text or token column, so the SFT source
 reads rows whole: JSONL files (1-based line numbers in errors, compressed files too), Parquet files (0-based
-rows, one row group decoded at a time), Arrow files, `datasets` `Dataset`s and `save_to_disk` folders, a
+rows, one row group decoded at a time), Arrow files, MDS directories and Megatron pairs (`sft_stored_rows.py`), `datasets` `Dataset`s and `save_to_disk` folders, a
 `pyarrow.Table`, and Python lists of dicts. A `datasets.IterableDataset` or a generator of dicts is read to its
 end once, when the source opens, and kept in memory (the loader needs the epoch's length and random access for
 exact resume), as packloader's other sources do with generators. Paths may be files, directories or globs
@@ -188,6 +188,14 @@ def open_rows(data, *, name: str | None = None) -> RowReader:
         import datasets
 
         return open_rows(datasets.load_from_disk(str(data)), name=str(data))
+    if isinstance(data, (str, os.PathLike)) and os.path.isfile(os.path.join(str(data), "index.json")):
+        from packloader.sources.sft_stored_rows import MdsRows
+
+        return MdsRows(str(data))
+    from packloader.sources.sft_stored_rows import MegatronRows, is_megatron_spec
+
+    if is_megatron_spec(data):
+        return MegatronRows([str(data)] if isinstance(data, (str, os.PathLike)) else list(data))
     if isinstance(data, (str, os.PathLike, list, tuple)) and data:
         paths = _paths_of(data)
         kinds = {format_of(p) or ("arrow" if p.endswith(".arrow") else None) for p in paths}

@@ -38,6 +38,18 @@ def sft_mask_length_mismatch(tmp):
     return lambda: _read(SftSource(str(p)))
 
 
+def sft_megatron_mask_mismatch(tmp):
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    for name, docs, dtype in (("sft", [[1, 2, 3], [4, 5]], np.int32), ("sft_loss_mask", [[0, 1, 1], [0, 1, 1]], np.uint8)):
+        builder = IndexedDatasetBuilder(str(tmp / f"{name}.bin"), dtype=dtype)
+        for d in docs:
+            builder.add_document(torch.tensor(d), [len(d)])
+        builder.finalize(str(tmp / f"{name}.idx"))
+    return lambda: SftSource(str(tmp / "sft"))
+
+
 def sft_message_without_content(tmp):
     p = _jsonl(tmp / "chat.jsonl", [{"messages": [{"role": "user"}]}])
     return lambda: _read(SftSource(p, str(TOKENIZER_DIR)))
@@ -89,6 +101,9 @@ SFT_CASES = [
      ("sft.jsonl, line 2, field 'labels', position 1: 5, expected -100 or the token itself (2)",)),
     ("sft_mask_length_mismatch", sft_mask_length_mismatch, SourceError,
      ("sft.parquet, row 0, field 'loss_mask': 2 entries for 3 input_ids; expected one per token",)),
+    ("sft_megatron_mask_mismatch", sft_megatron_mask_mismatch, SourceError,
+     ("sft_loss_mask.idx: 2 documents, document 1 of 3 tokens;", "sft.idx has 2, document 1 of 2: expected one mask "
+      "value per token")),
     ("sft_message_without_content", sft_message_without_content, SourceError,
      ("chat.jsonl, line 1, field 'messages', message 0: expected {'role': str, 'content': str}",)),
     ("sft_no_assistant_turn", sft_no_assistant_turn, SourceError,

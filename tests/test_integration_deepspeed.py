@@ -1,6 +1,7 @@
 """DeepSpeed adapter with the real deepspeed package on CPU (2 gloo ranks): a DeepSpeedEngine loop and a
 PipelineEngine (one stage, DP=2) trained on packloader batches make the parameter update of the per-token mean
-gradient over the global step, computed one document at a time; DeepSpeed's own UlyssesSPDataLoaderAdapter
+gradient over the global step, computed one document at a time (and, with SFT masks, the mean over the step's
+trained targets, read from the rows' masks); DeepSpeed's own UlyssesSPDataLoaderAdapter
 shards packloader's rows exactly as `ulysses_batch` does.
 
 DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op on first use (about 4 minutes on 2 cores); the
@@ -25,15 +26,28 @@ def docs(n=50, seed=3, max_len=90):
     return [rng.integers(0, VOCAB, size=int(k)).astype(np.int32) for k in lengths]
 
 
+def sft_rows(n=40, seed=5, max_len=90):
+    """Pre-tokenized SFT rows: a prompt that does not train, then a completion that does."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        k = int(rng.integers(4, max_len))
+        p = int(rng.integers(1, k - 1))
+        rows.append({"input_ids": rng.integers(0, VOCAB, k).tolist(), "completion_mask": [0] * p + [1] * (k - p)})
+    return rows
+
+
 def loader(ds, dp_rank, ga, check_ranks=True):
     from packloader.contracts import ParallelConfig, PlanConfig
     from packloader.loader.loader import PackedLoader
     from packloader.sources.base import IterableSource
+    from packloader.sources.sft import SftSource
 
     cfg = PlanConfig(strategy="wlb", parallel=ParallelConfig(dp=2), max_tokens=128, context=128,
                      tokens_per_step=640, num_micro_batches=ga, allow_slicing=False)
-    return PackedLoader(IterableSource(ds), config=cfg, dp_rank=dp_rank, num_threads=0, append_eos=False,
-                        epochs=None, check_ranks=check_ranks)
+    masked = isinstance(ds[0], dict)
+    return PackedLoader(SftSource(ds) if masked else IterableSource(ds), config=cfg, dp_rank=dp_rank, num_threads=0,
+                        append_eos=False, epochs=None, check_ranks=check_ranks, tokenizer=None)
 
 
 class Embed(torch.nn.Module):
@@ -87,20 +101,30 @@ def run(mods, ids, pos, cu):
 
 def reference_grads(ds, step_batches):
     """Gradient of (sum of next-token losses of every document of the global step) / (its loss tokens), one
-    document at a time (cu_seqlens of one segment)."""
+    document at a time (cu_seqlens of one segment). SFT rows (dicts): only targets whose mask is 1 count, and the
+    count of trained targets comes from the rows' masks."""
     mods = layers()
     ld = step_batches[0][0]
     total = step_batches[0][1][0].loss_tokens_in_step
-    loss = 0.0
+    loss, counted = 0.0, 0
     for _, mbs in step_batches:
         ids = sorted({s.doc for b in mbs for s in b.segments})
-        toks = dict(zip(ids, ld.stream.read(ids)))
+        if isinstance(ds[0], dict):
+            rows = [ds[k.row] for k in ld.stream.keys(ids)]
+            toks = {d: np.array(r["input_ids"]) for d, r in zip(ids, rows)}
+            masks = {d: np.array(r["completion_mask"], bool) for d, r in zip(ids, rows)}
+        else:
+            toks = dict(zip(ids, ld.stream.read(ids)))
+            masks = {d: np.ones(len(t), bool) for d, t in toks.items()}
         for b in mbs:
             for s in b.segments:
                 d = torch.from_numpy(toks[s.doc][s.start:s.end]).long()
                 out = run(mods, d.unsqueeze(0), torch.arange(s.end - s.start).unsqueeze(0),
                           torch.tensor([0, d.numel()], dtype=torch.int32))
-                loss = loss + torch.nn.functional.cross_entropy(out[0, :-1], d[1:], reduction="sum")
+                keep = torch.from_numpy(masks[s.doc][s.start + 1:s.end])
+                loss = loss + torch.nn.functional.cross_entropy(out[0, :-1][keep], d[1:][keep], reduction="sum")
+                counted += int(keep.sum())
+    assert counted == total, (counted, total)
     (loss / total).backward()
     params = [p for m in mods for p in m.parameters()]
     return [p.grad.clone() for p in params], [p.detach().clone() for p in params], float(loss.detach() / total)
@@ -164,6 +188,25 @@ def _ranks(rank, world):
     after = [p.detach().clone() for p in pipe.parameters()]
     results["pipe_max_err"] = max(float((a - (i - lr * g)).abs().max()) for a, i, g in zip(after, init, ref_grads))
     results["pipe_loss"] = float(ploss)
+
+    # --- SFT masks: the engine loop and the pipeline engine train the step's masked targets only ----------------
+    rows = sft_rows()
+    sft_grads, sft_init, sft_loss = reference_grads(rows, first_step(rows, ga))
+    model = torch.nn.Sequential(*layers())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+    step = next(pds.steps(loader(rows, rank, ga)))
+    results["sft_masked"] = sum(int((b.labels == -100).sum()) - len(b.segments) for b in step)
+    results["sft_local_loss"] = pds.train_step(engine, step, loss_sum)
+    results["sft_ref_loss"] = sft_loss
+    after = [p.detach().clone() for p in model.parameters()]
+    results["sft_engine_max_err"] = max(float((a - (i - lr * g)).abs().max())
+                                        for a, i, g in zip(after, sft_init, sft_grads))
+    pipe = PipelineModule(layers=layers(), num_stages=1, loss_fn=pds.pipeline_loss_fn, dynamic_shape=True)
+    pengine, *_ = deepspeed.initialize(model=pipe, model_parameters=pipe.parameters(), config=ds_cfg)
+    pengine.train_batch(pds.PipelineBatches(loader(rows, rank, ga), gradient_accumulation_steps=ga))
+    after = [p.detach().clone() for p in pipe.parameters()]
+    results["sft_pipe_max_err"] = max(float((a - (i - lr * g)).abs().max())
+                                      for a, i, g in zip(after, sft_init, sft_grads))
 
     # --- an empty micro-batch on rank 1, last in the step (DeepSpeed all-reduces in that backward) -------------
     # rank 1 runs its two micro-batches' segments as one, then an empty one: the same tokens, so the same update
@@ -241,6 +284,15 @@ def test_engine_loop_update_is_the_per_token_mean_gradient(results):
         assert r["global_steps"] == 1
         assert r["engine_max_err"] < 1e-5
     assert sum(r["engine_local_loss"] for r in results) == pytest.approx(results[0]["ref_loss"], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_sft_masks_train_only_the_masked_targets(results):
+    for r in results:
+        assert r["sft_masked"] > 0  # prompts that do not train are in the step
+        assert r["sft_engine_max_err"] < 1e-5
+        assert r["sft_pipe_max_err"] < 1e-5
+    assert sum(r["sft_local_loss"] for r in results) == pytest.approx(results[0]["sft_ref_loss"], rel=1e-5)
 
 
 @pytest.mark.multiprocess

@@ -2,7 +2,8 @@
 
 Conversations and prompt/completion pairs are structured rows, not one text or token column, so the SFT source
 reads rows whole: JSONL files (1-based line numbers in errors, compressed files too), Parquet files (0-based
-rows, one row group decoded at a time), Arrow files, MDS directories and Megatron pairs (`sft_stored_rows.py`), `datasets` `Dataset`s and `save_to_disk` folders, a
+rows, one row group decoded at a time), Arrow files, MDS directories and Megatron pairs, object-storage URLs of
+JSONL, Parquet or MDS (`sft_stored_rows.py`), `datasets` `Dataset`s and `save_to_disk` folders, a
 `pyarrow.Table`, and Python lists of dicts. A `datasets.IterableDataset` or a generator of dicts is read to its
 end once, when the source opens, and kept in memory (the loader needs the epoch's length and random access for
 exact resume), as packloader's other sources do with generators. Paths may be files, directories or globs
@@ -65,16 +66,17 @@ class TableRows(RowReader):
 class ParquetRows(RowReader):
     """Parquet files, one shard each; a call decodes only the row groups its rows are in."""
 
-    def __init__(self, paths: list[str]) -> None:
+    def __init__(self, paths: list[str], raws: list[bytes] | None = None) -> None:
         import pyarrow.parquet as pq
 
         self._paths = paths
+        self._raws = raws  # objects' bytes, fetched whole (remote files)
         self._local = threading.local()
         self._starts = []
         infos = []
-        for p in paths:
+        for i, p in enumerate(paths):
             try:
-                meta = pq.ParquetFile(p).metadata
+                meta = pq.ParquetFile(self._input(i)).metadata
             except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds; the message names the file
                 raise SourceError(f"{p}: not a readable Parquet file ({e})") from e
             sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
@@ -89,12 +91,15 @@ class ParquetRows(RowReader):
         self.__dict__.update(state)
         self._local = threading.local()
 
+    def _input(self, shard: int):
+        return self._paths[shard] if self._raws is None else pa.BufferReader(self._raws[shard])
+
     def _file(self, shard: int):
         import pyarrow.parquet as pq
 
         files = self._local.__dict__.setdefault("files", {})
         if shard not in files:
-            files[shard] = pq.ParquetFile(self._paths[shard])
+            files[shard] = pq.ParquetFile(self._input(shard))
         return files[shard]
 
     def rows(self, shard, rows):
@@ -113,11 +118,11 @@ class ParquetRows(RowReader):
 class JsonlRows(RowReader):
     """JSONL files, one shard each, indexed by line (blank lines skipped); errors give the 1-based line."""
 
-    def __init__(self, paths: list[str]) -> None:
+    def __init__(self, paths: list[str], raws: list[bytes] | None = None) -> None:
         from packloader.sources.jsonl import line_index, load_bytes
 
         self._paths = paths
-        self._data = [load_bytes(p) for p in paths]
+        self._data = [load_bytes(p, None if raws is None else raws[i]) for i, p in enumerate(paths)]
         self._index = [line_index(b) for b in self._data]
         self.shards = [ShardInfo(p, len(ix[0])) for p, ix in zip(paths, self._index)]
 
@@ -156,8 +161,9 @@ def _paths_of(spec) -> list[str]:
 
 
 def open_rows(data, *, name: str | None = None) -> RowReader:
-    """A RowReader for `data`: paths (files, directories, globs), a datasets Dataset (or a one-split DatasetDict, or
-    a save_to_disk folder), a pyarrow.Table, or a list of dicts."""
+    """A RowReader for `data`: paths (files, directories, globs, MDS folders, Megatron prefixes), object-storage URLs
+    or `StoragePaths`, a datasets Dataset (or a one-split DatasetDict, or a save_to_disk folder), a pyarrow.Table,
+    or a list of dicts."""
     from packloader.sources.hf_datasets import dataset_name, is_datasets_object, is_disk_folder
 
     if isinstance(data, RowReader):
@@ -188,12 +194,13 @@ def open_rows(data, *, name: str | None = None) -> RowReader:
         import datasets
 
         return open_rows(datasets.load_from_disk(str(data)), name=str(data))
+    from packloader.sources.sft_stored_rows import MdsRows, MegatronRows, is_megatron_spec, remote_rows
+
     if isinstance(data, (str, os.PathLike)) and os.path.isfile(os.path.join(str(data), "index.json")):
-        from packloader.sources.sft_stored_rows import MdsRows
-
         return MdsRows(str(data))
-    from packloader.sources.sft_stored_rows import MegatronRows, is_megatron_spec
-
+    remote = remote_rows(data)
+    if remote is not None:
+        return remote
     if is_megatron_spec(data):
         return MegatronRows([str(data)] if isinstance(data, (str, os.PathLike)) else list(data))
     if isinstance(data, (str, os.PathLike, list, tuple)) and data:

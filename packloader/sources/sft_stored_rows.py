@@ -5,6 +5,10 @@ An MDS sample is read whole (every column, decoded by mosaicml-streaming's own `
 columns) trains as the same rows would from JSONL. A Megatron pair holds one token array per document and nothing
 else, so the mask travels as a second pair of the same shape (`<prefix>_loss_mask.bin/.idx`, 0/1 per token, written
 with megatron-core's `IndexedDatasetBuilder` like the tokens); the two must agree document by document.
+
+Object-storage URLs (s3://, gs://, az://, http(s)://, or `Storage(...).paths(...)`) of JSONL or Parquet files are
+fetched whole when the source opens (SFT sets are small beside pretraining corpora, and rows need random access);
+an MDS prefix is read shard by shard through the storage's block caches, as `MdsSource` reads it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,32 @@ MASK_SUFFIX = "_loss_mask"
 def _plain(value: Any) -> Any:
     """Arrays as lists, as the JSONL and Parquet readers give them (the SFT source checks lists of ints)."""
     return value.reshape(-1).tolist() if isinstance(value, np.ndarray) else value
+
+
+def remote_rows(data) -> RowReader | None:
+    """Rows from object storage, or None when `data` names no remote object."""
+    from packloader.sources.remote_open import _expand, _format, _mds_directory
+    from packloader.sources.sft_rows import JsonlRows, ParquetRows
+    from packloader.sources.storage import StoragePaths, default_storage, is_remote
+
+    if isinstance(data, StoragePaths):
+        storage, paths = data.storage, data.paths
+    elif isinstance(data, str) and is_remote(data):
+        storage, paths = default_storage(), [data]
+    elif isinstance(data, (list, tuple)) and data and all(isinstance(p, str) and is_remote(p) for p in data):
+        storage, paths = default_storage(), list(data)
+    else:
+        return None
+    mds = _mds_directory(paths, storage, None)
+    if mds is not None:
+        return MdsRows(mds, storage=storage)
+    files = sorted(_expand(paths, storage))
+    kinds = {_format(f) for f in files}
+    if kinds not in ({"jsonl"}, {"parquet"}):
+        raise SourceError(f"{files[:3]}: expected JSONL or Parquet objects of one kind (or one MDS prefix), found "
+                          f"{sorted(map(str, kinds))}")
+    raws = [storage.open(storage.head(f)).readall() for f in files]
+    return JsonlRows(files, raws) if kinds == {"jsonl"} else ParquetRows(files, raws)
 
 
 class _WholeSamples(MdsSource):

@@ -76,6 +76,10 @@ def _detect_directory(path: str, pattern: str = "**/*") -> tuple[str, list[str]]
         return "directory", [path]
     other = [f for f in kinds.get("other", []) if not _is_side_file(f)]
     if len(data) == 1 and not other:
+        if data[0] == "parquet":
+            from packloader.sources.tokenize_parts import check_parts
+
+            check_parts(path)  # a split tokenize's parts: all there, one whole, before anything is read
         return data[0], kinds[data[0]]
     groups = [(k, kinds[k]) for k in data] + ([("other", other)] if other else [])
     listed = "; ".join(f"{k}: {_listing(fs)}" for k, fs in groups)

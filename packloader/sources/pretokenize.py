@@ -49,10 +49,17 @@ class TokenizeSummary(msgspec.Struct, frozen=True):
     skipped: dict[str, int]
 
 
-def _batches(source, batch_docs: int, batch_chars: int) -> Iterator[list[str]]:
+def _batches(source, batch_docs: int, batch_chars: int, documents: tuple[int, int] | None = None) -> Iterator[list[str]]:
+    """The source's texts in order; `documents`: only those from index a to b-1 of the whole order."""
     batch, chars = [], 0
+    a, b = documents if documents is not None else (0, sum(s.num_rows for s in source.shards))
+    first = 0
     for shard, info in enumerate(source.shards):
-        for doc in source.read(shard, np.arange(info.num_rows, dtype=np.int64)):
+        lo, hi = max(a, first) - first, min(b, first + info.num_rows) - first
+        first += info.num_rows
+        if hi <= lo:
+            continue
+        for doc in source.read(shard, np.arange(lo, hi, dtype=np.int64)):
             batch.append(doc)
             chars += len(doc)
             if len(batch) >= batch_docs or chars >= batch_chars:
@@ -112,8 +119,8 @@ class _ShardWriter:
     """Writes token arrays into numbered Parquet files, row group by row group, rolling over at `shard_tokens`."""
 
     def __init__(self, out_dir: Path, shard_tokens: int, row_group_tokens: int, metadata: dict[str, str],
-                 page_rows: int = 1) -> None:
-        self.out_dir, self.page_rows = out_dir, page_rows
+                 page_rows: int = 1, prefix: str = "part-") -> None:
+        self.out_dir, self.page_rows, self.prefix = out_dir, page_rows, prefix
         self.shard_tokens = shard_tokens
         self.row_group_tokens = row_group_tokens
         self.schema = SCHEMA.with_metadata(metadata)
@@ -156,7 +163,7 @@ class _ShardWriter:
         tokens = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
         table = pa.Table.from_arrays([tokens, pa.array(lengths.astype(np.int32))], schema=self.schema)
         if self._writer is None:
-            name = f"part-{len(self.files):05d}.parquet"
+            name = f"{self.prefix}{len(self.files):05d}.parquet"
             self._tmp = self.out_dir / f".{name}.tmp"
             self._writer = pq.ParquetWriter(self._tmp, self.schema, compression="zstd", use_dictionary=False,
                                            write_page_checksum=True, max_rows_per_page=self.page_rows or None,
@@ -199,8 +206,13 @@ def tokenize_to_parquet(
     batch_chars: int = 8 << 20,
     overwrite: bool = False,
     progress: bool = True,
+    doc_range: tuple[int, int] | None = None,
+    prefix: str = "part-",
+    metadata: dict[str, str] | None = None,
 ) -> TokenizeSummary:
-    """Tokenize every document of a text `source` with `tokenizer` and write Parquet token shards to `out_dir`."""
+    """Tokenize every document of a text `source` with `tokenizer` and write Parquet token shards to `out_dir`.
+    `doc_range`, `prefix` and `metadata` serve one part of a split run (`tokenize_parts.py`): documents a..b-1 of
+    the source's order, files `<prefix>NNNNN.parquet`, extra footer metadata."""
     if source.pretokenized:
         raise ValueError("the source is already tokenized; tokenize reads text sources")
     if append_eos and tokenizer.eos_id is None:
@@ -211,7 +223,7 @@ def tokenize_to_parquet(
         raise ValueError(f"page_rows must be >= 0 (0: pyarrow's page size alone), got {page_rows}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    existing = sorted(out.glob("part-*.parquet"))
+    existing = sorted(out.glob(f"{prefix}*.parquet"))
     if existing:
         if not overwrite:
             raise FileExistsError(f"{out} already holds token shards ({existing[0].name}, ...); pass overwrite=True "
@@ -220,21 +232,22 @@ def tokenize_to_parquet(
             p.unlink()
             Path(index_name(str(p))).unlink(missing_ok=True)
     metadata = {
+        **(metadata or {}),
         "packloader.tokenizer": tokenizer.name,
         "packloader.vocab_size": str(tokenizer.vocab_size),
         "packloader.eos_id": "" if tokenizer.eos_id is None else str(tokenizer.eos_id),
         "packloader.eos_appended": "true" if append_eos else "false",
     }
-    writer = _ShardWriter(out, shard_tokens, row_group_tokens, metadata, page_rows)
+    writer = _ShardWriter(out, shard_tokens, row_group_tokens, metadata, page_rows, prefix)
     eos = None if not append_eos else np.array([tokenizer.eos_id], dtype=np.int32)
     from tqdm import tqdm
 
-    total_docs = sum(s.num_rows for s in source.shards)
+    total_docs = sum(s.num_rows for s in source.shards) if doc_range is None else doc_range[1] - doc_range[0]
     bar = tqdm(total=total_docs, unit="doc", disable=not progress, file=sys.stderr, desc="tokenize", smoothing=0.1)
     documents = tokens = 0
     start = time.perf_counter()
     try:
-        for texts in _prefetched(_batches(source, batch_docs, batch_chars)):
+        for texts in _prefetched(_batches(source, batch_docs, batch_chars, doc_range)):
             encoded = tokenizer.encode_batch(texts)
             if eos is not None:
                 encoded = [np.concatenate((ids, eos)) for ids in encoded]

@@ -1003,6 +1003,15 @@ def _megatron_pair(tmp: Path, name: str, sizes=(5, 9, 3)) -> str:
     return str(tmp / name)
 
 
+def tokenize_part_missing(tmp):
+    from packloader.sources.tokenize_parts import tokenize_part
+
+    (tmp / "in.jsonl").write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(9)))
+    for i in (0, 2):
+        tokenize_part(open_source(str(tmp / "in.jsonl")), get_tokenizer("bytes"), tmp / "out", i, 3, progress=False)
+    return lambda: open_source(str(tmp / "out"))
+
+
 def megatron_truncated_bin(tmp):
     prefix = _megatron_pair(tmp, "t")
     data = Path(prefix + ".bin").read_bytes()
@@ -1611,6 +1620,8 @@ CASES = [
           "its keys",)),
     Case("action_list_missing_action", action_list_missing_action, ValueError,
          ("action lists: pipeline rank 0 never runs [['B', 1, 0]]",)),
+    Case("tokenize_part_missing", tokenize_part_missing, SourceError,
+         ("part 1/3 is missing (2 of 3 parts written); run `packloader tokenize ... --part 1/3`",)),
     Case("megatron_truncated_bin", megatron_truncated_bin, SourceError,
          ("t.bin: 10 bytes, but", "t.idx describes 17 uint16 tokens (34 bytes): truncated")),
     Case("megatron_truncated_while_read", megatron_truncated_while_read, ShardChanged,

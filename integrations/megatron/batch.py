@@ -76,7 +76,7 @@ def _thd_rows(batch: PackedBatch, cp_size: int, cp_rank: int, sliced: bool, ids,
 def _packloader_cp_rows(batch: PackedBatch, cp_size: int, cp_rank: int, cp_mode: str, cost_model: Any, ids, lab):
     """packloader's balanced CP shard of the unpadded micro-batch; the shard travels on the params down to
     `PackloaderCoreAttention`."""
-    from packloader.collate.cp_shard import plan_cp_shards
+    from packloader.collate.cp_sequence_shards import plan_cp_shards
     from packloader.runtime.cp_cost import cp_cost
 
     PackedSeqParams = _packed_seq_params_cls()

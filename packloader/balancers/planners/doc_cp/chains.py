@@ -20,8 +20,8 @@ from packloader.balancers.planners.packing import Packing
 from packloader.balancers.sim.peaks import packing_peaks
 
 if TYPE_CHECKING:
-    from packloader.balancers.planners.dynamic_cp_price import Placed, SlotTimes
-    from packloader.balancers.planners.dynamic_cp_units import Units
+    from packloader.balancers.planners.doc_cp.price import Placed, SlotTimes
+    from packloader.balancers.planners.doc_cp.units import Units
 
 
 def chain_peak(units: "Units", placed: "Placed", times: "SlotTimes", memory, pp: int, vpp: int, kind: int) -> float:

@@ -15,7 +15,7 @@ from typing import Callable, Protocol, TypeVar
 
 import numpy as np
 
-from packloader.balancers.planners.dynamic_cp_units import Units, chained_at
+from packloader.balancers.planners.doc_cp.units import Units, chained_at
 
 MAX_TRIES = 48  # placements priced per step at most, so planning stays well under 0.1 s a step
 PER_PIECE_UNITS = 128  # units per step up to which sizes are also tried piece by piece (each try places them all)

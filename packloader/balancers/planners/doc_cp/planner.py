@@ -31,11 +31,11 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.memory import memory_model_for
-from packloader.balancers.planners.dynamic_cp_chains import chain_peak
-from packloader.balancers.planners.dynamic_cp_kernels import place_pieces
-from packloader.balancers.planners.dynamic_cp_mix import best_mixed
-from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost, Placed, SlotTimes
-from packloader.balancers.planners.dynamic_cp_units import NAME, Units, chained, units_of
+from packloader.balancers.planners.doc_cp.chains import chain_peak
+from packloader.balancers.planners.doc_cp.kernels import place_pieces
+from packloader.balancers.planners.doc_cp.mix import best_mixed
+from packloader.balancers.planners.doc_cp.price import DynamicCPCost, Placed, SlotTimes
+from packloader.balancers.planners.doc_cp.units import NAME, Units, chained, units_of
 from packloader.balancers.planners.packing import Pieces
 from packloader.balancers.planners.registry import StepLayout, Window, register_planner
 from packloader.balancers.sim.kernels import SCHEDULES

@@ -35,6 +35,11 @@ __version__ = _version()
 # One logger for the package, quiet unless the application configures logging (the CLIs: --log-level).
 logging.getLogger("packloader").addHandler(logging.NullHandler())
 
+# Module paths renamed by issue 34 still import, with a DeprecationWarning, for one release.
+from packloader.renamed_modules import install as _install_renamed  # noqa: E402
+
+_install_renamed()
+
 # name -> module that defines it
 _EXPORTS: dict[str, str] = {
     "Segment": "packloader.contracts",

@@ -23,7 +23,7 @@ relies on ``loss_mask`` to drop them.
 
 Context parallelism, two layouts (``cp_layout``):
 
-``"packloader"`` (default) this CP rank's shard from ``packloader.collate.cp_sequence_shards`` (mode ``cp_mode``, default
+``"packloader"`` (default) this CP rank's shard from ``packloader.collate.cp_sequence_shards`` (mode ``cp_shard_mode``, default
                  "document": every document in 2 x CP chunks, remainders dealt round-robin, no padding, so documents
                  need not be multiples of 2 x CP). ``PackedSeqParams`` then describes this rank's *local* query runs
                  (``cu_seqlens_q``) and the keys each run sees in the all-gathered buffer (``cu_seqlens_kv``); the

@@ -95,7 +95,7 @@ document's earlier slices in earlier micro-batches of the same step):
 
 Per-document context parallelism (``StepPlan.cp_mode`` "dynamic", ``PackedLoader(..., cp_rank=...)``):
 ``megatron_dynamic_cp_batches`` turns one pool GPU's batch into the sub-samples megatron-core's hybrid context
-parallelism runs, one per CP group, with ``PackedSeqParams.local_cp_size`` and ``cp_group`` (``dynamic_cp.py``).
+parallelism runs, one per CP group, with ``PackedSeqParams.local_cp_size`` and ``cp_group`` (``hybrid_cp_batches.py``).
 
 Step metrics: ``MegatronDataIterator`` logs each step's ``packloader.StepMetrics`` once, at its first micro-batch
 (logger ``packloader.megatron``, level INFO: predicted step time, imbalance, DP spread, bubbles, tokens, loss

@@ -3,7 +3,7 @@ its micro-batch when every segment runs on its own aligned group of GPUs (``Micr
 
 A segment placed on ``CPPlacement(size, first)`` appears in micro-batch m of each of the GPUs ``first .. first +
 size - 1``. All segments of one placement in a micro-batch form that group's packed row, which is sharded over the
-group as ``cp_shard``'s "document" mode does it (each document in 2 x size chunks, rank i taking chunks i and
+group as ``cp_sequence_shards``' "document" mode does it (each document in 2 x size chunks, rank i taking chunks i and
 2 x size - 1 - i, remainders dealt round-robin, no padding); at size 1 the row stays whole on its GPU. The group's
 row lists its segments sorted by (doc, start, end), so every member derives the same row whatever order its own
 list holds them in. A GPU's local tokens are its groups' shards one after the other, larger groups first, then by

@@ -40,7 +40,7 @@ __all__ = ["DynamicCPContext", "DynamicCPExecutor"]
 
 
 class _Hooks:
-    """One attention call's side of the cache (`cp_dynamic.ChainHooks`)."""
+    """One attention call's side of the cache (`cp_document_attention.ChainHooks`)."""
 
     def __init__(self, ctx: "DynamicCPContext", layer: Hashable) -> None:
         self.ctx, self.layer = ctx, layer

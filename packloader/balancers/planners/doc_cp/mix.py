@@ -3,9 +3,9 @@ on its own, down to a chain of the fewest slices whose shards fit a GPU's cap at
 filling the rest of each chain slot's GPUs (SlimPack's packs: slices of long documents beside short ones).
 
 From the best whole-piece candidate's sizes and slot count, first every piece above a target CP size t (1, 2, 4,
-...) is run at t (`dynamic_cp_units.chained_at`), then, piece by piece (costliest first), each other size up to its
+...) is run at t (`doc_cp.units.chained_at`), then, piece by piece (costliest first), each other size up to its
 own is tried with the rest kept; a change is kept where the simulated step is faster and the chains' simulated
-peak fits the device (`DynamicCPPlanner.fits`, `dynamic_cp_chains.chain_peak`). The piece-by-piece tries (at most
+peak fits the device (`DynamicCPPlanner.fits`, `doc_cp.chains.chain_peak`). The piece-by-piece tries (at most
 MAX_TRIES placements) run on steps of few units (PER_PIECE_UNITS), where a long piece is a large share of the step.
 """
 

@@ -28,6 +28,7 @@ ALLOWED = {
     "cli": {"contracts", "sources", "balancers", "collate", "loader", "report", "runtime"},
     "integrations": {"contracts", "collate", "runtime", "loader", "balancers"},
     "packloader": None,  # the package's lazy re-exports
+    "renamed_modules": set(),  # old import paths, served by name only (issue 34)
 }
 # Inside balancers/: which wing may import which.
 # The factory (PlanConfig -> planner) sits above the planners: none of them imports it.

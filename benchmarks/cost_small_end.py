@@ -114,7 +114,7 @@ def replan(run: Path, prof, new) -> list[dict]:
     from packloader.balancers.cost.measured import measured_profile
     from packloader.balancers.cost.profile_io import save_profile
     from packloader.balancers.draw import draw_windows
-    from packloader.balancers.planners.registry import make_planner
+    from packloader.balancers.factory import make_planner
     from packloader.balancers.sim.simulator import simulate_step
     from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 

@@ -54,10 +54,10 @@ import numpy as np
 from planner import synthetic  # benchmarks/, the script's own folder
 from sections import write_section
 
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.offline import plan_run
-from packloader.balancers.planners.dynamic_cp_choice import fixed_with_comm
-from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost, idle_share, priced_dynamic
-from packloader.balancers.planners.registry import cost_model_for
+from packloader.balancers.planners.doc_cp.choice import fixed_with_comm
+from packloader.balancers.planners.doc_cp.price import DynamicCPCost, idle_share, priced_dynamic
 from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.verify import verify_plan
 from packloader.contracts import ParallelConfig, PlanConfig, StepPlan
@@ -102,7 +102,7 @@ def what_if_device(shard_factor: float | None, link_scale: float | None, folder:
     """The name of a device file written to `folder` and registered: `base` with every CP shard (sizes 2-16)
     `shard_factor` times slower than 1/s of its document (`Device.cp_shard`) and its CP link bandwidths divided
     by `link_scale`; `base` itself when neither is given. Fixed and per-document CP are both priced with it."""
-    from packloader.balancers.cost.cp_shard import uniform_overhead
+    from packloader.balancers.cost.cp_shard_attention import uniform_overhead
     from packloader.balancers.cost.devices import load_device, register_device
     from packloader.runtime.calibrate_cp import write_device
 

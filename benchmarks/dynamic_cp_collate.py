@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from sections import write_section  # noqa: E402  (benchmarks/, the script's own folder)
 
 from packloader.collate.collate import collate  # noqa: E402
-from packloader.collate.cp_dynamic import localize  # noqa: E402
+from packloader.collate.cp_document_shards import localize  # noqa: E402
 from packloader.contracts import CPPlacement, MicroBatch, Segment  # noqa: E402
 
 POOL = 16

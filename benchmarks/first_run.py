@@ -43,8 +43,8 @@ def timed_demo(cache: str, out: str) -> tuple[float, float]:
 def metrics_cost(repeats: int) -> tuple[list[float], int]:
     """ms per step of StepMetrics: with the planner's costs, priced by the loader in one numba call (a planner that
     leaves costs out, as fixed does), and every micro-batch priced in Python (score_plan's own path)."""
+    from packloader.balancers.cost.lookup import cost_model_for
     from packloader.balancers.offline import plan_run
-    from packloader.balancers.planners.packing import cost_model_for
     from packloader.balancers.sim.metrics import score_plan
     from packloader.contracts import PlanConfig, PlannerState
     from packloader.loader.step_metrics import step_metrics

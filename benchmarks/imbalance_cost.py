@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner import Setup, draw_stream, windows_for  # noqa: E402
 from planning_speed import lengths_for  # noqa: E402
 
-from packloader.balancers.planners.registry import cost_model_for, make_planner  # noqa: E402
+from packloader.balancers.cost.lookup import cost_model_for  # noqa: E402
+from packloader.balancers.factory import make_planner  # noqa: E402
 from packloader.balancers.sim.simulator import simulate_step  # noqa: E402
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState  # noqa: E402
 

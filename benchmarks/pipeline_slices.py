@@ -63,7 +63,8 @@ LENGTHS = [70, 9, 14, 22, 5, 31, 12, 8, 17, 40, 6, 11, 26, 19]
 
 
 def plans(scale: int, m: int, pp: int) -> dict[str, tuple[RankPlan, dict[int, int]]]:
-    from packloader.balancers.planners.registry import Window, make_planner
+    from packloader.balancers.factory import make_planner
+    from packloader.balancers.planners.registry import Window
 
 
     lens = [l * scale for l in LENGTHS]

@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner import Setup, draw_stream, synthetic, windows_for  # noqa: E402
 from sections import write_section  # noqa: E402
 
+from packloader.balancers.factory import make_planner
 from packloader.balancers.planners.contract import check_step_plan  # noqa: E402
-from packloader.balancers.planners.registry import StepLayout, make_planner  # noqa: E402
+from packloader.balancers.planners.registry import StepLayout  # noqa: E402
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState  # noqa: E402
 
 SECTION = "plan_check"

@@ -68,9 +68,10 @@ import msgspec
 import numpy as np
 from sections import write_section  # benchmarks/, the script's own folder
 
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.draw import cut_pieces
-from packloader.balancers.planners.packing import cost_model_for
-from packloader.balancers.planners.registry import Window, make_planner, planner_spec, report_strategies
+from packloader.balancers.factory import make_planner
+from packloader.balancers.planners.registry import Window, planner_spec, report_strategies
 from packloader.balancers.sim.metrics import drawn_steps, score_plans
 from packloader.balancers.sim.verify import verify_plan
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner import Setup, docs_lengths, draw_stream, stdlib_lengths, synthetic, windows_for  # noqa: E402
 from sections import write_section  # noqa: E402
 
-from packloader.balancers.planners.registry import make_planner  # noqa: E402
+from packloader.balancers.factory import make_planner  # noqa: E402
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState  # noqa: E402
 
 SECTION = "planning_speed"

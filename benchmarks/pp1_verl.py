@@ -16,8 +16,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner import synthetic  # noqa: E402
 
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.draw import draw_windows  # noqa: E402
-from packloader.balancers.planners.registry import StepLayout, cost_model_for, make_planner  # noqa: E402
+from packloader.balancers.factory import make_planner
+from packloader.balancers.planners.registry import StepLayout  # noqa: E402
 from packloader.balancers.sim.metrics import score_plans  # noqa: E402
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState  # noqa: E402
 

@@ -32,8 +32,8 @@ import numpy as np
 from planner import Setup, draw_stream, synthetic, windows_for  # benchmarks/, this folder
 from sections import write_section
 
-from packloader.balancers.planners.packing import cost_model_for
-from packloader.balancers.planners.registry import make_planner
+from packloader.balancers.cost.lookup import cost_model_for
+from packloader.balancers.factory import make_planner
 from packloader.balancers.sim.metrics import drawn_steps, score_plans
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 

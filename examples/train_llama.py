@@ -286,7 +286,7 @@ def planned_actions(micro_batches, config, dp_rank: int = 0) -> list:
     """The action lists `packloader plan` writes for this step and DP rank (per pipeline rank [[op, micro_batch,
     stage], ...], "W" under ZB-H1 or where `auto` chose it), empty slots dropped and the others renumbered as in
     `planned_rank_plan` (an empty slot's actions are no work on any stage; the rest keep their order)."""
-    from packloader.balancers.planners.registry import cost_model_for
+    from packloader.balancers.cost.lookup import cost_model_for
     from packloader.balancers.sim.actions import step_actions
 
     plan = micro_batches[0].plan

@@ -35,6 +35,11 @@ __version__ = _version()
 # One logger for the package, quiet unless the application configures logging (the CLIs: --log-level).
 logging.getLogger("packloader").addHandler(logging.NullHandler())
 
+# Module paths renamed by issue 34 still import, with a DeprecationWarning, for one release.
+from packloader.renamed_modules import install as _install_renamed  # noqa: E402
+
+_install_renamed()
+
 # name -> module that defines it
 _EXPORTS: dict[str, str] = {
     "Segment": "packloader.contracts",
@@ -54,7 +59,7 @@ _EXPORTS: dict[str, str] = {
     "validate_config": "packloader.balancers.planners.config_rules",
     "Window": "packloader.balancers.planners.registry",
     "Planner": "packloader.balancers.planners.registry",
-    "make_planner": "packloader.balancers.planners.registry",
+    "make_planner": "packloader.balancers.factory",
     "register_planner": "packloader.balancers.planners.registry",
     "available_strategies": "packloader.balancers.planners.registry",
     "AutoUse": "packloader.balancers.planners.registry",
@@ -90,16 +95,16 @@ _EXPORTS: dict[str, str] = {
     "PackedBatch": "packloader.collate.batch",
     "collate": "packloader.collate.collate",
     "collate_step": "packloader.collate.collate",
-    "plan_cp_shards": "packloader.collate.cp_shard",
-    "shard_micro_batch": "packloader.collate.cp_shard",
-    "plan_dynamic_cp": "packloader.collate.cp_dynamic",
-    "DynamicCPShard": "packloader.collate.cp_dynamic",
+    "plan_cp_shards": "packloader.collate.cp_sequence_shards",
+    "shard_micro_batch": "packloader.collate.cp_sequence_shards",
+    "plan_dynamic_cp": "packloader.collate.cp_document_shards",
+    "DynamicCPShard": "packloader.collate.cp_document_shards",
     "CostModel": "packloader.balancers.cost.model",
     "load_cost_model": "packloader.balancers.cost.resolve",
     "model_spec": "packloader.balancers.cost.from_config",
     "shape_from_config": "packloader.balancers.cost.from_config",
     "measured_profile": "packloader.balancers.cost.measured",
-    "scale_profile_to_cp": "packloader.balancers.cost.cp_shard",
+    "scale_profile_to_cp": "packloader.balancers.cost.cp_shard_attention",
     "Device": "packloader.balancers.cost.devices",
     "register_device": "packloader.balancers.cost.devices",
     "load_device": "packloader.balancers.cost.devices",
@@ -113,7 +118,7 @@ _EXPORTS: dict[str, str] = {
     "varlen_attention": "packloader.runtime.attention",
     "cp_attention": "packloader.runtime.cp_attention",
     "cp_cost": "packloader.runtime.cp_cost",
-    "dynamic_cp_attention": "packloader.runtime.cp_dynamic",
+    "dynamic_cp_attention": "packloader.runtime.cp_document_attention",
     "DynamicCPExecutor": "packloader.runtime.cp_chains",
     "prepare_cp_pool_groups": "packloader.runtime.groups",
     "require_no_slices": "packloader.runtime.slices",

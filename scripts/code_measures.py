@@ -4,7 +4,8 @@ the largest modules, and functions over 80 lines.
     python scripts/code_measures.py            # a short report
     python scripts/code_measures.py --json     # the same as JSON
 
-Imports are read with `ast` (module level and inside functions alike), so a lazy import does not hide a cycle.
+Imports are read with `ast` (module level and inside functions alike, `importlib.import_module` calls with a
+literal or f-string-prefixed name included), so a lazy import does not hide a cycle.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ PACKAGES = {"packloader": ROOT / "packloader", "packloader_integrations": ROOT /
 LONG_FUNCTION = 80
 
 
-def modules() -> dict[str, Path]:
-    """Dotted module name -> file, for packloader and its integrations."""
+def modules(packages: dict[str, Path] | None = None) -> dict[str, Path]:
+    """Dotted module name -> file, for packloader and its integrations (or the `packages` given)."""
     out = {}
-    for pkg, root in PACKAGES.items():
+    for pkg, root in (packages or PACKAGES).items():
         for path in sorted(root.rglob("*.py")):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -49,6 +50,8 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
             subs = [f"{base}.{a.name}" for a in node.names]
             # `from pkg import sub` runs pkg's __init__ on the way to sub in any case: count sub only
             targets = subs if all(t in known for t in subs) else [base] + subs
+        elif (name_arg := _import_module_arg(node)) is not None:
+            targets = [name_arg]
         else:
             continue
         for t in targets:
@@ -57,8 +60,25 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    mods = modules()
+def _import_module_arg(node: ast.AST) -> str | None:
+    """The module an `importlib.import_module(...)` / `import_module(...)` call names: a literal name in full; an
+    f-string up to its first placeholder, whose package (the prefix without its trailing dot) the call imports
+    in any case. None for anything else (a name held in a variable cannot be read from the source)."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    f = node.func
+    if not ((isinstance(f, ast.Attribute) and f.attr == "import_module") or (isinstance(f, ast.Name) and f.id == "import_module")):
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        return str(arg.values[0].value).rstrip(".") or None
+    return None
+
+
+def import_graph(packages: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    mods = modules(packages)
     known = set(mods)
     return {m: imports_of(m, p, known) for m, p in mods.items()}
 

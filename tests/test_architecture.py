@@ -28,10 +28,12 @@ ALLOWED = {
     "cli": {"contracts", "sources", "balancers", "collate", "loader", "report", "runtime"},
     "integrations": {"contracts", "collate", "runtime", "loader", "balancers"},
     "packloader": None,  # the package's lazy re-exports
+    "renamed_modules": set(),  # old import paths, served by name only (issue 34)
 }
 # Inside balancers/: which wing may import which.
-WINGS = {"cost": set(), "sim": {"cost"}, "planners": {"cost", "sim"}, "offline": {"planners", "cost", "draw"}, "draw": {"planners"},
-         "warm_up": {"offline", "planners"}}
+# The factory (PlanConfig -> planner) sits above the planners: none of them imports it.
+WINGS = {"cost": set(), "sim": {"cost"}, "planners": {"cost", "sim"}, "factory": {"planners", "cost"},
+         "offline": {"planners", "cost", "draw", "factory"}, "draw": {"planners"}, "warm_up": {"offline", "planners"}}
 
 
 def _layer(module: str) -> str:
@@ -53,6 +55,32 @@ def test_no_import_cycles(graph):
 def test_cycle_finder_finds_a_planted_cycle():
     g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cm.cycles(g) == [["a", "b", "c"]]
+
+
+def test_import_graph_follows_import_module(tmp_path):
+    """A lazy `importlib.import_module` closed the registry -> per-document CP -> registry cycle (issue 34) that
+    the graph of `import` statements alone did not show: on a package of the same shape, the graph has it."""
+    pkg = tmp_path / "pkg"
+    (pkg / "planners").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "planners" / "__init__.py"):
+        init.write_text("")
+    (pkg / "planners" / "registry.py").write_text(
+        "import importlib\n\n\ndef make_planner():\n    return importlib.import_module('pkg.planners.choice')\n")
+    (pkg / "planners" / "choice.py").write_text("from pkg.planners.registry import make_planner\n")
+    (pkg / "planners" / "plugins.py").write_text(
+        "from importlib import import_module\n\n\ndef load(m, n):\n    import_module(f'pkg.planners.{m}')\n"
+        "    import_module(n)\n")
+    graph = cm.import_graph({"pkg": pkg})
+    assert cm.cycles(graph) == [["pkg.planners.choice", "pkg.planners.registry"]]
+    # an f-string name imports at least its package; a name in a variable cannot be read
+    assert graph["pkg.planners.plugins"] == {"pkg.planners"}
+    (pkg / "planners" / "registry.py").write_text("def make_planner():\n    return None\n")
+    assert cm.cycles(cm.import_graph({"pkg": pkg})) == []
+
+
+def test_planners_never_import_the_factory(graph):
+    assert sorted(a for a, t in graph.items() if a.startswith("packloader.balancers.planners")
+                  and "packloader.balancers.factory" in t) == []
 
 
 def test_layers_import_only_downstream(graph):

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.cost.memory import memory_model_for
 from packloader.balancers.planners.auto import AutoPlanner, Candidate
-from packloader.balancers.planners.packing import Pieces, cost_model_for
+from packloader.balancers.planners.packing import Pieces
 from packloader.balancers.planners.registry import StepLayout, Window, planner_spec
 from packloader.balancers.planners.slimpack import backward_runs, default_packs
 from packloader.balancers.sim.metrics import score_plan

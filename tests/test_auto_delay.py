@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from packloader.balancers.draw import draw_windows
+from packloader.balancers.factory import make_planner
 from packloader.balancers.offline import plan_run
 from packloader.balancers.planners import auto
-from packloader.balancers.planners.registry import StepLayout, make_planner
+from packloader.balancers.planners.registry import StepLayout
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 TPS = 524288

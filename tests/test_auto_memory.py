@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from helpers.planners import candidate_plans
 
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.cost.memory import MemoryModel
 from packloader.balancers.cost.profile_io import save_profile
 from packloader.balancers.planners.auto import TOLERANCE, AutoPlanner
-from packloader.balancers.planners.packing import Pieces, cost_model_for
+from packloader.balancers.planners.packing import Pieces
 from packloader.balancers.planners.packing_measures import slice_edges_prefix
 from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.balancers.sim.metrics import score_plan

@@ -748,7 +748,7 @@ def to_hf_with_slices(tmp):
 
 
 def dynamic_cp_misaligned_group(tmp):
-    from packloader.collate.cp_dynamic import plan_dynamic_cp
+    from packloader.collate.cp_document_shards import plan_dynamic_cp
     from packloader.contracts import CPPlacement, MicroBatch, Segment
 
     mb = MicroBatch(segments=[Segment(2, 0, 10, 0), Segment(9, 4, 12, 4)], cp=[CPPlacement(1, 1), CPPlacement(2, 1)])

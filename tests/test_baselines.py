@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from packloader.balancers.factory import make_planner
 from packloader.balancers.planners.multipack import ffd_pack, multipack_allocate
-from packloader.balancers.planners.registry import StepLayout, Window, make_planner
+from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.balancers.planners.verl import kk_partitions, verl_order, verl_positions
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 

@@ -115,9 +115,9 @@ def test_every_command_takes_config_and_log_level(command, capsys):
 
 
 def test_log_level_info_shows_the_pricing(lengths, tmp_path, capsys, monkeypatch):
-    from packloader.balancers.planners import registry
+    from packloader.balancers.cost import lookup
 
-    monkeypatch.setattr(registry, "_MODELS", {})  # the line comes when a process first loads the model
+    monkeypatch.setattr(lookup, "_MODELS", {})  # the line comes when a process first loads the model
     assert main(["plan", "--lengths", str(lengths), "--max-tokens", "2048", "--tokens-per-step", "8192", "--quiet",
                  "--out", str(tmp_path / "p.jsonl"), "--log-level", "info"]) == 0
     err = capsys.readouterr().err

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from packloader.balancers.cost import presets
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.cost.measured import build_profile, measured_profile, measured_stage_profiles
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.profile_io import load_profile
 from packloader.balancers.cost.resolve import load_cost_model
-from packloader.balancers.planners.packing import cost_model_for
 from packloader.contracts import CostProfile, LinTable, ParallelConfig, PlanConfig, Poly
 
 ROOT = Path(__file__).resolve().parents[1]

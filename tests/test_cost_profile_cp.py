@@ -14,9 +14,10 @@ from packloader.balancers.cost import devices, presets
 from packloader.balancers.cost.devices import CPShardOverhead, load_device
 from packloader.balancers.cost.measured import measured_profile
 from packloader.balancers.cost.resolve import load_cost_model
-from packloader.balancers.planners.dynamic_cp_choice import CPModeChoice, fixed_with_comm, seconds_per_work
-from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost, Placed
-from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.factory import make_planner
+from packloader.balancers.planners.doc_cp.choice import CPModeChoice, fixed_with_comm, seconds_per_work
+from packloader.balancers.planners.doc_cp.price import DynamicCPCost, Placed
+from packloader.balancers.planners.registry import Window
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 # round coefficients: attention a, b, c and linear a, b, c, forward and backward; 8192 tokens fit one GPU

@@ -79,7 +79,7 @@ def _maxabs(a, b) -> float:
 def _check_rank(rank: int, world: int, force_all_reduce: bool) -> list[tuple[str, float]]:
     import torch.distributed as dist
 
-    from packloader.collate.cp_shard import plan_cp_shards
+    from packloader.collate.cp_sequence_shards import plan_cp_shards
     from packloader.runtime import cp_attention as cpa
 
     torch.set_num_threads(1)
@@ -112,7 +112,7 @@ def test_cp_attention_matches_single_process_reference(cp):
 
 
 def test_cp_size_one_without_distributed():
-    from packloader.collate.cp_shard import plan_cp_shards
+    from packloader.collate.cp_sequence_shards import plan_cp_shards
     from packloader.runtime.cp_attention import cp_attention
 
     lengths = [5, 1, 7]
@@ -127,7 +127,7 @@ def test_cp_size_one_without_distributed():
 
 
 def test_mismatched_shard_is_refused():
-    from packloader.collate.cp_shard import plan_cp_shards
+    from packloader.collate.cp_sequence_shards import plan_cp_shards
     from packloader.runtime.cp_attention import cp_attention
 
     shard = plan_cp_shards([4, 4], 2, "document", cost=COST).ranks[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from packloader.collate.cp_shard import MODES, plan_cp_shards, shard_micro_batch
+from packloader.collate.cp_sequence_shards import MODES, plan_cp_shards, shard_micro_batch
 from packloader.contracts import MicroBatch, Segment
 from packloader.runtime.cp_cost import cp_cost
 
@@ -182,7 +182,7 @@ def test_adaptive_tile_padding_keeps_short_documents_unsharded():
 
 
 def test_unit_estimate_without_cost_module():
-    from packloader.collate.cp_shard import TileEstimate
+    from packloader.collate.cp_sequence_shards import TileEstimate
 
     plan = plan_cp_shards([100, 3, 300], 2, "adaptive", cost=TileEstimate())
     assert plan.mode in MODES and plan.ranks[0].cost > 0

@@ -14,11 +14,11 @@ import pytest
 
 from packloader.balancers.cost import devices, presets
 from packloader.balancers.cost.devices import DeviceSpec, known_devices, load_device, register_device
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.cost.measured import measured_profile, profile_path
 from packloader.balancers.cost.memory import MemoryModel, memory_model_for
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.profile_io import load_profile
-from packloader.balancers.planners.packing import cost_model_for
 from packloader.cli.main import main
 from packloader.contracts import ParallelConfig, PlanConfig
 

@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import dynamic_cp as bench  # noqa: E402
 
-from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost, priced_dynamic  # noqa: E402
+from packloader.balancers.planners.doc_cp.price import DynamicCPCost, priced_dynamic  # noqa: E402
 from packloader.balancers.sim.metrics import score_plan  # noqa: E402
 
 

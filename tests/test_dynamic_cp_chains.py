@@ -12,12 +12,13 @@ import pytest
 from helpers.dynamic_cp_brute import brute_force, cfg, check_tokens_once_and_chains, segments_of
 
 from packloader.balancers.cost.memory import GiB, memory_model_for
+from packloader.balancers.factory import make_planner
 from packloader.balancers.offline import plan_run
-from packloader.balancers.planners.dynamic_cp import DynamicCPOptions, DynamicCPPlanner
-from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.planners.doc_cp.planner import DynamicCPOptions, DynamicCPPlanner
+from packloader.balancers.planners.registry import Window
 from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.verify import verify_plan
-from packloader.collate.cp_dynamic import check_chains, plan_dynamic_cp
+from packloader.collate.cp_document_shards import check_chains, plan_dynamic_cp
 from packloader.contracts import CPPlacement, ParallelConfig, PlannerState
 
 # ------------------------------------------------------------------ tests

@@ -65,7 +65,7 @@ def _doc_tensors(doc: int):
 def _rank(rank: int, world: int, case: str, recompute: bool) -> dict:
     from types import SimpleNamespace
 
-    from packloader.collate.cp_dynamic import plan_dynamic_cp
+    from packloader.collate.cp_document_shards import plan_dynamic_cp
     from packloader.runtime.cp_chains import DynamicCPExecutor
     from packloader.runtime.groups import ProcessGroupCache, prepare_cp_pool_groups
 
@@ -123,7 +123,7 @@ def test_dynamic_cp_chains_run_over_gloo_and_match_the_whole_documents_reference
 
 
 def test_dynamic_cp_slice_shard_counts_its_earlier_keys_first_hand_worked():
-    from packloader.collate.cp_dynamic import plan_dynamic_cp
+    from packloader.collate.cp_document_shards import plan_dynamic_cp
 
     # tokens 8..15 of document 5 attending from 0, on CP 2: chunks of 2 tokens (8, 9 | 10, 11 | 12, 13 | 14, 15),
     # GPU 0 takes chunks 0 and 3, GPU 1 chunks 1 and 2; beside it document 6 (4 tokens) at CP 1 on GPU 0
@@ -140,9 +140,9 @@ def test_dynamic_cp_slice_shard_counts_its_earlier_keys_first_hand_worked():
 def test_dynamic_cp_chains_still_refused_where_the_earlier_slice_is_elsewhere_or_unkept():
     from types import SimpleNamespace
 
-    from packloader.collate.cp_dynamic import check_chains, plan_dynamic_cp
+    from packloader.collate.cp_document_shards import check_chains, plan_dynamic_cp
     from packloader.runtime.cp_chains import DynamicCPExecutor
-    from packloader.runtime.cp_dynamic import dynamic_cp_attention
+    from packloader.runtime.cp_document_attention import dynamic_cp_attention
 
     # a chain that changes subgroups: its earlier keys are gathered over GPUs 0..3, not the later slice's GPUs 0, 1
     moved = [MicroBatch(segments=[Segment(1, 0, 8, 0)], cp=[P(4, 0)]),

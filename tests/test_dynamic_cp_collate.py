@@ -1,4 +1,4 @@
-"""Per-document CP batches (collate.cp_dynamic): a hand-built slot of a 4-GPU pool with groups of sizes 1, 2 and 4.
+"""Per-document CP batches (collate.cp_document_shards): a hand-built slot of a 4-GPU pool with groups of sizes 1, 2 and 4.
 Checked against the documents themselves: every token on exactly one GPU, the source's tokens, next-token labels and
 document positions per GPU, runs of one document each whose key counts are their last query's offset + 1, loss
 tokens that add up over the pool to the plan's normaliser; and placements that cannot be run are refused, naming
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from packloader.collate.collate import collate, loss_tokens_in_plan
-from packloader.collate.cp_dynamic import check_chains, localize, plan_dynamic_cp
+from packloader.collate.cp_document_shards import check_chains, localize, plan_dynamic_cp
 from packloader.contracts import CPPlacement, MicroBatch, RankPlan, Segment, StepPlan
 
 P = CPPlacement

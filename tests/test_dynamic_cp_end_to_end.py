@@ -49,7 +49,7 @@ def _rank(rank: int, world: int) -> dict:
     import numpy as np
 
     from packloader.loader.loader import PackedLoader
-    from packloader.runtime.cp_dynamic import dynamic_cp_attention
+    from packloader.runtime.cp_document_attention import dynamic_cp_attention
     from packloader.runtime.groups import ProcessGroupCache, prepare_cp_pool_groups
     from packloader.sources.base import IterableSource
 

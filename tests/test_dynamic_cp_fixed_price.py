@@ -13,8 +13,8 @@ import pytest
 from packloader.balancers.cost import presets
 from packloader.balancers.cost.cp_comm import cp_comm_for
 from packloader.balancers.cost.devices import load_device
-from packloader.balancers.planners.dynamic_cp_choice import fixed_with_comm, planned_work
-from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost
+from packloader.balancers.planners.doc_cp.choice import fixed_with_comm, planned_work
+from packloader.balancers.planners.doc_cp.price import DynamicCPCost
 from packloader.contracts import MicroBatch, ParallelConfig, PlanConfig, RankPlan, Segment, StepPlan
 
 

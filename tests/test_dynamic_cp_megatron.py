@@ -66,7 +66,7 @@ def _rank(rank: int, world: int) -> dict:
     from megatron.core import parallel_state as ps
 
     from packloader.collate.collate import collate
-    from packloader.collate.cp_dynamic import localize
+    from packloader.collate.cp_document_shards import localize
     from packloader.runtime.groups import ProcessGroupCache, prepare_cp_pool_groups
     from packloader_integrations.megatron import PackloaderCoreAttention, megatron_dynamic_cp_batches
 
@@ -115,7 +115,7 @@ def test_dynamic_cp_megatron_reads_local_cp_size_and_cp_group():
 
 def test_dynamic_cp_megatron_empty_slot_and_fixed_batches():
     from packloader.collate.collate import collate
-    from packloader.collate.cp_dynamic import localize
+    from packloader.collate.cp_document_shards import localize
     from packloader_integrations.megatron import megatron_dynamic_cp_batches
 
     empty = MicroBatch(segments=[], cp=[])
@@ -130,7 +130,7 @@ def test_dynamic_cp_megatron_refuses_a_chain_slice_naming_it():
     # megatron-core's hybrid path runs each sub-sample alone: a chain's later slice (tokens 6..11 of document 1,
     # its first 6 run in the micro-batch before) is refused, naming it and the executor that runs it
     from packloader.collate.collate import collate
-    from packloader.collate.cp_dynamic import localize
+    from packloader.collate.cp_document_shards import localize
     from packloader.runtime.slice_check import SlicesNotSupported
     from packloader_integrations.megatron import megatron_dynamic_cp_batches
 

@@ -11,7 +11,7 @@ from helpers.dynamic_cp_brute import brute_force, cfg, check_tokens_once_and_cha
 
 from packloader.balancers.cost.memory import GiB, memory_model_for
 from packloader.balancers.offline import plan_run
-from packloader.balancers.planners.dynamic_cp import DynamicCPOptions, DynamicCPPlanner
+from packloader.balancers.planners.doc_cp.planner import DynamicCPOptions, DynamicCPPlanner
 from packloader.balancers.planners.registry import Window
 from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.verify import verify_plan

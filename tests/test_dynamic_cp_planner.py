@@ -12,11 +12,12 @@ import pytest
 from helpers.dynamic_cp_brute import price
 
 from packloader.balancers.cost.cp_comm import cp_comm_for
+from packloader.balancers.factory import make_planner
 from packloader.balancers.offline import plan_record, plan_run
 from packloader.balancers.planners.config_rules import validate_config
-from packloader.balancers.planners.dynamic_cp import DynamicCPOptions, DynamicCPPlanner
-from packloader.balancers.planners.dynamic_cp_choice import CPModeChoice, fixed_with_comm
-from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.planners.doc_cp.choice import CPModeChoice, fixed_with_comm
+from packloader.balancers.planners.doc_cp.planner import DynamicCPOptions, DynamicCPPlanner
+from packloader.balancers.planners.registry import Window
 from packloader.balancers.sim.metrics import score_plan
 from packloader.contracts import ConfigError, ParallelConfig, PlanConfig, PlannerState, StepPlan
 

@@ -44,8 +44,8 @@ def _doc_tensors(doc: int, length: int):
 def _rank(rank: int, world: int) -> dict:
     import numpy as np
 
-    from packloader.collate.cp_dynamic import plan_dynamic_cp
-    from packloader.runtime.cp_dynamic import dynamic_cp_attention
+    from packloader.collate.cp_document_shards import plan_dynamic_cp
+    from packloader.runtime.cp_document_attention import dynamic_cp_attention
     from packloader.runtime.groups import ProcessGroupCache, prepare_cp_pool_groups
 
     cache = ProcessGroupCache()

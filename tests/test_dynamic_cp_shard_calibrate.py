@@ -12,7 +12,7 @@ import torch
 
 from packloader.balancers.cost import devices
 from packloader.balancers.cost.devices import load_device, read_device
-from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost
+from packloader.balancers.planners.doc_cp.price import DynamicCPCost
 from packloader.contracts import ParallelConfig, PlanConfig
 from packloader.runtime.calibrate import LayerShape
 from packloader.runtime.calibrate_cp_shards import ShardRow, fit_overhead, shard_layout, time_cp_shards

@@ -12,13 +12,13 @@ import pytest
 
 from packloader.balancers.cost import devices, presets
 from packloader.balancers.cost.cp_comm import cp_comm_for
-from packloader.balancers.cost.cp_shard import cp_shard_factors, uniform_overhead
+from packloader.balancers.cost.cp_shard_attention import cp_shard_factors, uniform_overhead
 from packloader.balancers.cost.devices import CPShardOverhead, load_device, read_device
 from packloader.balancers.cost.measured import base_profile, measured_profile
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.resolve import load_cost_model
 from packloader.balancers.offline import plan_run
-from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost
+from packloader.balancers.planners.doc_cp.price import DynamicCPCost
 from packloader.contracts import CostProfile, ParallelConfig, PlanConfig, Poly
 
 SHARD = CPShardOverhead(fwd={2: 1.5, 4: 1.25, 8: 1.1, 16: 1.05}, bwd={2: 1.4, 4: 1.2, 8: 1.1, 16: 1.05})

@@ -4,7 +4,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packloader.balancers.planners.registry import Window, make_planner
+from packloader.balancers.factory import make_planner
+from packloader.balancers.planners.registry import Window
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 

@@ -13,10 +13,10 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.planners.base import StepLayout
 from packloader.balancers.planners.bins import HEAP_MIN_BINS
 from packloader.balancers.planners.hydraulis import hydraulis_pack
-from packloader.balancers.planners.packing import cost_model_for
 from packloader.balancers.planners.wlb import wlb_pack
 from packloader.contracts import ParallelConfig, PlanConfig
 

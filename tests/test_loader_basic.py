@@ -196,7 +196,7 @@ def test_a_planners_queue_is_flushed_at_the_end_of_each_epoch():
 @pytest.mark.parametrize("strategy", [s for s in available_strategies() if s != "fixed"])
 def test_any_registered_planner_covers_every_token_once(strategy):
     try:
-        from packloader.balancers.planners.registry import make_planner
+        from packloader.balancers.factory import make_planner
 
         make_planner(config(strategy=strategy))
     except (ImportError, ValueError) as e:  # a planner whose module is not there yet

@@ -125,7 +125,7 @@ def test_drawn_steps_from_windows():
 
 
 def test_scores_run_on_a_real_planner_plan():
-    from packloader.balancers.planners.registry import make_planner
+    from packloader.balancers.factory import make_planner
 
     cfg = PlanConfig(strategy="fixed", parallel=ParallelConfig(dp=2, pp=2), max_tokens=4096, context=4096)
     lengths = np.random.default_rng(0).integers(64, 4096, size=40)

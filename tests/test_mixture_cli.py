@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers.docs import write_token_shards
 
-from packloader.balancers.planners.registry import cost_model_for
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.cli.main import main
 from packloader.contracts import PlanConfig
 

@@ -13,7 +13,9 @@ from helpers.distributed import run_ranks
 from helpers.pipeline_model import Llama, documents, loss_fn, reference
 from helpers.pipeline_run import assert_grads_close, grads_of, plan_inputs, sliced_stage
 
-from packloader.balancers.planners.registry import Window, cost_model_for, make_planner
+from packloader.balancers.cost.lookup import cost_model_for
+from packloader.balancers.factory import make_planner
+from packloader.balancers.planners.registry import Window
 from packloader.balancers.sim.actions import step_actions
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 

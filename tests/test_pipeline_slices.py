@@ -28,7 +28,8 @@ WITH_EMPTY_LENGTHS = {d: n for d, n in HAND_LENGTHS.items() if d != 106}
 
 
 def planner_plan(pp: int, strategy: str = "slimpack"):
-    from packloader.balancers.planners.registry import Window, make_planner
+    from packloader.balancers.factory import make_planner
+    from packloader.balancers.planners.registry import Window
     from packloader.contracts import PlanConfig, PlannerState
 
     lens = [70, 9, 14, 22, 5, 31, 12, 8, 17, 40, 6, 11]

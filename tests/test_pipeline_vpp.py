@@ -196,7 +196,8 @@ def test_zbv_needs_two_chunks_and_auto_considers_it():
 def test_auto_at_vpp2_plans_and_writes_zbv_lists():
     """`auto` under --schedule auto at vpp 2 scores interleaved 1F1B and ZB-V; its step records the choice,
     and the written lists follow it (V placement and W actions for ZB-V)."""
-    from packloader.balancers.planners.registry import Window, make_planner
+    from packloader.balancers.factory import make_planner
+    from packloader.balancers.planners.registry import Window
     from packloader.contracts import PlannerState
 
     lens = [700, 90, 140, 220, 50, 310, 120, 80, 170, 400, 60, 110] * 2

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from helpers.docs import token_docs
 
+from packloader.balancers.factory import make_planner
 from packloader.balancers.offline import plan_run
 from packloader.balancers.planners.contract import PlanContractError, check_step_plan
-from packloader.balancers.planners.registry import _REGISTRY, StepLayout, Window, load_plugins, make_planner
+from packloader.balancers.planners.registry import _REGISTRY, StepLayout, Window, load_plugins
 from packloader.cli.main import main
 from packloader.contracts import MicroBatch, ParallelConfig, PlanConfig, PlannerState, RankPlan, Segment, StepPlan
 from packloader.loader.loader import PackedLoader

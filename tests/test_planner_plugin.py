@@ -12,15 +12,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from packloader.balancers.factory import make_planner
 from packloader.balancers.planners.auto import AutoPlanner
-from packloader.balancers.planners.registry import (
-    _REGISTRY,
-    StepLayout,
-    Window,
-    load_plugins,
-    make_planner,
-    report_strategies,
-)
+from packloader.balancers.planners.registry import _REGISTRY, StepLayout, Window, load_plugins, report_strategies
 from packloader.balancers.sim.metrics import score_plan
 from packloader.cli.main import main
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState

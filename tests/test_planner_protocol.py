@@ -7,6 +7,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from packloader.balancers.factory import make_planner
 from packloader.balancers.planners.auto import AutoPlanner
 from packloader.balancers.planners.base import PackingPlanner, StepLayout
 from packloader.balancers.planners.hydraulis import HydraulisPlanner
@@ -16,7 +17,6 @@ from packloader.balancers.planners.registry import (
     Window,
     available_strategies,
     check_strategy,
-    make_planner,
     register_planner,
 )
 from packloader.balancers.sim.verify import verify_plan

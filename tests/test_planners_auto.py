@@ -9,9 +9,10 @@ from helpers.planners import candidate_plans
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.planners.auto import AutoPlanner
 from packloader.balancers.planners.fixed import best_fit_decreasing, bfd_pack
-from packloader.balancers.planners.packing import Pieces, cost_model_for
+from packloader.balancers.planners.packing import Pieces
 from packloader.balancers.planners.packing_measures import slice_edges, slice_edges_prefix
 from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.balancers.sim.metrics import score_plan
@@ -72,7 +73,7 @@ def test_auto_picks_the_fastest_candidate_by_plan_simulation():
 def test_plan_costs_match_the_cost_model_for_dp_merge_micro_batches():
     """Packing.costs fills DP-Merge costs with array code; CostModel.microbatch_times is the reference."""
     cfg = PlanConfig(strategy="slimpack", parallel=ParallelConfig(dp=4, pp=2), max_tokens=2048, context=16384)
-    from packloader.balancers.planners.registry import make_planner
+    from packloader.balancers.factory import make_planner
 
     plan, _ = make_planner(cfg).plan(Window.from_lengths(np.array([16000, 300, 200, 900, 50])), PlannerState(), 0)
     model = cost_model_for(cfg)

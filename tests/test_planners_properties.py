@@ -17,7 +17,8 @@ from helpers.planner_runs import PLANNERS, cut, encoded_run, longtail, run_plann
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packloader.balancers.planners.registry import StepLayout, make_planner
+from packloader.balancers.factory import make_planner
+from packloader.balancers.planners.registry import StepLayout
 from packloader.balancers.sim.verify import verify_plan
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState, StepPlan
 

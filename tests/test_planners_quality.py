@@ -13,10 +13,11 @@ import math
 import numpy as np
 import pytest
 
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.cost.model import CostModel
+from packloader.balancers.factory import make_planner
 from packloader.balancers.planners.hydraulis import HydraulisPlanner
-from packloader.balancers.planners.packing import cost_model_for
-from packloader.balancers.planners.registry import StepLayout, Window, make_planner
+from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.balancers.planners.slimpack import SlimPackPlanner
 from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.verify import verify_plan

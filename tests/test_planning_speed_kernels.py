@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packloader.balancers.cost.coeffs import LIN_BWD, LIN_FWD, doc_time_split
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.planners.bins import desc_order, desc_order_by
 from packloader.balancers.planners.hydraulis_kernels import _dispatch_longest_first, _dispatch_trial, hydraulis_dispatch
-from packloader.balancers.planners.packing import cost_model_for
 from packloader.balancers.planners.slimpack_kernels import lpt_dispatch
 from packloader.balancers.planners.wlb import deal_bins
 from packloader.contracts import ParallelConfig, PlanConfig
@@ -192,10 +192,11 @@ def test_slice_edges_with_sparse_document_ids(lengths, dp, shift):
 def test_one_stage_step_time_equals_the_simulator(lengths, dp, strategy, nmb):
     """At PP 1 under 1F1B the step time is summed for ranks without slice edges and simulated for the others:
     bit for bit the simulator's on every rank."""
+    from packloader.balancers.factory import make_planner
     from packloader.balancers.planners.base import StepLayout
     from packloader.balancers.planners.packing import Pieces
     from packloader.balancers.planners.packing_measures import slice_edges_prefix
-    from packloader.balancers.planners.registry import Window, make_planner
+    from packloader.balancers.planners.registry import Window
     from packloader.balancers.planners.schedule_choice import packing_step_time
     from packloader.balancers.sim.kernels import SCHEDULES, step_times_ranks_sliced
     from packloader.contracts import PlannerState
@@ -221,10 +222,11 @@ def test_one_stage_peaks_equal_the_simulator(lengths, dp, strategy):
     """At PP 1 under 1F1B peak memory is stepped through for ranks without slices and simulated for the others:
     bit for bit the simulator's on every rank."""
     from packloader.balancers.cost.memory import memory_model_for
+    from packloader.balancers.factory import make_planner
     from packloader.balancers.planners.base import StepLayout
     from packloader.balancers.planners.packing import Pieces
     from packloader.balancers.planners.packing_measures import slice_edges_prefix
-    from packloader.balancers.planners.registry import Window, make_planner
+    from packloader.balancers.planners.registry import Window
     from packloader.balancers.sim.peaks import packing_peaks, peaks_ranks_sliced, stage_bytes
     from packloader.contracts import PlannerState
 

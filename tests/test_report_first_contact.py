@@ -10,8 +10,8 @@ import types
 import numpy as np
 import pytest
 
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.offline import plan_run
-from packloader.balancers.planners.packing import cost_model_for
 from packloader.balancers.sim.metrics import score_plan
 from packloader.cli.main import main
 from packloader.contracts import ParallelConfig, PlanConfig

@@ -192,7 +192,7 @@ def test_auto_takes_no_more_micro_batches_than_its_floor_pays(tmp_path):
     from packloader.balancers.cost.model import CostModel
     from packloader.balancers.cost.profile_io import load_profile, save_profile
     from packloader.balancers.draw import draw_windows
-    from packloader.balancers.planners.registry import make_planner
+    from packloader.balancers.factory import make_planner
     from packloader.balancers.sim.simulator import simulate_step
     from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 

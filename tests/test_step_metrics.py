@@ -191,7 +191,7 @@ def plan_delays(lengths, cfg, planner):
 def test_delay_equals_the_plan_reports(delaying):
     from helpers.planners import DelayingPlanner
 
-    from packloader.balancers.planners.registry import make_planner
+    from packloader.balancers.factory import make_planner
 
     cfg = spanning_config(dp=2)
     lengths = [100, 2600, 300, 40, 3100, 90, 700, 5, 1500, 60]

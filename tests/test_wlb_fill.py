@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from packloader.balancers.planners.registry import StepLayout, Window, make_planner
+from packloader.balancers.factory import make_planner
+from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.balancers.planners.wlb import WLBPlanner
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 

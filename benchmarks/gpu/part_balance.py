@@ -23,7 +23,7 @@ from gpu_plan import PlanProfile, plan_profile, planner_warnings
 
 from packloader.balancers.cost import presets
 from packloader.balancers.draw import draw_windows
-from packloader.balancers.planners.registry import make_planner
+from packloader.balancers.factory import make_planner
 from packloader.balancers.sim.simulator import simulate_step
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 

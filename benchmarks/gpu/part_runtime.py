@@ -72,7 +72,7 @@ def _stage_through_cpu() -> None:
 
 def _cp_rank(rank, world, device, dtype, backend, packs):
     """On one CP rank: cp_attention and remapped attention of each pack against the whole-pack reference."""
-    from packloader.collate.cp_shard import plan_cp_shards
+    from packloader.collate.cp_sequence_shards import plan_cp_shards
     from packloader.runtime.cp_attention import cp_attention
     from packloader.runtime.cp_cost import cp_cost
     from packloader.runtime.remap import Remapper, micro_batch_layouts

@@ -25,7 +25,7 @@ from packloader.balancers.cost.measured import measured_profile  # noqa: E402
 from packloader.balancers.cost.model import CostModel  # noqa: E402
 from packloader.balancers.cost.profile_io import load_profile  # noqa: E402
 from packloader.balancers.draw import draw_windows  # noqa: E402
-from packloader.balancers.planners.registry import make_planner  # noqa: E402
+from packloader.balancers.factory import make_planner  # noqa: E402
 from packloader.balancers.sim.simulator import simulate_step  # noqa: E402
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState  # noqa: E402
 

@@ -23,7 +23,7 @@ relies on ``loss_mask`` to drop them.
 
 Context parallelism, two layouts (``cp_layout``):
 
-``"packloader"`` (default) this CP rank's shard from ``packloader.collate.cp_shard`` (mode ``cp_mode``, default
+``"packloader"`` (default) this CP rank's shard from ``packloader.collate.cp_sequence_shards`` (mode ``cp_shard_mode``, default
                  "document": every document in 2 x CP chunks, remainders dealt round-robin, no padding, so documents
                  need not be multiples of 2 x CP). ``PackedSeqParams`` then describes this rank's *local* query runs
                  (``cu_seqlens_q``) and the keys each run sees in the all-gathered buffer (``cu_seqlens_kv``); the
@@ -91,11 +91,11 @@ document's earlier slices in earlier micro-batches of the same step):
   ``sequence_parallel`` (activations between stages split over TP ranks), CP > 1,
   ``calculate_per_token_loss=False``, DP-Merge micro-batches (``MicroBatch.dp_group``). An iterator without
   ``slices=True`` refuses the first sliced batch at PP > 1, naming ``pipeline_model_parallel_size``.
-* CP > 1 with slices is refused too (``packloader.collate.cp_shard`` does not shard slices).
+* CP > 1 with slices is refused too (``packloader.collate.cp_sequence_shards`` does not shard slices).
 
 Per-document context parallelism (``StepPlan.cp_mode`` "dynamic", ``PackedLoader(..., cp_rank=...)``):
 ``megatron_dynamic_cp_batches`` turns one pool GPU's batch into the sub-samples megatron-core's hybrid context
-parallelism runs, one per CP group, with ``PackedSeqParams.local_cp_size`` and ``cp_group`` (``dynamic_cp.py``).
+parallelism runs, one per CP group, with ``PackedSeqParams.local_cp_size`` and ``cp_group`` (``hybrid_cp_batches.py``).
 
 Step metrics: ``MegatronDataIterator`` logs each step's ``packloader.StepMetrics`` once, at its first micro-batch
 (logger ``packloader.megatron``, level INFO: predicted step time, imbalance, DP spread, bubbles, tokens, loss
@@ -115,8 +115,8 @@ from .batch import (
     megatron_batch,
     te_partition_index,
 )
-from .dynamic_cp import megatron_dynamic_cp_batches
 from .entry_loss import forward_step_by_entry, loss_func_by_entry
+from .hybrid_cp_batches import megatron_dynamic_cp_batches
 from .pipeline import check_sliced_pipeline_config, pipeline_schedule_of, sliced_pipeline_forward_backward
 from .pipeline_chunks import check_chunk_placement, v_shape_model_chunks
 from .slices import PackloaderCoreAttention, sliced_forward_backward

@@ -16,6 +16,7 @@ from packloader.loader.step_metrics import format_step_metrics
 from .._common import check_micro_batches, flat, pipeline_alternative, placeholder_batch, refuse_dp_merge, refuse_slices
 from .._lazy import require
 from ..entry_loss import token_entries
+from .shard_mode import shard_mode_of
 
 SLICES_PP_ALTERNATIVE = "plan with PlanConfig(allow_slicing=False)"
 
@@ -73,10 +74,10 @@ def _thd_rows(batch: PackedBatch, cp_size: int, cp_rank: int, sliced: bool, ids,
     return ids, lab, pos, params
 
 
-def _packloader_cp_rows(batch: PackedBatch, cp_size: int, cp_rank: int, cp_mode: str, cost_model: Any, ids, lab):
+def _packloader_cp_rows(batch: PackedBatch, cp_size: int, cp_rank: int, shard_mode: str, cost_model: Any, ids, lab):
     """packloader's balanced CP shard of the unpadded micro-batch; the shard travels on the params down to
     `PackloaderCoreAttention`."""
-    from packloader.collate.cp_shard import plan_cp_shards
+    from packloader.collate.cp_sequence_shards import plan_cp_shards
     from packloader.runtime.cp_cost import cp_cost
 
     PackedSeqParams = _packed_seq_params_cls()
@@ -85,7 +86,7 @@ def _packloader_cp_rows(batch: PackedBatch, cp_size: int, cp_rank: int, cp_mode:
                          "pad_to_multiple / pad_to_tokens")
     lengths = [s.end - s.start for s in batch.segments]
     offsets = [s.start - s.attend_from for s in batch.segments]  # the collate's positions (0: no slices)
-    shard = plan_cp_shards(lengths, cp_size, cp_mode, position_offsets=offsets, cost=cp_cost(cost_model))[cp_rank]
+    shard = plan_cp_shards(lengths, cp_size, shard_mode, position_offsets=offsets, cost=cp_cost(cost_model))[cp_rank]
     index = torch.from_numpy(shard.token_index)
     ids, lab = ids[index], lab[index]
     pos = torch.from_numpy(shard.position_ids)
@@ -111,16 +112,18 @@ def megatron_batch(
     cp_size: int = 1,
     cp_rank: int = 0,
     cp_layout: str = "packloader",
-    cp_mode: str = "document",
+    cp_shard_mode: str = "document",
     cost_model: Any = None,
     label_pad: int = 0,
     device: Any = None,
     slices: bool = False,
+    cp_mode: str | None = None,
 ) -> dict[str, Any]:
     """One PackedBatch -> the dict Megatron's GPT ``get_batch`` returns, for this CP rank (see the module). With
     ``slices=True`` a sliced batch (CP 1 only) is passed on for ``sliced_forward_backward``: its
     ``PackedSeqParams`` count this batch's own rows (``cu_seqlens_kv == cu_seqlens_q``; the earlier slices' keys come
     from the executor's cache) and ``batch["segments"]`` holds the segments."""
+    cp_shard_mode = shard_mode_of(cp_shard_mode, cp_mode, "megatron_batch")
     if cp_layout not in CP_LAYOUTS:
         raise ValueError(f"cp_layout must be one of {CP_LAYOUTS}, got {cp_layout!r}")
     if not (0 <= cp_rank < cp_size):
@@ -140,7 +143,7 @@ def megatron_batch(
     if cp_size == 1 or cp_layout == "te":
         ids, lab, pos, params = _thd_rows(batch, cp_size, cp_rank, sliced, ids, lab, pos)
     else:
-        ids, lab, pos, params, shard = _packloader_cp_rows(batch, cp_size, cp_rank, cp_mode, cost_model, ids, lab)
+        ids, lab, pos, params, shard = _packloader_cp_rows(batch, cp_size, cp_rank, cp_shard_mode, cost_model, ids, lab)
     out = gpt_sample(ids, lab, pos, params, label_pad, device)
     out["cp_shard"] = shard
     out["num_loss_tokens_in_step"] = int(batch.loss_tokens_in_step)
@@ -181,15 +184,17 @@ class MegatronDataIterator:
     ``log_metrics``: log each step's StepMetrics line (default: on global rank 0 only, so 2 ranks log it once)."""
 
     def __init__(self, loader: Iterable[PackedBatch], *, num_microbatches: int | None = None, cp_size: int = 1,
-                 cp_rank: int = 0, cp_layout: str = "packloader", cp_mode: str = "document", cost_model: Any = None,
-                 label_pad: int = 0, device: Any = None, slices: bool = False,
-                 pipeline_parallel_size: int | None = None, log_metrics: bool | None = None) -> None:
+                 cp_rank: int = 0, cp_layout: str = "packloader", cp_shard_mode: str = "document",
+                 cost_model: Any = None, label_pad: int = 0, device: Any = None, slices: bool = False,
+                 pipeline_parallel_size: int | None = None, log_metrics: bool | None = None,
+                 cp_mode: str | None = None) -> None:
         self.loader = loader
         self.log_metrics = _global_rank() == 0 if log_metrics is None else bool(log_metrics)
         self.num_microbatches = num_microbatches
         self.pipeline_parallel_size = _pp_size() if pipeline_parallel_size is None else int(pipeline_parallel_size)
         self.slices = slices
-        self._kw = dict(cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout, cp_mode=cp_mode,
+        self._kw = dict(cp_size=cp_size, cp_rank=cp_rank, cp_layout=cp_layout,
+                        cp_shard_mode=shard_mode_of(cp_shard_mode, cp_mode, "MegatronDataIterator"),
                         cost_model=cost_model, label_pad=label_pad, device=device, slices=slices)
         self._it: Iterator[PackedBatch] | None = None
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from packloader.balancers.draw import draw_windows
+from packloader.balancers.factory import make_planner
 from packloader.balancers.planners.config_rules import validate_config
 from packloader.balancers.planners.contract import check_step_plan, rank_caps
-from packloader.balancers.planners.registry import StepLayout, Window, make_planner
+from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 

@@ -11,7 +11,7 @@
 
 The profile is per pipeline stage (`--layers` layers, default the preset's layers / `--pp`, or 1 for an explicit
 shape) on one GPU (CP 1); the balancers load it with `--model profile.json` / `load_cost_model(path)`, which at
-`--cp` > 1 scales it to one CP rank's share (`cost.cp_shard.scale_profile_to_cp`).
+`--cp` > 1 scales it to one CP rank's share (`cost.cp_shard_attention.scale_profile_to_cp`).
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from packloader.contracts import PlanConfig
 
 
 def print_entries(stream, lengths: np.ndarray, config: PlanConfig, steps: int, out_dir: str | None) -> None:
+    from packloader.balancers.cost.lookup import cost_model_for
     from packloader.balancers.offline import plan_run
     from packloader.balancers.planners.config_rules import validate_config
-    from packloader.balancers.planners.registry import cost_model_for
     from packloader.cli.mixture_option import target_shares
     from packloader.report.mixture_table import entry_rows, render_entries
 

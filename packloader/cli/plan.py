@@ -132,8 +132,9 @@ def _entry_shares(stream, windows) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from packloader.balancers.cost.lookup import cost_model_for
+    from packloader.balancers.factory import make_planner
     from packloader.balancers.offline import plan_run
-    from packloader.balancers.planners.registry import cost_model_for, make_planner
     from packloader.balancers.sim.metrics import drawn_steps, score_plans
     from packloader.cli.kernel_cache import COMMON, KERNELS, say_if_compiling
 

@@ -57,7 +57,7 @@ class PackedBatch:
     # a mixture's entry of each segment (int64 [S], an index into `entry_names`); None for a single source
     entries: torch.Tensor | None = None
     entry_names: list[str] | None = None
-    # Per-document CP (StepPlan.cp_mode "dynamic"): this pool GPU's part, a collate.cp_dynamic.DynamicCPShard; the
+    # Per-document CP (StepPlan.cp_mode "dynamic"): this pool GPU's part, a collate.cp_document_shards.DynamicCPShard; the
     # token tensors then hold this GPU's tokens only, cu_seqlens its query runs, cu_seqlens_k their gathered keys
     cp: Any = None
 
@@ -97,7 +97,7 @@ class PackedBatch:
             raise ValueError(
                 f"PackedBatch.to_hf(): step {self.step}, micro-batch {self.index_in_step} is one GPU's part of a "
                 "per-document CP micro-batch whose keys are spread over its CP groups: run its attention with "
-                "packloader.runtime.cp_dynamic.dynamic_cp_attention")
+                "packloader.runtime.cp_document_attention.dynamic_cp_attention")
         for s in self.segments:
             if s.attend_from != s.start:
                 raise SlicesNotSupported(

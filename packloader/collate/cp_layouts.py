@@ -1,5 +1,5 @@
 """How a micro-batch's tokens can be laid out over CP ranks (runs of the packed row per rank: sequence,
-document, hierarchical) and what each layout costs under the caller's estimate; `cp_shard` picks one and builds
+document, hierarchical) and what each layout costs under the caller's estimate; `cp_sequence_shards` picks one and builds
 the shard metadata."""
 
 from __future__ import annotations

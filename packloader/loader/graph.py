@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import msgspec
 from torchdata.nodes import ParallelMapper, Prefetcher
 
-from packloader.balancers.planners.registry import make_planner
+from packloader.balancers.factory import make_planner
 from packloader.collate.batch import PackedBatch
 from packloader.contracts import PlanConfig
 from packloader.loader.chunks import ChunkLoader, ChunkNode

@@ -1,6 +1,6 @@
 """Which part of a step's plan is this loader's: its DP rank's RankPlan, or, under per-document context parallelism
 (`StepPlan.cp_mode` "dynamic", one RankPlan per GPU of the DP x CP pool), pool GPU `dp_rank * cp + cp_rank`'s, each
-micro-batch cut to that GPU's tokens (`collate.cp_dynamic.localize`). Every token of a dynamic micro-batch lands on
+micro-batch cut to that GPU's tokens (`collate.cp_document_shards.localize`). Every token of a dynamic micro-batch lands on
 exactly one GPU of its group, so the pool trains each token once."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from packloader.collate.batch import PackedBatch
-from packloader.collate.cp_dynamic import check_chains, localize
+from packloader.collate.cp_document_shards import check_chains, localize
 from packloader.contracts import MicroBatch, ParallelConfig, StepPlan
 
 

@@ -26,11 +26,11 @@ import numpy as np
 
 from packloader.balancers.cost import presets
 from packloader.balancers.cost.cp_comm import CPComm, cp_comm_for
-from packloader.balancers.cost.cp_shard import scale_profile_to_cp
+from packloader.balancers.cost.cp_shard_attention import scale_profile_to_cp
 from packloader.balancers.cost.memory import memory_limit_bytes
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.resolve import RankCosts
-from packloader.balancers.planners.dynamic_cp_choice import fixed_with_comm
+from packloader.balancers.planners.doc_cp.choice import fixed_with_comm
 from packloader.balancers.planners.registry import rank_costs_planner
 from packloader.balancers.sim.metrics import score_plans
 from packloader.balancers.sim.simulator import simulate_step
@@ -47,7 +47,7 @@ def fits(fig: StrategyFigures, memory) -> bool:
 
 def merged_model(model: CostModel, g: int) -> CostModel:
     """The cost of one of g GPUs running a micro-batch together as context parallelism: one GPU's share of it
-    (`cost.cp_shard.scale_profile_to_cp`: attention slopes and the linear part's tokens divided by g, floors and
+    (`cost.cp_shard_attention.scale_profile_to_cp`: attention slopes and the linear part's tokens divided by g, floors and
     the per-document term kept), as fixed CP at cp x g prices it."""
     if g == 1:
         return model

@@ -18,7 +18,7 @@ from packloader.balancers.planners.config_rules import validate_config
 from packloader.balancers.planners.registry import report_strategies
 from packloader.balancers.sim.simulator import simulate_step
 from packloader.contracts import PlanConfig, plan_encoder
-from packloader.report import dynamic_cp, plots
+from packloader.report import doc_cp_row, plots
 from packloader.report.advice import fits, recommend
 from packloader.report.draw import Draw, draw_steps
 from packloader.report.figures import (
@@ -166,8 +166,8 @@ def _build_report(lengths: Lengths, config: PlanConfig, options: ReportOptions |
     finally:
         bar.close()
     advice_figs = list(figs)  # the advice tries fixed-CP strategies only
-    if dynamic_cp.wanted(config):  # per-document CP's row and whether it wins (issue 26)
-        run, fig, note = dynamic_cp.dynamic_cp_row(config, draw, model, runs, figs, memory)
+    if doc_cp_row.wanted(config):  # per-document CP's row and whether it wins (issue 26)
+        run, fig, note = doc_cp_row.dynamic_cp_row(config, draw, model, runs, figs, memory)
         runs[fig.name] = run
         figs.append(fig)
         notes.append(note)
@@ -215,7 +215,7 @@ def _write(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: Cost
 
 
 def _plots(report: Report, runs: dict[str, StrategyRun], draw: Draw, model: CostModel, config: PlanConfig, out: Path, memory=None) -> dict[str, str]:
-    ok = [f for f in report.strategies if f.status == "ok" and f.name != dynamic_cp.pool_planner()]  # its plans: a pool of GPUs
+    ok = [f for f in report.strategies if f.status == "ok" and f.name != doc_cp_row.pool_planner()]  # its plans: a pool of GPUs
     roles = {f.name: f.role for f in ok}
     images: dict[str, str] = {}
     L = report.lengths

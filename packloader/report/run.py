@@ -12,8 +12,9 @@ from typing import Callable
 import msgspec
 import numpy as np
 
+from packloader.balancers.factory import make_planner
 from packloader.balancers.planners.contract import check_step_plan, rank_caps
-from packloader.balancers.planners.registry import Planner, StepLayout, Window, make_planner, planner_spec
+from packloader.balancers.planners.registry import Planner, StepLayout, Window, planner_spec
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 from packloader.report.draw import Draw
 

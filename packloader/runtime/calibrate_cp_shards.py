@@ -1,8 +1,8 @@
 """Measuring the CP-shard overhead on one GPU, for the device file's `cp_shard` (`balancers.cost.devices.
-CPShardOverhead`), which fixed and per-document CP both price shards with (`balancers.cost.cp_shard`).
+CPShardOverhead`), which fixed and per-document CP both price shards with (`balancers.cost.cp_shard_attention`).
 
 The cost model prices a document's CP shard on each of s GPUs at 1/s of the document's attention. Under the zigzag
-layout per-document CP shards with (`collate.cp_dynamic.plan_dynamic_cp`, each document in 2s chunks, rank i taking
+layout per-document CP shards with (`collate.cp_document_shards.plan_dynamic_cp`, each document in 2s chunks, rank i taking
 chunks i and 2s - 1 - i), a rank runs two short query runs against their prefix keys: kernels run those below the
 whole document's rate, and the ranks of a CP group wait for the slowest one every layer. `time_cp_shards` times,
 for each document length and CP size, `varlen_attention` (forward and backward) on the whole document and on every
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from packloader.balancers.cost.devices import CPShardOverhead, Device
-from packloader.collate.cp_dynamic import plan_dynamic_cp
+from packloader.collate.cp_document_shards import plan_dynamic_cp
 from packloader.contracts import CPPlacement, Segment
 from packloader.runtime.calibrate import LayerShape, _time_fwd_bwd
 

@@ -1,7 +1,7 @@
 """Context-parallel attention over packed documents (all-gather K/V, per-document query runs).
 
 Each CP rank holds the query, key and value rows of the tokens its shard owns (``CPRankShard.token_index``, in
-increasing packed order; ``packloader.collate.cp_shard`` builds the shards for the sequence, document and
+increasing packed order; ``packloader.collate.cp_sequence_shards`` builds the shards for the sequence, document and
 hierarchical modes). ``cp_attention``:
 
 1. all-gathers the keys and values of the CP group (for GQA the Hkv heads only; one collective for K and V

@@ -29,9 +29,9 @@ from typing import Any, Hashable, Sequence
 import torch
 import torch.distributed as dist
 
-from packloader.collate.cp_dynamic import check_chains
+from packloader.collate.cp_document_shards import check_chains
 from packloader.contracts import CPPlacement, MicroBatch, Segment
-from packloader.runtime.cp_dynamic import dynamic_cp_attention
+from packloader.runtime.cp_document_attention import dynamic_cp_attention
 from packloader.runtime.groups import ProcessGroupCache, cp_pool_group
 from packloader.runtime.slice_cache import SliceKVCache
 from packloader.runtime.slices import SliceContext, SliceExecutor
@@ -40,7 +40,7 @@ __all__ = ["DynamicCPContext", "DynamicCPExecutor"]
 
 
 class _Hooks:
-    """One attention call's side of the cache (`cp_dynamic.ChainHooks`)."""
+    """One attention call's side of the cache (`cp_document_attention.ChainHooks`)."""
 
     def __init__(self, ctx: "DynamicCPContext", layer: Hashable) -> None:
         self.ctx, self.layer = ctx, layer

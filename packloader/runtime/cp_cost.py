@@ -1,4 +1,4 @@
-"""The cost estimate that context-parallel sharding balances (`collate.cp_shard.CPCost`), built from a cost model.
+"""The cost estimate that context-parallel sharding balances (`collate.cp_sequence_shards.CPCost`), built from a cost model.
 
 Sharding lives in collate and knows no cost model; the runtime and the integrations, which know the model, build
 its estimate here and pass it in.
@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from packloader.collate.cp_shard import CPCost, TileEstimate
+from packloader.collate.cp_sequence_shards import CPCost, TileEstimate
 
 DEFAULT_MODEL = "llama3-8b"  # the measured H100 profile
 

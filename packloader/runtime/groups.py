@@ -202,7 +202,7 @@ def dp_merge_group(mb: MicroBatch, *, dp_rank: int, rank_map: Sequence[int] | No
 def dp_merge_shard(mb: MicroBatch, *, dp_rank: int, rank_map: Sequence[int] | None = None, **shard_kwargs: Any):
     """This DP rank's CPRankShard of DP-Merge micro-batch `mb` (mode: `mode=`, else adaptive;
     `cost_model=`: the estimate's model, default the llama3-8b preset)."""
-    from packloader.collate.cp_shard import shard_micro_batch
+    from packloader.collate.cp_sequence_shards import shard_micro_batch
     from packloader.runtime.cp_cost import cp_cost
 
     if not mb.dp_group or dp_rank not in mb.dp_group:

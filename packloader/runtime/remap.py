@@ -7,7 +7,7 @@ of tokens. Attention costs grow with the square of a document's length, so it wa
 
 A `Layout` says, for each rank of a process group, which global token indices (positions in the packed
 micro-batch) it holds, in its local order. `micro_batch_layouts` builds both layouts of a micro-batch from its
-segments (the attention layout is `packloader.collate.cp_shard`'s hierarchical CP sharding, whose per-rank
+segments (the attention layout is `packloader.collate.cp_sequence_shards`'s hierarchical CP sharding, whose per-rank
 metadata `packloader.runtime.cp_attention` runs); `Remapper` (or the functional `remap`) moves `[tokens, ...]` activations from one layout to the other
 as an autograd operation: the backward pass is the inverse exchange of the gradients, so gradients are exact
 (a layout is a permutation of the tokens: each token is held by exactly one rank).
@@ -46,7 +46,7 @@ Method = Literal["auto", "all_to_all", "all_gather"]
 class Layout:
     """Which global tokens each rank holds: `indices[r]` (int64) are rank r's tokens in its local order.
 
-    `shards`, on an attention layout built by `micro_batch_layouts`, is the `packloader.collate.cp_shard`
+    `shards`, on an attention layout built by `micro_batch_layouts`, is the `packloader.collate.cp_sequence_shards`
     plan it came from: per rank, the query runs, position ids and key ranges that its attention needs (whole
     documents run locally; a sharded one through `packloader.runtime.cp_attention`), and the estimated cost.
     """
@@ -108,13 +108,13 @@ def micro_batch_layouts(
 
     `segments`: the micro-batch's segments (packed in order; positions as the collate gives them, from 0 at each
     document or independent piece) or plain lengths. The linear layout: equal contiguous token counts. The attention layout: the CP
-    shards of `packloader.collate.cp_shard.plan_cp_shards` in `mode` (default Zeppelin's hierarchical: short
+    shards of `packloader.collate.cp_sequence_shards.plan_cp_shards` in `mode` (default Zeppelin's hierarchical: short
     documents whole on one rank, long ones in 2 x world_size chunks, rank i taking chunks i and 2W-1-i,
     balancing the estimated attention time of `cost_model`) with `remapped=True`, since the linear layers run in
     the linear layout and only attention counts; `shard_options` go to plan_cp_shards. Slices (attend_from <
     start) are refused: their earlier keys live in a KV cache outside the micro-batch.
     """
-    from packloader.collate.cp_shard import plan_cp_shards
+    from packloader.collate.cp_sequence_shards import plan_cp_shards
     from packloader.runtime.cp_cost import cp_cost
 
     W = int(world_size)

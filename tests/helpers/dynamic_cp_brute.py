@@ -9,7 +9,7 @@ import itertools
 
 import numpy as np
 
-from packloader.balancers.planners.dynamic_cp import DynamicCPPlanner
+from packloader.balancers.planners.doc_cp.planner import DynamicCPPlanner
 from packloader.contracts import ParallelConfig, PlanConfig, StepPlan
 
 

@@ -634,7 +634,8 @@ def prepare_parent(strategies=("auto", "wlb")) -> None:
     import torchdata.stateful_dataloader  # noqa: F401
 
     import packloader.loader.loader  # noqa: F401
-    from packloader.balancers.planners.registry import StepLayout, Window, make_planner
+    from packloader.balancers.factory import make_planner
+    from packloader.balancers.planners.registry import StepLayout, Window
     from packloader.contracts import PlannerState
     from packloader.sources.jsonl import JsonlSource  # noqa: F401
     from packloader.sources.parquet import ParquetSource  # noqa: F401

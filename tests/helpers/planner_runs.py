@@ -6,7 +6,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from packloader.balancers.planners.registry import StepLayout, Window, make_planner
+from packloader.balancers.factory import make_planner
+from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 
 PLANNERS = ["wlb", "hydraulis", "slimpack", "auto"]

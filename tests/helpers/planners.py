@@ -9,9 +9,10 @@ import time
 import msgspec
 import numpy as np
 
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.planners.auto import AutoPlanner, Candidate
 from packloader.balancers.planners.fixed import FixedPlanner
-from packloader.balancers.planners.packing import Pieces, cost_model_for
+from packloader.balancers.planners.packing import Pieces
 from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.contracts import CostProfile, PlanConfig, PlannerState, Poly, QueuedDoc, StepPlan
 

@@ -71,7 +71,7 @@ class CPShardOverhead(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     size s (2, 4, 8, 16: JSON keys "2", ...), forward and backward: the slowest rank's zigzag shard (two chunks of
     L/(2s) queries against their prefix keys) times s over the whole document's time, as `packloader calibrate
     --cp-shards` measures it on one GPU. Fixed and per-document CP both price a shard by it
-    (`cost.cp_shard.shard_attention`); no `cp_shard` in a device file prices a shard at exactly 1/s."""
+    (`cost.cp_shard_attention.shard_attention`); no `cp_shard` in a device file prices a shard at exactly 1/s."""
 
     fwd: dict[int, Factor]
     bwd: dict[int, Factor]

@@ -36,7 +36,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost import presets
-from packloader.balancers.cost.cp_shard import cp_shard_factors, factor_note, scale_profile_to_cp
+from packloader.balancers.cost.cp_shard_attention import cp_shard_factors, factor_note, scale_profile_to_cp
 from packloader.balancers.cost.devices import DEFAULT_DEVICE, Device, load_device
 from packloader.balancers.cost.fit import Timings, choose_tile, profile_from_table
 from packloader.balancers.cost.model import CostModel

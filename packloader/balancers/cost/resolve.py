@@ -11,7 +11,7 @@ from typing import Literal, Sequence
 import msgspec
 
 from packloader.balancers.cost import presets
-from packloader.balancers.cost.cp_shard import scale_profile_to_cp, with_cp_shard
+from packloader.balancers.cost.cp_shard_attention import scale_profile_to_cp, with_cp_shard
 from packloader.balancers.cost.devices import DEFAULT_DEVICE, load_device
 from packloader.balancers.cost.measured import measured_profile
 from packloader.balancers.cost.memory import max_tokens_for_memory

@@ -63,6 +63,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.coeffs import doc_time_split
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.cost.memory import GiB, MemoryModel, memory_limit_bytes, memory_model_for, over_memory_text
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.planners.auto_step import Candidate, Scored, StepContext, queued_arrays
@@ -76,7 +77,6 @@ from packloader.balancers.planners.registry import (
     Planner,
     StepLayout,
     Window,
-    cost_model_for,
     planner_specs,
     register_planner,
 )

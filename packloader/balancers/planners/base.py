@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import ClassVar, Union
 
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.resolve import RankCosts
 from packloader.balancers.planners.packing import Packing, Pieces
-from packloader.balancers.planners.registry import StepLayout, Window, cost_model_for
+from packloader.balancers.planners.registry import StepLayout, Window
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 Model = Union[CostModel, RankCosts]  # one model for every DP rank, or one (and a token cap) per rank

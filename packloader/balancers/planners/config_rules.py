@@ -86,8 +86,8 @@ def check_device(config: PlanConfig) -> None:
 
 
 def check_model(config: PlanConfig) -> None:
+    from packloader.balancers.cost.lookup import cost_model_for
     from packloader.balancers.cost.presets import preset_names
-    from packloader.balancers.planners.packing import cost_model_for
 
     try:
         cost_model_for(config)

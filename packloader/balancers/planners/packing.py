@@ -25,8 +25,9 @@ from packloader.balancers.cost.coeffs import (
     microbatch_times_csr,
     segment_times_kernel,
 )
+from packloader.balancers.cost.lookup import cost_model_for  # noqa: F401 (re-exported)
 from packloader.balancers.cost.model import CostModel
-from packloader.balancers.planners.registry import Window, cost_model_for  # noqa: F401 (re-exported)
+from packloader.balancers.planners.registry import Window  # noqa: F401 (re-exported)
 from packloader.contracts import MicroBatch, PlannerState, QueuedDoc, RankPlan, Segment, StepPlan
 
 

@@ -6,15 +6,14 @@ planner added from outside the package (`register_planner` in any module) is a s
 from __future__ import annotations
 
 import importlib
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol
 
 import msgspec
 import numpy as np
 
+from packloader.balancers.cost.lookup import cost_model_for  # noqa: F401 (the planners' and plugins' import path)
 from packloader.balancers.cost.model import CostModel
-from packloader.balancers.cost.resolve import load_cost_model
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
 
@@ -140,7 +139,7 @@ class PlannerSpec:
 _REGISTRY: dict[str, PlannerSpec] = {}
 # The modules of the planners that ship. Each registers its own names when imported, so the registry is the one
 # list of names; they are imported on the first lookup of a name not yet registered.
-_BUILTIN_MODULES = ("fixed", "wlb", "hydraulis", "slimpack", "auto", "concat", "multipack", "verl", "dynamic_cp")
+_BUILTIN_MODULES = ("fixed", "wlb", "hydraulis", "slimpack", "auto", "concat", "multipack", "verl", "doc_cp.planner")
 _builtins_loaded = False
 
 
@@ -235,41 +234,5 @@ def check_planner_options(config: PlanConfig) -> None:
         _REGISTRY[name].parse_options(raw)
 
 
-def asks_for_pool(config: PlanConfig) -> bool:
-    """Whether the config opts into per-document CP (cp_mode "dynamic" or "auto"), whose plans need a runtime that
-    runs per-document CP subgroups."""
-    return config.cp_mode != "fixed"
-
-
-def make_planner(config: PlanConfig, model: CostModel | None = None) -> Planner:
-    """The configured strategy's planner, `model` injected (default: the config's own, `cost_model_for`); with
-    config.cp_mode "dynamic" or "auto", per-document CP's (`planners.dynamic_cp_choice`)."""
-    if asks_for_pool(config) and not planner_spec(config.strategy).cp_pool:
-        choice = importlib.import_module("packloader.balancers.planners.dynamic_cp_choice")
-        return choice.cp_mode_planner(config, model)
-    return planner_spec(config.strategy).build(config, model)
-
-
 def available_strategies() -> list[str]:
     return [s.name for s in planner_specs()]
-
-
-_MODELS: dict[tuple, CostModel] = {}
-log = logging.getLogger("packloader.cost")
-DEFAULT_MODEL = PlanConfig().model
-
-
-def cost_model_for(config: PlanConfig) -> CostModel:
-    """The config's cost model (preset name or profile path, on `config.device`, `config.cost`), loaded once per
-    process; the first load logs (info) which model and device price the plans."""
-    key = (config.model, config.parallel, config.device, config.cost)
-    model = _MODELS.get(key)
-    if model is None:
-        model = _MODELS[key] = load_cost_model(config.model, config.parallel, device=config.device, cost=config.cost)
-        note = ""
-        if config.model == DEFAULT_MODEL:
-            note = (" (PlanConfig.model's default: to price your own model, pass model=packloader.model_spec(its "
-                    "Hugging Face or Megatron config), or a profile from `packloader calibrate`)")
-        log.info("plans are priced as %s on %s by cost model %s%s; %s", config.model, config.device.upper(),
-                 model.name, note, model.profile.source or model.profile.device)
-    return model

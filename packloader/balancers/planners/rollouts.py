@@ -15,8 +15,8 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.coeffs import microbatch_times_by_id
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.cost.model import CostModel
-from packloader.balancers.planners.registry import cost_model_for
 from packloader.balancers.planners.rollout_pack import balanced_partitions, rank_micro_batches
 from packloader.balancers.planners.verl import verl_order
 from packloader.contracts import PlanConfig

@@ -276,7 +276,7 @@ def score_plan(
     pp, vpp = parallel.pp, parallel.vpp
     schedule = plan_schedule(plan, schedule, vpp)
     # a per-document CP plan is scored on its own costs: one RankPlan per pool GPU, each micro-batch priced by the
-    # dynamic-cp planner with its CP traffic and the wait for its subgroups' slowest GPU (planners/dynamic_cp_price)
+    # dynamic-cp planner with its CP traffic and the wait for its subgroups' slowest GPU (planners/doc_cp/price)
     use_plan_costs = use_plan_costs or plan.cp_mode == "dynamic"
     rank_f, rank_b = _rank_costs(plan, models, use_plan_costs)
     look = _drawn_lookup(drawn, plan.step)

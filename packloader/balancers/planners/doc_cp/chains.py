@@ -1,7 +1,7 @@
 """The memory check of the dynamic-cp planner's slice chains: a long piece cut into SlimPack slices that run at a
 smaller CP size than the piece needs whole, on one subgroup in consecutive slots, each slice attending to the
 earlier ones' keys (a 128K document as two 64K slices on CP 2 instead of one 128K piece on CP 4;
-`dynamic_cp_units.chained` cuts them).
+`doc_cp.units.chained` cuts them).
 
 A chain keeps every slice's activations on its GPUs until its backward (and each later slice's prefix key/value
 gradients between two backwards), which the per-slot token cap does not bound. The check is the one the fixed-CP
@@ -20,8 +20,8 @@ from packloader.balancers.planners.packing import Packing
 from packloader.balancers.sim.peaks import packing_peaks
 
 if TYPE_CHECKING:
-    from packloader.balancers.planners.dynamic_cp_price import Placed, SlotTimes
-    from packloader.balancers.planners.dynamic_cp_units import Units
+    from packloader.balancers.planners.doc_cp.price import Placed, SlotTimes
+    from packloader.balancers.planners.doc_cp.units import Units
 
 
 def chain_peak(units: "Units", placed: "Placed", times: "SlotTimes", memory, pp: int, vpp: int, kind: int) -> float:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import msgspec
 
 from packloader.balancers.cost.model import CostModel, annotate_costs
-from packloader.balancers.planners.dynamic_cp_choice import fixed_with_comm
-from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost
-from packloader.balancers.planners.registry import asks_for_pool, make_planner, planner_specs
+from packloader.balancers.factory import asks_for_pool, make_planner
+from packloader.balancers.planners.doc_cp.choice import fixed_with_comm
+from packloader.balancers.planners.doc_cp.price import DynamicCPCost
+from packloader.balancers.planners.registry import planner_specs
 from packloader.balancers.sim.metrics import score_plans
 from packloader.contracts import PlanConfig, StepPlan
 from packloader.report.advice import fits

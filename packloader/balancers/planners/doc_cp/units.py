@@ -1,6 +1,6 @@
 """What the dynamic-cp planner places: a step's pieces as units (whole, SlimPack slices of a piece longer than the
 pool holds, or a chain of slices at a smaller CP size than the piece needs whole: `chained`; their memory check:
-`dynamic_cp_chains`)."""
+`doc_cp.chains`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ NAME = "dynamic-cp"
 @dataclass
 class Units:
     """What the pool runs: unit k is tokens start[k]..end[k]-1 of doc[k] attending from af[k]; `after`/`rest`
-    chain a piece's slices (`dynamic_cp_kernels.place_pieces`); `min_size`: the smallest CP size that fits."""
+    chain a piece's slices (`doc_cp.kernels.place_pieces`); `min_size`: the smallest CP size that fits."""
 
     doc: np.ndarray
     start: np.ndarray

@@ -18,9 +18,10 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.cp_comm import CPComm
-from packloader.balancers.planners.dynamic_cp import NAME, DynamicCPPlanner
-from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost
-from packloader.balancers.planners.registry import Planner, StepLayout, Window, cost_model_for, planner_spec
+from packloader.balancers.cost.lookup import cost_model_for
+from packloader.balancers.planners.doc_cp.planner import NAME, DynamicCPPlanner
+from packloader.balancers.planners.doc_cp.price import DynamicCPCost
+from packloader.balancers.planners.registry import Planner, StepLayout, Window, planner_spec
 from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.verify import owned_segments
 from packloader.contracts import PlanConfig, PlannerState, StepPlan

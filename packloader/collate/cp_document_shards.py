@@ -3,7 +3,7 @@ its micro-batch when every segment runs on its own aligned group of GPUs (``Micr
 
 A segment placed on ``CPPlacement(size, first)`` appears in micro-batch m of each of the GPUs ``first .. first +
 size - 1``. All segments of one placement in a micro-batch form that group's packed row, which is sharded over the
-group as ``cp_shard``'s "document" mode does it (each document in 2 x size chunks, rank i taking chunks i and
+group as ``cp_sequence_shards``' "document" mode does it (each document in 2 x size chunks, rank i taking chunks i and
 2 x size - 1 - i, remainders dealt round-robin, no padding); at size 1 the row stays whole on its GPU. The group's
 row lists its segments sorted by (doc, start, end), so every member derives the same row whatever order its own
 list holds them in. A GPU's local tokens are its groups' shards one after the other, larger groups first, then by
@@ -35,7 +35,7 @@ import torch
 
 from packloader.collate.batch import PackedBatch
 from packloader.collate.cp_layouts import TileEstimate
-from packloader.collate.cp_shard import CPRankShard, plan_cp_shards
+from packloader.collate.cp_sequence_shards import CPRankShard, plan_cp_shards
 from packloader.contracts import CPPlacement, MicroBatch, Segment
 
 __all__ = ["DynamicCPGroup", "DynamicCPShard", "check_chains", "check_placement", "plan_dynamic_cp", "localize", "group_order"]
@@ -187,7 +187,7 @@ def plan_dynamic_cp(segments: Sequence[Segment] | MicroBatch, placements: Sequen
 def localize(batch: PackedBatch, mb: MicroBatch, *, gpu: int, pool: int | None = None) -> PackedBatch:
     """This pool GPU's batch of the collated whole micro-batch `batch` (collate of `mb.segments`, unpadded): its
     tokens, labels and positions, its query runs as `cu_seqlens` and their keys as `cu_seqlens_k`, its loss tokens;
-    the shard in `batch.cp` (`dynamic_cp_attention` in packloader.runtime.cp_dynamic runs it)."""
+    the shard in `batch.cp` (`dynamic_cp_attention` in packloader.runtime.cp_document_attention runs it)."""
     if batch.cu_seqlens_padded is not None:
         raise ValueError("per-document CP shards the unpadded micro-batch: collate it without pad_to_multiple / "
                          "pad_to_tokens")

@@ -3,7 +3,7 @@
 A segment of q query tokens (p earlier keys) on a subgroup of s GPUs costs each of them its share of the attention,
 (attn(q, p) - c) / s x factor + c (the per-document term c is paid by every GPU that runs the document, as the
 measured profile's CP scaling has it; factor: the device file's measured CP-shard overhead at size s, 1 without
-one, `cost.cp_shard`), and q / s tokens of the linear part; a GPU's micro-batch costs lin(its tokens) once
+one, `cost.cp_shard_attention`), and q / s tokens of the linear part; a GPU's micro-batch costs lin(its tokens) once
 (the floor with it), plus, per subgroup it is part of in that slot, the subgroup's K/V exchange (`cost.cp_comm`,
 one collective per layer for all that subgroup's documents). GPUs that share a document wait for each other at
 every layer, so a micro-batch ends when the slowest GPU of its connected subgroups ends (`synced`): the pool's
@@ -19,10 +19,10 @@ import numpy as np
 
 from packloader.balancers.cost.coeffs import LIN_BWD, LIN_FWD, lin_times
 from packloader.balancers.cost.cp_comm import CPComm, cp_comm_for
-from packloader.balancers.cost.cp_shard import shard_attention, size_factors
+from packloader.balancers.cost.cp_shard_attention import shard_attention, size_factors
 from packloader.balancers.cost.devices import Device, load_device
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.cost.model import CostModel
-from packloader.balancers.planners.registry import cost_model_for
 from packloader.contracts import PlanConfig
 
 

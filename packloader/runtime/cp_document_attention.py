@@ -1,6 +1,6 @@
 """Attention of one pool GPU under per-document context parallelism: CP groups of different sizes in one step.
 
-A GPU's local rows (``DynamicCPShard``, ``packloader.collate.cp_dynamic``) are its CP groups' shards one after the
+A GPU's local rows (``DynamicCPShard``, ``packloader.collate.cp_document_shards``) are its CP groups' shards one after the
 other. ``dynamic_cp_attention``:
 
 1. all-gathers the keys and values of every group of size > 1 over that group's process group (created once for the

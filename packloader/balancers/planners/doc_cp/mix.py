@@ -3,9 +3,9 @@ on its own, down to a chain of the fewest slices whose shards fit a GPU's cap at
 filling the rest of each chain slot's GPUs (SlimPack's packs: slices of long documents beside short ones).
 
 From the best whole-piece candidate's sizes and slot count, first every piece above a target CP size t (1, 2, 4,
-...) is run at t (`dynamic_cp_units.chained_at`), then, piece by piece (costliest first), each other size up to its
+...) is run at t (`doc_cp.units.chained_at`), then, piece by piece (costliest first), each other size up to its
 own is tried with the rest kept; a change is kept where the simulated step is faster and the chains' simulated
-peak fits the device (`DynamicCPPlanner.fits`, `dynamic_cp_chains.chain_peak`). The piece-by-piece tries (at most
+peak fits the device (`DynamicCPPlanner.fits`, `doc_cp.chains.chain_peak`). The piece-by-piece tries (at most
 MAX_TRIES placements) run on steps of few units (PER_PIECE_UNITS), where a long piece is a large share of the step.
 """
 
@@ -15,7 +15,7 @@ from typing import Callable, Protocol, TypeVar
 
 import numpy as np
 
-from packloader.balancers.planners.dynamic_cp_units import Units, chained_at
+from packloader.balancers.planners.doc_cp.units import Units, chained_at
 
 MAX_TRIES = 48  # placements priced per step at most, so planning stays well under 0.1 s a step
 PER_PIECE_UNITS = 128  # units per step up to which sizes are also tried piece by piece (each try places them all)

@@ -6,15 +6,15 @@ it in one slot (more than G x cap tokens; G = dp x cp GPUs, cap = max_tokens / c
 slices, one per slot in order. A unit's CP size is a power of two from 1 to G: the smallest whose shard fits cap,
 then doubled while the unit alone would take more than `lift` x the even share of a GPU's step time and doubling
 makes it faster (CP traffic included, `cost.cp_comm`). Units are placed longest-first (size, then cost) by
-`dynamic_cp_kernels.place_pieces` on aligned subgroups of micro-batch slots; short documents land side by side at
+`doc_cp.kernels.place_pieces` on aligned subgroups of micro-batch slots; short documents land side by side at
 CP 1. Candidates (slot counts x lifts, and on steps of few documents for the pool also every unit at least 2, 4,
-... G GPUs) are priced per GPU (`dynamic_cp_price`) and simulated per GPU with the configured pipeline schedule;
+... G GPUs) are priced per GPU (`doc_cp.price`) and simulated per GPU with the configured pipeline schedule;
 the fastest wins (ties: fewer slots, then the earlier candidate). With slicing allowed, the winner's sizing is
 tried again with every piece on 2, 4, ... or more GPUs run as a chain of as many slices at that fraction of its CP
-size, on one subgroup in consecutive slots (`dynamic_cp_chains`: less CP traffic and per-GPU overhead for the
+size, on one subgroup in consecutive slots (`doc_cp.chains`: less CP traffic and per-GPU overhead for the
 same tokens per GPU and slot), kept where faster and where the chain's simulated peak memory fits the device.
 Then each long piece's CP size is tried on its own, down to a chain of the fewest slices that fit a GPU's cap at
-that size, with short pieces beside its slices (`dynamic_cp_mix`, `mixed`), kept on the same terms.
+that size, with short pieces beside its slices (`doc_cp.mix`, `mixed`), kept on the same terms.
 
 The StepPlan has cp_mode "dynamic": one RankPlan per pool GPU (dp_rank x cp + cp_rank), micro-batch m of every
 GPU in slot m, a unit on s GPUs listed with the same `CPPlacement(s, first)` in micro-batch m of each of them,
@@ -31,11 +31,11 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.memory import memory_model_for
-from packloader.balancers.planners.dynamic_cp_chains import chain_peak
-from packloader.balancers.planners.dynamic_cp_kernels import place_pieces
-from packloader.balancers.planners.dynamic_cp_mix import best_mixed
-from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost, Placed, SlotTimes
-from packloader.balancers.planners.dynamic_cp_units import NAME, Units, chained, units_of
+from packloader.balancers.planners.doc_cp.chains import chain_peak
+from packloader.balancers.planners.doc_cp.kernels import place_pieces
+from packloader.balancers.planners.doc_cp.mix import best_mixed
+from packloader.balancers.planners.doc_cp.price import DynamicCPCost, Placed, SlotTimes
+from packloader.balancers.planners.doc_cp.units import NAME, Units, chained, units_of
 from packloader.balancers.planners.packing import Pieces
 from packloader.balancers.planners.registry import StepLayout, Window, register_planner
 from packloader.balancers.sim.kernels import SCHEDULES
@@ -56,10 +56,10 @@ class DynamicCPOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # on steps of few documents for the pool (up to SMALL_UNITS per GPU), also every unit at least 2, 4, ... GPUs
     floors: bool = True
     # with allow_slicing and a preset model (the memory check), also long pieces as chains of slices at smaller
-    # CP sizes (dynamic_cp_chains), where their simulated peak fits the device; runtime.cp_chains runs them
+    # CP sizes (doc_cp.chains), where their simulated peak fits the device; runtime.cp_chains runs them
     chains: bool = True
     # with chains, also each long piece's CP size chosen on its own, down to a chain of the fewest slices that fit,
-    # short pieces beside its slices (dynamic_cp_mix)
+    # short pieces beside its slices (doc_cp.mix)
     mixed: bool = True
 
 
@@ -148,7 +148,7 @@ class DynamicCPPlanner:
                           self.cost.estimate)
 
     def fits(self, cand: Candidate) -> bool:
-        """Whether a chained candidate's simulated peak fits the device (`dynamic_cp_chains`)."""
+        """Whether a chained candidate's simulated peak fits the device (`doc_cp.chains`)."""
         par = self.config.parallel
         peak = chain_peak(cand.units, cand.placed, cand.times, self.memory, par.pp, par.vpp, self.kind)
         return peak <= self.memory.limit_bytes()  # type: ignore[union-attr]

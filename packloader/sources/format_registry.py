@@ -36,7 +36,8 @@ class Format(msgspec.Struct, frozen=True):
         return getattr(importlib.import_module(module), attr)(paths, **options)
 
 
-_COLUMNS = "`column=`, else the first of text, content, tokens, input_ids present (string: text; list of integers: tokens)"
+_COLUMNS = ("`column=`, else text or content (string: tokenized) or tokens or input_ids (list of integers: read as "
+            "stored); text beside tokens is refused")
 _JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd", ".json", ".json.gz", ".json.zst", ".ndjson",
           ".ndjson.gz", ".ndjson.zst")
 _OPENERS = "packloader.sources.format_openers"
@@ -112,13 +113,13 @@ for _entry in (
     Format("parquet", "Parquet files", f"{_OPENERS}:open_parquet", suffixes=(".parquet", ".pq"), remote=True,
            written_by_tokenize=True, column_rule=_COLUMNS, recognised_by="suffix .parquet, .pq"),
     Format("jsonl", "JSON Lines (.gz/.zst)", f"{_OPENERS}:open_jsonl", suffixes=_JSONL, remote=True,
-           column_rule=_COLUMNS.replace("column=", "column= (field)"),
+           column_rule=_COLUMNS.replace("`column=`", "`column=` (the field)"),
            recognised_by="suffix .jsonl, .json, .ndjson (each also .gz, .zst)"),
     Format("mds", "MDS (mosaicml-streaming) directory", f"{_OPENERS}:open_mds", remote=True, column_rule=_COLUMNS,
            recognised_by="a directory (or prefix) holding index.json"),
     Format("directory", "a directory of text files, one document per file", f"{_OPENERS}:open_directory",
            column_rule="the whole file is the text", recognised_by="a directory with no Parquet or JSONL files"),
-    Format("arrow", "Arrow IPC files", f"{_OPENERS}:open_arrow", column_rule="`column=`, else text or content (string) or input_ids or tokens (list of integers); text beside tokens is refused",
+    Format("arrow", "Arrow IPC files", f"{_OPENERS}:open_arrow", column_rule=_COLUMNS,
            recognised_by="suffix .arrow, or a folder of them"),
     Format("megatron", "Megatron .bin/.idx pairs", f"{_OPENERS}:open_megatron", column_rule="tokens as stored",
            recognised_by="suffix .bin/.idx, or their common prefix"),

@@ -10,9 +10,28 @@ import importlib
 
 import msgspec
 
+from packloader.sources.errors import SourceError
+
 # The column rule the readers share: a name given wins, else the first of these the shard holds
 # (text is tokenized, a list of integers is read as tokens).
 DEFAULT_COLUMNS = ("text", "content", "tokens", "input_ids")
+
+
+def default_column(where: str, names: list[str], kind_of, *, none_found: str, both_tail: str = "") -> str:
+    """The column the rule picks when none is named (Parquet, MDS): the first of DEFAULT_COLUMNS present, where
+    `kind_of(name)` says "text" or "tokens"; text beside tokens is refused, since which to train is not guessed."""
+    found = [c for c in DEFAULT_COLUMNS if c in names]
+    if not found:
+        raise SourceError(none_found)
+    text = [c for c in found if kind_of(c) == "text"]
+    tokens = [c for c in found if kind_of(c) == "tokens"]
+    if text and tokens:
+        raise SourceError(
+            f"{where}: holds text ({', '.join(map(repr, text))}) and tokens ({', '.join(map(repr, tokens))}); "
+            f"which to train is not guessed: pass column={tokens[0]!r} to read the tokens as stored, or "
+            f"column={text[0]!r} to tokenize the text{both_tail}"
+        )
+    return found[0]
 
 
 class Format(msgspec.Struct, frozen=True):

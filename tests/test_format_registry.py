@@ -2,7 +2,9 @@
 docs/formats.md) reads it, and a format added from one file outside the package is opened like the built-in ones."""
 
 import argparse
+import importlib
 import pathlib
+import sys
 import textwrap
 
 import numpy as np
@@ -54,8 +56,9 @@ def test_register_refuses_a_taken_name_and_a_bad_opener():
 
 
 @pytest.fixture
-def tsv_format(tmp_path, monkeypatch):
-    """A format defined in one module outside the package: tab-separated lines, the first field the text."""
+def tsv_plugin(tmp_path, monkeypatch):
+    """A format defined in one module outside the package (not imported yet): tab-separated lines, the first
+    field the text."""
     plugin = tmp_path / "plugin_dir" / "my_tsv_format.py"
     plugin.parent.mkdir()
     plugin.write_text(textwrap.dedent('''
@@ -72,14 +75,23 @@ def tsv_format(tmp_path, monkeypatch):
                                column_rule="the first field", recognised_by="suffix .tsv"))
     '''))
     monkeypatch.syspath_prepend(str(plugin.parent))
-    import importlib
-
-    importlib.import_module("my_tsv_format")
-    yield "tsv-test"
+    yield "my_tsv_format"
     unregister_format("tsv-test")
-    import sys
-
     sys.modules.pop("my_tsv_format", None)
+
+
+@pytest.fixture
+def tsv_format(tsv_plugin):
+    importlib.import_module(tsv_plugin)
+    return "tsv-test"
+
+
+def test_cli_plugin_adds_a_format_choice(tsv_plugin, capsys):
+    from packloader.cli.main import main
+
+    assert "tsv-test" not in format_names()
+    assert main(["report", "--plugin", tsv_plugin, "--help"]) == 0
+    assert "tsv-test" in capsys.readouterr().out
 
 
 def _texts(source) -> list:

@@ -82,6 +82,8 @@ _EXPORTS: dict[str, str] = {
     "RetryPolicy": "packloader.sources.remote",
     "IterableDatasetSource": "packloader.sources.hf_iterable",
     "UnsupportedSourceError": "packloader.sources.unsupported",
+    "Format": "packloader.sources.format_registry",
+    "register_format": "packloader.sources.format_registry",
     "Mixture": "packloader.sources.mixture",
     "MixtureEntry": "packloader.sources.mixture",
     "MixtureError": "packloader.sources.mixture",

@@ -58,8 +58,22 @@ def configure_logging(level: str) -> None:
     logger.setLevel(level.upper())
 
 
+def _preload_plugins(argv: list[str]) -> None:
+    """Import --plugin modules before the parser is built, so the formats they register are --format choices;
+    a plugin that fails is reported later, by the command's own load."""
+    from packloader.balancers.planners.registry import load_plugins
+
+    names = [b for a, b in zip(argv, argv[1:]) if a == "--plugin"] + [a[9:] for a in argv if a.startswith("--plugin=")]
+    try:
+        load_plugins(names)
+    except ValueError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--plugin" in argv or any(a.startswith("--plugin=") for a in argv):
+        _preload_plugins(argv)
     parser = argparse.ArgumentParser(prog="packloader", description="Balanced packing for long-context LLM training.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = argv[0] if argv and argv[0] in COMMANDS else None

@@ -13,6 +13,7 @@ from packloader.cli.layout_options import add_layout_arguments, config_from_args
 from packloader.cli.mixture_option import add_mixture_argument
 from packloader.cli.plugins import add_plugin_argument, load
 from packloader.contracts import PlanConfig
+from packloader.sources.format_registry import format_names
 
 # --demo: the Python standard library's .py files, tokenized with the default tokenizer, on a layout where a
 # 32K-token micro-batch of Llama-3-8B fits an H100 (tp=2, pp=2), 4 DP ranks: 16 GPUs. These override the
@@ -33,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_mixture_argument(p)
     p.add_argument("--lengths-column", default=None, help="the Parquet column of --lengths (default length, or tokens' list sizes)")
     p.add_argument("--column", default=None, help="text/tokens column or JSONL field of the input (default: auto)")
-    p.add_argument("--format", default=None, choices=["parquet", "jsonl", "mds", "directory"], help="input format (default: detected)")
+    p.add_argument("--format", default=None, choices=format_names(), help="input format (default: detected)")
     p.add_argument("--pattern", default="**/*", help="glob of the files to read in a directory; it also decides the format (default **/*)")
     p.add_argument("--tokenizer", default="tekken", help="tekken (default), cl100k, bytes or hf:PATH/tokenizer.json")
     p.add_argument("--no-shuffle", action="store_true", help="read the source in file order instead of the loader's shuffled epoch order")

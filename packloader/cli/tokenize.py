@@ -8,6 +8,7 @@ import time
 
 from packloader.cli import numbers
 from packloader.cli.exit_codes import EXIT_BAD_INPUT
+from packloader.sources.format_registry import format_names
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="directory for part-NNNNN.parquet token shards")
     p.add_argument("--tokenizer", default="tekken", help="tekken (default), cl100k, bytes or hf:PATH/tokenizer.json")
     p.add_argument("--column", default=None, help="text column / JSONL field (default: text, content)")
-    p.add_argument("--format", default=None, choices=["parquet", "jsonl", "mds", "directory"],
+    p.add_argument("--format", default=None, choices=format_names(),
                    help="input format (default: from the extension or the directory's contents)")
     p.add_argument("--pattern", default="**/*", help="glob of the files to read in a directory; it also decides the format (default **/*)")
     p.add_argument("--shard-tokens", type=numbers.tokens, default=1 << 27, help="start a new file after this many tokens")

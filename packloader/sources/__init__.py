@@ -17,6 +17,8 @@ _LAZY = {
     "ArrowTableSource": "packloader.sources.arrow_table",
     "IterableDatasetSource": "packloader.sources.hf_iterable",
     "UnsupportedSourceError": "packloader.sources.unsupported",
+    "Format": "packloader.sources.format_registry",
+    "register_format": "packloader.sources.format_registry",
 }
 
 __all__ = ["DocKey", "Document", "IterableSource", "RawDocument", "ShardInfo", "Source", "Tokenizer", *_LAZY]

@@ -1,17 +1,11 @@
-"""Shard formats by file name, shared by local (`open.py`) and remote (`remote_open.py`) opening."""
+"""Shard formats by file name: `format_registry` holds them; this module keeps the names older modules import."""
 
 from __future__ import annotations
 
-FORMATS = ("parquet", "jsonl", "mds", "directory", "arrow", "megatron", "hf-disk")
-_PARQUET = (".parquet", ".pq")
-_JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd", ".json", ".json.gz", ".json.zst", ".ndjson", ".ndjson.gz",
-          ".ndjson.zst")
+from packloader.sources.format_registry import format_names, format_of  # noqa: F401 - imported from here
 
 
-def format_of(path: str) -> str | None:
-    name = path.lower()
-    if name.endswith(_PARQUET):
-        return "parquet"
-    if name.endswith(_JSONL):
-        return "jsonl"
-    return None
+def __getattr__(name: str):
+    if name == "FORMATS":  # read each time: a plugin may register a format after import
+        return format_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

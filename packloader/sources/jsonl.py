@@ -35,12 +35,13 @@ import numpy as np
 
 from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, SourceError
+from packloader.sources.format_registry import DEFAULT_COLUMNS
 from packloader.sources.identity import FileWatch, changed, file_identity
 from packloader.sources.paths import refuse_duplicates
 from packloader.sources.reader import LruCache, ShardedSource
 from packloader.sources.storage import RemoteWatch, open_shard, pread, watch_shard
 
-DEFAULT_FIELDS = ("text", "content", "tokens", "input_ids")
+DEFAULT_FIELDS = DEFAULT_COLUMNS  # the column rule every format shares
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".json.zst", ".ndjson")
 _BOM = b"\xef\xbb\xbf"
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]

@@ -35,11 +35,10 @@ import numpy as np
 
 from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, SourceError
+from packloader.sources.format_registry import default_column
 from packloader.sources.identity import file_identity
 from packloader.sources.reader import LruCache, ShardedSource
 from packloader.sources.storage import RemoteWatch, resolve
-
-DEFAULT_COLUMNS = ("text", "content", "tokens", "input_ids")
 
 
 def _streaming():
@@ -144,19 +143,11 @@ class MdsSource(ShardedSource):
         where = self._join(reader.raw_data.basename)
         names = list(reader.column_names)
         if self.column is None:
-            found = [c for c in DEFAULT_COLUMNS if c in names]
-            if not found:
-                raise SourceError(f"{where}: no text or token column among {names}; pass column=...")
             encodings = dict(zip(names, reader.column_encodings))
-            text = [c for c in found if encodings[c] == "str"]
-            tokens = [c for c in found if encodings[c].startswith("ndarray")]
-            if text and tokens:
-                raise SourceError(
-                    f"{where}: holds text ({', '.join(map(repr, text))}) and tokens ({', '.join(map(repr, tokens))}); "
-                    f"which to train is not guessed: pass column={tokens[0]!r} to read the tokens as stored, or "
-                    f"column={text[0]!r} to tokenize the text"
-                )
-            self.column = found[0]
+            self.column = default_column(
+                where, names,
+                lambda c: "text" if encodings[c] == "str" else "tokens" if encodings[c].startswith("ndarray") else "",
+                none_found=f"{where}: no text or token column among {names}; pass column=...")
         if self.column not in names:
             raise SourceError(f"{where}: no column {self.column!r}; the shard has columns {names}")
         encoding = reader.column_encodings[names.index(self.column)]

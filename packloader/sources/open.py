@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from packloader.sources.formats import FORMATS, format_of
+from packloader.sources.format_registry import detected_by_suffix, format_names, format_of, get_format
 from packloader.sources.paths import has_magic, refuse_duplicates, walk_glob
 from packloader.sources.reader import ShardedSource
 
@@ -71,7 +71,7 @@ def _detect_directory(path: str, pattern: str = "**/*") -> tuple[str, list[str]]
     kinds: dict[str, list[str]] = {}
     for f in files:
         kinds.setdefault(format_of(f) or "other", []).append(f)
-    data = [k for k in ("parquet", "jsonl") if k in kinds]
+    data = [k for k in detected_by_suffix() if k in kinds]
     if not data:
         return "directory", [path]
     other = [f for f in kinds.get("other", []) if not _is_side_file(f)]
@@ -106,8 +106,8 @@ def open_source(
     directory (format detection included); `files_per_shard` and `errors` apply to a plain directory of text files
     (see `DirectorySource`).
     """
-    if format is not None and format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if format is not None:
+        get_format(format)  # an unknown name: "format must be one of (...)"
     from packloader.sources.special_paths import open_special  # objects, URLs, Megatron, Arrow, save_to_disk
 
     special, path_or_paths = open_special(path_or_paths, column=column, format=format, empty=empty)
@@ -128,7 +128,7 @@ def open_source(
             raise ValueError(f"pass one directory or a list of files, not a mix: {paths}")
         if format is None:
             fmt, paths = _detect_directory(dirs[0], pattern)
-        elif format in ("parquet", "jsonl"):
+        elif format in detected_by_suffix():
             fmt, paths = format, [f for f in _files_under(dirs[0], pattern) if format_of(f) == format]
             if not paths:
                 raise FileNotFoundError(f"no {format} files under {dirs[0]} match {pattern!r}")
@@ -144,25 +144,8 @@ def open_source(
             unknown = [p for p in paths if format_of(p) is None]
             raise ValueError(
                 f"cannot tell the format of {unknown or paths} from the extension (mixed or unknown); "
-                f"pass format= one of {FORMATS}"
+                f"pass format= one of {format_names()}"
             )
 
-    if fmt == "parquet":
-        from packloader.sources.parquet import ParquetSource
-
-        return ParquetSource(paths, column=column, empty=empty)
-    if fmt == "jsonl":
-        from packloader.sources.jsonl import JsonlSource
-
-        return JsonlSource(paths, field=column, empty=empty)
-    if fmt == "mds":
-        from packloader.sources.mds import MdsSource
-
-        if len(paths) != 1:
-            raise ValueError(f"MDS takes one directory (the one holding index.json), got {paths}")
-        return MdsSource(paths[0], column=column, empty=empty)
-    from packloader.sources.directory import DirectorySource
-
-    if len(paths) != 1 or not os.path.isdir(paths[0]):
-        raise ValueError(f"format='directory' takes one directory, got {paths}")
-    return DirectorySource(paths[0], pattern, files_per_shard=files_per_shard, errors=errors, empty=empty)
+    return get_format(fmt).open(paths, column=column, empty=empty, pattern=pattern, files_per_shard=files_per_shard,
+                                errors=errors)

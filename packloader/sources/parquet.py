@@ -48,6 +48,7 @@ import pyarrow.parquet as pq
 
 from packloader.sources.base import RawDocument
 from packloader.sources.errors import NonUtf8Error, SourceError
+from packloader.sources.format_registry import DEFAULT_COLUMNS, default_column
 from packloader.sources.identity import FileWatch, parquet_identity
 from packloader.sources.length_index import find_local
 from packloader.sources.parquet_chunk import check_range, indexed_block
@@ -57,7 +58,6 @@ from packloader.sources.paths import refuse_duplicates
 from packloader.sources.reader import LruCache, ShardedSource, group_positions
 from packloader.sources.storage import RemoteWatch, open_shard, watch_shard
 
-DEFAULT_COLUMNS = ("text", "content", "tokens", "input_ids")
 TOKENIZER_KEYS = ("packloader.tokenizer", "packloader.vocab_size", "packloader.eos_id", "packloader.eos_appended")
 DEFAULT_LENGTH_COLUMN = "length"
 
@@ -183,22 +183,15 @@ class ParquetSource(ShardedSource):
     def _check_schema(self, path: str, schema: pa.Schema, length_column: str | None) -> None:
         names = schema.names
         if self.column is None:
-            found = [c for c in DEFAULT_COLUMNS if c in names]
-            if not found:
-                raise SourceError(
-                    f"{path}: no text or token column found among {names}; expected one of {list(DEFAULT_COLUMNS)} "
-                    "or pass column=... (--column on the command line)"
-                )
-            text = [c for c in found if _is_text(schema.field(c).type)]
-            tokens = [c for c in found if _is_token_list(schema.field(c).type)]
-            if text and tokens:
-                raise SourceError(
-                    f"{path}: holds text ({', '.join(map(repr, text))}) and tokens ({', '.join(map(repr, tokens))}); "
-                    f"which to train is not guessed: pass column={tokens[0]!r} to read the tokens as stored, or "
-                    f"column={text[0]!r} to tokenize the text (PackedLoader(..., column=...), open_source(..., "
-                    "column=...), --column)"
-                )
-            self.column = found[0]
+            def kind_of(c: str) -> str:
+                t = schema.field(c).type
+                return "text" if _is_text(t) else "tokens" if _is_token_list(t) else ""
+
+            self.column = default_column(
+                path, names, kind_of,
+                none_found=f"{path}: no text or token column found among {names}; expected one of "
+                           f"{list(DEFAULT_COLUMNS)} or pass column=... (--column on the command line)",
+                both_tail=" (PackedLoader(..., column=...), open_source(..., column=...), --column)")
         if self.column not in names:
             raise SourceError(f"{path}: no column {self.column!r}; the file has columns {names}")
         t = schema.field(self.column).type

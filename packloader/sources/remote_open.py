@@ -6,7 +6,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from packloader.sources.errors import SourceError
-from packloader.sources.formats import FORMATS, format_of
+from packloader.sources.format_registry import format_names, format_of, get_format, remote_formats
 from packloader.sources.remote_http import HTTP_SCHEMES
 from packloader.sources.storage import Storage, default_storage
 from packloader.sources.unsupported import UnsupportedSourceError, url_scheme
@@ -52,16 +52,11 @@ def open_remote(paths: list[str], *, storage: Storage | None, column: str | None
     """A ParquetSource or JsonlSource over the objects `paths` name (listing prefixes and globs), or an MdsSource
     for one prefix holding an MDS index.json."""
     storage = storage if storage is not None else default_storage()
-    if format not in (None, "parquet", "jsonl", "mds"):
-        raise UnsupportedSourceError(
-            f"{paths[0]}: format {format!r} is not read from object storage; Parquet, JSONL (.gz/.zst) and MDS "
-            f"are (of {FORMATS}). Copy Arrow or Megatron shards to a local or mounted filesystem"
-        )
+    if format is not None and format not in remote_formats():
+        raise _not_remote(paths[0], format)
     mds = _mds_directory(paths, storage, format)
     if mds is not None:
-        from packloader.sources.mds import MdsSource
-
-        return MdsSource(mds, column=column, empty=empty, storage=storage)
+        return get_format("mds").open([mds], column=column, empty=empty, storage=storage)
     files = _expand(paths, storage)
     if len(set(files)) != len(files):
         dup = next(f for f in files if files.count(f) > 1)
@@ -75,10 +70,13 @@ def open_remote(paths: list[str], *, storage: Storage | None, column: str | None
         raise ValueError(f"cannot tell one format of the objects ({listed}); pass format= 'parquet' or 'jsonl' "
                          "or a glob that matches one kind")
     fmt, chosen = next(iter(kinds.items()))
-    if fmt == "parquet":
-        from packloader.sources.parquet import ParquetSource
+    if fmt not in remote_formats():
+        raise _not_remote(chosen[0], fmt)
+    return get_format(fmt).open(chosen, column=column, empty=empty, storage=storage)
 
-        return ParquetSource(chosen, column=column, empty=empty, storage=storage)
-    from packloader.sources.jsonl import JsonlSource
 
-    return JsonlSource(chosen, field=column, empty=empty, storage=storage)
+def _not_remote(path: str, format: str) -> UnsupportedSourceError:  # noqa: A002
+    return UnsupportedSourceError(
+        f"{path}: format {format!r} is not read from object storage; Parquet, JSONL (.gz/.zst) and MDS "
+        f"are (of {format_names()}). Copy Arrow or Megatron shards to a local or mounted filesystem"
+    )

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 
+from packloader.sources.format_registry import get_format
 from packloader.sources.paths import has_magic, walk_glob
 from packloader.sources.unsupported import readable_url, unsupported_url, url_scheme
+
+_OPENED_HERE = ("megatron", "arrow", "hf-disk")  # told by more than a suffix: prefixes, folders' contents
 
 
 def _expand_magic(paths: list[str]) -> list[str]:
@@ -36,7 +39,7 @@ def open_special(path_or_paths, *, column: str | None, format: str | None, empty
 
 
 def _open_paths(paths: list[str], *, column: str | None, format: str | None, empty: str):  # noqa: A002
-    from packloader.sources.megatron_indexed import MegatronIndexedSource, is_megatron_prefix
+    from packloader.sources.megatron_indexed import is_megatron_prefix
 
     remote = [p for p in paths if url_scheme(p)]
     if remote:
@@ -48,26 +51,21 @@ def _open_paths(paths: list[str], *, column: str | None, format: str | None, emp
         from packloader.sources.remote_open import open_remote
 
         return open_remote(paths, storage=None, column=column, format=format, empty=empty)
-    if format not in (None, "megatron", "arrow", "hf-disk"):
+    if format not in (None, *_OPENED_HERE):
         return None
     expanded = _expand_magic(paths)
     if format == "megatron" or (expanded and all(p.endswith((".bin", ".idx")) or is_megatron_prefix(p)
                                                  for p in expanded)):
-        return MegatronIndexedSource(expanded, empty=empty)
+        return get_format("megatron").open(expanded, column=column, empty=empty)
     arrow = expanded
     if len(arrow) == 1 and os.path.isdir(arrow[0]):  # a directory among files is open_source's error
-        from packloader.sources.hf_datasets import disk_source, is_disk_folder
+        from packloader.sources.hf_datasets import is_disk_folder
 
         if format == "hf-disk" or is_disk_folder(arrow[0]):
-            return disk_source(arrow[0], column=column, empty=empty)
+            return get_format("hf-disk").open(arrow[0:1], column=column, empty=empty)
         files = sorted(f for f in os.listdir(arrow[0]) if not f.startswith((".", "_")))
         if files and all(f.endswith(".arrow") for f in files):
             arrow = [os.path.join(arrow[0], f) for f in files]
     if format == "arrow" or (expanded and all(p.endswith(".arrow") for p in arrow)):
-        from packloader.sources.arrow_table import arrow_files_source
-
-        for p in arrow:
-            if not os.path.isfile(p):
-                raise FileNotFoundError(f"no such file: {p}")
-        return arrow_files_source(arrow, column=column, empty=empty)
+        return get_format("arrow").open(arrow, column=column, empty=empty)
     return None

@@ -24,6 +24,15 @@ URL_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hf", "ht
                "webhdfs", "oci", "oss", "r2", "file")
 
 
+def supported() -> str:
+    """SUPPORTED, plus the formats registered beyond the built-in ones (`format_registry.register_format`)."""
+    from packloader.sources.format_registry import added_formats
+
+    added = "; ".join(f"{e.name} ({e.description}{': ' + ', '.join(e.suffixes) if e.suffixes else ''})"
+                      for e in added_formats())
+    return f"{SUPPORTED}; added formats: {added}" if added else SUPPORTED
+
+
 class UnsupportedSourceError(SourceError, TypeError):
     """A source of a kind packloader does not read (remote storage, a filesystem object, an unknown object)."""
 
@@ -44,7 +53,7 @@ def excerpt(value, limit: int = 60) -> str:
 def unsupported_url(path: str) -> UnsupportedSourceError:
     scheme = url_scheme(path)
     return UnsupportedSourceError(
-        f"{path}: {scheme}:// URLs are not supported as they stand{_needs(scheme)}; supported: {SUPPORTED}. Pass the "
+        f"{path}: {scheme}:// URLs are not supported as they stand{_needs(scheme)}; supported: {supported()}. Pass the "
         "filesystem that reads them (Storage(filesystem=fs).paths(...)), copy the shards to a local or mounted "
         "filesystem, or load them with datasets and pass the Dataset"
     )
@@ -79,4 +88,4 @@ def unsupported_object(obj) -> UnsupportedSourceError:
                 "packloader.Storage(filesystem=fs).paths('bucket/prefix/*.parquet')")
     else:
         what = f"{kind} is not a supported source"
-    return UnsupportedSourceError(f"{what}; supported: {SUPPORTED}")
+    return UnsupportedSourceError(f"{what}; supported: {supported()}")

@@ -15,7 +15,8 @@ from packloader.cli.main import main
 from packloader.sources.errors import SourceError
 from packloader.sources.open import open_source
 from packloader.sources.pretokenize import tokenize_to_parquet
-from packloader.sources.tokenize_parts import open_input, tokenize_part
+from packloader.sources.tokenize_input import open_input
+from packloader.sources.tokenize_parts import tokenize_part
 from packloader.sources.tokenizers import get_tokenizer
 
 WORDS = ["alpha", "beta", "gamma", "delta", "é", "日本"]

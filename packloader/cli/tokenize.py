@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from packloader.sources.pretokenize import tokenize_to_parquet
-    from packloader.sources.tokenize_parts import open_input, parse_part, tokenize_part
+    from packloader.sources.tokenize_input import open_input
+    from packloader.sources.tokenize_parts import parse_part, tokenize_part
     from packloader.sources.tokenizers import get_tokenizer
 
     open_options = {"column": args.column, "format": args.format, "empty": "skip" if args.skip_empty else "error",

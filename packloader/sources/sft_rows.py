@@ -24,18 +24,7 @@ import pyarrow as pa
 from packloader.sources.base import ShardInfo
 from packloader.sources.errors import NonUtf8Error, SourceError
 from packloader.sources.formats import format_of
-
-
-class RowReader:
-    """Shards of rows; `rows(shard, rows)` returns dicts in the order asked; `location` names a row in errors."""
-
-    shards: list[ShardInfo]
-
-    def rows(self, shard: int, rows: Sequence[int]) -> list[dict[str, Any]]:
-        raise NotImplementedError
-
-    def location(self, shard: int, row: int) -> str:
-        return f"{self.shards[shard].name}, row {row}"
+from packloader.sources.sft_row_reader import RowReader
 
 
 class ListRows(RowReader):
@@ -149,6 +138,33 @@ class JsonlRows(RowReader):
         return out
 
 
+def remote_rows(data) -> RowReader | None:
+    """Rows from object storage, or None when `data` names no remote object."""
+    from packloader.sources.remote_open import _expand, _format, _mds_directory
+    from packloader.sources.storage import StoragePaths, default_storage, is_remote
+
+    if isinstance(data, StoragePaths):
+        storage, paths = data.storage, data.paths
+    elif isinstance(data, str) and is_remote(data):
+        storage, paths = default_storage(), [data]
+    elif isinstance(data, (list, tuple)) and data and all(isinstance(p, str) and is_remote(p) for p in data):
+        storage, paths = default_storage(), list(data)
+    else:
+        return None
+    mds = _mds_directory(paths, storage, None)
+    if mds is not None:
+        from packloader.sources.sft_stored_rows import MdsRows
+
+        return MdsRows(mds, storage=storage)
+    files = sorted(_expand(paths, storage))
+    kinds = {_format(f) for f in files}
+    if kinds not in ({"jsonl"}, {"parquet"}):
+        raise SourceError(f"{files[:3]}: expected JSONL or Parquet objects of one kind (or one MDS prefix), found "
+                          f"{sorted(map(str, kinds))}")
+    raws = [storage.open(storage.head(f)).readall() for f in files]
+    return JsonlRows(files, raws) if kinds == {"jsonl"} else ParquetRows(files, raws)
+
+
 def _paths_of(spec) -> list[str]:
     from packloader.sources.open import _expand, _files_under
 
@@ -194,7 +210,7 @@ def open_rows(data, *, name: str | None = None) -> RowReader:
         import datasets
 
         return open_rows(datasets.load_from_disk(str(data)), name=str(data))
-    from packloader.sources.sft_stored_rows import MdsRows, MegatronRows, is_megatron_spec, remote_rows
+    from packloader.sources.sft_stored_rows import MdsRows, MegatronRows, is_megatron_spec
 
     if isinstance(data, (str, os.PathLike)) and os.path.isfile(os.path.join(str(data), "index.json")):
         return MdsRows(str(data))

@@ -22,7 +22,7 @@ from packloader.sources.base import ShardInfo
 from packloader.sources.errors import SourceError
 from packloader.sources.mds import MdsSource
 from packloader.sources.megatron_indexed import MegatronIndexedSource, is_megatron_prefix, prefixes_of
-from packloader.sources.sft_rows import RowReader
+from packloader.sources.sft_row_reader import RowReader
 
 MASK_SUFFIX = "_loss_mask"
 
@@ -30,32 +30,6 @@ MASK_SUFFIX = "_loss_mask"
 def _plain(value: Any) -> Any:
     """Arrays as lists, as the JSONL and Parquet readers give them (the SFT source checks lists of ints)."""
     return value.reshape(-1).tolist() if isinstance(value, np.ndarray) else value
-
-
-def remote_rows(data) -> RowReader | None:
-    """Rows from object storage, or None when `data` names no remote object."""
-    from packloader.sources.remote_open import _expand, _format, _mds_directory
-    from packloader.sources.sft_rows import JsonlRows, ParquetRows
-    from packloader.sources.storage import StoragePaths, default_storage, is_remote
-
-    if isinstance(data, StoragePaths):
-        storage, paths = data.storage, data.paths
-    elif isinstance(data, str) and is_remote(data):
-        storage, paths = default_storage(), [data]
-    elif isinstance(data, (list, tuple)) and data and all(isinstance(p, str) and is_remote(p) for p in data):
-        storage, paths = default_storage(), list(data)
-    else:
-        return None
-    mds = _mds_directory(paths, storage, None)
-    if mds is not None:
-        return MdsRows(mds, storage=storage)
-    files = sorted(_expand(paths, storage))
-    kinds = {_format(f) for f in files}
-    if kinds not in ({"jsonl"}, {"parquet"}):
-        raise SourceError(f"{files[:3]}: expected JSONL or Parquet objects of one kind (or one MDS prefix), found "
-                          f"{sorted(map(str, kinds))}")
-    raws = [storage.open(storage.head(f)).readall() for f in files]
-    return JsonlRows(files, raws) if kinds == {"jsonl"} else ParquetRows(files, raws)
 
 
 class _WholeSamples(MdsSource):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -58,17 +57,6 @@ def prefix_of(part: int, parts: int) -> str:
 
 def record_name(part: int, parts: int) -> str:
     return f"_part-{part:05d}-of-{parts:05d}.record"
-
-
-def open_input(inputs: list[str], open_options: dict[str, Any]):
-    """What `tokenize` reads: `open_source(inputs, **open_options)`, or the standard library's .py files for
-    ["stdlib"] (where no file of that name exists)."""
-    from packloader.sources.directory import stdlib_corpus
-    from packloader.sources.open import open_source
-
-    if list(inputs) == ["stdlib"] and not os.path.exists("stdlib"):
-        return stdlib_corpus()
-    return open_source(list(inputs), **open_options)
 
 
 def tokenize_part(source, tokenizer, out_dir: str | os.PathLike, part: int, parts: int, **kw) -> PartRecord:

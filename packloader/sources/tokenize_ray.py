@@ -47,7 +47,7 @@ _ERRORS = {"FileNotFoundError": FileNotFoundError, "FileExistsError": FileExists
 
 def job_inputs(job: dict[str, Any]):
     """The source and tokenizer a job's specs name (the CLI's `open_source` arguments and tokenizer name)."""
-    from packloader.sources.tokenize_parts import open_input
+    from packloader.sources.tokenize_input import open_input
     from packloader.sources.tokenizers import get_tokenizer
 
     source = open_input(job["inputs"], job["open"])

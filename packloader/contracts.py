@@ -131,7 +131,9 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 
 DeviceName = Annotated[str, msgspec.Meta(min_length=1)]  # a device profile name (balancers.cost.devices.load_device)
 Strategy = Annotated[str, msgspec.Meta(min_length=1)]  # a name in the planner registry (available_strategies())
-Schedule = Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "auto"]  # auto: `auto` picks (schedule_choice)
+# a name in the schedule registry (balancers.cost.schedules: 1f1b, gpipe, interleaved, zb-h1, zb-v and any registered
+# later) or "auto" (`auto` picks, schedule_choice); validate_config refuses an unregistered one, naming it
+Schedule = str
 
 
 class PlanConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -643,6 +643,13 @@ def cli_tokens_per_step_below_max_tokens(tmp):
                        "--quiet")
 
 
+def dynamic_cp_unpriced_schedule(tmp):
+    from packloader.balancers.planners.registry import make_planner
+
+    cfg = PlanConfig(parallel=ParallelConfig(dp=2, pp=2, vpp=2, cp=2), schedule="zb-v", cp_mode="dynamic")
+    return lambda: make_planner(cfg)
+
+
 def cli_zbv_without_two_chunks(tmp):
     np.save(tmp / "ok.npy", np.array([10, 20, 30]))
     return lambda: cli("plan", "--lengths", str(tmp / "ok.npy"), "--pp", "2", "--schedule", "zb-v", "--quiet")
@@ -1532,6 +1539,8 @@ CASES = [
          ("state field loader.step_state.first_drawn[0] = [0, 0]: expected one pair per document",)),
     Case("cli_tokens_per_step_below_max_tokens", cli_tokens_per_step_below_max_tokens, CliExit,
          ("exit 2", "(--tokens-per-step, --max-tokens)", "tokens_per_step=512 is below max_tokens=1024")),
+    Case("dynamic_cp_unpriced_schedule", dynamic_cp_unpriced_schedule, ValueError,
+         ("the per-document CP planner cannot price schedule 'zb-v'", "it prices ['1f1b', 'gpipe', 'interleaved', 'zb-h1']")),
     Case("cli_zbv_without_two_chunks", cli_zbv_without_two_chunks, CliExit,
          ("exit 2", "(--schedule, --vpp)", "PlanConfig.schedule='zb-v' with parallel.vpp=1: expected vpp=2")),
     Case("cli_planner_option_unknown", cli_planner_option_unknown, CliExit,

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import msgspec
 import msgspec.inspect as mi
 
+from packloader.balancers.cost.schedules import schedule_names
 from packloader.balancers.planners.config_rules import validate_config
 from packloader.contracts import ConfigError, ParallelConfig, PlanConfig
 
@@ -169,7 +170,9 @@ def add_layout_arguments(p: argparse.ArgumentParser | Any, *, skip: tuple[str, .
             kw.update(nargs=0, const=not f.default)
             p.add_argument(f.flag, help=f"{help_text}{extra}", **kw)
             continue
-        if isinstance(t, mi.LiteralType):
+        if f.path == "schedule":  # the registry's schedules, read when the parser is built
+            kw.update(choices=[*schedule_names(), "auto"])
+        elif isinstance(t, mi.LiteralType):
             kw.update(choices=list(t.values))
         elif isinstance(t, (mi.IntType, mi.FloatType)):
             kw.update(type=_number(t, f.path), metavar="N" if isinstance(t, mi.IntType) else "X")

@@ -31,6 +31,7 @@ import msgspec
 from packloader.balancers.cost.devices import DEFAULT_DEVICE, load_device
 from packloader.balancers.cost.presets import ModelShape, get_shape
 from packloader.balancers.cost.profile_io import PROFILES_DIR
+from packloader.balancers.cost.schedules import schedule_spec
 from packloader.contracts import ParallelConfig, PlanConfig
 
 Recompute = Literal["none", "selective", "full"]
@@ -62,9 +63,10 @@ def in_flight_micro_batches(parallel: ParallelConfig, stage: int = 0, schedule: 
     """Micro-batches (in units of one full stage's activations) a stage holds at its peak."""
     pp, vpp = parallel.pp, parallel.vpp
     m = num_micro_batches if num_micro_batches is not None else math.inf
-    if schedule == "gpipe":
+    profile = schedule_spec(schedule).memory if schedule != "auto" else "1f1b"
+    if profile == "gpipe":
         k = m if m != math.inf else pp
-    elif schedule == "interleaved" and vpp > 1:
+    elif profile == "interleaved" and vpp > 1:
         chunks = (pp - 1) * 2 + (vpp - 1) * pp + 1 - 2 * stage
         k = min(chunks, m * vpp) / vpp
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from packloader.balancers.cost.schedules import schedule_spec
 from packloader.balancers.planners.registry import check_planner_options, check_strategy, planner_spec
 from packloader.contracts import ConfigError, PlanConfig, check_plan_config
 
@@ -27,6 +28,8 @@ def validate_config(config, *, strategy_rules: bool = True) -> PlanConfig:
         raise TypeError(f"config must be a PlanConfig or a dict, got {type(config).__name__}")
     cfg = msgspec.convert(raw, PlanConfig)  # a msgspec.ValidationError naming the field (`$.parallel.dp`)
     check_plan_config(cfg)
+    if cfg.schedule != "auto":
+        schedule_spec(cfg.schedule)  # a ValueError naming it and the registered schedules
     try:
         planner_spec(cfg.strategy)
     except ValueError as e:

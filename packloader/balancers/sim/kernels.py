@@ -12,11 +12,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from packloader.balancers.cost.schedules import ORDER_GPIPE, ORDER_ZB_H1, ORDER_ZB_V
+from packloader.balancers.cost.schedules import SCHEDULE_ORDERS as SCHEDULES  # noqa: F401  (name -> order, re-exported)
 from packloader.balancers.sim.zbv import build_ops_zbv
 
-SCHEDULES = {"1f1b": 0, "gpipe": 1, "interleaved": 2, "zb-h1": 3, "zb-v": 4}
-ZB_H1 = 3
-ZB_V = 4
+# the registry's order codes (`cost/schedules.py`); numba reads module globals as compile-time constants
+GPIPE = ORDER_GPIPE
+ZB_H1 = ORDER_ZB_H1
+ZB_V = ORDER_ZB_V
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -68,7 +71,7 @@ def build_ops(pp, vpp, m, kind, bwd_order):
     issued = np.zeros((m, vpp), dtype=np.bool_)
     for s in range(pp):
         issued[:, :] = False
-        if kind == 1:
+        if kind == GPIPE:
             warm = nv
         elif vpp > 1:  # Megatron's; the zero-bubble variant warms up one forward per hop, not two (torch's)
             warm = min((pp - s - 1) * (1 if kind == ZB_H1 else 2) + (vpp - 1) * pp, nv)

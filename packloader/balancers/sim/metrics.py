@@ -39,6 +39,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.model import CostModel, _per_rank
+from packloader.balancers.cost.schedules import ORDER_1F1B, ORDER_INTERLEAVED
 from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, ZB_V, step_times_ranks_sliced
 from packloader.balancers.sim.simulator import plan_schedule, simulate_step, slice_edges_of
 from packloader.balancers.sim.verify import coverage, owned_segments
@@ -152,8 +153,8 @@ def _unique_segments(plan: StepPlan):
 def _fast_rank_times(plan: StepPlan, rank_f, rank_b, pp: int, vpp: int, schedule: str, models) -> np.ndarray:
     """Every rank's simulated time in one numba call (no memory tracking, default backward order)."""
     kind = SCHEDULES[schedule]
-    if kind == 2 and vpp == 1:
-        kind = 0
+    if kind == ORDER_INTERLEAVED and vpp == 1:
+        kind = ORDER_1F1B
     offsets = np.zeros(len(rank_f) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(f) for f in rank_f])
     e_off = [0]

@@ -42,6 +42,7 @@ from typing import Sequence
 import numpy as np
 
 from packloader.balancers.cost.model import _per_rank
+from packloader.balancers.cost.schedules import ORDER_1F1B, ORDER_INTERLEAVED
 from packloader.balancers.sim.kernels import SCHEDULES, ZB_H1, ZB_V, build_ops, simulate_kernel, step_times_ranks
 from packloader.balancers.sim.weights import weight_times
 from packloader.balancers.sim.zbv import v_static_bytes
@@ -201,7 +202,7 @@ def simulate(
     if kind is None:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
     if schedule == "interleaved" and vpp == 1:
-        kind = 0
+        kind = ORDER_1F1B
     if kind == ZB_V and vpp != 2:
         raise ValueError(f"schedule 'zb-v' runs two model chunks per pipeline rank: it needs vpp=2, got vpp={vpp}")
     if schedule not in ("interleaved", "gpipe", "zb-v", "zb-h1") and vpp != 1:
@@ -240,7 +241,7 @@ def simulate(
                         act, trans, kv, st, fi, mt, mbytes, peak, busy)
     if t < 0:
         hint = ""
-        if kind in (2, ZB_H1) and vpp > 1 and m % pp:
+        if kind in (ORDER_INTERLEAVED, ZB_H1) and vpp > 1 and m % pp:
             hint = f"; interleaved 1F1B needs the micro-batch count to be a multiple of pp ({m} % {pp} != 0), as Megatron does"
         raise RuntimeError(f"schedule {schedule!r} (pp={pp}, vpp={vpp}, m={m}) deadlocks with backward order {order.tolist()}{hint}")
     stat = np.zeros(pp) if static_bytes is None else np.broadcast_to(np.asarray(static_bytes, dtype=np.float64), (pp,)).copy()

@@ -31,6 +31,7 @@ import msgspec
 import numpy as np
 
 from packloader.balancers.cost.memory import memory_model_for
+from packloader.balancers.cost.schedules import dynamic_cp_schedule
 from packloader.balancers.planners.doc_cp.chains import chain_peak
 from packloader.balancers.planners.doc_cp.kernels import place_pieces
 from packloader.balancers.planners.doc_cp.mix import best_mixed
@@ -199,8 +200,7 @@ class DynamicCPPlanner:
 
     def schedule(self) -> str:
         """The pipeline schedule each pool GPU is simulated with (1F1B where the configured one is per-step)."""
-        sched = self.config.schedule
-        return sched if sched in ("1f1b", "gpipe", "interleaved", "zb-h1") else "1f1b"
+        return dynamic_cp_schedule(self.config.schedule)  # refuses one it cannot price, naming it
 
     def simulate(self, times: SlotTimes) -> float:
         """The slowest pool GPU's simulated step time (each GPU's own pipeline, waits included)."""

@@ -52,7 +52,9 @@ def test_auto_candidates_are_the_planners_own_plans(pp, slicing):
 
             assert segments(got) == segments(want), cand
         checked.add(cand.planner)
-    assert checked == ({"wlb", "hydraulis", "fixed", "slimpack"} if slicing else {"wlb", "hydraulis", "fixed"})
+    # verl's Karmarkar-Karp is a candidate at PP 1 only (issue 38)
+    assert checked == ({"wlb", "hydraulis", "fixed", "slimpack"} if slicing else
+                       {"wlb", "hydraulis", "fixed", "karmarkar_karp"})
 
 
 class OnePerMicroBatch(PackingPlanner):

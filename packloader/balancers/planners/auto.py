@@ -168,6 +168,8 @@ class AutoPlanner:
         for name, use in self.uses.items():
             if use.max_work is not None and work > use.max_work:
                 continue
+            if use.max_pp is not None and pp > use.max_pp:
+                continue
             if fixed_v:
                 out.append(Candidate(name, fixed_v))
                 continue
@@ -363,7 +365,8 @@ class AutoPlanner:
         over = 0.0
         if fastest < math.inf or self.mem_limit is None:
             # within TOLERANCE of the fastest that fits: the most even micro-batches, then the earliest candidate
-            group = [r for r in results if r.score <= fastest * (1.0 + TOLERANCE) and self.fits(r)]
+            tol = TOLERANCE if self.config.parallel.pp > 1 else 0.0  # PP 1: the score is the judge's own measure
+            group = [r for r in results if r.score <= fastest * (1.0 + tol) and self.fits(r)]
             best = min(group, key=lambda r: (r.imbalance(), r.idx)) if len(group) > 1 else group[0]
         else:  # nothing fits the device: the lowest peak, then the fastest, recorded in the plan
             for r in results:

@@ -88,6 +88,7 @@ class AutoUse:
     pipeline_ladder: tuple[int, ...] | None = None  # the ladder in a pipeline, PP > 1 (None: `ladder`)
     defer: Literal["default", "counts"] | None = None  # in a pipeline with slicing: planned only when no slicing count fits
     max_work: int | None = None  # dropped above pieces x DP ranks
+    max_pp: int | None = None  # dropped in a pipeline deeper than this (None: at any depth)
     whole_pieces: bool = False  # plans every piece, whole: skipped once PP x the largest piece's time cannot win
     flush_fallback: bool = False  # plans everything when every candidate that could plan breaks the delay bound
     options: dict = field(default_factory=dict)  # options auto sets on small problems

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
+from packloader.balancers.cost.cp_price import fixed_with_comm
 from packloader.balancers.cost.model import CostModel, annotate_costs
-from packloader.balancers.planners.dynamic_cp_choice import fixed_with_comm
 from packloader.balancers.planners.dynamic_cp_price import DynamicCPCost
 from packloader.balancers.planners.registry import asks_for_pool, make_planner, planner_specs
 from packloader.balancers.sim.metrics import score_plans
@@ -36,7 +36,7 @@ def _priced(plan: StepPlan, model: CostModel) -> StepPlan:
 
 def fixed_with_traffic_rate(run: StrategyRun, model: CostModel, config: PlanConfig, comm) -> float:
     """Tokens per second of a fixed-CP run whose micro-batches also pay their CP all-gather."""
-    plans = [fixed_with_comm(_priced(p, model), comm, config.parallel.cp) for p in run.plans]
+    plans = [fixed_with_comm(_priced(p, model), comm, config.parallel.cp, model.profile.cp_traffic) for p in run.plans]
     _, agg = score_plans(plans, model, config.parallel, schedule=config.schedule, use_plan_costs=True)
     return agg.tokens / agg.step_time_total if agg.step_time_total > 0 else 0.0
 

@@ -23,6 +23,7 @@ from typing import Literal
 import numpy as np
 
 from packloader.balancers.cost import presets
+from packloader.balancers.cost.cp_price import exchange_seconds, link_rates
 from packloader.balancers.cost.devices import DEFAULT_DEVICE, CPLink, load_device
 from packloader.contracts import ParallelConfig
 
@@ -42,38 +43,19 @@ class CPComm:
     exchange: Exchange = "allgather"
 
     def bandwidth_latency(self, s: int) -> tuple[float, float]:
-        """(bytes per second, seconds per ring step) of a CP group of s GPUs."""
-        if self.tp * s <= self.link.gpus_per_node:
-            return self.link.intra_node_gbps * 1e9, self.link.intra_node_latency_us * 1e-6
-        return self.link.inter_node_gbps * 1e9, self.link.inter_node_latency_us * 1e-6
+        """(bytes per second, seconds per ring step) of a CP group of s GPUs (`cp_price.link_rates`)."""
+        return link_rates(self, s)
 
     def times(self, n: float, s: int, attn_fwd: float = 0.0, attn_bwd: float = 0.0) -> tuple[float, float]:
         """(forward, backward) seconds of one document of n tokens at CP size s on each of its GPUs; the ring's
-        overlap needs the GPU's attention share of that document (`attn_fwd`, `attn_bwd`, seconds)."""
-        if s <= 1 or n <= 0:
-            return 0.0, 0.0
-        bw, lat = self.bandwidth_latency(s)
-        steps = (s - 1) * self.layers
-        volume = (s - 1) / s * n * self.kv_bytes_per_token
-        fwd = steps * lat + volume / bw
-        if self.exchange == "allgather":
-            return fwd, fwd
-        bwd = steps * lat + 2.0 * volume / bw
-        return max(fwd - attn_fwd, steps * lat), max(bwd - attn_bwd, steps * lat)
+        overlap needs the GPU's attention share of that document (`attn_fwd`, `attn_bwd`, seconds). Priced by
+        `cp_price.exchange_seconds`."""
+        f, b = exchange_seconds(self, n, s, attn_fwd, attn_bwd)
+        return float(f[0]), float(b[0])
 
     def times_array(self, n: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`times` (all-gather form, no overlap credit) of many documents at once."""
-        n = np.asarray(n, dtype=np.float64)
-        s = np.asarray(s, dtype=np.int64)
-        f = np.zeros(len(n))
-        b = np.zeros(len(n))
-        for size in np.unique(s[s > 1]):
-            k = s == size
-            bw, lat = self.bandwidth_latency(int(size))
-            t = (size - 1) * self.layers * lat + (size - 1) / size * n[k] * self.kv_bytes_per_token / bw
-            f[k] = t
-            b[k] = t if self.exchange == "allgather" else (size - 1) * self.layers * lat + 2.0 * (t - (size - 1) * self.layers * lat)
-        return f, b
+        """`times` of many documents at once (no overlap credit)."""
+        return exchange_seconds(self, n, s)
 
 
 def cp_comm_for(model: str, parallel: ParallelConfig | None = None, *, device: str = DEFAULT_DEVICE,

@@ -12,50 +12,18 @@ Two exchanges, both per layer of the pipeline stage, per GPU of the CP group:
 
 K/V bytes per token per layer on one GPU: 2 (K and V) x kv_dim x 2 (bf16) / tp. A group of tp x s GPUs that fits
 in one node talks over NVLink, a larger one over the inter-node fabric (TP innermost, then CP: Megatron's order);
-rates from the device file's `cp_link` (`devices.CPLink`).
+rates from the device file's `cp_link` (`devices.CPLink`). The formula and `CPComm` live in `cp_price` (CP is priced
+there once); this module builds a model's `CPComm`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
-import numpy as np
-
 from packloader.balancers.cost import presets
-from packloader.balancers.cost.cp_price import exchange_seconds, link_rates
-from packloader.balancers.cost.devices import DEFAULT_DEVICE, CPLink, load_device
+from packloader.balancers.cost.cp_price import BYTES_PER_VALUE, CPComm, Exchange
+from packloader.balancers.cost.devices import DEFAULT_DEVICE, load_device
 from packloader.contracts import ParallelConfig
 
-Exchange = Literal["allgather", "ring"]
-BYTES_PER_VALUE = 2  # bf16
-
-
-@dataclass(frozen=True)
-class CPComm:
-    """Seconds of CP communication on one GPU of one pipeline stage, forward and backward, for a document of n
-    tokens sharded over s GPUs (`times`); the model shape and link rates it came from."""
-
-    kv_bytes_per_token: float  # K and V of one token, all layers of the stage, on one GPU (its TP share)
-    layers: float  # layers per pipeline stage
-    tp: int
-    link: CPLink
-    exchange: Exchange = "allgather"
-
-    def bandwidth_latency(self, s: int) -> tuple[float, float]:
-        """(bytes per second, seconds per ring step) of a CP group of s GPUs (`cp_price.link_rates`)."""
-        return link_rates(self, s)
-
-    def times(self, n: float, s: int, attn_fwd: float = 0.0, attn_bwd: float = 0.0) -> tuple[float, float]:
-        """(forward, backward) seconds of one document of n tokens at CP size s on each of its GPUs; the ring's
-        overlap needs the GPU's attention share of that document (`attn_fwd`, `attn_bwd`, seconds). Priced by
-        `cp_price.exchange_seconds`."""
-        f, b = exchange_seconds(self, n, s, attn_fwd, attn_bwd)
-        return float(f[0]), float(b[0])
-
-    def times_array(self, n: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`times` of many documents at once (no overlap credit)."""
-        return exchange_seconds(self, n, s)
+__all__ = ["BYTES_PER_VALUE", "CPComm", "Exchange", "cp_comm_for"]
 
 
 def cp_comm_for(model: str, parallel: ParallelConfig | None = None, *, device: str = DEFAULT_DEVICE,

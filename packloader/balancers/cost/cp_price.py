@@ -15,17 +15,45 @@ Changing a price here moves the plans, the report and the runtime's estimate tog
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 import numpy as np
 
 from packloader.balancers.cost.cp_shard import scale_profile_to_cp, shard_attention, size_factors
-from packloader.balancers.cost.devices import Device
+from packloader.balancers.cost.devices import CPLink, Device
 from packloader.contracts import CostProfile, LinTable, Poly, StepPlan
 
-if TYPE_CHECKING:
-    from packloader.balancers.cost.cp_comm import CPComm
+Exchange = Literal["allgather", "ring"]
+BYTES_PER_VALUE = 2  # bf16
+
+
+@dataclass(frozen=True)
+class CPComm:
+    """Seconds of CP communication on one GPU of one pipeline stage, forward and backward, for a document of n
+    tokens sharded over s GPUs (`times`); the model shape and link rates it came from."""
+
+    kv_bytes_per_token: float  # K and V of one token, all layers of the stage, on one GPU (its TP share)
+    layers: float  # layers per pipeline stage
+    tp: int
+    link: CPLink
+    exchange: Exchange = "allgather"
+
+    def bandwidth_latency(self, s: int) -> tuple[float, float]:
+        """(bytes per second, seconds per ring step) of a CP group of s GPUs (`cp_price.link_rates`)."""
+        return link_rates(self, s)
+
+    def times(self, n: float, s: int, attn_fwd: float = 0.0, attn_bwd: float = 0.0) -> tuple[float, float]:
+        """(forward, backward) seconds of one document of n tokens at CP size s on each of its GPUs; the ring's
+        overlap needs the GPU's attention share of that document (`attn_fwd`, `attn_bwd`, seconds). Priced by
+        `cp_price.exchange_seconds`."""
+        f, b = exchange_seconds(self, n, s, attn_fwd, attn_bwd)
+        return float(f[0]), float(b[0])
+
+    def times_array(self, n: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`times` of many documents at once (no overlap credit)."""
+        return exchange_seconds(self, n, s)
 
 
 def shard_share(model, device: Device | None, q, p, s) -> tuple[np.ndarray, np.ndarray]:

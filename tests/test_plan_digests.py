@@ -1,5 +1,5 @@
 """Which plans changed when fixed CP's traffic entered planning (issue 34), and why: the digests of the planners'
-plans for the benchmark's synthetic data sets (`helpers/plan_digests.py`) against those recorded in
+plans for the benchmark's five data sets (`helpers/plan_digests.py`) against those recorded in
 tests/data/plan_digests.json. An entry with a "before" changed in that issue, its "why" says why; the rest
 (every CP 1 plan) did not change. With the CP link made free in `cost.cp_price`, every changed plan is again the
 one recorded before: the traffic is the only cause."""

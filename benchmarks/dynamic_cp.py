@@ -11,7 +11,7 @@ micro-batch (max_tokens 128K over CP 4), so all of them meet the same memory cap
 
 * fixed CP: the `auto` strategy (the simulator's pick among wlb, hydraulis, slimpack, fixed) at DP 4 x CP 4
   (max_tokens 128K), DP 8 x CP 2 (64K, slicing) and DP 16 x CP 1 (32K, slicing); each micro-batch also pays its
-  CP group's K/V all-gather (`dynamic_cp_choice.fixed_with_comm`, the same price per-document CP pays; a SlimPack
+  CP group's K/V all-gather (`cost.cp_price`: in the price every planner balances, as per-document CP pays it; a SlimPack
   DP-Merge micro-batch, one piece run as CP over several DP ranks, that of all cp x its group's GPUs); the best of
   those that fit the device's memory (auto's memory check: a sliced 128K document keeps every slice's activations
   on its GPUs until its backward, so CP 2 and CP 1 do not fit at TP 8) is the baseline;
@@ -54,9 +54,9 @@ import numpy as np
 from planner import synthetic  # benchmarks/, the script's own folder
 from sections import write_section
 
+from packloader.balancers.cost.cp_price import fixed_with_comm
 from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.offline import plan_run
-from packloader.balancers.planners.doc_cp.choice import fixed_with_comm
 from packloader.balancers.planners.doc_cp.price import DynamicCPCost, idle_share, priced_dynamic
 from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.verify import verify_plan
@@ -151,7 +151,7 @@ def run_fixed(lengths: np.ndarray, dp: int, cp: int, args) -> Row:
     if over > 0:
         row.note = f"over memory: peak up to {over:.2f}x the H100's usable memory (no candidate fit)"
     for plan in run.plans:
-        s = score_plan(fixed_with_comm(_priced(plan, model), comm, cp), model, config.parallel, use_plan_costs=True)
+        s = score_plan(fixed_with_comm(_priced(plan, model), comm, cp, model.profile.cp_traffic), model, config.parallel, use_plan_costs=True)
         row.tokens += s.tokens
         row.time += s.step_time
         busy += (1 - s.bubble_share) * s.step_time

@@ -284,6 +284,8 @@ class CostProfile(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     source: str = ""
     # Measured price of slices (segments with p > 0); None: the rule above (q*p pairs at 2a each).
     slice_term: SliceCoeffs | None = None
+    # The fixed-CP group size whose K/V all-gather the linear part already carries (`cost.cp_price`); 1: none.
+    cp_traffic: PosInt = 1
 
 
 COEFF_LAYOUT = (

@@ -11,9 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import verl_seqlen_balancing as verl
 
+from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.draw import draw_windows
+from packloader.balancers.factory import make_planner
 from packloader.balancers.planners.packing import Pieces, whole_pieces_packing
-from packloader.balancers.planners.registry import StepLayout, cost_model_for, make_planner
+from packloader.balancers.planners.registry import StepLayout
 from packloader.balancers.sim.metrics import score_plans
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 

@@ -644,7 +644,7 @@ def cli_tokens_per_step_below_max_tokens(tmp):
 
 
 def dynamic_cp_unpriced_schedule(tmp):
-    from packloader.balancers.planners.registry import make_planner
+    from packloader.balancers.factory import make_planner
 
     cfg = PlanConfig(parallel=ParallelConfig(dp=2, pp=2, vpp=2, cp=2), schedule="zb-v", cp_mode="dynamic")
     return lambda: make_planner(cfg)

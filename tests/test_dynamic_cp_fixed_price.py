@@ -70,3 +70,15 @@ def test_dynamic_cp_fixed_price_counts_a_dp_merge_micro_batch_once_in_the_planne
     assert planned_work(plan_of(3), cost) == pytest.approx(by_hand, rel=1e-12)
     once = plan_of(1)
     assert planned_work(once, cost) == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_dynamic_cp_fixed_price_adds_only_what_the_models_price_lacks():
+    """A plan priced by a cost model that carries its CP 2 group's all-gather (`CostProfile.cp_traffic` 2, what
+    `load_cost_model` builds at cp 2): a plain micro-batch gets nothing more, a DP-Merge one of 2 ranks the gather
+    over 4 GPUs less the one over 2 it already pays (by hand)."""
+    comm = cp_comm_for("llama3-8b", ParallelConfig(dp=4, cp=4, tp=8), device="h100")
+    priced = fixed_with_comm(plan_of(2), comm, 2, paid=2)
+    merged, plain = priced.ranks[0].micro_batches
+    assert merged.fwd_cost == pytest.approx(1.0 + allgather(20000, 4) - allgather(20000, 2), rel=1e-9)
+    assert merged.bwd_cost == pytest.approx(2.0 + allgather(20000, 4) - allgather(20000, 2), rel=1e-9)
+    assert (plain.fwd_cost, plain.bwd_cost) == (1.0, 2.0)

@@ -12,6 +12,8 @@ import pytest
 from helpers.dynamic_cp_brute import price
 
 from packloader.balancers.cost.cp_comm import cp_comm_for
+from packloader.balancers.cost.cp_price import without_fixed_traffic
+from packloader.balancers.cost.model import CostModel
 from packloader.balancers.factory import make_planner
 from packloader.balancers.offline import plan_record, plan_run
 from packloader.balancers.planners.config_rules import validate_config
@@ -223,9 +225,14 @@ def test_dynamic_cp_auto_picks_per_document_cp_where_short_documents_pay_the_all
     plan, _ = planner.plan(Window.from_lengths(lengths), PlannerState(), 0)
     assert plan.cp_mode == "dynamic"
     fixed, _ = planner.fixed.plan(Window.from_lengths(lengths), PlannerState(), 0)
-    priced = fixed_with_comm(fixed, planner.dynamic.cost.comm, 4)
-    assert all(p.fwd_cost > f.fwd_cost for rp, rf in zip(priced.ranks, fixed.ranks)
-               for p, f in zip(rp.micro_batches, rf.micro_batches) if f.segments)
+    # the fixed plan's own price carries its CP 4 group's all-gather (`cost.cp_price`): nothing is added after planning
+    comm = planner.dynamic.cost.comm
+    assert planner.model.profile.cp_traffic == 4
+    assert fixed_with_comm(fixed, comm, 4, planner.model.profile.cp_traffic) == fixed
+    bare = CostModel(without_fixed_traffic(planner.model.profile, comm))
+    mbs = [mb for r in fixed.ranks for mb in r.micro_batches if mb.segments]
+    assert mbs and all(mb.fwd_cost - bare.microbatch_times(mb)[0] == pytest.approx(comm.times(mb.num_tokens, 4)[0], rel=1e-9)
+                       for mb in mbs)
     one = msgspec.structs.replace(config, parallel=ParallelConfig(dp=8, cp=1, tp=8))
     assert not isinstance(make_planner(one), CPModeChoice)
 

@@ -26,11 +26,11 @@ import numpy as np
 
 from packloader.balancers.cost import presets
 from packloader.balancers.cost.cp_comm import CPComm, cp_comm_for
+from packloader.balancers.cost.cp_price import fixed_with_comm, without_fixed_traffic
 from packloader.balancers.cost.cp_shard_attention import scale_profile_to_cp
 from packloader.balancers.cost.memory import memory_limit_bytes
 from packloader.balancers.cost.model import CostModel
 from packloader.balancers.cost.resolve import RankCosts
-from packloader.balancers.planners.doc_cp.choice import fixed_with_comm
 from packloader.balancers.planners.registry import rank_costs_planner
 from packloader.balancers.sim.metrics import score_plans
 from packloader.balancers.sim.simulator import simulate_step
@@ -45,13 +45,19 @@ def fits(fig: StrategyFigures, memory) -> bool:
     return lim is None or not fig.peak_memory_gib or max(fig.peak_memory_gib) * GiB <= lim
 
 
-def merged_model(model: CostModel, g: int) -> CostModel:
+def merged_model(model: CostModel, g: int, comm: CPComm | None = None) -> CostModel:
     """The cost of one of g GPUs running a micro-batch together as context parallelism: one GPU's share of it
     (`cost.cp_shard_attention.scale_profile_to_cp`: attention slopes and the linear part's tokens divided by g, floors and
-    the per-document term kept), as fixed CP at cp x g prices it."""
+    the per-document term kept), as fixed CP at cp x g prices it; without the CP traffic `model` carries
+    (`cost.cp_price.without_fixed_traffic`, priced by `comm`): `with_group_traffic` adds the merged group's."""
     if g == 1:
         return model
-    pr = scale_profile_to_cp(model.profile, g)
+    prof = model.profile
+    if prof.cp_traffic > 1:
+        if comm is None:
+            raise ValueError(f"cost model {prof.name!r} carries CP {prof.cp_traffic}'s traffic: merged_model needs its comm")
+        prof = without_fixed_traffic(prof, comm)
+    pr = scale_profile_to_cp(prof, g)
     return CostModel(msgspec.structs.replace(pr, name=f"{model.profile.name}/cpx{g}"))
 
 
@@ -194,7 +200,7 @@ def grouping_candidates(config: PlanConfig, draw: Draw, model: CostModel, baseli
     for g, k in shapes:
         plain = dp - k * g
         ranks = k + plain
-        big = merged_model(model, g)
+        big = merged_model(model, g, comm)
         models = [big] * k + [model] * plain
         caps = [cap * g] * k + [cap] * plain
         par = msgspec.structs.replace(config.parallel, dp=ranks)

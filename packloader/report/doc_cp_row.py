@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import msgspec
 
+from packloader.balancers.cost.cp_price import fixed_with_comm
 from packloader.balancers.cost.model import CostModel, annotate_costs
 from packloader.balancers.factory import asks_for_pool, make_planner
-from packloader.balancers.planners.doc_cp.choice import fixed_with_comm
 from packloader.balancers.planners.doc_cp.price import DynamicCPCost
 from packloader.balancers.planners.registry import planner_specs
 from packloader.balancers.sim.metrics import score_plans
@@ -37,7 +37,7 @@ def _priced(plan: StepPlan, model: CostModel) -> StepPlan:
 
 def fixed_with_traffic_rate(run: StrategyRun, model: CostModel, config: PlanConfig, comm) -> float:
     """Tokens per second of a fixed-CP run whose micro-batches also pay their CP all-gather."""
-    plans = [fixed_with_comm(_priced(p, model), comm, config.parallel.cp) for p in run.plans]
+    plans = [fixed_with_comm(_priced(p, model), comm, config.parallel.cp, model.profile.cp_traffic) for p in run.plans]
     _, agg = score_plans(plans, model, config.parallel, schedule=config.schedule, use_plan_costs=True)
     return agg.tokens / agg.step_time_total if agg.step_time_total > 0 else 0.0
 

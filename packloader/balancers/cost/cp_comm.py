@@ -12,68 +12,18 @@ Two exchanges, both per layer of the pipeline stage, per GPU of the CP group:
 
 K/V bytes per token per layer on one GPU: 2 (K and V) x kv_dim x 2 (bf16) / tp. A group of tp x s GPUs that fits
 in one node talks over NVLink, a larger one over the inter-node fabric (TP innermost, then CP: Megatron's order);
-rates from the device file's `cp_link` (`devices.CPLink`).
+rates from the device file's `cp_link` (`devices.CPLink`). The formula and `CPComm` live in `cp_price` (CP is priced
+there once); this module builds a model's `CPComm`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
-import numpy as np
-
 from packloader.balancers.cost import presets
-from packloader.balancers.cost.devices import DEFAULT_DEVICE, CPLink, load_device
+from packloader.balancers.cost.cp_price import BYTES_PER_VALUE, CPComm, Exchange
+from packloader.balancers.cost.devices import DEFAULT_DEVICE, load_device
 from packloader.contracts import ParallelConfig
 
-Exchange = Literal["allgather", "ring"]
-BYTES_PER_VALUE = 2  # bf16
-
-
-@dataclass(frozen=True)
-class CPComm:
-    """Seconds of CP communication on one GPU of one pipeline stage, forward and backward, for a document of n
-    tokens sharded over s GPUs (`times`); the model shape and link rates it came from."""
-
-    kv_bytes_per_token: float  # K and V of one token, all layers of the stage, on one GPU (its TP share)
-    layers: float  # layers per pipeline stage
-    tp: int
-    link: CPLink
-    exchange: Exchange = "allgather"
-
-    def bandwidth_latency(self, s: int) -> tuple[float, float]:
-        """(bytes per second, seconds per ring step) of a CP group of s GPUs."""
-        if self.tp * s <= self.link.gpus_per_node:
-            return self.link.intra_node_gbps * 1e9, self.link.intra_node_latency_us * 1e-6
-        return self.link.inter_node_gbps * 1e9, self.link.inter_node_latency_us * 1e-6
-
-    def times(self, n: float, s: int, attn_fwd: float = 0.0, attn_bwd: float = 0.0) -> tuple[float, float]:
-        """(forward, backward) seconds of one document of n tokens at CP size s on each of its GPUs; the ring's
-        overlap needs the GPU's attention share of that document (`attn_fwd`, `attn_bwd`, seconds)."""
-        if s <= 1 or n <= 0:
-            return 0.0, 0.0
-        bw, lat = self.bandwidth_latency(s)
-        steps = (s - 1) * self.layers
-        volume = (s - 1) / s * n * self.kv_bytes_per_token
-        fwd = steps * lat + volume / bw
-        if self.exchange == "allgather":
-            return fwd, fwd
-        bwd = steps * lat + 2.0 * volume / bw
-        return max(fwd - attn_fwd, steps * lat), max(bwd - attn_bwd, steps * lat)
-
-    def times_array(self, n: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`times` (all-gather form, no overlap credit) of many documents at once."""
-        n = np.asarray(n, dtype=np.float64)
-        s = np.asarray(s, dtype=np.int64)
-        f = np.zeros(len(n))
-        b = np.zeros(len(n))
-        for size in np.unique(s[s > 1]):
-            k = s == size
-            bw, lat = self.bandwidth_latency(int(size))
-            t = (size - 1) * self.layers * lat + (size - 1) / size * n[k] * self.kv_bytes_per_token / bw
-            f[k] = t
-            b[k] = t if self.exchange == "allgather" else (size - 1) * self.layers * lat + 2.0 * (t - (size - 1) * self.layers * lat)
-        return f, b
+__all__ = ["BYTES_PER_VALUE", "CPComm", "Exchange", "cp_comm_for"]
 
 
 def cp_comm_for(model: str, parallel: ParallelConfig | None = None, *, device: str = DEFAULT_DEVICE,

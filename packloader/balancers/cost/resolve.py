@@ -11,7 +11,9 @@ from typing import Literal, Sequence
 import msgspec
 
 from packloader.balancers.cost import presets
-from packloader.balancers.cost.cp_shard_attention import scale_profile_to_cp, with_cp_shard
+from packloader.balancers.cost.cp_comm import cp_comm_for
+from packloader.balancers.cost.cp_price import fixed_cp_profile, with_fixed_traffic
+from packloader.balancers.cost.cp_shard_attention import with_cp_shard
 from packloader.balancers.cost.devices import DEFAULT_DEVICE, load_device
 from packloader.balancers.cost.measured import measured_profile
 from packloader.balancers.cost.memory import max_tokens_for_memory
@@ -41,7 +43,8 @@ def load_cost_model(
     profile's `source` says which. A JSON profile (`packloader calibrate`'s) is taken as measured: one GPU's
     stage at CP 1 (its TP and layers are those it was measured at; `cost` does not change it); at
     ``parallel.cp > 1`` it is scaled to one CP rank's share on `device` (`cp_shard.scale_profile_to_cp`, as a
-    preset's measured profile is), its memory cap, if it has one, times cp. With `memory_cap`, a
+    preset's measured profile is), at cp > 1 every model built here also pays its CP group's K/V all-gather
+    (`cp_price.fixed_cp_profile`: the price every planner balances), its memory cap, if it has one, times cp. With `memory_cap`, a
     preset's profile carries the memory model's token cap (Hydraulis MaxLen) for `parallel` on `device` (see
     memory.py); by default presets carry no cap and the planner's `max_tokens` is the only cap. A CostProfile or
     CostModel passed in is used as given, whatever `parallel` (`scale_profile_to_cp` scales a CP-1 one).
@@ -56,13 +59,14 @@ def load_cost_model(
     cp = (parallel or ParallelConfig()).cp
     text = os.fspath(spec)
     path = Path(text)
+    comm = cp_comm_for(text, parallel, device=device) if cp > 1 else None  # fixed CP's all-gather (`cp_price`)
     if path.suffix == ".json" or path.exists():
         if not path.exists():
             raise FileNotFoundError(f"cost profile {text!r} does not exist")
-        return CostModel(scale_profile_to_cp(load_profile(path), cp, dev))
+        return CostModel(fixed_cp_profile(load_profile(path), cp, dev, comm))
     bundled = PROFILES_DIR / f"{text}.json"
     if bundled.exists():
-        return CostModel(scale_profile_to_cp(load_profile(bundled), cp, dev))
+        return CostModel(fixed_cp_profile(load_profile(bundled), cp, dev, comm))
     shape = presets.get_shape(text)
     tile = dev.rates.tile
     cap = None
@@ -75,8 +79,11 @@ def load_cost_model(
                 f"no room for a micro-batch of {tile} tokens; use more tp/pp/dp or recompute='full'"
             )
     if cost == "measured" and dev.measured is not None:
-        return CostModel(measured_profile(shape, parallel, memory_cap=cap, device=dev))
+        prof = measured_profile(shape, parallel, memory_cap=cap, device=dev)
+        return CostModel(prof if comm is None else with_fixed_traffic(prof, comm, cp))
     prof = with_cp_shard(presets.analytic_profile(shape, parallel, dev.rates, memory_cap=cap), dev, cp)
+    if comm is not None:
+        prof = with_fixed_traffic(prof, comm, cp)
     if cost == "measured":
         prof = msgspec.structs.replace(
             prof, source=f"analytic: no measured {dev.name.upper()} profile ships; calibrate one with `packloader calibrate` "

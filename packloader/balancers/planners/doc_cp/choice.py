@@ -5,7 +5,7 @@ strategy (fixed CP: every micro-batch sharded over the whole CP group) and with 
 whose slowest GPU's simulated step time per unit of work trained is lower (`planned_work`: what `auto` divides by,
 so holding pieces back is not a speed-up by itself; ties to fixed CP, which every runtime runs);
 at cp 1 it is fixed CP. Both are priced alike: the fixed plan's micro-batches pay their CP group's K/V all-gather
-(`fixed_with_comm`; the cost model's CP scaling alone assumes it free; SlimPack's DP-Merge groups pay theirs too),
+(`cost.cp_price`: the fixed plan's model carries its group's all-gather; a SlimPack DP-Merge group pays the rest, `fixed_with_comm`),
 as the dynamic plan's subgroups do. The
 choice is per step, so a run may mix both; StepPlan.cp_mode says which each step is. A step whose fixed-CP plan
 does not fit memory (memory_over > 0) takes the per-document plan, whose GPUs hold max_tokens / cp tokens at once. Not the default under
@@ -17,7 +17,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from packloader.balancers.cost.cp_comm import CPComm
+from packloader.balancers.cost.cp_price import fixed_with_comm
 from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.planners.doc_cp.planner import NAME, DynamicCPPlanner
 from packloader.balancers.planners.doc_cp.price import DynamicCPCost
@@ -26,23 +26,7 @@ from packloader.balancers.sim.metrics import score_plan
 from packloader.balancers.sim.verify import owned_segments
 from packloader.contracts import PlanConfig, PlannerState, StepPlan
 
-
-def fixed_with_comm(plan: StepPlan, comm: CPComm, cp: int) -> StepPlan:
-    """A fixed-CP plan whose micro-batches also pay the K/V exchange of their CP group (one collective per layer
-    over the micro-batch's tokens; a SlimPack DP-Merge micro-batch, one piece run as CP over its dp_group's ranks,
-    over all cp x len(dp_group) GPUs, at CP 1 too: its cost model leaves that traffic out as it leaves out fixed
-    CP's); the plan's own costs otherwise (a copy; unpriced plans are returned as is)."""
-    if plan.cp_mode != "fixed" or (cp <= 1 and not any(mb.dp_group for r in plan.ranks for mb in r.micro_batches)):
-        return plan
-    ranks = []
-    for rank in plan.ranks:
-        mbs = []
-        for mb in rank.micro_batches:
-            g = cp * max(1, len(mb.dp_group or ()))  # a DP-Merge micro-batch: CP over its group's CP groups
-            f, b = comm.times(mb.num_tokens, g) if mb.segments else (0.0, 0.0)
-            mbs.append(msgspec.structs.replace(mb, fwd_cost=mb.fwd_cost + f, bwd_cost=mb.bwd_cost + b))
-        ranks.append(msgspec.structs.replace(rank, micro_batches=mbs))
-    return msgspec.structs.replace(plan, ranks=ranks)
+__all__ = ["CPModeChoice", "cp_mode_planner", "fixed_with_comm", "planned_work", "seconds_per_work"]
 
 
 def planned_work(plan: StepPlan, cost: DynamicCPCost) -> float:
@@ -78,7 +62,7 @@ class CPModeChoice:
         fplan, fstate = self.fixed.plan(window, state, layout)
         if not all(mb.fwd_cost > 0 or not mb.segments for r in fplan.ranks for mb in r.micro_batches):
             return fplan, fstate  # an unpriced fixed plan (token-count planners) cannot be compared
-        fplan = fixed_with_comm(fplan, self.dynamic.cost.comm, self.config.parallel.cp)
+        fplan = fixed_with_comm(fplan, self.dynamic.cost.comm, self.config.parallel.cp, self.model.profile.cp_traffic)
         dplan, dstate = self.dynamic.plan(window, state, layout)
         if fplan.memory_over > 0:  # no fixed-CP candidate fit; per-document CP holds max_tokens / cp per GPU
             return dplan, dstate

@@ -19,7 +19,8 @@ import numpy as np
 
 from packloader.balancers.cost.coeffs import LIN_BWD, LIN_FWD, lin_times
 from packloader.balancers.cost.cp_comm import CPComm, cp_comm_for
-from packloader.balancers.cost.cp_shard_attention import shard_attention, size_factors
+from packloader.balancers.cost.cp_price import shard_share
+from packloader.balancers.cost.cp_shard_attention import size_factors
 from packloader.balancers.cost.devices import Device, load_device
 from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.cost.model import CostModel
@@ -73,10 +74,7 @@ class DynamicCPCost:
 
     def attention_share(self, q: np.ndarray, p: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Forward and backward attention of each segment on one GPU of its subgroup."""
-        fa, ba = self.model.segment_times(q, p)
-        cf, cb = float(self.model.profile.attn_fwd.c), float(self.model.profile.attn_bwd.c)
-        ff, fb = size_factors(self.device, s)
-        return shard_attention(fa, cf, s, ff), shard_attention(ba, cb, s, fb)
+        return shard_share(self.model, self.device, q, p, s)  # `cost.cp_price`, as fixed CP's
 
     def estimate(self, q: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
         """Forward + backward seconds a segment adds to each GPU of its subgroup (the planner's balancing weight:

@@ -8,10 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from packloader.balancers.cost import cp_price
+from packloader.balancers.cost import cp_price, lookup
 from packloader.balancers.cost.resolve import load_cost_model
 from packloader.balancers.factory import make_planner
-from packloader.balancers.planners import registry
 from packloader.balancers.planners.registry import Window
 from packloader.contracts import ParallelConfig, PlanConfig, PlannerState
 from packloader.runtime.cp_cost import cp_cost
@@ -27,7 +26,7 @@ def slower(monkeypatch):
         return bw / SLOW, lat
 
     monkeypatch.setattr(cp_price, "link_rates", link_rates)
-    monkeypatch.setattr(registry, "_MODELS", {})  # cost models are cached per process
+    monkeypatch.setattr(lookup, "_MODELS", {})  # cost models are cached per process
 
 
 def allgather_bytes_time(n: float, cp: int, tp: int, bw: float) -> float:
@@ -58,7 +57,7 @@ def report_time(tmp_path, name: str) -> tuple[float, float]:
 
 
 def test_a_slower_link_in_cp_price_moves_plans_report_and_runtime_estimate(tmp_path, monkeypatch):
-    monkeypatch.setattr(registry, "_MODELS", {})
+    monkeypatch.setattr(lookup, "_MODELS", {})
     n = 8192.0
     est = cp_cost(load_cost_model("llama3-8b", ParallelConfig(cp=4, tp=2))).linear(n)
     costs = plan_costs()

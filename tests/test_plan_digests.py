@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 from helpers.plan_digests import digests
 
-from packloader.balancers.cost import cp_price
-from packloader.balancers.planners import registry
+from packloader.balancers.cost import cp_price, lookup
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "plan_digests.json").read_text())
 
 
 @pytest.fixture(autouse=True)
 def fresh_models(monkeypatch):
-    monkeypatch.setattr(registry, "_MODELS", {})  # cost models are cached per process
+    monkeypatch.setattr(lookup, "_MODELS", {})  # cost models are cached per process
 
 
 def test_plans_match_the_recorded_digests():

@@ -40,10 +40,9 @@ import msgspec
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from packloader.balancers.cost.lookup import cost_model_for
 from packloader.balancers.draw import cut_pieces, step_ends
 from packloader.balancers.planners.contract import check_step_plan
-from packloader.balancers.planners.registry import StepLayout, Window
+from packloader.balancers.planners.registry import StepLayout, Window, cost_model_for
 from packloader.collate.collate import collate_step, loss_tokens_in_plan
 from packloader.contracts import LoaderStats, MicroBatch, PlanConfig, PlannerState, StepMetrics, StepPlan
 from packloader.loader.chunks import Chunk, ChunkNode

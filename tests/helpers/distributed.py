@@ -56,6 +56,12 @@ def _entry(fn, rank: int, world_size: int, port: int, args: tuple, queue, env: d
     sys.path[:] = path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    # the server imported torch before this rank's environment was set: apply its thread count as a spawned
+    # rank's first torch op did (one thread unless the caller set OMP_NUM_THREADS)
+    torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])) if os.environ["OMP_NUM_THREADS"].isdigit()
+                          else 1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
         try:

@@ -93,12 +93,6 @@ def test_a_part_with_another_tokenizer_is_refused(inputs, tmp_path):
         open_source(str(tmp_path))
 
 
-def test_a_whole_run_over_a_split_replaces_it(inputs, whole, tmp_path):
-    split(inputs, tmp_path, 3)
-    tokenize_to_parquet(open_source(inputs), get_tokenizer("bytes"), tmp_path, progress=False, overwrite=True, **OPTIONS)
-    assert not list(tmp_path.glob("_part-*.record")) and not list(tmp_path.glob("part-*-of-*")) and read(tmp_path) == whole
-
-
 def test_a_stray_token_file_is_refused(inputs, tmp_path):
     split(inputs, tmp_path, 2)
     shutil.copy(next(tmp_path.glob("part-00000-of-00002-*.parquet")), tmp_path / "part-00000.parquet")

@@ -231,9 +231,6 @@ def tokenize_to_parquet(
         for p in existing:
             p.unlink()
             Path(index_name(str(p))).unlink(missing_ok=True)
-        if prefix == "part-":  # a whole run replaces a split's parts: their records go with their files
-            for r in out.glob("_part-*-of-*.record"):
-                r.unlink()
     metadata = {
         **(metadata or {}),
         "packloader.tokenizer": tokenizer.name,
